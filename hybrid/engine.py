@@ -1,0 +1,402 @@
+"""The engine: continuous batching with chunked prefill.
+
+Each step the scheduler picks work under a token budget: first one token for every running
+sequence that is decoding, then prefill chunks (of running sequences, then of newly admitted
+ones). A sequence owns one Mamba slot and a list of KV pages while it runs; both are freed the
+moment it finishes, is aborted or is preempted. When pages run out, the newest running sequence
+is preempted and later recomputed from its tokens (its outputs so far are kept), so no request
+ever writes into state it does not own.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from attention.kv_cache import DUMMY_PAGE, PagedKVCache
+from hybrid.batch import StepBatch
+from hybrid.errors import InvalidRequestError
+from hybrid.outputs import CompletionOutput, RequestOutput
+from hybrid.sampling import SamplingParams, sample_row, top_logprobs
+from state_pool.pool import PAD_SLOT_ID, MambaStatePool
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One generated continuation of a request (a request with n > 1 has n of them)."""
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival: int
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    status: Status = Status.WAITING
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV and state are in the cache
+    prefill_len: int = 0  # tokens processed as prefill since (re)admission
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status == Status.RUNNING and self.num_computed >= self.prefill_len
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status == Status.FINISHED for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+                    finish_reason=s.finish_reason,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    stop_reason=s.stop_reason,
+                )
+                for s in self.seqs
+            ],
+            finished=self.finished,
+        )
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+    is_decode: bool
+
+
+class Engine:
+    def __init__(
+        self,
+        runner,
+        state_pool: MambaStatePool,
+        kv_cache: PagedKVCache,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: set[int],
+        tokenizer=None,
+        seed: int = 0,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
+        self.runner = runner
+        self.state_pool = state_pool
+        self.kv_cache = kv_cache
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = set(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.device = device
+        self.page_size = kv_cache.page_size
+        self.max_pages_per_seq = -(-max_model_len // self.page_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._arrivals = itertools.count()
+        self.stats = {"steps": 0, "preemptions": 0, "generated_tokens": 0, "prompt_tokens": 0}
+
+    # ------------------------------------------------------------------ requests
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("empty prompt: at least one token is needed")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if (not isinstance(t, int)) or t < 0 or t >= self.vocab_size)
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt of {len(prompt_token_ids)} tokens is longer than the context: max_model_len is "
+                f"{self.max_model_len} and at least one token must be generated"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id '{request_id}' is already in use")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling params must be a SamplingParams")
+        params.validate()
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate_prompt(prompt_token_ids)
+        arrival = next(self._arrivals)
+        seqs = []
+        for i in range(params.n):
+            seqs.append(Sequence(
+                request_id=request_id, index=i, prompt_token_ids=prompt_token_ids, params=params,
+                generator=self._generator(params, arrival, i), arrival=arrival,
+                logprobs=[] if params.logprobs is not None else None,
+            ))
+        self.requests[request_id] = Request(request_id, prompt, prompt_token_ids, params, seqs)
+        self.waiting.extend(seqs)
+
+    def _generator(self, params: SamplingParams, arrival: int, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        g = torch.Generator(device=self.device)
+        base = params.seed if params.seed is not None else self.seed * 1_000_003 + arrival
+        g.manual_seed(base * 7919 + index)
+        return g
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.status != Status.FINISHED:
+                self._finish(seq, "abort")
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ resources
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.state_pool.free(seq.slot)
+            seq.slot = None
+        if seq.pages:
+            self.kv_cache.allocator.release(seq.pages)
+            seq.pages = []
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.status == Status.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give up the sequence's slot and pages; it is recomputed from its tokens when readmitted."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(seq)
+
+    def _grow_pages(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make sure the sequence has pages for `num_tokens` tokens in total."""
+        need = -(-num_tokens // self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        pages = self.kv_cache.allocator.allocate(need)
+        if pages is None:
+            return False
+        seq.pages.extend(pages)
+        return True
+
+    # ------------------------------------------------------------------ scheduling
+    def _schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+
+        # 1. one token for every decoding sequence, oldest first; preempt the newest when out of pages
+        for seq in sorted([s for s in self.running if s.is_decoding], key=lambda s: s.arrival):
+            if seq.status != Status.RUNNING or budget <= 0:
+                continue
+            while not self._grow_pages(seq, seq.num_computed + 1):
+                victim = max(self.running, key=lambda s: (s.arrival, s.index))
+                self._preempt(victim)
+                decodes = [c for c in decodes if c.seq is not victim]
+                if victim is seq:
+                    break
+            if seq.status == Status.RUNNING:
+                decodes.append(ScheduledChunk(seq, 1, True))
+                budget -= 1
+
+        # 2. continue running prefills
+        for seq in sorted([s for s in self.running if not s.is_decoding], key=lambda s: s.arrival):
+            if budget <= 0:
+                break
+            chunk = self._fit_chunk(seq, budget)
+            if chunk:
+                prefills.append(ScheduledChunk(seq, chunk, False))
+                budget -= chunk
+
+        # 3. admit waiting sequences while there is budget, a slot and pages
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            slot = self.state_pool.allocate()
+            if slot is None:
+                break
+            seq.slot = slot
+            seq.prefill_len = seq.num_tokens
+            seq.num_computed = 0
+            chunk = self._fit_chunk(seq, budget)
+            if not chunk:
+                self.state_pool.free(slot)
+                seq.slot = None
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            prefills.append(ScheduledChunk(seq, chunk, False))
+            budget -= chunk
+
+        if not decodes and not prefills and self.running:
+            # Every running sequence is stuck waiting for pages: free the newest and try again.
+            victim = max(self.running, key=lambda s: (s.arrival, s.index))
+            self._preempt(victim)
+            return self._schedule()
+        return decodes + prefills
+
+    def _fit_chunk(self, seq: Sequence, budget: int) -> int:
+        """Largest prefill chunk (<= budget) whose pages can be allocated now."""
+        chunk = min(seq.prefill_len - seq.num_computed, budget)
+        while chunk > 0 and not self._grow_pages(seq, seq.num_computed + chunk):
+            free_tokens = (len(seq.pages) + self.kv_cache.allocator.num_free) * self.page_size - seq.num_computed
+            chunk = min(chunk - 1, max(free_tokens, 0))
+        return chunk
+
+    # ------------------------------------------------------------------ batch building
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
+        input_ids, positions, kv_loc, logits_rows = [], [], [], []
+        query_lens, seq_lens, slots, has_init = [], [], [], []
+        page_table = torch.full((len(chunks), self.max_pages_per_seq), DUMMY_PAGE, dtype=torch.int32)
+        offset = 0
+        ps = self.page_size
+        for row, c in enumerate(chunks):
+            seq = c.seq
+            start, end = seq.num_computed, seq.num_computed + c.num_tokens
+            toks = seq.tokens
+            input_ids.extend(toks[start:end])
+            positions.extend(range(start, end))
+            kv_loc.extend(seq.pages[p // ps] * ps + p % ps for p in range(start, end))
+            query_lens.append(c.num_tokens)
+            seq_lens.append(end)
+            slots.append(seq.slot)
+            has_init.append(start > 0)
+            page_table[row, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+            offset += c.num_tokens
+            if end == seq.num_tokens:  # chunk reaches the last token: sample from it
+                logits_rows.append(offset - 1)
+        dev = self.device
+        qsl = [0] + list(itertools.accumulate(query_lens))
+        return StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            page_table=page_table.to(dev),
+            kv_write_loc=torch.tensor(kv_loc, dtype=torch.long, device=dev),
+            state_slot=torch.tensor(slots, dtype=torch.long, device=dev),
+            has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=dev),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            num_decodes=sum(1 for c in chunks if c.is_decode),
+            num_prefills=sum(1 for c in chunks if not c.is_decode),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            state_slot_cpu=slots,
+            has_initial_state_cpu=has_init,
+        )
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return the outputs of requests that changed."""
+        chunks = self._schedule()
+        if not chunks:
+            return []
+        batch = self._build_batch(chunks)
+        logits = self.runner.execute(batch)
+        self.stats["steps"] += 1
+        changed: dict[str, Request] = {}
+        row = 0
+        for c in chunks:
+            seq = c.seq
+            seq.num_computed += c.num_tokens
+            if not c.is_decode:
+                self.stats["prompt_tokens"] += c.num_tokens
+            if seq.num_computed < seq.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            seq_logits = logits[row]
+            row += 1
+            token = sample_row(seq_logits, seq.params, seq.generator)
+            if seq.logprobs is not None:
+                seq.logprobs.append(top_logprobs(seq_logits, token, seq.params.logprobs))
+            seq.output_token_ids.append(token)
+            self.stats["generated_tokens"] += 1
+            self._check_stop(seq, token)
+            changed[seq.request_id] = self.requests[seq.request_id]
+        outputs = []
+        for req in changed.values():
+            outputs.append(req.output())
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output_token_ids)
+        if not p.ignore_eos and token in self.eos_token_ids:
+            self._finish(seq, "stop", token)
+            return
+        if p.stop_token_ids and token in p.stop_token_ids:
+            self._finish(seq, "stop", token)
+            return
+        if p.stop and self.tokenizer is not None:
+            for s in p.stop:
+                at = seq.text.find(s)
+                if at != -1:
+                    seq.text = seq.text[:at]
+                    self._finish(seq, "stop", s)
+                    return
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")

@@ -1,0 +1,17 @@
+"""Errors that users of the runtime are expected to catch."""
+
+
+class HybridError(Exception):
+    """Base class of every error raised on purpose by the runtime."""
+
+
+class CheckpointError(HybridError, ValueError):
+    """The checkpoint directory cannot be served: missing file, unknown architecture, bad tensor."""
+
+
+class InvalidRequestError(HybridError, ValueError):
+    """A request (prompt or sampling parameters) is invalid; other requests are unaffected."""
+
+
+class CapacityError(HybridError, ValueError):
+    """The configured engine does not fit (e.g. more sequences than memory allows)."""

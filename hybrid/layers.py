@@ -1,0 +1,274 @@
+"""Model layers. Each layer works on the flattened tokens of a StepBatch ([T, hidden])."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.batch import StepBatch
+from hybrid.config import AttentionConfig, MambaConfig, MoEConfig
+from hybrid.ops import mamba_torch
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # Filled by the loader; "meta" keeps construction free of any allocation.
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, weight_in_fp32: bool) -> None:
+        super().__init__()
+        self.weight = _param(size)
+        self.eps = eps
+        # NemotronH multiplies by the weight before casting back; the other families after.
+        self.weight_in_fp32 = weight_in_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight.float() * h).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+def activation(name: str):
+    if name == "relu2":
+        return lambda x: torch.square(F.relu(x))
+    if name == "silu":
+        return F.silu
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"unsupported activation '{name}'")
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba2 mixer over a StepBatch: decodes use the recurrence, prefill chunks the chunked scan."""
+
+    def __init__(self, hidden_size: int, cfg: MambaConfig, layer_index: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_index = layer_index  # index among Mamba layers: the row of the state pool
+        inner, conv_dim, nh = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads
+        self.in_proj = Linear(hidden_size, inner + conv_dim + nh, cfg.proj_bias)
+        self.conv_weight = _param(conv_dim, cfg.conv_kernel)
+        self.conv_bias = _param(conv_dim) if cfg.conv_bias else None
+        self.A_log = _param(nh)
+        self.D = _param(nh)
+        self.dt_bias = _param(nh)
+        self.norm_weight = _param(inner)
+        self.out_proj = Linear(inner, hidden_size, cfg.proj_bias)
+        self.kernels = None  # set by the model when GPU kernels are in use
+
+    def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(y * silu(z)) per group of inner/G channels, in fp32, gate before the norm."""
+        cfg = self.cfg
+        h = y.float() * F.silu(z.float())
+        h = h.view(h.shape[0], cfg.n_groups, -1)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+        return self.norm_weight * h.view(h.shape[0], -1).to(self.norm_weight.dtype)
+
+    def forward(self, hidden: torch.Tensor, batch: StepBatch, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if self.kernels is not None:
+            return self.kernels.mamba_forward(self, hidden, batch, conv_state, ssm_state)
+        inner, conv_dim, nh, P = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim
+        gn = cfg.n_groups * cfg.state_size
+        zxbcdt = self.in_proj(hidden)
+        z, xBC, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(hidden.shape[0], nh, P, dtype=torch.float32, device=hidden.device)
+
+        nd = batch.num_decodes
+        if nd:
+            slots = batch.state_slot[:nd]
+            xbc = mamba_torch.conv_decode(xBC[:nd], conv_state, slots, self.conv_weight, self.conv_bias)
+            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
+            y[:nd] = mamba_torch.ssm_decode(
+                x.reshape(nd, nh, P), dt[:nd], A, B.reshape(nd, cfg.n_groups, -1), C.reshape(nd, cfg.n_groups, -1),
+                self.D, self.dt_bias, ssm_state, slots,
+            ).float()
+
+        starts = batch.query_lens_cpu
+        offset = nd
+        for i in range(nd, batch.num_requests):
+            length = starts[i]
+            slot = batch.state_slot_cpu[i]
+            if slot < 0:  # padding row: touches no state
+                offset += length
+                continue
+            has_init = batch.has_initial_state_cpu[i]
+            rows = slice(offset, offset + length)
+            xbc = mamba_torch.conv_prefill(xBC[rows], conv_state, slot, has_init, self.conv_weight, self.conv_bias)
+            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
+            init = ssm_state[slot] if has_init else None
+            out, final = mamba_torch.ssm_prefill(
+                x.reshape(length, nh, P), dt[rows], A, B.reshape(length, cfg.n_groups, -1),
+                C.reshape(length, cfg.n_groups, -1), self.D, self.dt_bias, cfg.dt_limit, cfg.chunk_size, init,
+            )
+            ssm_state[slot] = final.to(ssm_state.dtype)
+            y[rows] = out
+            offset += length
+
+        out = self.gated_norm(y.reshape(-1, inner), z)
+        return self.out_proj(out.to(hidden.dtype))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden_size: int, cfg: AttentionConfig, layer_index: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_index = layer_index  # index among attention layers: the row of the KV cache
+        hd = cfg.head_dim
+        self.q_proj = Linear(hidden_size, cfg.num_heads * hd, cfg.bias)
+        self.k_proj = Linear(hidden_size, cfg.num_kv_heads * hd, cfg.bias)
+        self.v_proj = Linear(hidden_size, cfg.num_kv_heads * hd, cfg.bias)
+        self.o_proj = Linear(cfg.num_heads * hd, hidden_size, cfg.bias)
+        if cfg.rope_theta is not None:
+            dim = cfg.rotary_dim
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+        else:
+            self.inv_freq = None
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.to(q.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(q.dtype)[:, None, :]
+        sin = emb.sin().to(q.dtype)[:, None, :]
+        d = self.cfg.rotary_dim
+
+        def apply(t: torch.Tensor) -> torch.Tensor:
+            rot, rest = t[..., :d], t[..., d:]
+            return torch.cat(((rot * cos) + (rotate_half(rot) * sin), rest), dim=-1)
+
+        return apply(q), apply(k)
+
+    def forward(self, hidden: torch.Tensor, batch: StepBatch, kv_layer: torch.Tensor, backend) -> torch.Tensor:
+        cfg = self.cfg
+        n = hidden.shape[0]
+        q = self.q_proj(hidden).view(n, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(hidden).view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(hidden).view(n, cfg.num_kv_heads, cfg.head_dim)
+        if self.inv_freq is not None:
+            q, k = self.rope(q, k, batch.positions)
+        out = backend.forward(q, k, v, kv_layer, batch, cfg.scale)
+        return self.o_proj(out)
+
+
+class DenseMLP(nn.Module):
+    """relu2 MLP (NemotronH '-' layers and shared experts): down(act(up(x)))."""
+
+    def __init__(self, hidden_size: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.up_proj = Linear(hidden_size, intermediate, bias)
+        self.down_proj = Linear(intermediate, hidden_size, bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(act(gate(x)) * up(x)), gate and up fused in one [2I, H] weight ([gate | up])."""
+
+    def __init__(self, hidden_size: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate, bias)
+        self.down_proj = Linear(intermediate, hidden_size, bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Experts(nn.Module):
+    """Routed experts as stacked weights: up [E, I or 2I, H], down [E, H, I]."""
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig, act: str, gated: bool) -> None:
+        super().__init__()
+        self.gated = gated
+        width = 2 * cfg.intermediate_size if gated else cfg.intermediate_size
+        self.up = _param(cfg.num_experts, width, hidden_size)
+        self.down = _param(cfg.num_experts, hidden_size, cfg.intermediate_size)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=top_w.dtype, device=x.device)
+        for e in torch.unique(top_idx).tolist():
+            token, k = torch.where(top_idx == e)
+            h = F.linear(x[token], self.up[e])
+            if self.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = self.act(gate) * up
+            else:
+                h = self.act(h)
+            h = F.linear(h, self.down[e]) * top_w[token, k, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out.to(x.dtype)
+
+
+class NemotronMoE(nn.Module):
+    """Sigmoid router with grouped top-k and score correction bias, relu2 experts, one shared expert."""
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig, act: str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router_weight = _param(cfg.num_experts, hidden_size)
+        self.router_bias = _param(cfg.num_experts)  # e_score_correction_bias, fp32
+        self.experts = Experts(hidden_size, cfg, act, gated=False)
+        self.shared = DenseMLP(hidden_size, cfg.shared_intermediate_size, act)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.router_weight.float()).sigmoid()
+        choice = scores + self.router_bias.float()
+        n = x.shape[0]
+        per_group = cfg.num_experts // cfg.n_group
+        group_scores = choice.view(n, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(-1)
+        groups = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1)
+        expert_mask = group_mask[:, :, None].expand(n, cfg.n_group, per_group).reshape(n, -1)
+        choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+        top_idx = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
+        top_w = scores.gather(1, top_idx)
+        if cfg.norm_topk_prob:
+            top_w = top_w / (top_w.sum(-1, keepdim=True) + 1e-20)
+        return top_idx, top_w * cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_idx, top_w = self.route(x)
+        return self.experts(x, top_idx, top_w) + self.shared(x)
+
+
+class GraniteMoE(nn.Module):
+    """Softmax-over-top-k router with SwiGLU experts (the shared MLP is added by the block)."""
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig, act: str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router_weight = _param(cfg.num_experts, hidden_size)
+        self.experts = Experts(hidden_size, cfg, act, gated=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.router_weight).float()
+        top_logits, top_idx = logits.topk(self.cfg.top_k, dim=-1)
+        top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        return self.experts(x, top_idx, top_w)

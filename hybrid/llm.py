@@ -1,0 +1,152 @@
+"""The offline generation API, shaped like vLLM's `LLM`."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+
+import torch
+
+from attention.backend import select_backend
+from attention.kv_cache import PagedKVCache
+from graphs.runner import ModelRunner
+from hybrid.config import load_config
+from hybrid.engine import Engine
+from hybrid.errors import CapacityError, InvalidRequestError
+from hybrid.loader import load_model
+from hybrid.model import ForwardContext
+from hybrid.outputs import RequestOutput
+from hybrid.sampling import SamplingParams
+from state_pool.pool import MambaStatePool, StateShapes
+
+logger = logging.getLogger("hybrid")
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _dtype(name: str | torch.dtype, what: str) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"unknown {what} '{name}'; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        max_num_seqs: int = 8,
+        page_size: int = 16,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 256,
+        num_kv_pages: int | None = None,
+        enforce_eager: bool = False,
+        mamba_ssm_dtype: str | torch.dtype = "float32",
+    ) -> None:
+        self.model_dir = model or DEFAULT_MODEL_DIR
+        self.device = torch.device(device)
+        self.dtype = _dtype(dtype, "dtype")
+        ssm_dtype = _dtype(mamba_ssm_dtype, "mamba_ssm_dtype")
+        if max_num_seqs < 1 or page_size < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs, page_size and max_num_batched_tokens must be >= 1")
+        self.config = cfg = load_config(self.model_dir)
+        self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+
+        from hybrid.tokenizer import Tokenizer
+
+        self.tokenizer = None
+        if os.path.isfile(os.path.join(self.model_dir, "tokenizer.json")):
+            self.tokenizer = Tokenizer(self.model_dir, cfg.eos_token_ids)
+        eos = set(cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
+
+        self.model = load_model(self.model_dir, cfg, self.device, self.dtype, progress=self.device.type == "cuda")
+        m = cfg.mamba
+        shapes = StateShapes(len(cfg.mamba_layers), m.conv_dim, m.conv_kernel - 1, m.num_heads, m.head_dim, m.state_size)
+        self.state_pool = MambaStatePool(shapes, max_num_seqs, self.device, conv_dtype=self.dtype, ssm_dtype=ssm_dtype)
+        pages_per_seq = -(-self.max_model_len // page_size)
+        if num_kv_pages is None:
+            num_kv_pages = max_num_seqs * pages_per_seq + 1
+        if num_kv_pages - 1 < pages_per_seq and cfg.attention_layers:
+            raise CapacityError(
+                f"num_kv_pages={num_kv_pages} cannot hold one sequence of max_model_len={self.max_model_len} "
+                f"({pages_per_seq} pages of {page_size} tokens plus the dummy page)"
+            )
+        a = cfg.attention
+        self.kv_cache = PagedKVCache(len(cfg.attention_layers), num_kv_pages, page_size, a.num_kv_heads, a.head_dim,
+                                     self.device, self.dtype)
+        ctx = ForwardContext(self.state_pool, self.kv_cache, select_backend(self.device))
+        self.runner = ModelRunner(self.model, ctx, enforce_eager=enforce_eager or self.device.type != "cuda")
+        self.engine = Engine(
+            self.runner, self.state_pool, self.kv_cache,
+            vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=eos, tokenizer=self.tokenizer,
+            seed=seed, device=self.device,
+        )
+        self._ids = itertools.count()
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this checkpoint has no tokenizer.json: pass token ids, not text")
+            if prompt == "":
+                raise InvalidRequestError("empty prompt: at least one token is needed")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        # Validate everything before queueing anything, so a bad prompt leaves no half-submitted batch.
+        prepared = []
+        for prompt, params in zip(prompts, params_list):
+            text, ids = self._prompt_ids(prompt)
+            params.validate()
+            self.engine.validate_prompt(ids)
+            prepared.append((text, ids, params))
+        order = []
+        for text, ids, params in prepared:
+            rid = f"gen-{next(self._ids)}"
+            self.engine.add_request(rid, ids, params, prompt=text)
+            order.append(rid)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(order) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(order), desc="Generating", unit="req")
+        try:
+            while len(results) < len(order):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if not self.engine.has_unfinished_requests() and len(results) < len(order):
+                    raise RuntimeError("engine stopped with unfinished requests")
+        except BaseException:
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in order]

@@ -1,0 +1,220 @@
+"""Checkpoint loading: on-disk (Hugging Face) tensor names -> the model's parameters.
+
+Every family stores its tensors under its own names and layouts (NemotronH keeps MoE experts one
+by one, Bamba splits gate and up projections, conv weights carry a singleton dim). `tensor_plan`
+lists, for each model parameter, the on-disk tensors it is made of; loading checks the file set
+against that plan, so a missing, unexpected or mis-shaped tensor is reported by its on-disk name.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from hybrid.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig, read_json
+from hybrid.errors import CheckpointError
+from hybrid.model import HybridModel
+
+# Tensors some checkpoints carry that the runtime does not use.
+_IGNORED = [
+    re.compile(r"^mtp\."),  # NemotronH multi-token-prediction head
+    re.compile(r".*rotary_emb\.inv_freq$"),
+]
+
+
+@dataclass
+class Source:
+    disk_names: list[str]
+    how: str  # "whole" | "conv" (drop the singleton dim) | "stack" (experts) | "concat" (gate|up rows)
+
+
+def _mamba_sources(param_prefix: str, disk_prefix: str, cfg: ModelConfig) -> dict[str, Source]:
+    m = cfg.mamba
+    out = {
+        "in_proj.weight": "in_proj.weight", "out_proj.weight": "out_proj.weight",
+        "A_log": "A_log", "D": "D", "dt_bias": "dt_bias", "norm_weight": "norm.weight",
+    }
+    if m.proj_bias:
+        out.update({"in_proj.bias": "in_proj.bias", "out_proj.bias": "out_proj.bias"})
+    if m.conv_bias:
+        out["conv_bias"] = "conv1d.bias"
+    plan = {f"{param_prefix}{k}": Source([f"{disk_prefix}{v}"], "whole") for k, v in out.items()}
+    plan[f"{param_prefix}conv_weight"] = Source([f"{disk_prefix}conv1d.weight"], "conv")
+    return plan
+
+
+def _attention_sources(param_prefix: str, disk_prefix: str, cfg: ModelConfig) -> dict[str, Source]:
+    names = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    kinds = ["weight"] + (["bias"] if cfg.attention.bias else [])
+    return {f"{param_prefix}{n}.{k}": Source([f"{disk_prefix}{n}.{k}"], "whole") for n in names for k in kinds}
+
+
+def tensor_plan(cfg: ModelConfig) -> dict[str, Source]:
+    """Model parameter name -> the on-disk tensors that make it."""
+    plan: dict[str, Source] = {}
+    if cfg.family == "nemotron_h":
+        plan["embed"] = Source(["backbone.embeddings.weight"], "whole")
+        plan["final_norm.weight"] = Source(["backbone.norm_f.weight"], "whole")
+        for i, kind in enumerate(cfg.layer_types):
+            p, d = f"layers.{i}.", f"backbone.layers.{i}."
+            plan[f"{p}norm.weight"] = Source([f"{d}norm.weight"], "whole")
+            if kind == MAMBA:
+                plan.update(_mamba_sources(f"{p}mixer.", f"{d}mixer.", cfg))
+            elif kind == ATTENTION:
+                plan.update(_attention_sources(f"{p}mixer.", f"{d}mixer.", cfg))
+            elif kind == MLP:
+                for n in ("up_proj", "down_proj"):
+                    plan[f"{p}mixer.{n}.weight"] = Source([f"{d}mixer.{n}.weight"], "whole")
+            elif kind == MOE:
+                e = range(cfg.moe.num_experts)
+                plan[f"{p}mixer.router_weight"] = Source([f"{d}mixer.gate.weight"], "whole")
+                plan[f"{p}mixer.router_bias"] = Source([f"{d}mixer.gate.e_score_correction_bias"], "whole")
+                plan[f"{p}mixer.experts.up"] = Source([f"{d}mixer.experts.{j}.up_proj.weight" for j in e], "stack")
+                plan[f"{p}mixer.experts.down"] = Source([f"{d}mixer.experts.{j}.down_proj.weight" for j in e], "stack")
+                for n in ("up_proj", "down_proj"):
+                    plan[f"{p}mixer.shared.{n}.weight"] = Source([f"{d}mixer.shared_experts.{n}.weight"], "whole")
+    else:
+        plan["embed"] = Source(["model.embed_tokens.weight"], "whole")
+        final = "model.final_layernorm.weight" if cfg.family == "bamba" else "model.norm.weight"
+        plan["final_norm.weight"] = Source([final], "whole")
+        for i, kind in enumerate(cfg.layer_types):
+            p, d = f"layers.{i}.", f"model.layers.{i}."
+            plan[f"{p}input_norm.weight"] = Source([f"{d}input_layernorm.weight"], "whole")
+            if kind == MAMBA:
+                plan.update(_mamba_sources(f"{p}mixer.", f"{d}mamba.", cfg))
+            else:
+                plan.update(_attention_sources(f"{p}mixer.", f"{d}self_attn.", cfg))
+            if cfg.family == "bamba":
+                plan[f"{p}ffn_norm.weight"] = Source([f"{d}pre_ff_layernorm.weight"], "whole")
+                plan[f"{p}mlp.gate_up_proj.weight"] = Source(
+                    [f"{d}feed_forward.gate_proj.weight", f"{d}feed_forward.up_proj.weight"], "concat")
+                plan[f"{p}mlp.down_proj.weight"] = Source([f"{d}feed_forward.down_proj.weight"], "whole")
+            else:
+                plan[f"{p}ffn_norm.weight"] = Source([f"{d}post_attention_layernorm.weight"], "whole")
+                plan[f"{p}mlp.gate_up_proj.weight"] = Source([f"{d}shared_mlp.input_linear.weight"], "whole")
+                plan[f"{p}mlp.down_proj.weight"] = Source([f"{d}shared_mlp.output_linear.weight"], "whole")
+                if cfg.moe is not None:
+                    plan[f"{p}moe.router_weight"] = Source([f"{d}block_sparse_moe.router.layer.weight"], "whole")
+                    plan[f"{p}moe.experts.up"] = Source([f"{d}block_sparse_moe.input_linear.weight"], "whole")
+                    plan[f"{p}moe.experts.down"] = Source([f"{d}block_sparse_moe.output_linear.weight"], "whole")
+    if not cfg.tie_word_embeddings:
+        plan["lm_head.weight"] = Source(["lm_head.weight"], "whole")
+    return plan
+
+
+def _disk_shapes(how: str, shape: torch.Size, count: int) -> list[tuple[int, ...]]:
+    if how == "whole":
+        return [tuple(shape)]
+    if how == "conv":
+        return [(shape[0], 1, shape[1])]
+    if how == "stack":
+        return [tuple(shape[1:])] * count
+    if how == "concat":
+        return [(shape[0] // 2, *shape[1:])] * count
+    raise AssertionError(how)
+
+
+def weight_files(model_dir: str) -> dict[str, str]:
+    """On-disk tensor name -> the safetensors file holding it."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map")
+        files = {}
+        for name, shard in weight_map.items():
+            path = os.path.join(model_dir, shard)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"missing file: {path} (shard listed in model.safetensors.index.json)")
+            files[name] = path
+        return files
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointError(f"missing file: no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+# Parameters computed in fp32 whatever the model dtype (NemotronH router, as in the reference).
+_FP32_PARAMS = re.compile(r"mixer\.router_(weight|bias)$")
+
+
+def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+               progress: bool = False) -> HybridModel:
+    model = HybridModel(cfg)
+    plan = tensor_plan(cfg)
+    params = dict(model.named_parameters())
+    if set(plan) != set(params):  # a bug in the plan, not in the checkpoint
+        raise AssertionError(f"tensor plan and model disagree: {sorted(set(plan) ^ set(params))}")
+    files = weight_files(model_dir)
+    wanted = {n for src in plan.values() for n in src.disk_names}
+    if cfg.tie_word_embeddings:
+        wanted_optional = {"lm_head.weight"}  # some tied checkpoints still store it
+    else:
+        wanted_optional = set()
+    unexpected = sorted(n for n in files if n not in wanted and n not in wanted_optional
+                        and not any(p.match(n) for p in _IGNORED))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor '{unexpected[0]}' in checkpoint"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    missing = sorted(n for n in wanted if n not in files)
+    if missing:
+        raise CheckpointError(f"missing tensor '{missing[0]}' in checkpoint"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+    handles: dict[str, object] = {}
+
+    def read(name: str) -> torch.Tensor:
+        path = files[name]
+        if path not in handles:
+            handles[path] = safe_open(path, framework="pt", device=str(device))
+        return handles[path].get_tensor(name)
+
+    items = list(plan.items())
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc="Loading weights", unit="tensor")
+    for pname, src in items:
+        target = params[pname]
+        shapes = _disk_shapes(src.how, target.shape, len(src.disk_names))
+        parts = []
+        for disk_name, shape in zip(src.disk_names, shapes):
+            path = files[disk_name]
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt", device=str(device))
+            found = tuple(handles[path].get_slice(disk_name).get_shape())
+            if found != shape:
+                raise CheckpointError(f"shape mismatch for tensor '{disk_name}': expected {list(shape)}, found {list(found)}")
+            parts.append(read(disk_name))
+        if src.how == "whole":
+            tensor = parts[0]
+        elif src.how == "conv":
+            tensor = parts[0].squeeze(1)
+        elif src.how == "stack":
+            tensor = torch.stack(parts)
+        else:
+            tensor = torch.cat(parts, dim=0)
+        del parts
+        want_dtype = torch.float32 if _FP32_PARAMS.search(pname) else dtype
+        tensor = tensor.to(device=device, dtype=want_dtype).contiguous()
+        _set_param(model, pname, tensor)
+    handles.clear()
+    _move_buffers(model, device)
+    return model
+
+
+def _set_param(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_path, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for bname, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[bname] = buf.to(device)

@@ -1,0 +1,118 @@
+"""The hybrid model: family-specific blocks over shared layers, run on a StepBatch."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.batch import StepBatch
+from hybrid.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
+from hybrid.layers import (
+    Attention, DenseMLP, GatedMLP, GraniteMoE, Linear, Mamba2Mixer, NemotronMoE, RMSNorm, _param,
+)
+
+
+class NemotronHBlock(nn.Module):
+    """h += mixer(norm(h)); the mixer is one of mamba, attention, mlp, moe."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, mamba_index: int, attn_index: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=True)
+        if kind == MAMBA:
+            self.mixer = Mamba2Mixer(cfg.hidden_size, cfg.mamba, mamba_index)
+        elif kind == ATTENTION:
+            self.mixer = Attention(cfg.hidden_size, cfg.attention, attn_index)
+        elif kind == MLP:
+            self.mixer = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act)
+        else:
+            self.mixer = NemotronMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act)
+
+    def forward(self, h, batch, ctx):
+        x = self.norm(h)
+        if self.kind == MAMBA:
+            x = self.mixer(x, batch, *ctx.mamba_state(self.mixer.layer_index))
+        elif self.kind == ATTENTION:
+            x = self.mixer(x, batch, ctx.kv_layer(self.mixer.layer_index), ctx.attention_backend)
+        else:
+            x = self.mixer(x)
+        return h + x
+
+
+class TwoStageBlock(nn.Module):
+    """Bamba / Granite block: h += m * mixer(norm1(h)); h += m * ffn(norm2(h))."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, mamba_index: int, attn_index: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.family = cfg.family
+        self.residual_multiplier = cfg.residual_multiplier
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
+        if kind == MAMBA:
+            self.mixer = Mamba2Mixer(cfg.hidden_size, cfg.mamba, mamba_index)
+        else:
+            self.mixer = Attention(cfg.hidden_size, cfg.attention, attn_index)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act)
+        self.moe = GraniteMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act) if cfg.moe is not None else None
+
+    def forward(self, h, batch, ctx):
+        x = self.input_norm(h)
+        if self.kind == MAMBA:
+            x = self.mixer(x, batch, *ctx.mamba_state(self.mixer.layer_index))
+        else:
+            x = self.mixer(x, batch, ctx.kv_layer(self.mixer.layer_index), ctx.attention_backend)
+        h = h + x * self.residual_multiplier if self.residual_multiplier != 1.0 else h + x
+        x = self.ffn_norm(h)
+        x = self.moe(x) + self.mlp(x) if self.moe is not None else self.mlp(x)
+        return h + x * self.residual_multiplier if self.residual_multiplier != 1.0 else h + x
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size)
+        blocks = []
+        mamba_index = attn_index = 0
+        block_cls = NemotronHBlock if cfg.family == "nemotron_h" else TwoStageBlock
+        for kind in cfg.layer_types:
+            blocks.append(block_cls(cfg, kind, mamba_index, attn_index))
+            mamba_index += kind == MAMBA
+            attn_index += kind == ATTENTION
+        self.layers = nn.ModuleList(blocks)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=cfg.family == "nemotron_h")
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def mamba_mixers(self) -> list[Mamba2Mixer]:
+        return [b.mixer for b in self.layers if isinstance(b.mixer, Mamba2Mixer)]
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, ctx) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] in fp32."""
+        h = F.embedding(batch.input_ids, self.embed)
+        if self.cfg.embedding_multiplier != 1.0:
+            h = h * self.cfg.embedding_multiplier
+        for block in self.layers:
+            h = block(h, batch, ctx)
+        h = self.final_norm(h[batch.logits_indices])
+        weight = self.embed if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(h, weight)
+        if self.cfg.logits_scaling != 1.0:
+            logits = logits / self.cfg.logits_scaling
+        return logits.float()
+
+
+class ForwardContext:
+    """What the layers read and write besides activations: the state pool, the KV cache, the backend."""
+
+    def __init__(self, state_pool, kv_cache, attention_backend) -> None:
+        self.state_pool = state_pool
+        self.kv_cache = kv_cache
+        self.attention_backend = attention_backend
+
+    def mamba_state(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.state_pool.layer(index)
+
+    def kv_layer(self, index: int) -> torch.Tensor:
+        return self.kv_cache.layer(index)

@@ -1,0 +1,1 @@
+"""Compute kernels the layers call: plain-torch references here, CUDA kernels dispatched at run time."""
