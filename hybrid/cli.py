@@ -1,0 +1,78 @@
+"""Command line: `hybrid generate ...` and `hybrid serve ...` (also `python -m hybrid`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return dict(model=args.model, device=device, dtype=dtype, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                page_size=args.page_size, seed=args.seed, enforce_eager=args.enforce_eager)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from hybrid import LLM, SamplingParams
+    from hybrid.errors import HybridError
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.sampling_seed, n=args.n, ignore_eos=args.ignore_eos)
+        llm = LLM(**engine_kwargs(args))
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    except HybridError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(args.prompt, outs):
+        for completion in out.outputs:
+            if len(args.prompt) > 1 or len(out.outputs) > 1:
+                print(f"--- prompt {prompt!r} [{completion.index}] ({completion.finish_reason})")
+            print(prompt + completion.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybrid", description="Serve hybrid Mamba2/attention language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=_generate)
+
+    try:
+        from hybrid.server import add_serve_parser  # needs the [serve] extra
+    except ImportError:
+        add_serve_parser = None
+    if add_serve_parser is not None:
+        add_serve_parser(sub, _add_engine_args)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
