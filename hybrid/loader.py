@@ -167,11 +167,11 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
 
     handles: dict[str, object] = {}
 
-    def read(name: str) -> torch.Tensor:
+    def handle(name: str):
         path = files[name]
         if path not in handles:
             handles[path] = safe_open(path, framework="pt", device=str(device))
-        return handles[path].get_tensor(name)
+        return handles[path]
 
     items = list(plan.items())
     if progress:
@@ -183,13 +183,10 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         shapes = _disk_shapes(src.how, target.shape, len(src.disk_names))
         parts = []
         for disk_name, shape in zip(src.disk_names, shapes):
-            path = files[disk_name]
-            if path not in handles:
-                handles[path] = safe_open(path, framework="pt", device=str(device))
-            found = tuple(handles[path].get_slice(disk_name).get_shape())
+            found = tuple(handle(disk_name).get_slice(disk_name).get_shape())
             if found != shape:
                 raise CheckpointError(f"shape mismatch for tensor '{disk_name}': expected {list(shape)}, found {list(found)}")
-            parts.append(read(disk_name))
+            parts.append(handle(disk_name).get_tensor(disk_name))
         if src.how == "whole":
             tensor = parts[0]
         elif src.how == "conv":
