@@ -1,0 +1,279 @@
+"""An asyncio front end over the (synchronous, not thread-safe) Engine.
+
+One worker thread owns the Engine: every engine call (add_request, abort_request, step) runs on
+it, one at a time. The event loop hands it commands through a queue; the worker applies every
+pending command before each step, so an abort (a client that went away) frees the request's
+Mamba slot and KV pages before the next forward pass. Each request's RequestOutput updates are
+delivered to its own asyncio.Queue with loop.call_soon_threadsafe.
+
+`TextDeltas` turns the full decoded text of a sequence into safe-to-send increments: a trailing
+U+FFFD (a multi-byte character cut in the middle) and any tail that could be the start of a stop
+string are held back, so a stop string never leaks into a stream, and the concatenated deltas
+always equal the final (stop-truncated) text.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from hybrid.errors import HybridError
+from hybrid.outputs import RequestOutput
+from hybrid.sampling import SamplingParams
+
+logger = logging.getLogger("hybrid.async_engine")
+
+
+class EngineDeadError(HybridError):
+    """The engine worker stopped (a step raised); the server can no longer generate."""
+
+
+class QueueFullError(HybridError):
+    """Too many requests are already queued."""
+
+
+def _held_back(text: str, stops: list[str] | None) -> int:
+    """How many trailing characters of `text` may still turn into (part of) a stop string or a
+    complete character, and so must not be sent yet."""
+    hold = 0
+    if text.endswith("\ufffd"):
+        hold = len(text) - len(text.rstrip("\ufffd"))
+    if stops:
+        for s in stops:
+            # longest proper prefix of s that is a suffix of text
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+    return hold
+
+
+class TextDeltas:
+    """Incremental text of one sequence from successive full decoded texts."""
+
+    def __init__(self, stops: list[str] | None) -> None:
+        self.stops = list(stops or [])
+        self.sent = ""
+        self.num_tokens_sent = 0
+
+    def update(self, text: str, finished: bool) -> str:
+        if finished:
+            safe = text
+        else:
+            safe = text[: len(text) - _held_back(text, self.stops)]
+        if not safe.startswith(self.sent):
+            # The decoder changed earlier characters (not prefix-stable); never resend text.
+            if finished:
+                logger.debug("final text does not extend the streamed text")
+            return ""
+        delta = safe[len(self.sent):]
+        self.sent = safe
+        return delta
+
+
+@dataclass
+class _Tracked:
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_tokens: int = 0
+
+
+class AsyncEngine:
+    """Owns an Engine; runs it on one worker thread; streams RequestOutputs to asyncio callers."""
+
+    def __init__(self, engine, tokenizer=None, *, max_queued_requests: int | None = None,
+                 metrics=None, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}  # touched by the worker only
+        self._inflight: set[str] = set()  # touched by the event loop only
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.dead: BaseException | None = None
+        # A snapshot of the engine's state, published by the worker after each step.
+        self.snapshot = {"running": 0, "waiting": 0, "slots_used": 0, "pages_used": 0}
+        self._slots_total = engine.state_pool.num_free
+        self._pages_total = engine.kv_cache.allocator.num_free
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="hybrid-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        try:
+            import torch
+
+            torch.set_grad_enabled(False)
+        except Exception:  # pragma: no cover
+            pass
+        while not self._stop.is_set():
+            self._drain_commands()
+            if not self.engine.has_unfinished_requests():
+                self._publish()
+                self._wakeup.wait(self.idle_wait_s)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as e:  # the engine is unusable: fail every request, stop
+                logger.exception("engine step failed")
+                self.dead = e
+                for tr in list(self._tracked.values()):
+                    self._deliver(tr, EngineDeadError(f"engine step failed: {e!r}"))
+                self._tracked.clear()
+                return
+            now = time.monotonic()
+            for out in outputs:
+                tr = self._tracked.get(out.request_id)
+                if tr is None:
+                    continue
+                self._observe(tr, out, now)
+                self._deliver(tr, out)
+                if out.finished:
+                    self._tracked.pop(out.request_id, None)
+            self._publish()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "add":
+                tr, prompt_ids, prompt = cmd[1], cmd[2], cmd[3]
+                try:
+                    self.engine.add_request(tr.request_id, prompt_ids, tr.params, prompt=prompt)
+                except BaseException as e:
+                    self._deliver(tr, e)
+                    continue
+                self._tracked[tr.request_id] = tr
+            elif kind == "abort":
+                rid = cmd[1]
+                was_tracked = self._tracked.pop(rid, None) is not None
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:
+                    logger.exception("abort of %s failed", rid)
+                if was_tracked and self.metrics is not None:
+                    self.metrics.on_abort()
+
+    def _deliver(self, tr: _Tracked, item) -> None:
+        try:
+            tr.loop.call_soon_threadsafe(tr.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _observe(self, tr: _Tracked, out: RequestOutput, now: float) -> None:
+        n = sum(len(c.token_ids) for c in out.outputs)
+        new = n - tr.num_tokens
+        if new > 0:
+            if tr.first_token_at is None:
+                tr.first_token_at = now
+                if self.metrics is not None:
+                    self.metrics.observe_ttft(now - tr.arrival)
+            elif self.metrics is not None and tr.last_token_at is not None:
+                self.metrics.observe_tpot(now - tr.last_token_at)
+            tr.last_token_at = now
+            tr.num_tokens = n
+            if self.metrics is not None:
+                self.metrics.add_tokens(new)
+        if out.finished and self.metrics is not None:
+            self.metrics.on_finish(out, now - tr.arrival, tr.num_prompt_tokens)
+
+    def _publish(self) -> None:
+        e = self.engine
+        self.snapshot = {
+            "running": len(e.running),
+            "waiting": len(e.waiting),
+            "slots_used": self._slots_total - e.state_pool.num_free,
+            "pages_used": self._pages_total - e.kv_cache.allocator.num_free,
+        }
+
+    # ------------------------------------------------------------------ API (event loop side)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError now (on the caller's thread) for a bad prompt or params.
+        Both checks only read immutable engine settings."""
+        params.validate()
+        self.engine.validate_prompt(list(prompt_token_ids))
+
+    def check_capacity(self, num_new: int = 1) -> None:
+        if self.max_queued_requests is None:
+            return
+        limit = self.engine.max_num_seqs + self.max_queued_requests
+        if len(self._inflight) + num_new > limit:
+            raise QueueFullError(
+                f"the server is overloaded: {len(self._inflight)} requests in flight "
+                f"({self.engine.max_num_seqs} running at most, {self.max_queued_requests} queued at most); "
+                "retry later"
+            )
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's RequestOutput after every step that changed it; the last one has
+        finished=True. Leaving the iteration early (client gone, task cancelled) aborts the request."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead!r}")
+        self.validate(prompt_token_ids, params)
+        rid = request_id or self.new_request_id()
+        loop = asyncio.get_running_loop()
+        tr = _Tracked(rid, loop, asyncio.Queue(), len(prompt_token_ids), params)
+        self._inflight.add(rid)
+        finished = False
+        try:
+            self._commands.put(("add", tr, list(prompt_token_ids), prompt))
+            self._wakeup.set()
+            while True:
+                item = await tr.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._inflight.discard(rid)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()

@@ -1,0 +1,81 @@
+"""Prometheus metrics of the HTTP server (one registry per app, so several apps can coexist)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model_name}
+        self._labels = labels
+        names = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(name, doc, names, registry=r).labels(**labels)
+
+        self.running = gauge("hybrid_num_requests_running", "Sequences running in the engine (holding a slot).")
+        self.waiting = gauge("hybrid_num_requests_waiting", "Sequences waiting in the engine for a slot.")
+        self.inflight = gauge("hybrid_num_requests_inflight", "HTTP generation requests being served.")
+        self.slots_used = gauge("hybrid_state_slots_in_use", "Mamba state slots in use.")
+        self.slots_total = gauge("hybrid_state_slots_total", "Mamba state slots.")
+        self.pages_used = gauge("hybrid_kv_pages_in_use", "KV cache pages in use.")
+        self.pages_total = gauge("hybrid_kv_pages_total", "KV cache pages (without the reserved dummy page).")
+        self.gen_tokens = Counter("hybrid_generation_tokens", "Generated tokens.", names, registry=r).labels(**labels)
+        self.prompt_tokens = Counter("hybrid_prompt_tokens", "Prompt tokens of finished requests.", names,
+                                     registry=r).labels(**labels)
+        self._success = Counter("hybrid_request_success", "Finished requests by finish reason.",
+                                names + ["finished_reason"], registry=r)
+        self.aborted = Counter("hybrid_request_aborted", "Requests aborted (client gone).", names,
+                               registry=r).labels(**labels)
+        self._rejected = Counter("hybrid_request_rejected", "Requests rejected by status code.",
+                                 names + ["status"], registry=r)
+        self.ttft = Histogram("hybrid_time_to_first_token_seconds", "Time to first token.", names,
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.tpot = Histogram("hybrid_time_per_output_token_seconds", "Time between consecutive output tokens.",
+                              names, buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.e2e = Histogram("hybrid_e2e_request_latency_seconds", "End-to-end request latency.", names,
+                             buckets=_E2E_BUCKETS, registry=r).labels(**labels)
+
+    def bind(self, async_engine) -> None:
+        """Read the engine gauges from the worker's published snapshot at scrape time."""
+        snap = lambda key: (lambda: async_engine.snapshot[key])  # noqa: E731
+        self.running.set_function(snap("running"))
+        self.waiting.set_function(snap("waiting"))
+        self.slots_used.set_function(snap("slots_used"))
+        self.pages_used.set_function(snap("pages_used"))
+        self.inflight.set_function(lambda: async_engine.num_inflight)
+        self.slots_total.set(async_engine._slots_total)
+        self.pages_total.set(async_engine._pages_total)
+
+    # called from the engine worker thread (prometheus_client metrics are thread-safe)
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_tpot(self, seconds: float) -> None:
+        self.tpot.observe(seconds)
+
+    def add_tokens(self, n: int) -> None:
+        self.gen_tokens.inc(n)
+
+    def on_finish(self, out, seconds: float, num_prompt_tokens: int) -> None:
+        self.e2e.observe(seconds)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        for c in out.outputs:
+            self._success.labels(finished_reason=c.finish_reason or "unknown", **self._labels).inc()
+
+    def on_abort(self) -> None:
+        self.aborted.inc()
+
+    def on_reject(self, status: int) -> None:
+        self._rejected.labels(status=str(status), **self._labels).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,314 @@
+"""The OpenAI-compatible HTTP server: a real uvicorn server on a loopback port, queried with the
+official openai client (and httpx for raw requests)."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from server_utils import ServerThread, build_tiny_chat_checkpoint, wait_until  # noqa: E402
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="session")
+def chat_ckpt(tmp_path_factory):
+    import torch
+
+    torch.set_num_threads(1)
+    return build_tiny_chat_checkpoint(tmp_path_factory.mktemp("server_ckpt") / "tiny-chat")
+
+
+@pytest.fixture(scope="module")
+def served(chat_ckpt):
+    from hybrid import LLM
+    from hybrid.server import build_app
+
+    llm = LLM(str(chat_ckpt), max_num_seqs=4, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=128)
+    app = build_app(llm, max_queued_requests=64)
+    with ServerThread(app) as srv:
+        srv.llm = llm
+        srv.initial_free = (llm.state_pool.num_free, llm.kv_cache.allocator.num_free)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+MODEL = "tiny-chat"
+GREEDY = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
+
+
+def _no_leaks(served) -> bool:
+    llm = served.llm
+    return wait_until(lambda: (llm.state_pool.num_free, llm.kv_cache.allocator.num_free) == served.initial_free)
+
+
+def test_health_and_models(served, client):
+    assert httpx.get(served.base_url + "/health").json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_stream_equals_non_stream(client):
+    full = client.completions.create(prompt="Hello world", max_tokens=20, **GREEDY)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 20
+    text = full.choices[0].text
+    assert text
+    chunks = list(client.completions.create(prompt="Hello world", max_tokens=20, stream=True, **GREEDY))
+    deltas = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(deltas) == text
+    assert len([d for d in deltas if d]) > 5  # incremental, not one blob
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_stream_equals_non_stream(served, client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    full = client.chat.completions.create(messages=msgs, max_tokens=16, **GREEDY)
+    rendered = "<system>be brief\n<user>hi there\n<assistant>"
+    assert full.usage.prompt_tokens == len(served.llm.tokenizer.encode(rendered, add_special_tokens=False))
+    assert full.choices[0].message.role == "assistant"
+    text = full.choices[0].message.content
+    assert full.usage.completion_tokens == 16
+    chunks = list(client.chat.completions.create(messages=msgs, max_tokens=16, stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_across_tokens(client):
+    base = client.completions.create(prompt="The quick brown fox", max_tokens=40, **GREEDY).choices[0].text
+    assert len(base) > 20
+    stop = base[12:15]  # 3 characters: usually spans a token boundary
+    expected = base[: base.find(stop)]
+    out = client.completions.create(prompt="The quick brown fox", max_tokens=40, stop=[stop, "@@@@"], **GREEDY)
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(prompt="The quick brown fox", max_tokens=40, stop=[stop, "@@@@"],
+                                            stream=True, **GREEDY))
+    deltas = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(deltas) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # chat, streamed
+    msgs = [{"role": "user", "content": "The quick brown fox"}]
+    cbase = client.chat.completions.create(messages=msgs, max_tokens=40, **GREEDY).choices[0].message.content
+    cstop = cbase[10:12]
+    chunks = list(client.chat.completions.create(messages=msgs, max_tokens=40, stop=cstop, stream=True, **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cbase[: cbase.find(cstop)]
+
+
+def test_n_greater_than_one(client):
+    kw = dict(model=MODEL, prompt="Once upon", max_tokens=12, temperature=1.0, seed=7, n=3,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    assert sorted(c.index for c in full.choices) == [0, 1, 2]
+    texts = {c.index: c.text for c in full.choices}
+    assert len(set(texts.values())) > 1  # different samples
+    streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+    for ch in client.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts  # seeded: the same samples
+
+
+def test_sampling_fields_and_logprobs(client):
+    a = client.completions.create(model=MODEL, prompt="abc", max_tokens=10, temperature=0.8, top_p=0.9, seed=3,
+                                  extra_body={"top_k": 20, "ignore_eos": True}, logprobs=2)
+    b = client.completions.create(model=MODEL, prompt="abc", max_tokens=10, temperature=0.8, top_p=0.9, seed=3,
+                                  extra_body={"top_k": 20, "ignore_eos": True}, logprobs=2)
+    assert a.choices[0].text == b.choices[0].text
+    lp = a.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], max_tokens=5, logprobs=True,
+                                          top_logprobs=3, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 3 for c in content)
+    # greedy: the sampled token is the top-1
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
+BAD_COMPLETIONS = [
+    ({"model": "no-such-model", "prompt": "a"}, "model"),
+    ({"model": MODEL, "prompt": "a" * (MAX_MODEL_LEN + 10)}, "prompt"),
+    ({"model": MODEL, "prompt": "a", "temperature": -1}, "temperature"),
+    ({"model": MODEL, "prompt": "a", "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": "a", "top_k": -5}, "top_k"),
+    ({"model": MODEL, "prompt": "a", "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": "ten"}, "max_tokens"),
+    ({"model": MODEL, "prompt": "a", "stop": 5}, "stop"),
+    ({"model": MODEL, "prompt": "a", "logprobs": 99}, "logprobs"),
+    ({"model": MODEL, "prompt": "a", "seed": "x"}, "seed"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL, "prompt": [100000]}, "prompt"),
+    ({"model": MODEL}, "prompt"),
+]
+
+
+def test_bad_requests_get_400(served):
+    url = served.base_url
+    for body, param in BAD_COMPLETIONS:
+        r = httpx.post(url + "/v1/completions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"], (body, err)
+    for body in [{"model": MODEL}, {"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"content": "x"}]},
+                 {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+                 {"model": MODEL, "messages": [{"role": "user", "content": "x" * 400}]}]:
+        r = httpx.post(url + "/v1/chat/completions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    # the openai client sees a BadRequestError with the code
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.completions.create(model="other", prompt="a")
+    assert ei.value.code == "model_not_found"
+    # and the server is fine afterwards
+    assert httpx.get(url + "/health").status_code == 200
+    ok = c.completions.create(model=MODEL, prompt="ok", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 3
+    assert _no_leaks(served)
+
+
+def test_metrics_prometheus_text(served, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(prompt="metrics", max_tokens=4, **GREEDY)
+    text = httpx.get(served.base_url + "/metrics").text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ["hybrid_num_requests_running", "hybrid_num_requests_waiting", "hybrid_state_slots_in_use",
+                 "hybrid_kv_pages_in_use", "hybrid_generation_tokens", "hybrid_time_to_first_token_seconds",
+                 "hybrid_time_per_output_token_seconds"]:
+        assert name in fams, name
+    gen = [s.value for s in fams["hybrid_generation_tokens"].samples if s.name.endswith("_total")]
+    assert gen and gen[0] >= 4
+    ttft_count = [s.value for s in fams["hybrid_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    assert ttft_count[0] >= 1
+    tpot_count = [s.value for s in fams["hybrid_time_per_output_token_seconds"].samples if s.name.endswith("_count")]
+    assert tpot_count[0] >= 3
+
+
+def test_disconnect_frees_slot_and_pages(served, client):
+    ref = client.completions.create(prompt="Steady request", max_tokens=60, **GREEDY).choices[0].text
+
+    other: dict = {}
+
+    def run_other():
+        other["text"] = "".join(c.choices[0].text for c in client.completions.create(
+            prompt="Steady request", max_tokens=60, stream=True, **GREEDY) if c.choices)
+
+    t = threading.Thread(target=run_other)
+    t.start()
+    body = {"model": MODEL, "prompt": "This one goes away", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events = 0
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", served.base_url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    if events >= 5:
+                        break
+    # the client is gone: its slot and pages are released promptly, while the other stream goes on
+    llm = served.llm
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert other["text"] == ref
+    assert _no_leaks(served)
+    assert wait_until(lambda: llm.engine.requests == {})
+
+
+def _metric(served, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(served.base_url + "/metrics").text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                return s.value
+    return 0.0
+
+
+def test_disconnect_aborts_mid_stream(served):
+    """A stream cancelled mid-way is aborted (not run to its end) and frees its slot and pages."""
+    aborted0 = _metric(served, "hybrid_request_aborted_total")
+    tokens0 = _metric(served, "hybrid_generation_tokens_total")
+    body = {"model": MODEL, "prompt": "Long running", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", served.base_url + "/v1/completions", json=body) as r:
+            for i, line in enumerate(r.iter_lines()):
+                if i >= 6:
+                    break
+    assert _no_leaks(served)
+    assert _metric(served, "hybrid_request_aborted_total") == aborted0 + 1
+    assert _metric(served, "hybrid_generation_tokens_total") - tokens0 < 240
+
+
+def test_disconnect_non_streamed_request_aborts(served):
+    aborted0 = _metric(served, "hybrid_request_aborted_total")
+    body = {"model": MODEL, "prompt": "Impatient", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.05))
+    assert wait_until(lambda: _metric(served, "hybrid_request_aborted_total") == aborted0 + 1)
+    assert _no_leaks(served)
+
+
+def test_queue_limit_answers_429(chat_ckpt):
+    from hybrid import LLM
+    from hybrid.server import build_app
+
+    llm = LLM(str(chat_ckpt), max_num_seqs=1, max_model_len=MAX_MODEL_LEN)
+    app = build_app(llm, served_model_name="small", max_queued_requests=1)
+    body = {"model": "small", "prompt": "busy", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with ServerThread(app) as srv, httpx.Client(timeout=30) as h:
+        streams = []
+        try:
+            for _ in range(2):  # one running, one queued
+                cm = h.stream("POST", srv.base_url + "/v1/completions", json=body)
+                r = cm.__enter__()
+                assert r.status_code == 200
+                streams.append(cm)
+            assert wait_until(lambda: app.state.async_engine.num_inflight == 2)
+            r = h.post(srv.base_url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["code"] == "queue_full"
+        finally:
+            for cm in streams:
+                cm.__exit__(None, None, None)
+        assert wait_until(lambda: app.state.async_engine.num_inflight == 0)
+        r = h.post(srv.base_url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert r.status_code == 200 and json.loads(r.text)["usage"]["completion_tokens"] == 2
+        assert wait_until(lambda: llm.state_pool.num_free == 1)
+
+
+def test_text_deltas_hold_back_stop_prefixes_and_partial_chars():
+    from hybrid.async_engine import TextDeltas
+
+    d = TextDeltas(["STOP", "\n\n"])
+    assert d.update("ab", False) == "ab"
+    assert d.update("abS", False) == ""  # could become "STOP"
+    assert d.update("abST", False) == ""
+    assert d.update("abSTx", False) == "STx"  # it did not
+    assert d.update("abSTx\n", False) == ""
+    assert d.update("abSTx\ncaf\ufffd", False) == "\ncaf"  # "\n" is no longer a stop prefix; U+FFFD held
+    assert d.sent == "abSTx\ncaf"
+    assert d.update("abSTx\ncafé", False) == "é"
+    assert d.update("abSTx\ncafé", True) == ""  # the engine cut the stop string: nothing leaks
+    assert d.sent == "abSTx\ncafé"
