@@ -11,6 +11,18 @@ Index contract shared by state_pool/, attention/ and graphs/:
   `seq_lens = 1`.
 - `has_initial_state[i]` is False for a request's first chunk: its initial state is zero
   whatever its slot holds (so a recycled slot can never leak state).
+
+Speculative verify rows (n-gram speculative decoding, hybrid/spec_decode.py) sit between the
+decodes and the prefills: order is [decodes | verifies | prefills], `num_verify` counts them and
+`num_prefills` counts only prefill chunks. A verify row i has q_len = 1 + num_draft_tokens_cpu[i]
+tokens (its last sampled token, then the drafts), has_initial_state True, seq_lens counting all
+of them and a logits row for every one of them. The Mamba layers run those tokens with the decode
+recurrence (no dt clamp: they are generated tokens), reading the initial state from
+`state_slot[i]` but writing NOT to the slot: the conv and SSM state after the row's j-th token go
+to `state_scratch[.][layer, scratch_index[i], j]`. After sampling, the engine copies the position
+of the last accepted token into the slot (MambaStatePool.commit_spec); rejected positions leave
+nothing in the slot, and their KV rows lie beyond the committed seq_len, to be overwritten.
+Attention treats a verify row like a prefill chunk with context (causal over the new tokens).
 """
 from __future__ import annotations
 
@@ -36,9 +48,15 @@ class StepBatch:
     seq_lens_cpu: list[int]
     state_slot_cpu: list[int]
     has_initial_state_cpu: list[bool]
-    # Speculative verify: per-request number of draft tokens scored in this step (0 if none).
-    # When any is > 0 the Mamba layers keep the state after every token in `state_scratch`.
     num_real_requests: int = -1  # rows after this are padding (graph buckets); -1 means all real
+    # Speculative verify (see the module docstring): requests [num_decodes, num_decodes + num_verify)
+    # each score their last sampled token plus num_draft_tokens_cpu[i] drafts.
+    num_verify: int = 0
+    num_draft_tokens_cpu: list[int] | None = None  # [B] drafts per request, 0 for non-verify rows
+    scratch_index: torch.Tensor | None = None  # [B] int64 verify scratch row, -1 for non-verify rows
+    scratch_index_cpu: list[int] | None = None
+    # (spec_conv, spec_ssm) of the state pool, every layer: [layers, rows, K+1, ...]; None if no verify
+    state_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_requests(self) -> int:

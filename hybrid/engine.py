@@ -18,10 +18,12 @@ import torch
 
 from attention.kv_cache import DUMMY_PAGE, PagedKVCache
 from hybrid.batch import StepBatch
-from hybrid.errors import InvalidRequestError
+from hybrid.errors import InvalidRequestError, StateCorruptionError
 from hybrid.outputs import CompletionOutput, RequestOutput
 from hybrid.sampling import SamplingParams, sample_row, top_logprobs
+from hybrid.spec_decode import NgramProposer, SpeculativeConfig
 from state_pool.pool import PAD_SLOT_ID, MambaStatePool
+from state_pool.sanitizer import RowOwner, check_batch
 
 
 class Status(enum.Enum):
@@ -72,6 +74,9 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
+    # n > 1: branches 1..n-1 wait (outside the waiting queue) until branch 0 has prefilled the prompt,
+    # then fork from it (copy of its slot, its prompt pages shared by refcount)
+    forked: bool = False
 
     @property
     def finished(self) -> bool:
@@ -100,6 +105,8 @@ class ScheduledChunk:
     seq: Sequence
     num_tokens: int
     is_decode: bool
+    draft: list[int] = field(default_factory=list)  # speculative drafts: a verify chunk when non-empty
+    scratch_index: int = -1  # verify chunks: row of the pool's verify scratch (set by _build_batch)
 
 
 class Engine:
@@ -117,6 +124,8 @@ class Engine:
         tokenizer=None,
         seed: int = 0,
         device: torch.device = torch.device("cpu"),
+        check_state: bool = False,
+        speculative_config: dict | SpeculativeConfig | None = None,
     ) -> None:
         self.runner = runner
         self.state_pool = state_pool
@@ -135,7 +144,20 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
-        self.stats = {"steps": 0, "preemptions": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        self.stats = {"steps": 0, "preemptions": 0, "generated_tokens": 0, "prompt_tokens": 0,
+                      "forks": 0, "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        # State sanitizer: poison freed slots, check every batch against live slots/pages.
+        self.check_state = bool(check_state)
+        state_pool.poison_freed = self.check_state
+        self.spec_config = SpeculativeConfig.from_dict(speculative_config)
+        self.proposer = NgramProposer(self.spec_config) if self.spec_config is not None else None
+        if self.spec_config is not None:
+            state_pool.enable_spec_scratch(max_num_seqs, self.spec_config.num_speculative_tokens + 1)
+
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens so far (None before any draft was verified)."""
+        drafted = self.stats["spec_draft_tokens"]
+        return self.stats["spec_accepted_tokens"] / drafted if drafted else None
 
     # ------------------------------------------------------------------ requests
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -168,7 +190,8 @@ class Engine:
                 logprobs=[] if params.logprobs is not None else None,
             ))
         self.requests[request_id] = Request(request_id, prompt, prompt_token_ids, params, seqs)
-        self.waiting.extend(seqs)
+        # Only branch 0 prefills the prompt; the others fork from it once it is done (see _fork).
+        self.waiting.append(seqs[0])
 
     def _generator(self, params: SamplingParams, arrival: int, index: int) -> torch.Generator | None:
         if params.greedy:
@@ -247,14 +270,24 @@ class Engine:
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
 
-        # 1. one token for every decoding sequence, oldest first; preempt the newest when out of pages
+        verifies: list[ScheduledChunk] = []
+        # 1. one token for every decoding sequence, oldest first; preempt the newest when out of pages.
+        #    With speculation, a sequence with n-gram drafts becomes a verify chunk (1 + drafts tokens).
         for seq in sorted([s for s in self.running if s.is_decoding], key=lambda s: s.arrival):
             if seq.status != Status.RUNNING or budget <= 0:
+                continue
+            draft = self._propose(seq, budget)
+            if draft and not self._grow_pages(seq, seq.num_computed + 1 + len(draft)):
+                draft = []  # no pages for the drafts: plain decode (never preempt for speculation)
+            if draft:
+                verifies.append(ScheduledChunk(seq, 1 + len(draft), True, draft))
+                budget -= 1 + len(draft)
                 continue
             while not self._grow_pages(seq, seq.num_computed + 1):
                 victim = max(self.running, key=lambda s: (s.arrival, s.index))
                 self._preempt(victim)
                 decodes = [c for c in decodes if c.seq is not victim]
+                verifies = [c for c in verifies if c.seq is not victim]
                 if victim is seq:
                     break
             if seq.status == Status.RUNNING:
@@ -290,12 +323,23 @@ class Engine:
             prefills.append(ScheduledChunk(seq, chunk, False))
             budget -= chunk
 
-        if not decodes and not prefills and self.running:
+        if not decodes and not verifies and not prefills and self.running:
             # Every running sequence is stuck waiting for pages: free the newest and try again.
             victim = max(self.running, key=lambda s: (s.arrival, s.index))
             self._preempt(victim)
             return self._schedule()
-        return decodes + prefills
+        return decodes + verifies + prefills
+
+    def _propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Speculative drafts for a decoding sequence ([] without speculation or without a match)."""
+        if self.proposer is None:
+            return []
+        # a verify emits up to 1 + drafts tokens: stay within max_tokens, the context and the budget
+        room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens,
+                   budget) - 1
+        if room <= 0:
+            return []
+        return self.proposer.propose(seq.tokens, room)
 
     def _fit_chunk(self, seq: Sequence, budget: int) -> int:
         """Largest prefill chunk (<= budget) whose pages can be allocated now."""
@@ -312,11 +356,21 @@ class Engine:
         page_table = torch.full((len(chunks), self.max_pages_per_seq), DUMMY_PAGE, dtype=torch.int32)
         offset = 0
         ps = self.page_size
+        num_drafts, scratch = [], []
         for row, c in enumerate(chunks):
             seq = c.seq
             start, end = seq.num_computed, seq.num_computed + c.num_tokens
             toks = seq.tokens
-            input_ids.extend(toks[start:end])
+            num_drafts.append(len(c.draft))
+            if c.draft:  # verify: the last sampled token, then the drafts; logits for each of them
+                c.scratch_index = sum(1 for n in num_drafts if n) - 1
+                scratch.append(c.scratch_index)
+                input_ids.append(toks[start])
+                input_ids.extend(c.draft)
+                logits_rows.extend(range(offset, offset + c.num_tokens - 1))
+            else:
+                scratch.append(-1)
+                input_ids.extend(toks[start:end])
             positions.extend(range(start, end))
             kv_loc.extend(seq.pages[p // ps] * ps + p % ps for p in range(start, end))
             query_lens.append(c.num_tokens)
@@ -325,8 +379,9 @@ class Engine:
             has_init.append(start > 0)
             page_table[row, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
             offset += c.num_tokens
-            if end == seq.num_tokens:  # chunk reaches the last token: sample from it
+            if end == seq.num_tokens or c.draft:  # chunk reaches the last token: sample from it
                 logits_rows.append(offset - 1)
+        num_verify = sum(1 for n in num_drafts if n)
         dev = self.device
         qsl = [0] + list(itertools.accumulate(query_lens))
         return StepBatch(
@@ -339,12 +394,17 @@ class Engine:
             state_slot=torch.tensor(slots, dtype=torch.long, device=dev),
             has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=dev),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            num_decodes=sum(1 for c in chunks if c.is_decode),
+            num_decodes=sum(1 for c in chunks if c.is_decode and not c.draft),
             num_prefills=sum(1 for c in chunks if not c.is_decode),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             state_slot_cpu=slots,
             has_initial_state_cpu=has_init,
+            num_verify=num_verify,
+            num_draft_tokens_cpu=num_drafts,
+            scratch_index=torch.tensor(scratch, dtype=torch.long, device=dev) if num_verify else None,
+            scratch_index_cpu=scratch,
+            state_scratch=self.state_pool.spec_scratch if num_verify else None,
         )
 
     # ------------------------------------------------------------------ one step
@@ -354,12 +414,20 @@ class Engine:
         if not chunks:
             return []
         batch = self._build_batch(chunks)
+        if self.check_state:
+            self.check_batch(batch, chunks)
         logits = self.runner.execute(batch)
+        if self.check_state:
+            self._check_logits(logits, chunks)
         self.stats["steps"] += 1
         changed: dict[str, Request] = {}
         row = 0
         for c in chunks:
             seq = c.seq
+            if c.draft:
+                row = self._finish_verify(c, logits, row)
+                changed[seq.request_id] = self.requests[seq.request_id]
+                continue
             seq.num_computed += c.num_tokens
             if not c.is_decode:
                 self.stats["prompt_tokens"] += c.num_tokens
@@ -367,19 +435,121 @@ class Engine:
                 continue  # a prefill chunk that does not reach the end samples nothing
             seq_logits = logits[row]
             row += 1
-            token = sample_row(seq_logits, seq.params, seq.generator)
-            if seq.logprobs is not None:
-                seq.logprobs.append(top_logprobs(seq_logits, token, seq.params.logprobs))
-            seq.output_token_ids.append(token)
-            self.stats["generated_tokens"] += 1
-            self._check_stop(seq, token)
-            changed[seq.request_id] = self.requests[seq.request_id]
+            req = self.requests[seq.request_id]
+            if seq.index == 0 and len(req.seqs) > 1 and not req.forked:
+                self._fork(req, seq_logits)  # before branch 0 may finish and free its slot
+            self._emit(seq, seq_logits)
+            changed[seq.request_id] = req
         outputs = []
         for req in changed.values():
             outputs.append(req.output())
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _emit(self, seq: Sequence, seq_logits: torch.Tensor) -> int:
+        """Sample one token from a logits row with the sequence's own generator and append it."""
+        token = sample_row(seq_logits, seq.params, seq.generator)
+        if seq.logprobs is not None:
+            seq.logprobs.append(top_logprobs(seq_logits, token, seq.params.logprobs))
+        seq.output_token_ids.append(token)
+        self.stats["generated_tokens"] += 1
+        self._check_stop(seq, token)
+        return token
+
+    # ------------------------------------------------------------------ speculative verify
+    def _finish_verify(self, c: ScheduledChunk, logits: torch.Tensor, row: int) -> int:
+        """Accept drafts position by position (accept iff the token sampled from the target there
+        equals the draft), emit the sampled tokens and commit the state after the last accepted one.
+        Returns the next logits row."""
+        seq, draft = c.seq, c.draft
+        k = len(draft)
+        start = seq.num_computed
+        emitted = accepted = 0
+        for j in range(k + 1):
+            token = self._emit(seq, logits[row + j])
+            emitted += 1
+            matched = j < k and token == draft[j]
+            accepted += matched
+            if seq.status == Status.FINISHED or not matched:
+                break
+        self.stats["spec_verify_rows"] += 1
+        self.stats["spec_draft_tokens"] += k
+        self.stats["spec_accepted_tokens"] += accepted
+        # inputs 0..emitted-1 (last token + accepted drafts) are now in the cache; the rest are not
+        seq.num_computed = start + emitted
+        if seq.status == Status.RUNNING:
+            self.state_pool.commit_spec(seq.slot, c.scratch_index, emitted - 1)
+        return row + k + 1
+
+    # ------------------------------------------------------------------ forking (n > 1)
+    def _fork(self, req: Request, seq_logits: torch.Tensor) -> None:
+        """Branch 0 has just prefilled the prompt: give every other branch a copy of its Mamba state
+        and share its full prompt pages (the partial last page, which the branches write
+        differently, is copied), then sample each branch's first token with its own generator.
+        A branch that finds no free slot or page waits, and is later recomputed from its prompt."""
+        req.forked = True
+        parent = req.seqs[0]
+        for child in req.seqs[1:]:
+            if child.status != Status.WAITING or child in self.waiting:
+                continue
+            if self._fork_into(parent, child):
+                self.stats["forks"] += 1
+                self._emit(child, seq_logits)
+            else:
+                self.waiting.append(child)
+
+    def _fork_into(self, parent: Sequence, child: Sequence) -> bool:
+        alloc = self.kv_cache.allocator
+        n = parent.num_computed
+        full = n // self.page_size
+        new_pages: list[int] = []
+        if n % self.page_size:
+            got = alloc.allocate(1)
+            if got is None:
+                return False
+            new_pages = got
+        slot = self.state_pool.fork(parent.slot)
+        if slot is None:
+            if new_pages:
+                alloc.release(new_pages)
+            return False
+        if new_pages:  # copy-on-write of the partially filled last page
+            kv = self.kv_cache.kv
+            kv[:, new_pages[0]].copy_(kv[:, parent.pages[full]])
+        shared = parent.pages[:full]
+        alloc.share(shared)
+        child.slot = slot
+        child.pages = shared + new_pages
+        child.num_computed = n
+        child.prefill_len = n
+        child.status = Status.RUNNING
+        self.running.append(child)
+        return True
+
+    # ------------------------------------------------------------------ sanitizer
+    def _owner_name(self, seq: Sequence) -> str:
+        return f"request '{seq.request_id}' (branch {seq.index})"
+
+    def check_batch(self, batch: StepBatch, chunks: list[ScheduledChunk]) -> None:
+        """Raise StateCorruptionError if the batch would touch a slot or page its rows do not own."""
+        owners = [RowOwner(self._owner_name(c.seq), c.seq.slot if c.seq.slot is not None else PAD_SLOT_ID,
+                           list(c.seq.pages)) for c in chunks]
+        check_batch(batch, self.state_pool, self.kv_cache.allocator, self.page_size, owners, DUMMY_PAGE)
+
+    def _check_logits(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+        bad = torch.isnan(logits).any(dim=-1)
+        if not bool(bad.any()):
+            return
+        row = 0
+        for c in chunks:
+            n = c.num_tokens if c.draft else int(c.seq.num_computed + c.num_tokens == c.seq.num_tokens)
+            if bool(bad[row:row + n].any()):
+                raise StateCorruptionError(
+                    f"{self._owner_name(c.seq)} (Mamba slot {c.seq.slot}) produced NaN logits: it read "
+                    f"poisoned (freed) state")
+            row += n
+        raise StateCorruptionError("NaN logits: a step read poisoned (freed) state")
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

@@ -74,10 +74,16 @@ class MambaStatePool:
         device: torch.device | str = "cpu",
         conv_dtype: torch.dtype = torch.float32,
         ssm_dtype: torch.dtype = torch.float32,
+        poison_freed: bool = False,
     ) -> None:
         self.shapes = shapes
         self.num_slots = num_slots
         self.allocator = SlotAllocator(num_slots)
+        # Sanitizer mode: freed slots are filled with NaN so that any read of one shows up.
+        self.poison_freed = poison_freed
+        # Speculative verify scratch (see enable_spec_scratch); None until speculation is on.
+        self.spec_conv: torch.Tensor | None = None
+        self.spec_ssm: torch.Tensor | None = None
         rows = num_slots + 1
         self.conv_state = torch.zeros(
             shapes.num_layers, rows, shapes.conv_dim, shapes.conv_width, device=device, dtype=conv_dtype
@@ -109,11 +115,62 @@ class MambaStatePool:
 
     def free(self, slot: int) -> None:
         self.allocator.free(slot)
+        if self.poison_freed:
+            self.poison(slot)
+
+    def poison(self, slot: int) -> None:
+        """Fill a slot with NaN (sanitizer): a later read of it turns the reader's logits into NaN."""
+        self.conv_state[:, slot].fill_(float("nan"))
+        self.ssm_state[:, slot].fill_(float("nan"))
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Make `dst` an exact copy of `src` (every layer), for copy-on-write forks."""
+        live = self.allocator.live
+        if src not in live or dst not in live or src == dst:
+            raise RuntimeError(f"copy_slot({src} -> {dst}): both slots must be live and distinct")
         self.conv_state[:, dst].copy_(self.conv_state[:, src])
         self.ssm_state[:, dst].copy_(self.ssm_state[:, src])
+
+    def fork(self, src: int) -> int | None:
+        """A new slot holding an exact copy of `src`, or None when every slot is in use."""
+        dst = self.allocator.allocate()
+        if dst is not None:
+            self.copy_slot(src, dst)
+        return dst
+
+    # ------------------------------------------------------------------ speculative verify
+    def enable_spec_scratch(self, num_rows: int, num_positions: int) -> None:
+        """Scratch for verify steps: the state after each of `num_positions` tokens of up to `num_rows`
+        verify requests per step.
+
+        spec_conv: [layers, num_rows, num_positions, conv_dim, conv_width]
+        spec_ssm:  [layers, num_rows, num_positions, heads, head_dim, state_size]
+        A verify request with scratch index r leaves in [:, r, j] the state after its j-th new token
+        (j = 0 is the last accepted token, j >= 1 the drafts); its own slot is left untouched until
+        `commit_spec` copies the accepted position into it.
+        """
+        sh = self.shapes
+        dev = self.conv_state.device
+        if (self.spec_conv is not None and self.spec_conv.shape[1] >= num_rows
+                and self.spec_conv.shape[2] >= num_positions):
+            return
+        self.spec_conv = torch.zeros(sh.num_layers, num_rows, num_positions, sh.conv_dim, sh.conv_width,
+                                     device=dev, dtype=self.conv_state.dtype)
+        self.spec_ssm = torch.zeros(sh.num_layers, num_rows, num_positions, sh.num_heads, sh.head_dim,
+                                    sh.state_size, device=dev, dtype=self.ssm_state.dtype)
+
+    @property
+    def spec_scratch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.spec_conv is None:
+            return None
+        return self.spec_conv, self.spec_ssm
+
+    def commit_spec(self, slot: int, scratch_index: int, position: int) -> None:
+        """After verification: the slot takes the state after new token `position` of its verify row."""
+        if slot not in self.allocator.live:
+            raise RuntimeError(f"commit of verify state into Mamba slot {slot}, which is not live")
+        self.conv_state[:, slot].copy_(self.spec_conv[:, scratch_index, position])
+        self.ssm_state[:, slot].copy_(self.spec_ssm[:, scratch_index, position])
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv_state, ssm_state) views of one Mamba layer, each [num_slots + 1, ...]."""

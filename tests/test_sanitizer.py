@@ -1,0 +1,143 @@
+"""The state sanitizer: bad indices raise StateCorruptionError naming the request and slot."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybrid import SamplingParams
+from hybrid.errors import HybridError, StateCorruptionError
+from state_pool.pool import PAD_SLOT_ID
+
+torch.set_num_threads(1)  # 2 cores shared by several people: 2 threads here run ~20x slower
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _engine_with_freed_slot(make_llm, path, **kw):
+    """Engine where request 'a' finished (its slot 0 freed, poisoned) and 'b' is decoding in slot 1."""
+    llm = make_llm(path, max_num_seqs=2, page_size=4, **kw)
+    eng = llm.engine
+    eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))
+    eng.add_request("b", [8, 9, 10, 11, 12], SamplingParams(max_tokens=8, **GREEDY))
+    eng.step()  # both prefill; 'a' finishes at once and frees slot 0
+    assert [s.slot for s in eng.running] == [1]
+    return llm, eng
+
+
+def _patch_batch(monkeypatch, eng, edit):
+    orig = eng._build_batch
+
+    def build(chunks):
+        return edit(orig(chunks))
+
+    monkeypatch.setattr(eng, "_build_batch", build)
+
+
+def _with_slots(batch, slots):
+    return dataclasses.replace(batch, state_slot=torch.tensor(slots, dtype=torch.long), state_slot_cpu=list(slots))
+
+
+def test_row_pointing_at_freed_slot(tiny_ckpt, make_llm, monkeypatch):
+    llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
+    assert torch.isnan(llm.state_pool.ssm_state[:, 0]).all()  # freed slots are poisoned
+    _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0]))
+    with pytest.raises(StateCorruptionError, match=r"request 'b'.*slot 0") as e:
+        eng.step()
+    assert isinstance(e.value, HybridError)
+    assert "freed" in str(e.value) or "owns slot 1" in str(e.value)
+
+
+def test_padding_row_pointing_at_live_slot(tiny_ckpt, make_llm, monkeypatch):
+    llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
+
+    def pad(b):  # a graph-bucket style padding row appended after the real one, but aimed at slot 1
+        return dataclasses.replace(
+            _with_slots(b, [1, 1]),
+            input_ids=torch.cat([b.input_ids, b.input_ids[:1]]),
+            positions=torch.cat([b.positions, torch.zeros(1, dtype=torch.long)]),
+            query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+            seq_lens=torch.cat([b.seq_lens, torch.ones(1, dtype=torch.int32)]),
+            page_table=torch.cat([b.page_table, torch.zeros_like(b.page_table)]),
+            kv_write_loc=torch.cat([b.kv_write_loc, torch.zeros(1, dtype=torch.long)]),
+            has_initial_state=torch.tensor([True, False]),
+            num_decodes=2, query_lens_cpu=[1, 1], seq_lens_cpu=b.seq_lens_cpu + [1],
+            has_initial_state_cpu=[True, False], num_real_requests=1,
+        )
+
+    _patch_batch(monkeypatch, eng, pad)
+    with pytest.raises(StateCorruptionError, match=r"padding row 1 .*slot 1 \(live\)"):
+        eng.step()
+
+
+def test_two_rows_one_slot_and_foreign_slot(tiny_ckpt, make_llm, monkeypatch):
+    path = tiny_ckpt("nemotron_h")
+    llm = make_llm(path, max_num_seqs=3, page_size=4, check_state=True)
+    eng = llm.engine
+    eng.add_request("x", [5, 6, 7], SamplingParams(max_tokens=5, **GREEDY))
+    eng.add_request("y", [8, 9], SamplingParams(max_tokens=5, **GREEDY))
+    eng.step()
+    _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0, 0]))
+    with pytest.raises(StateCorruptionError, match=r"request 'y' \(branch 0\) \(row 1\).*slot 0 but owns slot 1"):
+        eng.step()
+
+
+def test_write_into_shared_prompt_page(tiny_ckpt, make_llm, monkeypatch):
+    """A fork that forgot copy-on-write of the partial page would write into a shared page."""
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=4, page_size=4, check_state=True)
+    eng, alloc = llm.engine, llm.kv_cache.allocator
+    eng.add_request("f", [5, 6, 7, 8, 9, 10], SamplingParams(n=2, max_tokens=5, **GREEDY))
+    eng.step()  # prefill + fork
+    child = next(s for s in eng.running if s.index == 1)
+    parent = next(s for s in eng.running if s.index == 0)
+    alloc.release([child.pages[1]])  # simulate a missing CoW: child shares the parent's partial page
+    child.pages[1] = parent.pages[1]
+    alloc.share([parent.pages[1]])
+    with pytest.raises(StateCorruptionError, match=r"request 'f' \(branch [01]\).*KV page .* refcount 2 \(shared"):
+        eng.step()
+
+
+def test_poisoned_read_shows_up_as_nan(tiny_ckpt, make_llm, monkeypatch):
+    """Even past the index checks, a read of a freed slot yields NaN logits, which are reported."""
+    llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
+    monkeypatch.setattr(eng, "check_batch", lambda batch, chunks: None)
+    _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0]))
+    with pytest.raises(StateCorruptionError, match=r"request 'b'.*NaN"):
+        eng.step()
+
+
+def test_off_by_default_costs_nothing(tiny_ckpt, make_llm, monkeypatch):
+    monkeypatch.delenv("HYBRID_CHECK_STATE", raising=False)
+    llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"))
+    assert not eng.check_state and not llm.state_pool.poison_freed
+    assert not torch.isnan(llm.state_pool.ssm_state).any()
+    calls = []
+    monkeypatch.setattr(eng, "check_batch", lambda *a: calls.append(a))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert calls == []
+
+
+def test_env_var_turns_it_on(tiny_ckpt, make_llm, monkeypatch):
+    monkeypatch.setenv("HYBRID_CHECK_STATE", "1")
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=2, page_size=4)
+    assert llm.engine.check_state and llm.state_pool.poison_freed
+    assert not make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=2, check_state=False).engine.check_state
+
+
+def test_silent_on_a_mixed_workload(tiny_ckpt, make_llm):
+    """Forks, speculation, preemption, slot reuse, sampling: no false positives, same outputs."""
+    path = tiny_ckpt("nemotron_h")
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [4], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21]]
+    sps = [SamplingParams(n=3, max_tokens=20, **GREEDY), SamplingParams(max_tokens=25, **GREEDY),
+           SamplingParams(temperature=0.9, max_tokens=22, seed=3, ignore_eos=True),
+           SamplingParams(n=2, temperature=0.5, max_tokens=18, seed=4, ignore_eos=True)]
+    ref = make_llm(path, max_num_seqs=8, page_size=4, max_model_len=48).generate(prompts, sps, use_tqdm=False)
+    llm = make_llm(path, max_num_seqs=3, page_size=4, max_model_len=48, num_kv_pages=14, check_state=True,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    got = llm.generate(prompts, sps, use_tqdm=False)
+    for r, g in zip(ref, got):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in r.outputs]
+    assert llm.engine.stats["preemptions"] > 0 and llm.engine.stats["spec_verify_rows"] > 0
+    assert llm.state_pool.num_free == 3 and llm.kv_cache.allocator.num_free == 13
