@@ -1,0 +1,523 @@
+"""Triton decode kernels for the Mamba2 mixer: conv window update, selective state update, and both fused.
+
+Semantics are those of `hybrid.ops.mamba_torch.conv_decode` / `ssm_decode` (decode path: no dt clamp),
+with all arithmetic in fp32 whatever the storage dtypes, and with padding rows skipped:
+
+- `selective_state_update(state, x, dt, A, B, C, D, dt_bias, state_indices, ...)`
+      state [S, H, P, N] fp32 or bf16 (bf16: loaded as bf16, updated in fp32, rounded once on store)
+      x [b, H, P] (one token) or [b, T, H, P] (T tokens, speculative verify); dt [b, H] / [b, T, H];
+      B, C [b, G, N] / [b, T, G, N]; A, D, dt_bias [H] (A = -exp(A_log); D, dt_bias may be None).
+      Returns y [b, H, P] / [b, T, H, P] (dtype of x, or write into `out`).
+      With `intermediate_states` [num_scratch, T, H, P, N] the state after every token is written to
+      intermediate_states[intermediate_indices[i], t] (default index: the batch row i) and the slot
+      is left untouched; without it the slot is updated in place with the state after the last token.
+- `conv_state_update(x, conv_state, weight, bias, state_indices, activation="silu", ...)`
+      x [b, C] or [b, T, C]; conv_state [S, C, K-1]; weight [C, K]; bias [C] or None.
+      Returns silu(conv) with x's shape. `intermediate_states` [num_scratch, T, C, K-1]: the window
+      after every token goes there and the slot is untouched (as above).
+- `fused_conv_ssm_update(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias,
+      state_indices, num_heads=, head_dim=, n_groups=)`: one token per request, one kernel:
+      conv window update + silu + split into x / B / C + state update. xBC [b, conv_dim] is the raw
+      (pre-conv) in_proj slice, conv_dim = H*P + 2*G*N in the order x, B, C.
+
+Padding: rows whose state index is < 0 (PAD_SLOT_ID) write no state and no scratch row; like the
+torch reference they compute their output from a zero state / zero conv history (never a slot's).
+
+Kernel design (memory bound: each state element is read once and written once):
+- state update grid (cdiv(P, BLOCK_P), H, b); each program streams one [BLOCK_P, N] tile of one
+  head of one slot (N whole, in registers; contiguous rows so loads/stores are 16-byte vectors),
+  computes dA = exp(A[h] * softplus(dt + dt_bias)) once per head, state = state * dA + (dt*B) x,
+  y = state @ C + D x, and stores the tile back (evict-first: the state is streamed, not reused).
+  BLOCK_P is picked so that small batches still launch >= ~4 programs per SM (batch 1 at 128 heads x
+  64: BLOCK_P 8 -> 1024 programs), larger batches use larger tiles (fewer, longer programs).
+- conv update grid (cdiv(C, BLOCK_C), b): the window [C, K] is a 2-D register tile, gathered from
+  the slot's K-1 history columns and the new token(s).
+- fused: the state-update grid; each program also computes the conv of its BLOCK_P x channels
+  (which it owns: it updates their conv history) and of its group's B and C channels (shared by all
+  programs of the group). The B/C history is written only by the last program of the (row, group)
+  to finish, found with an atomic counter in a small int32 workspace that the last program resets
+  to zero (so it is CUDA-graph safe); every program has read the old history before it counts in.
+
+Triton is imported guarded: importing this module without triton works; calling a kernel raises.
+Set TRITON_INTERPRET=1 before the first triton import to run the kernels on CPU tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # guarded: hybrid must import on machines without triton
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+PAD_SLOT_ID = -1
+
+
+def is_available() -> bool:
+    return HAS_TRITON
+
+
+def _require() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("hybrid.ops.triton_mamba needs triton, which is not importable here")
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _softplus(v):
+        # torch.nn.functional.softplus (beta 1, threshold 20) with an accurate log1p (Goldberg).
+        u = tl.exp(v)
+        w = 1.0 + u
+        lp = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+        return tl.where(v > 20.0, v, lp)
+
+    @triton.jit
+    def _ssm_update_kernel(
+        state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, out_ptr, idx_ptr,
+        inter_ptr, inter_idx_ptr,
+        T, P, N, heads_per_group,
+        s_st_slot, s_st_h, s_st_p,
+        s_x_b, s_x_t, s_x_h,
+        s_dt_b, s_dt_t, s_dt_h,
+        s_B_b, s_B_t, s_B_g,
+        s_C_b, s_C_t, s_C_g,
+        s_o_b, s_o_t, s_o_h,
+        s_i_slot, s_i_t, s_i_h, s_i_p,
+        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_INTER: tl.constexpr, HAS_INTER_IDX: tl.constexpr,
+    ):
+        pid_p = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_p = offs_p < P
+        mask_n = offs_n < N
+        mask = mask_p[:, None] & mask_n[None, :]
+        out_base = out_ptr + b.to(tl.int64) * s_o_b + h * s_o_h + offs_p
+
+        slot = tl.load(idx_ptr + b).to(tl.int64)
+        valid = slot >= 0  # padding row: zero state in, nothing stored (as mamba_torch.ssm_decode)
+        smask = mask & valid
+        tile = h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :]
+        st_ptrs = state_ptr + tl.maximum(slot, 0) * s_st_slot + tile
+        state = tl.load(st_ptrs, mask=smask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+
+        g = h // heads_per_group
+        A = tl.load(A_ptr + h).to(tl.float32)
+        if HAS_D:
+            Dh = tl.load(D_ptr + h).to(tl.float32)
+        if HAS_DT_BIAS:
+            dtb = tl.load(dt_bias_ptr + h).to(tl.float32)
+        if HAS_INTER:
+            if HAS_INTER_IDX:
+                irow = tl.maximum(tl.load(inter_idx_ptr + b).to(tl.int64), 0)
+            else:
+                irow = b.to(tl.int64)
+            i_ptrs = inter_ptr + irow * s_i_slot + h * s_i_h + offs_p[:, None] * s_i_p + offs_n[None, :]
+
+        x_base = x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + offs_p
+        dt_base = dt_ptr + b.to(tl.int64) * s_dt_b + h * s_dt_h
+        B_base = B_ptr + b.to(tl.int64) * s_B_b + g * s_B_g + offs_n
+        C_base = C_ptr + b.to(tl.int64) * s_C_b + g * s_C_g + offs_n
+        for t in range(T):
+            x = tl.load(x_base + t * s_x_t, mask=mask_p, other=0.0).to(tl.float32)
+            dt = tl.load(dt_base + t * s_dt_t).to(tl.float32)
+            Bv = tl.load(B_base + t * s_B_t, mask=mask_n, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            Cv = tl.load(C_base + t * s_C_t, mask=mask_n, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            if HAS_DT_BIAS:
+                dt = dt + dtb
+            dt = _softplus(dt)
+            dA = tl.exp(dt * A)
+            dB = Bv * dt  # [N]: (dt * B) * x as in the reference
+            state = state * dA + x[:, None] * dB[None, :]
+            y = tl.sum(state * Cv[None, :], axis=1)
+            if HAS_D:
+                y = y + x * Dh
+            tl.store(out_base + t * s_o_t, y.to(out_ptr.dtype.element_ty), mask=mask_p)
+            if HAS_INTER:
+                tl.store(i_ptrs + t * s_i_t, state.to(inter_ptr.dtype.element_ty), mask=smask,
+                         eviction_policy="evict_first")
+        if not HAS_INTER:
+            tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=smask, eviction_policy="evict_first")
+
+    @triton.jit
+    def _ext_tile(cs_row, x_row, offs_c, mask_c, start, s_cs_c, s_cs_k, s_x_t, valid,
+                  K: tl.constexpr, KP: tl.constexpr, NCOLS: tl.constexpr):
+        """[BLOCK_C, KP] tile: column j holds ext[start + j] (j < NCOLS) of the extended sequence
+        ext = [history col 0 .. K-2, token 0, token 1, ...], zero elsewhere (and a zero history
+        when not `valid`: padding rows). fp32."""
+        cols = tl.arange(0, KP)
+        i = start + cols  # index into ext
+        in_hist = (i < K - 1) & (cols < NCOLS) & valid
+        in_x = (i >= K - 1) & (cols < NCOLS)
+        hist = tl.load(cs_row + offs_c[:, None] * s_cs_c + tl.where(in_hist, i, 0)[None, :] * s_cs_k,
+                       mask=mask_c[:, None] & in_hist[None, :], other=0.0).to(tl.float32)
+        xt = tl.load(x_row + tl.where(in_x, i - (K - 1), 0)[None, :] * s_x_t + offs_c[:, None],
+                     mask=mask_c[:, None] & in_x[None, :], other=0.0).to(tl.float32)
+        return hist + xt
+
+    @triton.jit
+    def _conv_window_out(cs_row, x_row, w_ptr, bias_ptr, offs_c, mask_c, t, s_cs_c, s_cs_k, s_x_t, s_w_c, valid,
+                         K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+        """Conv output (fp32, [BLOCK_C]) of token t: sum_k w[c, k] * ext[t + k] (+ bias), silu."""
+        cols = tl.arange(0, KP)
+        win = _ext_tile(cs_row, x_row, offs_c, mask_c, t, s_cs_c, s_cs_k, s_x_t, valid, K, KP, K)
+        w = tl.load(w_ptr + offs_c[:, None] * s_w_c + cols[None, :],
+                    mask=mask_c[:, None] & (cols < K)[None, :], other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
+        acc = tl.sum(win * w, axis=1)
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        return acc
+
+    @triton.jit
+    def _conv_update_kernel(
+        x_ptr, cs_ptr, w_ptr, bias_ptr, out_ptr, idx_ptr, inter_ptr, inter_idx_ptr,
+        T, CD,
+        s_x_b, s_x_t,
+        s_cs_slot, s_cs_c, s_cs_k,
+        s_w_c,
+        s_o_b, s_o_t,
+        s_i_slot, s_i_t, s_i_c, s_i_k,
+        K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_INTER: tl.constexpr, HAS_INTER_IDX: tl.constexpr,
+    ):
+        pid_c = tl.program_id(0)
+        b = tl.program_id(1)
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_c = offs_c < CD
+        cols = tl.arange(0, KP)
+        out_base = out_ptr + b.to(tl.int64) * s_o_b + offs_c
+        slot = tl.load(idx_ptr + b).to(tl.int64)
+        valid = slot >= 0  # padding row: zero history in, nothing stored (as mamba_torch.conv_decode)
+        cs_row = cs_ptr + tl.maximum(slot, 0) * s_cs_slot
+        x_row = x_ptr + b.to(tl.int64) * s_x_b
+        if HAS_INTER:
+            if HAS_INTER_IDX:
+                irow = tl.maximum(tl.load(inter_idx_ptr + b).to(tl.int64), 0)
+            else:
+                irow = b.to(tl.int64)
+            i_ptrs = inter_ptr + irow * s_i_slot + offs_c[:, None] * s_i_c + cols[None, :] * s_i_k
+        for t in range(T):
+            acc = _conv_window_out(cs_row, x_row, w_ptr, bias_ptr, offs_c, mask_c, t, s_cs_c, s_cs_k, s_x_t,
+                                   s_w_c, valid, K, KP, HAS_BIAS, SILU)
+            tl.store(out_base + t * s_o_t, acc.to(out_ptr.dtype.element_ty), mask=mask_c)
+            if HAS_INTER:
+                win = _ext_tile(cs_row, x_row, offs_c, mask_c, t + 1, s_cs_c, s_cs_k, s_x_t, valid, K, KP, K - 1)
+                tl.store(i_ptrs + t * s_i_t, win.to(inter_ptr.dtype.element_ty),
+                         mask=mask_c[:, None] & (cols < K - 1)[None, :] & valid)
+        if not HAS_INTER:
+            new = _ext_tile(cs_row, x_row, offs_c, mask_c, T, s_cs_c, s_cs_k, s_x_t, valid, K, KP, K - 1)
+            tl.debug_barrier()  # every thread has read the old history before any of it is overwritten
+            tl.store(cs_row + offs_c[:, None] * s_cs_c + cols[None, :] * s_cs_k, new.to(cs_ptr.dtype.element_ty),
+                     mask=mask_c[:, None] & (cols < K - 1)[None, :] & valid)
+
+    @triton.jit
+    def _fused_conv_ssm_kernel(
+        xbc_ptr, dt_ptr, cs_ptr, w_ptr, cbias_ptr, state_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr, idx_ptr,
+        counter_ptr,
+        P, N, G, heads_per_group, num_pblocks,
+        s_xbc_b, s_dt_b, s_dt_h,
+        s_cs_slot, s_cs_c, s_cs_k, s_w_c,
+        s_st_slot, s_st_h, s_st_p,
+        s_o_b, s_o_h,
+        X_CH: tl.constexpr,  # H * P: the first x channel of B is X_CH, of C is X_CH + G * N
+        K: tl.constexpr, KP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_CBIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    ):
+        pid_p = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_p = offs_p < P
+        mask_n = offs_n < N
+        mask = mask_p[:, None] & mask_n[None, :]
+        cols = tl.arange(0, KP)
+        out_base = out_ptr + b.to(tl.int64) * s_o_b + h * s_o_h + offs_p
+        slot = tl.load(idx_ptr + b).to(tl.int64)
+        valid = slot >= 0  # padding row: zero conv history and state in, nothing stored
+        slot = tl.maximum(slot, 0)
+        # The state tile first: the longest load, independent of the conv.
+        st_ptrs = state_ptr + slot * s_st_slot + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :]
+        state = tl.load(st_ptrs, mask=mask & valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
+
+        g = h // heads_per_group
+        cs_row = cs_ptr + slot * s_cs_slot
+        x_row = xbc_ptr + b.to(tl.int64) * s_xbc_b
+        # x channels of this program (owned: their history is updated here).
+        cx = h * P + offs_p
+        x = _conv_window_out(cs_row, x_row, w_ptr, cbias_ptr, cx, mask_p, 0, s_cs_c, s_cs_k, 0, s_w_c, valid,
+                             K, KP, HAS_CBIAS, True)
+        new_x = _ext_tile(cs_row, x_row, cx, mask_p, 1, s_cs_c, s_cs_k, 0, valid, K, KP, K - 1)
+        # B and C channels of the group (shared by the group's programs).
+        cb = X_CH + g * N + offs_n
+        cc = X_CH + G * N + g * N + offs_n
+        Bv = _conv_window_out(cs_row, x_row, w_ptr, cbias_ptr, cb, mask_n, 0, s_cs_c, s_cs_k, 0, s_w_c, valid,
+                              K, KP, HAS_CBIAS, True)
+        Cv = _conv_window_out(cs_row, x_row, w_ptr, cbias_ptr, cc, mask_n, 0, s_cs_c, s_cs_k, 0, s_w_c, valid,
+                              K, KP, HAS_CBIAS, True)
+        # Round to the activation dtype as conv_decode's output is, so fused == conv -> ssm.
+        x = x.to(xbc_ptr.dtype.element_ty).to(tl.float32)
+        Bv = Bv.to(xbc_ptr.dtype.element_ty).to(tl.float32)
+        Cv = Cv.to(xbc_ptr.dtype.element_ty).to(tl.float32)
+        kmask = (cols < K - 1)[None, :]
+        tl.debug_barrier()  # all threads of this program have read the old history
+        tl.store(cs_row + cx[:, None] * s_cs_c + cols[None, :] * s_cs_k, new_x.to(cs_ptr.dtype.element_ty),
+                 mask=mask_p[:, None] & kmask & valid)
+        if valid:
+            # Count this program in; the last of the (row, group) writes the B/C history and resets the count.
+            done = tl.atomic_add(counter_ptr + b * G + g, 1, sem="acq_rel")
+            if done == heads_per_group * num_pblocks - 1:
+                new_b = _ext_tile(cs_row, x_row, cb, mask_n, 1, s_cs_c, s_cs_k, 0, valid, K, KP, K - 1)
+                new_c = _ext_tile(cs_row, x_row, cc, mask_n, 1, s_cs_c, s_cs_k, 0, valid, K, KP, K - 1)
+                tl.debug_barrier()
+                tl.store(cs_row + cb[:, None] * s_cs_c + cols[None, :] * s_cs_k, new_b.to(cs_ptr.dtype.element_ty),
+                         mask=mask_n[:, None] & kmask)
+                tl.store(cs_row + cc[:, None] * s_cs_c + cols[None, :] * s_cs_k, new_c.to(cs_ptr.dtype.element_ty),
+                         mask=mask_n[:, None] & kmask)
+                tl.atomic_xchg(counter_ptr + b * G + g, 0)
+
+        A = tl.load(A_ptr + h).to(tl.float32)
+        dt = tl.load(dt_ptr + b.to(tl.int64) * s_dt_b + h * s_dt_h).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt = dt + tl.load(dt_bias_ptr + h).to(tl.float32)
+        dt = _softplus(dt)
+        dA = tl.exp(dt * A)
+        dB = Bv * dt
+        state = state * dA + x[:, None] * dB[None, :]
+        tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask & valid, eviction_policy="evict_first")
+        y = tl.sum(state * Cv[None, :], axis=1)
+        if HAS_D:
+            y = y + x * tl.load(D_ptr + h).to(tl.float32)
+        tl.store(out_base, y.to(out_ptr.dtype.element_ty), mask=mask_p)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def default_ssm_config(batch: int, heads: int, head_dim: int, state_size: int, state_dtype: torch.dtype,
+                       device: torch.device) -> tuple[int, int]:
+    """(BLOCK_P, num_warps): the largest tile that still gives >= 4 programs per SM, at most 16 KiB."""
+    sms = _sm_count(device)
+    bn = _next_pow2(state_size)
+    elt = torch.empty((), dtype=state_dtype).element_size()
+    bp = min(_next_pow2(head_dim), max(1, 16384 // (bn * elt)))
+    while bp > 1 and batch * heads * triton_cdiv(head_dim, bp) < 4 * sms:
+        bp //= 2
+    bp = max(bp, 1)
+    tile = bp * bn
+    num_warps = 8 if tile >= 4096 else (4 if tile >= 1024 else 2)
+    return bp, num_warps
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _indices(state_indices: torch.Tensor) -> torch.Tensor:
+    if state_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError("state_indices must be int32 or int64")
+    return state_indices if state_indices.is_contiguous() else state_indices.contiguous()
+
+
+def _last_contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                           state_indices: torch.Tensor, *, out: torch.Tensor | None = None,
+                           intermediate_states: torch.Tensor | None = None,
+                           intermediate_indices: torch.Tensor | None = None,
+                           block_p: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Mamba2 decode recurrence (see the module docstring for shapes). Returns y like x.
+
+    dt is softplus(dt + dt_bias) (no clamp); dA = exp(dt * A[h]); state = state * dA + dt * B x;
+    y = state . C + D x. state_indices[i] < 0 marks a padding row (zero state in, nothing stored).
+    """
+    _require()
+    single = x.dim() == 3
+    if single:
+        x, dt, B, C = x.unsqueeze(1), dt.unsqueeze(1), B.unsqueeze(1), C.unsqueeze(1)
+    batch, T, H, P = x.shape
+    G, N = B.shape[-2], B.shape[-1]
+    assert state.dim() == 4 and state.shape[1:] == (H, P, N), (state.shape, x.shape, B.shape)
+    assert dt.shape == (batch, T, H) and B.shape == (batch, T, G, N) and C.shape == B.shape
+    assert H % G == 0 and state_indices.shape == (batch,)
+    assert state.stride(-1) == 1, "state must be contiguous along the state dim"
+    x, B, C = _last_contig(x), _last_contig(B), _last_contig(C)
+    idx = _indices(state_indices)
+    if out is None:
+        out = torch.empty(batch, T, H, P, dtype=x.dtype, device=x.device)
+    else:
+        out = out.view(batch, T, H, P) if single else out
+        assert out.shape == (batch, T, H, P) and out.stride(-1) == 1
+    if intermediate_states is not None:
+        inter = intermediate_states
+        assert inter.dim() == 5 and inter.shape[1:] == (T, H, P, N) and inter.stride(-1) == 1, inter.shape
+        if intermediate_indices is None:
+            assert inter.shape[0] >= batch
+        inter_strides = (inter.stride(0), inter.stride(1), inter.stride(2), inter.stride(3))
+    else:
+        inter = state  # unused dummy pointer
+        inter_strides = (0, 0, 0, 0)
+    ii = _indices(intermediate_indices) if intermediate_indices is not None else idx
+    A = A.contiguous()
+    bp_default, nw_default = default_ssm_config(batch, H, P, N, state.dtype, state.device)
+    bp = block_p or bp_default
+    nw = num_warps or nw_default
+    grid = (triton_cdiv(P, bp), H, batch)
+    _ssm_update_kernel[grid](
+        state, x, dt, A, B, C,
+        D.contiguous() if D is not None else A, dt_bias.contiguous() if dt_bias is not None else A,
+        out, idx, inter, ii,
+        T, P, N, H // G,
+        state.stride(0), state.stride(1), state.stride(2),
+        x.stride(0), x.stride(1), x.stride(2),
+        dt.stride(0), dt.stride(1), dt.stride(2),
+        B.stride(0), B.stride(1), B.stride(2),
+        C.stride(0), C.stride(1), C.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        *inter_strides,
+        BLOCK_P=bp, BLOCK_N=_next_pow2(N),
+        HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
+        HAS_INTER=intermediate_states is not None, HAS_INTER_IDX=intermediate_indices is not None,
+        num_warps=nw,
+    )
+    return out[:, 0] if single else out
+
+
+def conv_state_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      state_indices: torch.Tensor, activation: str | None = "silu", *,
+                      out: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
+                      intermediate_indices: torch.Tensor | None = None, block_c: int = 256,
+                      num_warps: int = 4) -> torch.Tensor:
+    """Depthwise causal conv decode step(s) with the slot's K-1 history (causal_conv1d_update equivalent).
+
+    x [b, C] or [b, T, C]; conv_state [S, C, K-1]; weight [C, K]; bias [C] or None;
+    activation "silu"/"swish" or None. Returns the conv output like x (dtype of x, or `out`).
+    Padding rows (state_indices < 0) see a zero history and store nothing.
+    """
+    _require()
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    single = x.dim() == 2
+    if single:
+        x = x.unsqueeze(1)
+    x = _last_contig(x)
+    batch, T, CD = x.shape
+    K = weight.shape[-1]
+    assert weight.shape == (CD, K) and conv_state.shape[1:] == (CD, K - 1), (weight.shape, conv_state.shape)
+    assert state_indices.shape == (batch,)
+    idx = _indices(state_indices)
+    if out is None:
+        out = torch.empty(batch, T, CD, dtype=x.dtype, device=x.device)
+    else:
+        out = out.view(batch, T, CD) if single else out
+        assert out.shape == (batch, T, CD) and out.stride(-1) == 1
+    if intermediate_states is not None:
+        inter = intermediate_states
+        assert inter.dim() == 4 and inter.shape[1:] == (T, CD, K - 1), inter.shape
+        inter_strides = tuple(inter.stride())
+    else:
+        inter = conv_state
+        inter_strides = (0, 0, 0, 0)
+    ii = _indices(intermediate_indices) if intermediate_indices is not None else idx
+    grid = (triton_cdiv(CD, block_c), batch)
+    _conv_update_kernel[grid](
+        x, conv_state, weight, bias if bias is not None else weight, out, idx, inter, ii,
+        T, CD,
+        x.stride(0), x.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        weight.stride(0),
+        out.stride(0), out.stride(1),
+        *inter_strides,
+        K=K, KP=_next_pow2(K), BLOCK_C=block_c,
+        HAS_BIAS=bias is not None, SILU=activation is not None,
+        HAS_INTER=intermediate_states is not None, HAS_INTER_IDX=intermediate_indices is not None,
+        num_warps=num_warps,
+    )
+    return out[:, 0] if single else out
+
+
+_WORKSPACES: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def fused_workspace(max_batch: int, n_groups: int, device: torch.device | str) -> torch.Tensor:
+    """The zeroed int32 counters the fused kernel needs ([max_batch * n_groups]); it leaves them zero.
+    Allocate once (before CUDA-graph capture) and pass as `workspace`, or let the wrapper cache one."""
+    return torch.zeros(max_batch * n_groups, dtype=torch.int32, device=device)
+
+
+def fused_conv_ssm_update(xBC: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
+                          conv_bias: torch.Tensor | None, ssm_state: torch.Tensor, A: torch.Tensor,
+                          D: torch.Tensor | None, dt_bias: torch.Tensor | None, state_indices: torch.Tensor, *,
+                          num_heads: int, head_dim: int, n_groups: int, out: torch.Tensor | None = None,
+                          workspace: torch.Tensor | None = None, block_p: int | None = None,
+                          num_warps: int | None = None) -> torch.Tensor:
+    """One decode token per request in one kernel: conv window update + silu of xBC [b, conv_dim]
+    (channels x [H*P], B [G*N], C [G*N]), then the state update. Returns y [b, H, P].
+
+    Equivalent to conv_decode -> split -> ssm_decode: the conv output is rounded to xBC's dtype
+    before the state update, exactly as conv_decode returns it, so this matches conv_state_update
+    followed by selective_state_update. `workspace`: see fused_workspace (cached per
+    device when omitted: then do not let the first call happen inside a CUDA-graph capture).
+    """
+    _require()
+    batch, CD = xBC.shape
+    H, P, G = num_heads, head_dim, n_groups
+    N = ssm_state.shape[-1]
+    K = conv_weight.shape[-1]
+    assert CD == H * P + 2 * G * N, (CD, H, P, G, N)
+    assert ssm_state.shape[1:] == (H, P, N) and ssm_state.stride(-1) == 1
+    assert conv_state.shape[1:] == (CD, K - 1) and conv_weight.shape == (CD, K)
+    assert dt.shape == (batch, H) and state_indices.shape == (batch,)
+    xBC = _last_contig(xBC)
+    idx = _indices(state_indices)
+    if workspace is None:
+        key = (xBC.device.type, xBC.device.index)
+        ws = _WORKSPACES.get(key)
+        if ws is None or ws.numel() < batch * G:
+            ws = fused_workspace(max(batch, 256), G, xBC.device)
+            _WORKSPACES[key] = ws
+        workspace = ws
+    assert workspace.dtype == torch.int32 and workspace.numel() >= batch * G
+    if out is None:
+        out = torch.empty(batch, H, P, dtype=xBC.dtype, device=xBC.device)
+    assert out.shape == (batch, H, P) and out.stride(-1) == 1
+    bp_default, nw_default = default_ssm_config(batch, H, P, N, ssm_state.dtype, ssm_state.device)
+    bp = block_p or bp_default
+    nw = num_warps or nw_default
+    npb = triton_cdiv(P, bp)
+    A = A.contiguous()
+    _fused_conv_ssm_kernel[(npb, H, batch)](
+        xBC, dt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state, A,
+        D.contiguous() if D is not None else A, dt_bias.contiguous() if dt_bias is not None else A,
+        out, idx, workspace,
+        P, N, G, H // G, npb,
+        xBC.stride(0), dt.stride(0), dt.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), conv_weight.stride(0),
+        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        out.stride(0), out.stride(1),
+        X_CH=H * P, K=K, KP=_next_pow2(K), BLOCK_P=bp, BLOCK_N=_next_pow2(N),
+        HAS_CBIAS=conv_bias is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
+        num_warps=nw,
+    )
+    return out

@@ -1,0 +1,245 @@
+"""GPU tests of hybrid.ops.triton_mamba (compiled Triton, Nemotron-H-8B layer dims) vs the torch reference.
+
+Run in a process where TRITON_INTERPRET is not set (tests/test_triton_kernels.py sets it only on
+machines without CUDA):  python -m pytest -m gpu tests/gpu/test_triton_kernels_gpu.py
+"""
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 in this process: run the GPU tests in their own process", allow_module_level=True)
+pytest.importorskip("triton")
+
+from hybrid.ops import mamba_torch  # noqa: E402
+from hybrid.ops import triton_mamba as tm  # noqa: E402
+
+H, P, G, N, K = 128, 64, 8, 128, 4
+CD = H * P + 2 * G * N
+SLOTS = 10  # the last row (9) plays the pool's scratch row
+DEV = "cuda"
+
+
+def _gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
+
+
+IDX = [0, -1, 8, 3, -1]  # next to slot 0 and to the last live slot, with pad rows
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_p", [None, 4, 16, 64])
+def test_ssm_update_vs_reference(state_dtype, block_p):
+    g = _gen(0)
+    b = len(IDX)
+    x = torch.randn(b, H, P, device=DEV, generator=g)
+    dt = torch.randn(b, H, device=DEV, generator=g) - 1
+    A = -torch.exp(torch.rand(H, device=DEV, generator=g) * 2)
+    B = torch.randn(b, G, N, device=DEV, generator=g)
+    C = torch.randn(b, G, N, device=DEV, generator=g)
+    D = torch.randn(H, device=DEV, generator=g)
+    dtb = torch.randn(H, device=DEV, generator=g) * 0.5
+    state = (torch.randn(SLOTS, H, P, N, device=DEV, generator=g) * 0.3).to(state_dtype)
+    idx = torch.tensor(IDX, device=DEV)
+    live = (idx >= 0).nonzero().flatten()
+    before = state.clone()
+    ref_state = before.float().clone()
+    ref_y = mamba_torch.ssm_decode(x[live], dt[live], A, B[live], C[live], D, dtb, ref_state, idx[live])
+    y = tm.selective_state_update(state, x, dt, A, B, C, D, dtb, idx, block_p=block_p)
+    torch.cuda.synchronize()
+    bound = 1e-5 if state_dtype == torch.float32 else 1e-2
+    assert not torch.isnan(y).any()
+    assert _rel(y[live], ref_y) < bound
+    assert _rel(state[idx[live]], ref_state[idx[live]]) < bound
+    if state_dtype == torch.bfloat16:  # one rounding of the fp32 result: within one bf16 ulp of torch's
+        torch.testing.assert_close(state[idx[live]].float(), ref_state[idx[live]].to(state_dtype).float(),
+                                   atol=1e-6, rtol=8e-3)
+    for s in range(SLOTS):
+        if s not in IDX:
+            assert torch.equal(state[s], before[s]), s
+    full = mamba_torch.ssm_decode(x, dt, A, B, C, D, dtb, before.float().clone(), idx)  # pad rows: zero state
+    assert _rel(y, full) < bound
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_ssm_update_bf16_activations_strided_like_the_layer(state_dtype):
+    """x / B / C as views of one bf16 xBC row, dt a view of zxbcdt: the layer's call pattern."""
+    g = _gen(1)
+    b = 4
+    zxbcdt = torch.randn(b, H * P + CD + H, device=DEV, generator=g).to(torch.bfloat16)
+    xbc = zxbcdt[:, H * P:H * P + CD]
+    dt = zxbcdt[:, H * P + CD:]
+    x, B, C = torch.split(xbc, [H * P, G * N, G * N], dim=-1)
+    x, B, C = x.reshape(b, H, P), B.reshape(b, G, N), C.reshape(b, G, N)
+    A = -torch.exp(torch.rand(H, device=DEV, generator=g) * 2)
+    D = torch.randn(H, device=DEV, generator=g)
+    dtb = torch.randn(H, device=DEV, generator=g) * 0.5
+    state = (torch.randn(SLOTS, H, P, N, device=DEV, generator=g) * 0.3).to(state_dtype)
+    idx = torch.tensor([2, 0, 8, 5], device=DEV)
+    ref_state = state.float().clone()
+    ref_y = mamba_torch.ssm_decode(x.float(), dt.float(), A, B.float(), C.float(), D, dtb, ref_state, idx)
+    y = tm.selective_state_update(state, x, dt, A, B, C, D, dtb, idx, out=torch.empty(b, H, P, device=DEV))
+    bound = 1e-5 if state_dtype == torch.float32 else 1e-2
+    assert _rel(y, ref_y) < bound
+    assert _rel(state[idx], ref_state[idx]) < bound
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_ssm_verify_intermediate_states(state_dtype):
+    g = _gen(2)
+    b, T = 3, 4
+    x = torch.randn(b, T, H, P, device=DEV, generator=g)
+    dt = torch.randn(b, T, H, device=DEV, generator=g) - 1
+    A = -torch.exp(torch.rand(H, device=DEV, generator=g) * 2)
+    B = torch.randn(b, T, G, N, device=DEV, generator=g)
+    C = torch.randn(b, T, G, N, device=DEV, generator=g)
+    D = torch.randn(H, device=DEV, generator=g)
+    dtb = torch.randn(H, device=DEV, generator=g) * 0.5
+    state = (torch.randn(SLOTS, H, P, N, device=DEV, generator=g) * 0.3).to(state_dtype)
+    idx = torch.tensor([8, -1, 0], device=DEV)
+    inter = torch.full((b, T, H, P, N), 7.0, device=DEV).to(state_dtype)
+    before = state.clone()
+    y = tm.selective_state_update(state, x, dt, A, B, C, D, dtb, idx, intermediate_states=inter)
+    assert torch.equal(state, before)
+    assert bool((inter[1] == 7).all())
+    bound = 1e-5 if state_dtype == torch.float32 else 1e-2
+    ref_state = before.float().clone()
+    for i in (0, 2):
+        for t in range(T):
+            s = idx[i:i + 1]
+            ry = mamba_torch.ssm_decode(x[i:i + 1, t], dt[i:i + 1, t], A, B[i:i + 1, t], C[i:i + 1, t], D, dtb,
+                                        ref_state, s)
+            assert _rel(y[i, t], ry[0]) < bound
+            assert _rel(inter[i, t], ref_state[s[0]]) < bound
+
+
+@pytest.mark.parametrize("conv_dtype", [torch.float32, torch.bfloat16])
+def test_conv_and_fused_vs_reference(conv_dtype):
+    g = _gen(3)
+    b = len(IDX)
+    xBC = torch.randn(b, CD, device=DEV, generator=g)
+    w = torch.randn(CD, K, device=DEV, generator=g) * 0.5
+    cb = torch.randn(CD, device=DEV, generator=g)
+    conv = torch.randn(SLOTS, CD, K - 1, device=DEV, generator=g).to(conv_dtype)
+    dt = torch.randn(b, H, device=DEV, generator=g) - 1
+    A = -torch.exp(torch.rand(H, device=DEV, generator=g) * 2)
+    D = torch.randn(H, device=DEV, generator=g)
+    dtb = torch.randn(H, device=DEV, generator=g) * 0.5
+    ssm = (torch.randn(SLOTS, H, P, N, device=DEV, generator=g) * 0.3).to(conv_dtype)
+    idx = torch.tensor(IDX, device=DEV)
+    live = (idx >= 0).nonzero().flatten()
+    ref_conv, ref_ssm = conv.float().clone(), ssm.float().clone()
+    xbc = mamba_torch.conv_decode(xBC[live], ref_conv, idx[live], w, cb)
+    xs, Bs, Cs = torch.split(xbc, [H * P, G * N, G * N], dim=-1)
+    n = len(live)
+    ref_y = mamba_torch.ssm_decode(xs.reshape(n, H, P), dt[live], A, Bs.reshape(n, G, N), Cs.reshape(n, G, N),
+                                   D, dtb, ref_ssm, idx[live])
+    bound = 1e-5 if conv_dtype == torch.float32 else 1e-2
+    c1 = conv.clone()
+    out = tm.conv_state_update(xBC, c1, w, cb, idx, "silu")
+    assert _rel(out[live], xbc) < 1e-5
+    assert torch.equal(c1, ref_conv.to(conv_dtype)), "conv history must be bit-identical (and others untouched)"
+    full = mamba_torch.conv_decode(xBC, conv.float().clone(), idx, w, cb)  # pad rows: zero history
+    assert _rel(out, full) < 1e-5
+    for block_p in (None, 8, 64):
+        c2, s2 = conv.clone(), ssm.clone()
+        ws = tm.fused_workspace(b, G, DEV)
+        y = tm.fused_conv_ssm_update(xBC, dt, c2, w, cb, s2, A, D, dtb, idx, num_heads=H, head_dim=P, n_groups=G,
+                                     workspace=ws, block_p=block_p)
+        torch.cuda.synchronize()
+        assert torch.equal(ws, torch.zeros_like(ws))
+        assert torch.equal(c2, ref_conv.to(conv_dtype)), block_p
+        assert _rel(y[live], ref_y) < max(bound, 1e-4), block_p
+        assert _rel(s2[idx[live]], ref_ssm[idx[live]]) < max(bound, 1e-4), block_p
+        for s in range(SLOTS):
+            if s not in IDX:
+                assert torch.equal(s2[s], ssm[s])
+
+
+def test_fused_in_cuda_graph_repeated():
+    """Replayed many times in a CUDA graph, the fused kernel keeps matching conv -> ssm (the counters reset)."""
+    g = _gen(4)
+    b = 8
+    xBC = torch.randn(b, CD, device=DEV, generator=g).to(torch.bfloat16)
+    w = (torch.randn(CD, K, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
+    cb = torch.randn(CD, device=DEV, generator=g).to(torch.bfloat16)
+    dt = (torch.randn(b, H, device=DEV, generator=g) - 1).to(torch.bfloat16)
+    A = -torch.exp(torch.rand(H, device=DEV, generator=g) * 2)
+    D = torch.randn(H, device=DEV, generator=g)
+    dtb = torch.randn(H, device=DEV, generator=g) * 0.5
+    conv = torch.randn(SLOTS, CD, K - 1, device=DEV, generator=g).to(torch.bfloat16)
+    ssm = (torch.randn(SLOTS, H, P, N, device=DEV, generator=g) * 0.3)
+    idx = torch.tensor([0, 1, 2, 3, -1, 5, 6, 8], device=DEV)
+    c_ref, s_ref = conv.clone(), ssm.clone()
+    ws = tm.fused_workspace(b, G, DEV)
+    y = torch.empty(b, H, P, device=DEV, dtype=torch.bfloat16)
+
+    def step():
+        tm.fused_conv_ssm_update(xBC, dt, conv, w, cb, ssm, A, D, dtb, idx, num_heads=H, head_dim=P, n_groups=G,
+                                 out=y, workspace=ws)
+
+    step()  # compile outside the capture
+    conv.copy_(c_ref)
+    ssm.copy_(s_ref)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(5):
+        graph.replay()
+    y_ref = None
+    for _ in range(5):
+        xbc = tm.conv_state_update(xBC, c_ref, w, cb, idx, "silu")
+        xs, Bs, Cs = torch.split(xbc, [H * P, G * N, G * N], dim=-1)
+        y_ref = tm.selective_state_update(s_ref, xs.reshape(b, H, P), dt, A, Bs.reshape(b, G, N),
+                                          Cs.reshape(b, G, N), D, dtb, idx)
+    torch.cuda.synchronize()
+    assert torch.equal(ws, torch.zeros_like(ws))
+    assert torch.equal(conv, c_ref)
+    assert _rel(ssm, s_ref) < 1e-5
+    assert _rel(y, y_ref) < 1e-2  # bf16 outputs
+
+
+def test_matches_library_when_installed():
+    """Same update as mamba_ssm's selective_state_update (if importable), bf16 state."""
+    import importlib.util
+    import sys
+    import types
+    spec = importlib.util.find_spec("mamba_ssm")
+    if spec is None:
+        pytest.skip("mamba_ssm not installed")
+    if "mamba_ssm" not in sys.modules:
+        pkg = types.ModuleType("mamba_ssm")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["mamba_ssm"] = pkg
+    try:
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update as ssu
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"mamba_ssm Triton kernels not importable: {e}")
+    g = _gen(5)
+    b = 4
+    x = torch.randn(b, H, P, device=DEV, generator=g)
+    dt = torch.randn(b, H, device=DEV, generator=g) - 1
+    A = -torch.exp(torch.rand(H, device=DEV, generator=g) * 2)
+    B = torch.randn(b, G, N, device=DEV, generator=g)
+    C = torch.randn(b, G, N, device=DEV, generator=g)
+    D = torch.randn(H, device=DEV, generator=g)
+    dtb = torch.randn(H, device=DEV, generator=g) * 0.5
+    state = (torch.randn(SLOTS, H, P, N, device=DEV, generator=g) * 0.3)
+    idx = torch.tensor([3, 0, 8, 5], device=DEV)
+    s1, s2 = state.clone(), state.clone()
+    y1 = tm.selective_state_update(s1, x, dt, A, B, C, D, dtb, idx)
+    y2 = ssu(s2, x, dt[:, :, None].expand(b, H, P), A[:, None, None].expand(H, P, N), B, C,
+             D=D[:, None].expand(H, P), z=None, dt_bias=dtb[:, None].expand(H, P), dt_softplus=True,
+             state_batch_indices=idx.to(torch.int32))
+    assert _rel(y1, y2) < 1e-5
+    assert _rel(s1, s2) < 1e-5
