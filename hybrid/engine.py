@@ -310,7 +310,10 @@ class Engine:
             if slot is None:
                 break
             seq.slot = slot
-            seq.prefill_len = seq.num_tokens
+            # Only the prompt goes through the prefill scan. Tokens generated before a preemption are
+            # replayed one per step through the decode recurrence, as they first ran, so the rebuilt
+            # state is bit-identical (the scan clamps dt and rounds differently from the recurrence).
+            seq.prefill_len = len(seq.prompt_token_ids)
             seq.num_computed = 0
             chunk = self._fit_chunk(seq, budget)
             if not chunk:
@@ -332,8 +335,8 @@ class Engine:
 
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
         """Speculative drafts for a decoding sequence ([] without speculation or without a match)."""
-        if self.proposer is None:
-            return []
+        if self.proposer is None or seq.num_computed + 1 < seq.num_tokens:
+            return []  # no speculation while replaying known tokens after a preemption
         # a verify emits up to 1 + drafts tokens: stay within max_tokens, the context and the budget
         room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens,
                    budget) - 1

@@ -126,10 +126,17 @@ def weight_files(model_dir: str) -> dict[str, str]:
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map")
         files = {}
+        shard_keys: dict[str, set[str]] = {}
         for name, shard in weight_map.items():
             path = os.path.join(model_dir, shard)
-            if not os.path.isfile(path):
-                raise CheckpointError(f"missing file: {path} (shard listed in model.safetensors.index.json)")
+            if path not in shard_keys:
+                if not os.path.isfile(path):
+                    raise CheckpointError(f"missing file: {path} (shard listed in model.safetensors.index.json)")
+                with safe_open(path, framework="pt") as f:  # reads the header only
+                    shard_keys[path] = set(f.keys())
+            if name not in shard_keys[path]:
+                raise CheckpointError(f"missing tensor '{name}': model.safetensors.index.json lists it in {shard}, "
+                                      "which does not hold it")
             files[name] = path
         return files
     if os.path.isfile(single):
