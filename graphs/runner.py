@@ -1,21 +1,178 @@
 """The model runner: the one call the engine makes per step.
 
-On CPU (and with enforce_eager) it runs the model eagerly. CUDA-graph capture of decode
-batches plugs in here, behind the same `execute` call.
+`execute(batch)` picks the path:
+- decode-only batches whose size fits a bucket: on CUDA with graphs enabled, the batch is copied
+  into persistent buffers (padding rows as in graphs/padding.py) and the bucket's captured graph
+  is replayed; with `pad_decode=True` and no graphs (CPU tests) the padded batch runs eagerly;
+- everything else (prefill, mixed, speculative verify, sizes above the largest bucket): eager.
+Only the real rows' logits are returned, whatever path ran.
+
+Graphs are captured per bucket, largest first, into one shared memory pool, with every row a
+padding row (so capture writes no live Mamba slot and only the dummy KV page).
 """
 from __future__ import annotations
 
+import logging
+import time
+from typing import TYPE_CHECKING
+
 import torch
 
-from hybrid.batch import StepBatch
+from attention.kv_cache import DUMMY_PAGE
+from graphs.padding import bucket_for, default_capture_sizes, is_plain_decode, pad_decode_batch
+from state_pool.pool import PAD_SLOT_ID
+
+if TYPE_CHECKING:
+    from hybrid.batch import StepBatch
+
+logger = logging.getLogger("hybrid")
+
+
+class _Buffers:
+    """Persistent inputs of the captured graphs, sized for the largest bucket."""
+
+    def __init__(self, size: int, max_pages: int, device: torch.device) -> None:
+        i64 = dict(dtype=torch.long, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(size, **i64)
+        self.positions = torch.zeros(size, **i64)
+        self.query_start_loc = torch.arange(size + 1, **i32)
+        self.seq_lens = torch.ones(size, **i32)
+        self.page_table = torch.full((size, max_pages), DUMMY_PAGE, **i32)
+        self.kv_write_loc = torch.zeros(size, **i64)
+        self.state_slot = torch.full((size,), PAD_SLOT_ID, **i64)
+        self.has_initial_state = torch.ones(size, dtype=torch.bool, device=device)
+        self.logits_indices = torch.arange(size, **i64)
+
+    def batch(self, size: int) -> StepBatch:
+        from hybrid.batch import StepBatch
+
+        return StepBatch(
+            input_ids=self.input_ids[:size], positions=self.positions[:size],
+            query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
+            page_table=self.page_table[:size], kv_write_loc=self.kv_write_loc[:size],
+            state_slot=self.state_slot[:size], has_initial_state=self.has_initial_state[:size],
+            logits_indices=self.logits_indices[:size], num_decodes=size, num_prefills=0,
+            query_lens_cpu=[1] * size, seq_lens_cpu=[1] * size, state_slot_cpu=[PAD_SLOT_ID] * size,
+            has_initial_state_cpu=[True] * size, num_real_requests=size,
+        )
+
+    def fill(self, batch: StepBatch, size: int, page_size: int) -> None:
+        """Copy a real decode batch into rows [0, n) and padding into rows [n, size), in place."""
+        n = batch.num_requests
+        width = batch.page_table.shape[1]
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:n].copy_(batch.positions, non_blocking=True)
+        self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        self.page_table[:n, :width].copy_(batch.page_table, non_blocking=True)
+        if width < self.page_table.shape[1]:
+            self.page_table[:n, width:].fill_(DUMMY_PAGE)
+        self.kv_write_loc[:n].copy_(batch.kv_write_loc, non_blocking=True)
+        self.state_slot[:n].copy_(batch.state_slot, non_blocking=True)
+        self.has_initial_state[:n].copy_(batch.has_initial_state, non_blocking=True)
+        if size > n:
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.seq_lens[n:size].fill_(1)
+            self.page_table[n:size].fill_(DUMMY_PAGE)
+            self.kv_write_loc[n:size].fill_(DUMMY_PAGE * page_size)
+            self.state_slot[n:size].fill_(PAD_SLOT_ID)
+            self.has_initial_state[n:size].fill_(True)
 
 
 class ModelRunner:
-    def __init__(self, model, ctx, enforce_eager: bool = True) -> None:
+    def __init__(self, model, ctx, enforce_eager: bool = True, *, max_num_seqs: int | None = None,
+                 max_model_len: int | None = None, page_size: int | None = None,
+                 cuda_graph_sizes: list[int] | None = None, pad_decode: bool | None = None,
+                 progress: bool = True) -> None:
         self.model = model
         self.ctx = ctx
         self.enforce_eager = enforce_eager
+        self.page_size = page_size or (ctx.kv_cache.page_size if ctx is not None and ctx.kv_cache is not None else 16)
+        self.max_num_seqs = max_num_seqs or 1
+        self.max_model_len = max_model_len
+        sizes = cuda_graph_sizes if cuda_graph_sizes else default_capture_sizes(self.max_num_seqs)
+        self.capture_sizes = sorted({int(s) for s in sizes if int(s) >= 1})
+        self.use_graphs = (not enforce_eager) and self._graphs_supported()
+        self.pad_decode = self.use_graphs if pad_decode is None else pad_decode
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.buffers: _Buffers | None = None
+        self.stats = {"graph_replays": 0, "padded_eager": 0, "eager": 0}
+        if self.use_graphs:
+            self.capture(progress=progress)
 
+    # ------------------------------------------------------------------ capability
+    def _device(self) -> torch.device:
+        return self.model.embed.device
+
+    def _graphs_supported(self) -> bool:
+        if self._device().type != "cuda" or self.max_model_len is None:
+            return False
+        backend = self.ctx.attention_backend
+        dtype = self.model.embed.dtype
+        if self.model.cfg.attention_layers:
+            if not getattr(backend, "supports_cuda_graphs", False):
+                return False
+            if hasattr(backend, "graph_safe") and not backend.graph_safe(dtype):
+                return False
+        from hybrid.layers import GraniteMoE, NemotronMoE
+
+        if any(isinstance(m, (NemotronMoE, GraniteMoE)) for m in self.model.modules()):
+            # The routed experts loop over torch.unique(top_idx) on the host: not capturable.
+            logger.info("CUDA graphs off: MoE routing is data-dependent (decode runs eagerly)")
+            return False
+        # The torch Mamba decode path is capturable too, but reads no CPU lists only with kernels.
+        return all(m.kernels is not None for m in self.model.mamba_mixers())
+
+    # ------------------------------------------------------------------ capture
+    @torch.inference_mode()
+    def capture(self, progress: bool = True) -> None:
+        device = self._device()
+        max_pages = -(-self.max_model_len // self.page_size)
+        self.buffers = _Buffers(max(self.capture_sizes), max_pages, device)
+        self.pool = torch.cuda.graph_pool_handle()
+        sizes = sorted(self.capture_sizes, reverse=True)  # largest first: smaller ones reuse its pool
+        it = sizes
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(sizes, desc="Capturing CUDA graphs", unit="graph")
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(device)[0]
+        for size in it:
+            batch = self.buffers.batch(size)  # all padding rows: writes no live slot, only the dummy page
+            for _ in range(2):  # warm-up: JIT, autotuning, workspace allocation
+                self.model(batch, self.ctx)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.model(batch, self.ctx)
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize(device)
+        used = free_before - torch.cuda.mem_get_info(device)[0]
+        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB", len(sizes),
+                    self.capture_sizes, time.perf_counter() - start, used / 2**20)
+
+    # ------------------------------------------------------------------ execute
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] (fp32) for the batch."""
+        if (self.use_graphs or self.pad_decode) and is_plain_decode(batch):
+            size = bucket_for(batch.num_requests, self.capture_sizes)
+            if size is not None:
+                if self.use_graphs and size in self.graphs and \
+                        batch.page_table.shape[1] <= self.buffers.page_table.shape[1]:
+                    return self.replay(batch, size)
+                if self.pad_decode:
+                    self.stats["padded_eager"] += 1
+                    padded = pad_decode_batch(batch, size, self.page_size)
+                    return self.model(padded, self.ctx)[: batch.num_requests]
+        self.stats["eager"] += 1
         return self.model(batch, self.ctx)
+
+    def replay(self, batch: StepBatch, size: int) -> torch.Tensor:
+        graph, out = self.graphs[size]
+        with torch.inference_mode():  # the buffers were made under inference mode (capture)
+            self.buffers.fill(batch, size, self.page_size)
+        graph.replay()
+        self.stats["graph_replays"] += 1
+        return out[: batch.num_requests].clone()

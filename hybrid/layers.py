@@ -81,7 +81,8 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: StepBatch, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        if self.kernels is not None:
+        nv = batch.num_verify
+        if self.kernels is not None and (not nv or getattr(self.kernels, "supports_verify", False)):
             return self.kernels.mamba_forward(self, hidden, batch, conv_state, ssm_state)
         inner, conv_dim, nh, P = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim
         gn = cfg.n_groups * cfg.state_size
@@ -100,9 +101,12 @@ class Mamba2Mixer(nn.Module):
                 self.D, self.dt_bias, ssm_state, slots,
             ).float()
 
+        if nv:
+            self._verify(xBC, dt, A, y, batch, conv_state, ssm_state)
+
         starts = batch.query_lens_cpu
-        offset = nd
-        for i in range(nd, batch.num_requests):
+        offset = nd + sum(starts[nd:nd + nv])
+        for i in range(nd + nv, batch.num_requests):
             length = starts[i]
             slot = batch.state_slot_cpu[i]
             if slot < 0:  # padding row: touches no state
@@ -123,6 +127,44 @@ class Mamba2Mixer(nn.Module):
 
         out = self.gated_norm(y.reshape(-1, inner), z)
         return self.out_proj(out.to(hidden.dtype))
+
+    def _verify(self, xBC: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor, batch: StepBatch,
+                conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        """Speculative verify rows: the decode recurrence token by token (exactly the decode path's
+        math), starting from each row's slot and keeping the state after every token in the verify
+        scratch; the slots themselves are not written (the engine commits the accepted position)."""
+        cfg = self.cfg
+        inner, nh, P = cfg.intermediate_size, cfg.num_heads, cfg.head_dim
+        gn = cfg.n_groups * cfg.state_size
+        nd, nv = batch.num_decodes, batch.num_verify
+        conv_scr = batch.state_scratch[0][self.layer_index]  # [rows, K+1, C, W]
+        ssm_scr = batch.state_scratch[1][self.layer_index]  # [rows, K+1, H, P, N]
+        width = conv_scr.shape[1]
+        conv_flat = conv_scr.view(-1, *conv_scr.shape[2:])
+        ssm_flat = ssm_scr.view(-1, *ssm_scr.shape[2:])
+        q_lens = batch.query_lens_cpu
+        tok_start = [nd + sum(q_lens[nd:i]) for i in range(nd, nd + nv)]
+        rows = list(range(nd, nd + nv))
+        dev = xBC.device
+        for j in range(max(q_lens[i] for i in rows)):
+            act = [k for k, i in enumerate(rows) if q_lens[i] > j]
+            n = len(act)
+            tok = torch.tensor([tok_start[k] + j for k in act], dtype=torch.long, device=dev)
+            dst = torch.tensor([batch.scratch_index_cpu[rows[k]] * width + j for k in act], dtype=torch.long,
+                               device=dev)
+            if j == 0:
+                src = torch.tensor([batch.state_slot_cpu[rows[k]] for k in act], dtype=torch.long, device=dev)
+                conv_flat[dst] = conv_state[src]
+                ssm_flat[dst] = ssm_state[src]
+            else:
+                conv_flat[dst] = conv_flat[dst - 1]
+                ssm_flat[dst] = ssm_flat[dst - 1]
+            xbc = mamba_torch.conv_decode(xBC[tok], conv_flat, dst, self.conv_weight, self.conv_bias)
+            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
+            y[tok] = mamba_torch.ssm_decode(
+                x.reshape(n, nh, P), dt[tok], A, B.reshape(n, cfg.n_groups, -1), C.reshape(n, cfg.n_groups, -1),
+                self.D, self.dt_bias, ssm_flat, dst,
+            ).float()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ class LLM:
         self,
         model: str | None = None,
         device: str = "cpu",
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         max_num_seqs: int = 8,
         page_size: int = 16,
         seed: int = 0,
@@ -49,9 +49,15 @@ class LLM:
         num_kv_pages: int | None = None,
         enforce_eager: bool = False,
         mamba_ssm_dtype: str | torch.dtype = "float32",
+        speculative_config: dict | None = None,  # {"method": "ngram", "num_speculative_tokens": K, ...}
+        check_state: bool | None = None,  # state sanitizer; None: env HYBRID_CHECK_STATE=1 turns it on
+        gpu_memory_utilization: float = 0.9,  # CUDA: share of GPU memory for weights, activations, state, KV
+        cuda_graph_sizes: list[int] | None = None,  # decode batch sizes captured (default 1, 2, 4, 8k..max_num_seqs)
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR
         self.device = torch.device(device)
+        if dtype == "auto":  # bf16 end to end on GPU, fp32 on CPU
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _dtype(dtype, "dtype")
         ssm_dtype = _dtype(mamba_ssm_dtype, "mamba_ssm_dtype")
         if max_num_seqs < 1 or page_size < 1 or max_num_batched_tokens < 1:
@@ -69,6 +75,22 @@ class LLM:
         self.model = load_model(self.model_dir, cfg, self.device, self.dtype, progress=self.device.type == "cuda")
         m = cfg.mamba
         shapes = StateShapes(len(cfg.mamba_layers), m.conv_dim, m.conv_kernel - 1, m.num_heads, m.head_dim, m.state_size)
+        backend = select_backend(self.device)
+        self.memory_plan = None
+        if self.device.type == "cuda":
+            from graphs.memory import plan_memory
+            from hybrid.ops.mamba_cuda import attach_kernels
+
+            if attach_kernels(self.model) is None and cfg.mamba_layers:
+                logger.warning("mamba-ssm / causal-conv1d not importable: Mamba layers use the torch path")
+            self.memory_plan = plan_memory(
+                self.model, cfg, device=self.device, gpu_memory_utilization=gpu_memory_utilization,
+                max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, kv_dtype=self.dtype,
+                conv_dtype=self.dtype, ssm_dtype=ssm_dtype, attention_backend=backend, num_kv_pages=num_kv_pages,
+                use_graphs=not enforce_eager)
+            num_kv_pages = self.memory_plan.num_kv_pages
+            logger.info(self.memory_plan.summary(max_num_seqs, self.max_model_len, page_size))
         self.state_pool = MambaStatePool(shapes, max_num_seqs, self.device, conv_dtype=self.dtype, ssm_dtype=ssm_dtype)
         pages_per_seq = -(-self.max_model_len // page_size)
         if num_kv_pages is None:
@@ -81,13 +103,18 @@ class LLM:
         a = cfg.attention
         self.kv_cache = PagedKVCache(len(cfg.attention_layers), num_kv_pages, page_size, a.num_kv_heads, a.head_dim,
                                      self.device, self.dtype)
-        ctx = ForwardContext(self.state_pool, self.kv_cache, select_backend(self.device))
-        self.runner = ModelRunner(self.model, ctx, enforce_eager=enforce_eager or self.device.type != "cuda")
+        ctx = ForwardContext(self.state_pool, self.kv_cache, backend)
+        self.runner = ModelRunner(self.model, ctx, enforce_eager=enforce_eager or self.device.type != "cuda",
+                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, page_size=page_size,
+                                  cuda_graph_sizes=cuda_graph_sizes)
         self.engine = Engine(
             self.runner, self.state_pool, self.kv_cache,
             vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=eos, tokenizer=self.tokenizer,
             seed=seed, device=self.device,
+            check_state=check_state if check_state is not None else os.environ.get("HYBRID_CHECK_STATE", "0")
+            not in ("", "0", "false", "False"),
+            speculative_config=speculative_config,
         )
         self._ids = itertools.count()
 

@@ -14,11 +14,25 @@ import torch
 import torch.nn.functional as F
 
 
+def _read_slots(state: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    rows = state[slots.clamp(min=0)]
+    return torch.where(valid.view(-1, *([1] * (rows.dim() - 1))), rows, torch.zeros((), dtype=rows.dtype))
+
+
+def _write_slots(state: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, value: torch.Tensor) -> None:
+    if bool(valid.all()):
+        state[slots] = value.to(state.dtype)
+    else:
+        state[slots[valid]] = value[valid].to(state.dtype)
+
+
 def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """One token per request. x [B, C]; conv_state [S, C, K-1]; weight [C, K]. Returns silu(conv) [B, C]."""
-    window = torch.cat([conv_state[slots].to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=-1)  # [B, C, K]
-    conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+    valid = slots >= 0  # PAD_SLOT_ID rows read a zero history and write nothing
+    history = _read_slots(conv_state, slots, valid)
+    window = torch.cat([history.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=-1)  # [B, C, K]
+    _write_slots(conv_state, slots, valid, window[:, :, 1:])
     out = (window * weight).sum(-1)
     if bias is not None:
         out = out + bias
@@ -50,8 +64,9 @@ def ssm_decode(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     Bh = B.repeat_interleave(heads // groups, dim=1)[:, :, None, :]  # [B, H, 1, N]
     Ch = C.repeat_interleave(heads // groups, dim=1)  # [B, H, N]
     dBx = (dt[..., None] * Bh) * x[..., None]  # [B, H, P, N]
-    state = ssm_state[slots].float() * dA + dBx.float()
-    ssm_state[slots] = state.to(ssm_state.dtype)
+    valid = slots >= 0  # PAD_SLOT_ID rows read a zero state and write nothing
+    state = _read_slots(ssm_state, slots, valid).float() * dA + dBx.float()
+    _write_slots(ssm_state, slots, valid, state)
     y = torch.bmm(state.to(Ch.dtype).reshape(batch * heads, head_dim, -1),
                   Ch.reshape(batch * heads, -1, 1)).reshape(batch, heads, head_dim)
     return y + x * D.to(x.dtype)[:, None]

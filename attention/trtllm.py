@@ -1,0 +1,160 @@
+"""The trtllm attention backend (FlashInfer) over the paged KV cache, CUDA only.
+
+KV layout (shared with attention/kv_cache.py, FlashInfer/trtllm "HND"):
+    kv_layer: [num_pages, 2, num_kv_heads, page_size, head_dim]
+- KV writes: one fused Triton launch writes K and V of every new token (rows with a negative
+  location are skipped).
+- decode-only steps: `flashinfer.decode.trtllm_batch_decode_with_kv_cache` (XQA on sm_90,
+  trtllm-gen on sm_100). It reads only device tensors (page table, seq lens) and a fixed
+  max_seq_len (page-table width * page size), so it is CUDA-graph capturable.
+- prefill / mixed steps: on sm_100 `trtllm_batch_context_with_kv_cache`; on sm_90
+  `BatchPrefillWithPagedKVCacheWrapper` (HND, causal bottom-right), planned once per step and
+  reused by every attention layer. Head dims it has no kernel for (other than 64/128/256) and
+  non-16-bit dtypes fall back to the torch reference for that step.
+flashinfer and triton are imported here only, and this module only on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.backend import TorchAttentionBackend
+
+_WORKSPACE_BYTES = 128 * 1024 * 1024
+_PREFILL_HEAD_DIMS = (64, 128, 256)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, loc_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_page, stride_kv, stride_head, stride_off, page_size,
+                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    loc = tl.load(loc_ptr + t)
+    d = tl.arange(0, BLOCK)
+    mask = (d < HEAD_DIM) & (loc >= 0)
+    safe = tl.maximum(loc, 0)
+    page = safe // page_size
+    off = safe % page_size
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    base = kv_ptr + page * stride_page + h * stride_head + off * stride_off
+    tl.store(base + d, k.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + stride_kv + d, v.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_fused(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_write_loc: torch.Tensor) -> None:
+    """K and V of T tokens ([T, kv_heads, head_dim]) into their pages, one launch."""
+    T, kvh, hd = k.shape
+    if T == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    assert kv_layer.stride(-1) == 1
+    _write_kv_kernel[(T, kvh)](
+        k, v, kv_layer, kv_write_loc, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), kv_layer.shape[3],
+        HEAD_DIM=hd, BLOCK=triton.next_power_of_2(hd),
+    )
+
+
+class TrtllmAttentionBackend:
+    name = "trtllm"
+    supports_cuda_graphs = True  # for decode-only steps in 16-bit dtypes
+
+    def __init__(self) -> None:
+        import flashinfer  # noqa: F401 - fail early (ImportError) without the [gpu] extra
+
+        self._workspace: torch.Tensor | None = None
+        self._prefill = None
+        self._planned = None  # (batch, key) the prefill wrapper is planned for
+        self._reference = TorchAttentionBackend()
+        self._sm = None
+
+    def graph_safe(self, dtype: torch.dtype) -> bool:
+        return dtype in (torch.bfloat16, torch.float16)
+
+    def workspace(self, device: torch.device) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self._sm = torch.cuda.get_device_capability(device)[0]
+        return self._workspace
+
+    def forward(self, q, k, v, kv_layer, batch, scale):
+        if not self.graph_safe(kv_layer.dtype) or q.dtype != kv_layer.dtype:
+            return self._reference.forward(q, k, v, kv_layer, batch, scale)
+        num_tokens, num_heads, head_dim = q.shape
+        ws = self.workspace(q.device)
+        write_kv_fused(kv_layer, k, v, batch.kv_write_loc)
+        if batch.num_prefills == 0 and num_tokens == batch.num_decodes:
+            out = self.decode(q, kv_layer, batch, scale)
+        elif self._sm is not None and self._sm >= 10:
+            out = self.context_sm100(q, kv_layer, batch, scale, ws)
+        elif head_dim in _PREFILL_HEAD_DIMS:
+            out = self.prefill_sm90(q, kv_layer, batch, scale, ws)
+        else:
+            return self._reference.forward(q, k, v, kv_layer, batch, scale)
+        return out.reshape(num_tokens, num_heads * head_dim)
+
+    def decode(self, q, kv_layer, batch, scale):
+        from flashinfer.decode import trtllm_batch_decode_with_kv_cache
+
+        page_size = kv_layer.shape[3]
+        return trtllm_batch_decode_with_kv_cache(
+            query=q.contiguous(), kv_cache=kv_layer, workspace_buffer=self.workspace(q.device),
+            block_tables=batch.page_table, seq_lens=batch.seq_lens,
+            max_seq_len=batch.page_table.shape[1] * page_size,
+            bmm1_scale=float(scale), bmm2_scale=1.0, kv_layout="HND",
+        )
+
+    def _paged_indices(self, batch, page_size: int, device):
+        n_pages = [-(-s // page_size) for s in batch.seq_lens_cpu]
+        kv_indptr = [0]
+        for n in n_pages:
+            kv_indptr.append(kv_indptr[-1] + n)
+        rows = torch.repeat_interleave(torch.arange(len(n_pages)), torch.tensor(n_pages))
+        cols = torch.cat([torch.arange(n) for n in n_pages])
+        kv_indices = batch.page_table[rows.to(device), cols.to(device)].to(torch.int32).contiguous()
+        last = [s - (n - 1) * page_size for s, n in zip(batch.seq_lens_cpu, n_pages)]
+        return kv_indptr, kv_indices, last
+
+    def prefill_sm90(self, q, kv_layer, batch, scale, ws):
+        import flashinfer
+
+        _, num_heads, head_dim = q.shape
+        num_kv_heads, page_size = kv_layer.shape[2], kv_layer.shape[3]
+        key = (num_heads, num_kv_heads, head_dim, page_size, float(scale), q.dtype, kv_layer.dtype)
+        if self._planned is None or self._planned[0] is not batch or self._planned[1] != key:
+            if self._prefill is None:
+                self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="HND")
+            dev = q.device
+            qo_indptr = [0]
+            for n in batch.query_lens_cpu:
+                qo_indptr.append(qo_indptr[-1] + n)
+            kv_indptr, kv_indices, last = self._paged_indices(batch, page_size, dev)
+            i32 = dict(dtype=torch.int32, device=dev)
+            self._prefill.plan(
+                torch.tensor(qo_indptr, **i32), torch.tensor(kv_indptr, **i32), kv_indices,
+                torch.tensor(last, **i32), num_heads, num_kv_heads, head_dim, page_size,
+                causal=True, sm_scale=float(scale), q_data_type=q.dtype, kv_data_type=kv_layer.dtype,
+            )
+            self._planned = (batch, key)
+        return self._prefill.run(q.contiguous(), kv_layer)
+
+    def context_sm100(self, q, kv_layer, batch, scale, ws):
+        from flashinfer.prefill import trtllm_batch_context_with_kv_cache
+
+        page_size = kv_layer.shape[3]
+        cum_kv = [0]
+        for s in batch.seq_lens_cpu:
+            cum_kv.append(cum_kv[-1] + s)
+        return trtllm_batch_context_with_kv_cache(
+            query=q.contiguous(), kv_cache=kv_layer, workspace_buffer=ws, block_tables=batch.page_table,
+            seq_lens=batch.seq_lens, max_q_len=max(batch.query_lens_cpu), max_kv_len=max(batch.seq_lens_cpu),
+            bmm1_scale=float(scale), bmm2_scale=1.0, batch_size=batch.num_requests,
+            cum_seq_lens_q=batch.query_start_loc,
+            cum_seq_lens_kv=torch.tensor(cum_kv, dtype=torch.int32, device=q.device), kv_layout="HND",
+        )

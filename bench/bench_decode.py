@@ -1,0 +1,193 @@
+"""Decode / prefill throughput of a Nemotron-H-8B-shaped model with random bf16 weights.
+
+The model is built in memory on the GPU (no checkpoint on disk): `hybrid.llm.load_config` and
+`load_model` are swapped for a config dict and random weights, then the normal LLM startup runs
+(Mamba kernels, memory planning, CUDA-graph capture). Decode is timed on synthetic decode steps
+through `runner.execute` (the engine's one call) at a ~2K-token context with random KV / state,
+graphs on (replay) and off (eager); prefill is one 8K prompt through `LLM.generate` (max_tokens=1).
+Usage: python bench/bench_decode.py [--batches 1 8 64 256] [--ctx 2048] [--prompt 8192]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+CONFIG = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 131072,
+    "hidden_size": 4096, "hybrid_override_pattern": PATTERN, "num_hidden_layers": len(PATTERN),
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504,
+    "mlp_hidden_act": "relu2", "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+    "conv_kernel": 4, "expand": 2, "chunk_size": 128, "mamba_hidden_act": "silu", "use_conv_bias": True,
+    "use_bias": False, "mamba_proj_bias": False, "layer_norm_epsilon": 1e-5, "max_position_embeddings": 16384,
+    "tie_word_embeddings": False, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0,
+    "time_step_limit": [0.0, float("inf")], "residual_in_fp32": False, "rescale_prenorm_residual": True,
+    "attention_bias": False, "torch_dtype": "bfloat16",
+}
+
+
+def random_model(cfg, device, dtype, progress=False):
+    from hybrid.model import HybridModel
+
+    model = HybridModel(cfg)
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, p in list(model.named_parameters()):
+        shape = p.shape
+        if name.endswith("A_log"):
+            t = torch.log(torch.rand(shape, generator=g, device=device) * 15 + 1)
+        elif name.endswith("dt_bias"):
+            t = torch.log(torch.expm1(torch.rand(shape, generator=g, device=device) * 0.09 + 0.01))
+        elif "norm" in name.split(".")[-1] or name.endswith(".D") or name.endswith("norm.weight"):
+            t = torch.ones(shape, device=device)
+        else:
+            fan_in = shape[-1] if len(shape) > 1 else 1
+            t = torch.randn(shape, generator=g, device=device, dtype=dtype) / math.sqrt(fan_in)
+        mod_path, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_path) if mod_path else model
+        setattr(mod, attr, torch.nn.Parameter(t.to(dtype), requires_grad=False))
+    for m in model.modules():
+        for b, buf in list(m._buffers.items()):
+            if buf is not None:
+                m._buffers[b] = buf.to(device)
+    return model
+
+
+def make_llm(args, enforce_eager):
+    import hybrid.llm as L
+    from hybrid.config import parse_config
+
+    cfg = parse_config(CONFIG)
+    L.load_config = lambda d: cfg
+    L.load_model = lambda d, c, device, dtype, progress=False: random_model(c, device, dtype)
+    return L.LLM("/nonexistent-random-model", device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
+                 max_model_len=max(args.prompt, args.ctx) + 64, max_num_batched_tokens=args.prompt,
+                 enforce_eager=enforce_eager, cuda_graph_sizes=sorted(set(args.batches)),
+                 gpu_memory_utilization=args.util)
+
+
+def decode_batch(llm, n, ctx):
+    from hybrid.batch import StepBatch
+
+    ps = llm.kv_cache.page_size
+    width = llm.engine.max_pages_per_seq
+    per = -(-(ctx + 1) // ps)
+    dev = llm.device
+    table = torch.zeros(n, width, dtype=torch.int32)
+    for i in range(n):
+        table[i, :per] = torch.arange(1 + i * per, 1 + (i + 1) * per, dtype=torch.int32)
+    loc = table[:, ctx // ps].long() * ps + ctx % ps
+    return StepBatch(
+        input_ids=torch.randint(0, 1000, (n,), device=dev), positions=torch.full((n,), ctx, device=dev),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((n,), ctx + 1, dtype=torch.int32, device=dev), page_table=table.to(dev),
+        kv_write_loc=loc.to(dev), state_slot=torch.arange(n, device=dev),
+        has_initial_state=torch.ones(n, dtype=torch.bool, device=dev), logits_indices=torch.arange(n, device=dev),
+        num_decodes=n, num_prefills=0, query_lens_cpu=[1] * n, seq_lens_cpu=[ctx + 1] * n,
+        state_slot_cpu=list(range(n)), has_initial_state_cpu=[True] * n,
+    )
+
+
+def copy_bandwidth(dev):
+    a = torch.empty(4 * 2**30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    bw = 2 * a.numel() * 10 / (time.perf_counter() - t)
+    del a, b
+    torch.cuda.empty_cache()
+    return bw
+
+
+def time_steps(fn, steps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--util", type=float, default=0.9)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    t0 = time.perf_counter()
+    llm = make_llm(args, enforce_eager=False)
+    print(f"startup (random weights, memory plan, graph capture): {time.perf_counter() - t0:.1f} s")
+    for s in range(max(args.batches)):
+        llm.state_pool.allocate()
+    g = torch.Generator(device=dev).manual_seed(0)
+    llm.kv_cache.kv.normal_(generator=g)
+    llm.state_pool.ssm_state.normal_(generator=g).mul_(0.1)
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    slot_bytes = llm.state_pool.shapes.bytes_per_slot(llm.state_pool.conv_state.dtype, llm.state_pool.ssm_state.dtype)
+    cfg = llm.config
+    kv_token_bytes = len(cfg.attention_layers) * 2 * cfg.attention.num_kv_heads * cfg.attention.head_dim * 2
+    rows = []
+    runner = llm.runner
+    for n in args.batches:
+        batch = decode_batch(llm, n, args.ctx)
+        t_graph = time_steps(lambda: runner.execute(batch).argmax(-1), args.steps)
+        t_eager = time_steps(lambda: runner.model(batch, runner.ctx).argmax(-1), args.steps)
+        step_bytes = weight_bytes + n * (args.ctx * kv_token_bytes + 2 * slot_bytes)
+        floor = step_bytes / bw
+        rows.append(dict(batch=n, ctx=args.ctx, graph_ms=t_graph * 1e3, eager_ms=t_eager * 1e3,
+                         graph_tok_s=n / t_graph, eager_tok_s=n / t_eager, floor_ms=floor * 1e3,
+                         floor_tok_s=n / floor, step_gb=step_bytes / 1e9))
+        print(rows[-1], flush=True)
+    # prefill: one 8K prompt, TTFT through generate (prefill runs eagerly with or without graphs)
+    from hybrid.sampling import SamplingParams
+
+    for s in list(llm.state_pool.live_slots):
+        llm.state_pool.free(s)
+    prompt = torch.randint(4, 100000, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], sp, use_tqdm=False)  # warm-up (JIT, autotune)
+    ttft = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate([prompt], sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        ttft.append(time.perf_counter() - t)
+    best = min(ttft)
+    pre = dict(prompt=args.prompt, ttft_ms=best * 1e3, prefill_tok_s=args.prompt / best,
+               flops_tflops=2 * weight_bytes / 2 * args.prompt / best / 1e12)
+    print(pre)
+    result = dict(copy_bw_gbs=bw / 1e9, weights_gb=weight_bytes / 1e9, slot_mb=slot_bytes / 1e6,
+                  memory_plan=llm.memory_plan.summary(max(args.batches), llm.max_model_len, llm.kv_cache.page_size),
+                  decode=rows, prefill=pre)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

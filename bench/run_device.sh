@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On the GPU device, from the project root, after `source .devkit/setup.sh`:
+#   bash bench/run_device.sh [tests|bench|all]
+# Runs the GPU test suite (pytest -m gpu tests/gpu + the CPU padding tests) and/or the decode
+# benchmark; logs and results go to $OUT (default /tmp/out).
+set -o pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+what=${1:-all}
+rc=0
+python3 -c "import torch; print(torch.cuda.get_device_name(0), torch.__version__)"
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -m gpu tests/gpu -q -rA -s -p no:cacheprovider --timeout=900 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 bench/bench_decode.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+exit $rc

@@ -1,0 +1,150 @@
+"""GPU memory planning, like vLLM's gpu_memory_utilization.
+
+After the weights are loaded, one profiling forward runs at the largest prefill chunk
+(max_num_batched_tokens tokens) and one at the largest decode batch (max_num_seqs rows) against a
+throw-away one-slot pool and a few KV pages. Then
+
+    budget = total * gpu_memory_utilization - (memory in use now) - activation peak - graph reserve
+
+is split: first max_num_seqs Mamba state slots (+ the scratch row), then KV pages (at most what
+max_num_seqs sequences of max_model_len need). Too little memory is a CapacityError at startup.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from attention.kv_cache import DUMMY_PAGE, PagedKVCache
+from hybrid.batch import StepBatch  # only imported by hybrid.llm, after hybrid itself
+from hybrid.errors import CapacityError
+from state_pool.pool import PAD_SLOT_ID, MambaStatePool, StateShapes
+
+logger = logging.getLogger("hybrid")
+
+GiB = float(2**30)
+GRAPH_RESERVE_BYTES = 512 * 2**20
+
+
+@dataclass
+class MemoryPlan:
+    num_slots: int
+    num_kv_pages: int
+    budget_bytes: int
+    slot_bytes: int
+    page_bytes: int
+    activation_bytes: int
+    weight_bytes: int
+    max_tokens: int  # KV tokens that fit (all requests together)
+
+    def summary(self, max_num_seqs: int, max_model_len: int, page_size: int) -> str:
+        full = self.max_tokens // max_model_len if self.page_bytes else max_num_seqs
+        return (f"memory plan: weights {self.weight_bytes / GiB:.2f} GiB, activation peak "
+                f"{self.activation_bytes / GiB:.2f} GiB, budget {self.budget_bytes / GiB:.2f} GiB; "
+                f"Mamba state {self.num_slots} slots x {self.slot_bytes / 2**20:.1f} MiB = "
+                f"{self.num_slots * self.slot_bytes / GiB:.2f} GiB; KV cache {self.num_kv_pages - 1} pages x "
+                f"{page_size} tokens = {self.max_tokens} tokens ({self.num_kv_pages * self.page_bytes / GiB:.2f} GiB); "
+                f"fits {max_num_seqs} concurrent requests, {min(full, max_num_seqs)} of them at the full "
+                f"max_model_len={max_model_len}")
+
+
+def _profile_batch(num_tokens: int, num_decodes: int, page_size: int, device) -> StepBatch:
+    """One prefill request of num_tokens (slot 0, pages 1..) or num_decodes padding decode rows."""
+    dev = device
+    if num_decodes:
+        n = num_decodes
+        return StepBatch(
+            input_ids=torch.zeros(n, dtype=torch.long, device=dev), positions=torch.zeros(n, dtype=torch.long, device=dev),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
+            page_table=torch.full((n, 1), DUMMY_PAGE, dtype=torch.int32, device=dev),
+            kv_write_loc=torch.zeros(n, dtype=torch.long, device=dev),
+            state_slot=torch.full((n,), PAD_SLOT_ID, dtype=torch.long, device=dev),
+            has_initial_state=torch.ones(n, dtype=torch.bool, device=dev),
+            logits_indices=torch.arange(n, dtype=torch.long, device=dev), num_decodes=n, num_prefills=0,
+            query_lens_cpu=[1] * n, seq_lens_cpu=[1] * n, state_slot_cpu=[PAD_SLOT_ID] * n,
+            has_initial_state_cpu=[True] * n,
+        )
+    pages = -(-num_tokens // page_size)
+    return StepBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.long, device=dev),
+        positions=torch.arange(num_tokens, dtype=torch.long, device=dev),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+        page_table=torch.arange(1, pages + 1, dtype=torch.int32, device=dev)[None],
+        kv_write_loc=torch.arange(num_tokens, dtype=torch.long, device=dev) + page_size,
+        state_slot=torch.zeros(1, dtype=torch.long, device=dev),
+        has_initial_state=torch.zeros(1, dtype=torch.bool, device=dev),
+        logits_indices=torch.tensor([num_tokens - 1], dtype=torch.long, device=dev), num_decodes=0, num_prefills=1,
+        query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens], state_slot_cpu=[0], has_initial_state_cpu=[False],
+    )
+
+
+def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: float, max_num_seqs: int,
+                max_model_len: int, max_num_batched_tokens: int, page_size: int, kv_dtype: torch.dtype,
+                conv_dtype: torch.dtype, ssm_dtype: torch.dtype, attention_backend, num_kv_pages: int | None,
+                use_graphs: bool) -> MemoryPlan:
+    from hybrid.model import ForwardContext
+
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    m, a = cfg.mamba, cfg.attention
+    n_mamba, n_attn = len(cfg.mamba_layers), len(cfg.attention_layers)
+    shapes = StateShapes(n_mamba, m.conv_dim, m.conv_kernel - 1, m.num_heads, m.head_dim, m.state_size) if m else None
+    slot_bytes = shapes.bytes_per_slot(conv_dtype, ssm_dtype) if shapes and n_mamba else 0
+    page_bytes = PagedKVCache.bytes_per_page(n_attn, page_size, a.num_kv_heads, a.head_dim, kv_dtype) if n_attn else 0
+    pages_per_seq = -(-max_model_len // page_size)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    free0, total0 = torch.cuda.mem_get_info(device)
+    if (max_num_seqs + 1) * slot_bytes > total0 * gpu_memory_utilization:
+        raise CapacityError(
+            f"max_num_seqs={max_num_seqs} needs {(max_num_seqs + 1) * slot_bytes / GiB:.2f} GiB of Mamba state "
+            f"({slot_bytes / 2**20:.1f} MiB per sequence): more than the whole budget of "
+            f"{total0 * gpu_memory_utilization / GiB:.2f} GiB; these sizes do not fit")
+
+    # ---- profiling forward at the largest chunk and the largest decode batch
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    chunk = max(1, min(max_num_batched_tokens, max_model_len))
+    pool = MambaStatePool(shapes, 1, device, conv_dtype=conv_dtype, ssm_dtype=ssm_dtype) if shapes else None
+    kv = PagedKVCache(n_attn, -(-chunk // page_size) + 1, page_size, a.num_kv_heads if a else 1,
+                      a.head_dim if a else 1, device, kv_dtype)
+    ctx = ForwardContext(pool, kv, attention_backend)
+    scratch_bytes = torch.cuda.memory_allocated(device) - base
+    model(_profile_batch(chunk, 0, page_size, device), ctx)
+    model(_profile_batch(0, min(max_num_seqs, max_num_batched_tokens), page_size, device), ctx)
+    torch.cuda.synchronize(device)
+    activation = torch.cuda.max_memory_allocated(device) - base - scratch_bytes
+    del pool, kv, ctx
+    torch.cuda.empty_cache()
+
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    reserve = GRAPH_RESERVE_BYTES if use_graphs else 0
+    budget = int(total * gpu_memory_utilization) - in_use - activation - reserve
+    state_bytes = (max_num_seqs + 1) * slot_bytes
+    min_kv = (pages_per_seq + 1) * page_bytes
+    if budget < state_bytes + min_kv:
+        fit = max(0, (budget - min_kv) // slot_bytes - 1) if slot_bytes else 0
+        raise CapacityError(
+            f"max_num_seqs={max_num_seqs} and max_model_len={max_model_len} do not fit: "
+            f"{budget / GiB:.2f} GiB are left for state and KV cache at gpu_memory_utilization="
+            f"{gpu_memory_utilization} (total {total / GiB:.1f} GiB, in use {in_use / GiB:.2f} GiB, activations "
+            f"{activation / GiB:.2f} GiB); {max_num_seqs} Mamba slots need {state_bytes / GiB:.2f} GiB "
+            f"({slot_bytes / 2**20:.1f} MiB each) and one max_model_len sequence needs {min_kv / GiB:.2f} GiB of KV; "
+            f"at most {fit} sequences fit at this max_model_len")
+    kv_budget = budget - state_bytes
+    if num_kv_pages is None:
+        cap = max_num_seqs * pages_per_seq + 1
+        num_kv_pages = min(cap, kv_budget // page_bytes) if page_bytes else cap
+    elif page_bytes and num_kv_pages * page_bytes > kv_budget:
+        raise CapacityError(
+            f"num_kv_pages={num_kv_pages} needs {num_kv_pages * page_bytes / GiB:.2f} GiB but only "
+            f"{kv_budget / GiB:.2f} GiB are left after {max_num_seqs} Mamba slots")
+    return MemoryPlan(num_slots=max_num_seqs, num_kv_pages=int(num_kv_pages), budget_bytes=int(budget),
+                      slot_bytes=slot_bytes, page_bytes=page_bytes, activation_bytes=int(activation),
+                      weight_bytes=weight_bytes, max_tokens=(int(num_kv_pages) - 1) * page_size)

@@ -1,0 +1,142 @@
+"""CUDA dispatch of the Mamba2 mixer's stateful ops (installed as `Mamba2Mixer.kernels`).
+
+- decode rows: causal-conv1d's `causal_conv1d_update` (conv_state_indices; PAD_SLOT_ID rows are
+  skipped by the kernel) and mamba-ssm's Triton `selective_state_update` with state indices. That
+  kernel cannot skip padding, so padding rows are pointed at the pool's scratch row (the last
+  row, which no request owns): padding never reads or writes a live slot. Both are CUDA-graph safe.
+- prefill chunks: one request at a time (mamba-ssm's varlen scan resets to zero at sequence
+  boundaries and cannot take per-request initial states): the slot's conv history is prepended
+  and `causal_conv1d_fn` runs over [history | chunk]; `mamba_chunk_scan_combined` runs with the
+  slot's SSM state as initial state (or none for a first chunk) and its final state is written back.
+
+Semantics match hybrid/ops/mamba_torch.py (dt clamped to dt_limit on prefill only).
+mamba-ssm and causal-conv1d are optional: nothing here is imported on CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+_LOADED = None
+
+
+def load_kernels():
+    """(chunk_scan, state_update, conv_fn, conv_update); raises ImportError without the [gpu] extra."""
+    global _LOADED
+    if _LOADED is None:
+        from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+
+        from hybrid.ops.mamba_ssm_shim import mamba_ssm_triton
+
+        chunk_scan, state_update = mamba_ssm_triton()
+        _LOADED = (chunk_scan, state_update, causal_conv1d_fn, causal_conv1d_update)
+    return _LOADED
+
+
+def kernels_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        load_kernels()
+    except Exception:  # noqa: BLE001 - any import problem means "use the torch path"
+        return False
+    return True
+
+
+class MambaCudaKernels:
+    # Speculative verify rows (per-token states into the verify scratch) take the mixer's torch path.
+    supports_verify = False
+
+    def __init__(self) -> None:
+        self.chunk_scan, self.state_update, self.conv_fn, self.conv_update = load_kernels()
+        self._params: dict[int, dict[str, torch.Tensor]] = {}
+
+    def params(self, mixer) -> dict[str, torch.Tensor]:
+        """fp32 A, D, dt_bias (and the broadcast views selective_state_update wants), cached per mixer."""
+        p = self._params.get(id(mixer))
+        if p is None:
+            cfg = mixer.cfg
+            nh, P, N = cfg.num_heads, cfg.head_dim, cfg.state_size
+            A = (-torch.exp(mixer.A_log.float())).contiguous()
+            D = mixer.D.float().contiguous()
+            dt_bias = mixer.dt_bias.float().contiguous()
+            p = {
+                "A": A, "D": D, "dt_bias": dt_bias,
+                "A_hpn": A[:, None, None].expand(nh, P, N),
+                "D_hp": D[:, None].expand(nh, P),
+                "dt_bias_hp": dt_bias[:, None].expand(nh, P),
+            }
+            self._params[id(mixer)] = p
+        return p
+
+    def mamba_forward(self, mixer, hidden: torch.Tensor, batch, conv_state: torch.Tensor,
+                      ssm_state: torch.Tensor) -> torch.Tensor:
+        cfg = mixer.cfg
+        inner, conv_dim, nh, P = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim
+        G, N = cfg.n_groups, cfg.state_size
+        gn = G * N
+        p = self.params(mixer)
+        zxbcdt = mixer.in_proj(hidden)
+        z, xBC, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
+        T = hidden.shape[0]
+        y = torch.empty(T, nh, P, dtype=hidden.dtype, device=hidden.device)
+        scratch = conv_state.shape[0] - 1
+
+        nd = batch.num_decodes
+        if nd:
+            slots = batch.state_slot[:nd]
+            xbc = self.conv_update(xBC[:nd].contiguous(), conv_state, mixer.conv_weight, mixer.conv_bias,
+                                   "silu", None, slots.to(torch.int32))
+            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
+            state_idx = slots.masked_fill(slots < 0, scratch)
+            y[:nd] = self.state_update(
+                ssm_state, x.reshape(nd, nh, P), dt[:nd, :, None].expand(nd, nh, P), p["A_hpn"],
+                B.reshape(nd, G, N), C.reshape(nd, G, N), D=p["D_hp"], z=None, dt_bias=p["dt_bias_hp"],
+                dt_softplus=True, state_batch_indices=state_idx,
+            )
+
+        width = conv_state.shape[-1]
+        offset = nd
+        for i in range(nd, batch.num_requests):
+            length = batch.query_lens_cpu[i]
+            slot = batch.state_slot_cpu[i]
+            rows = slice(offset, offset + length)
+            offset += length
+            if slot < 0:  # padding row: touches no state
+                y[rows].zero_()
+                continue
+            has_init = batch.has_initial_state_cpu[i]
+            xr = xBC[rows].t()  # [C, L]
+            if has_init:
+                history = conv_state[slot].to(xr.dtype)
+            else:
+                history = torch.zeros(conv_dim, width, dtype=xr.dtype, device=xr.device)
+            window = torch.cat([history, xr], dim=-1)  # [C, K-1 + L]
+            conv_state[slot] = window[:, -width:].to(conv_state.dtype)
+            out = self.conv_fn(window[None], mixer.conv_weight, mixer.conv_bias, activation="silu")
+            xbc = out[0, :, width:].t().contiguous()  # [L, C]
+            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
+            init = ssm_state[slot][None].float() if has_init else None
+            out_y, final = self.chunk_scan(
+                x.reshape(1, length, nh, P).contiguous(), dt[rows][None].contiguous(), p["A"],
+                B.reshape(1, length, G, N).contiguous(), C.reshape(1, length, G, N).contiguous(),
+                cfg.chunk_size, D=p["D"], z=None, dt_bias=p["dt_bias"], initial_states=init,
+                dt_softplus=True, dt_limit=tuple(cfg.dt_limit), return_final_states=True,
+            )
+            ssm_state[slot] = final[0].to(ssm_state.dtype)
+            y[rows] = out_y[0].to(y.dtype)
+
+        out = mixer.gated_norm(y.reshape(T, inner), z)
+        return mixer.out_proj(out.to(hidden.dtype))
+
+
+def attach_kernels(model) -> MambaCudaKernels | None:
+    """Install the CUDA kernels on every Mamba mixer of a CUDA model; None (torch path) if unavailable."""
+    mixers = model.mamba_mixers()
+    if not mixers or not kernels_available():
+        return None
+    if mixers[0].A_log.device.type != "cuda":
+        return None
+    kernels = MambaCudaKernels()
+    for m in mixers:
+        m.kernels = kernels
+    return kernels

@@ -1,0 +1,184 @@
+"""Kernel-vs-reference checks on random inputs: Mamba CUDA kernels and the trtllm attention backend."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from gpu_util import TOL, rel_err
+
+from attention.backend import TorchAttentionBackend, write_kv
+from hybrid.batch import StepBatch
+from hybrid.config import MambaConfig
+from hybrid.layers import Mamba2Mixer
+from state_pool.pool import PAD_SLOT_ID
+
+DEV = "cuda"
+SLOTS = 6  # live rows 0..5, scratch row 6
+
+
+def make_mixer(cfg: MambaConfig, hidden: int, dtype, seed=0) -> Mamba2Mixer:
+    g = torch.Generator().manual_seed(seed)
+    m = Mamba2Mixer(hidden, cfg, 0)
+    nh = cfg.num_heads
+
+    def put(mod, name, t):
+        setattr(mod, name, torch.nn.Parameter(t.to(DEV, dtype), requires_grad=False))
+
+    put(m.in_proj, "weight", torch.randn(m.in_proj.weight.shape, generator=g) / math.sqrt(hidden))
+    put(m.out_proj, "weight", torch.randn(m.out_proj.weight.shape, generator=g) / math.sqrt(cfg.intermediate_size))
+    put(m, "conv_weight", torch.randn(cfg.conv_dim, cfg.conv_kernel, generator=g) * 0.5)
+    put(m, "conv_bias", torch.randn(cfg.conv_dim, generator=g) * 0.1)
+    put(m, "A_log", torch.log(torch.rand(nh, generator=g) * 15 + 1))
+    put(m, "D", torch.randn(nh, generator=g))
+    put(m, "dt_bias", torch.log(torch.expm1(torch.rand(nh, generator=g) * 0.09 + 0.01)))
+    put(m, "norm_weight", 1 + 0.1 * torch.randn(cfg.intermediate_size, generator=g))
+    return m
+
+
+def mixed_batch(decode_slots, prefill, device=DEV) -> StepBatch:
+    """decode rows (one token each) then prefill chunks [(slot, length, has_initial_state)]."""
+    q = [1] * len(decode_slots) + [p[1] for p in prefill]
+    slots = list(decode_slots) + [p[0] for p in prefill]
+    init = [True] * len(decode_slots) + [p[2] for p in prefill]
+    T = sum(q)
+    qsl = [0]
+    for n in q:
+        qsl.append(qsl[-1] + n)
+    return StepBatch(
+        input_ids=torch.zeros(T, dtype=torch.long, device=device), positions=torch.zeros(T, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(q, dtype=torch.int32, device=device), page_table=torch.zeros(len(q), 1, dtype=torch.int32, device=device),
+        kv_write_loc=torch.zeros(T, dtype=torch.long, device=device), state_slot=torch.tensor(slots, device=device),
+        has_initial_state=torch.tensor(init, device=device), logits_indices=torch.tensor([T - 1], device=device),
+        num_decodes=len(decode_slots), num_prefills=len(prefill), query_lens_cpu=q, seq_lens_cpu=q,
+        state_slot_cpu=slots, has_initial_state_cpu=init,
+    )
+
+
+TINY = MambaConfig(num_heads=8, head_dim=16, n_groups=2, state_size=16, conv_kernel=4, chunk_size=8, conv_bias=True,
+                   proj_bias=False, norm_eps=1e-5, dt_limit=(0.0, math.inf))
+NEMO = MambaConfig(num_heads=32, head_dim=64, n_groups=8, state_size=128, conv_kernel=4, chunk_size=128, conv_bias=True,
+                   proj_bias=False, norm_eps=1e-5, dt_limit=(0.0, math.inf))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg,hidden", [(TINY, 64), (dataclasses.replace(TINY, dt_limit=(0.0, 0.15)), 64), (NEMO, 512)])
+def test_mamba_kernels_vs_torch(cfg, hidden, dtype):
+    from hybrid.ops.mamba_cuda import MambaCudaKernels
+
+    torch.manual_seed(0)
+    mixer = make_mixer(cfg, hidden, dtype)
+    conv = torch.randn(SLOTS + 1, cfg.conv_dim, cfg.conv_kernel - 1, device=DEV).to(dtype)
+    ssm = torch.randn(SLOTS + 1, cfg.num_heads, cfg.head_dim, cfg.state_size, device=DEV) * 0.3
+    # decodes on slots 5, 0 and a padding row; prefills: with initial state (slot 2, 37 tokens,
+    # several chunks), without (slot 3, 5 tokens, shorter than the conv window), with (slot 4, 1 token)
+    batch = mixed_batch([5, PAD_SLOT_ID, 0], [(2, 37, True), (3, 5, False), (4, 1, True)])
+    hidden_in = torch.randn(batch.num_tokens, hidden, device=DEV).to(dtype)
+
+    conv_ref, ssm_ref = conv.clone(), ssm.clone()
+    ref = mixer(hidden_in, batch, conv_ref, ssm_ref)  # torch path
+    mixer.kernels = MambaCudaKernels()
+    out = mixer(hidden_in, batch, conv, ssm)
+    torch.cuda.synchronize()
+    real = [0, 2] + list(range(3, batch.num_tokens))  # row 1 is padding
+    tol = TOL[dtype]
+    assert rel_err(out[real], ref[real]) < tol
+    live = [0, 2, 3, 4, 5]
+    assert rel_err(conv[live], conv_ref[live]) < tol
+    assert rel_err(ssm[live], ssm_ref[live]) < tol
+    assert torch.equal(conv[1], conv_ref[1]) and torch.equal(ssm[1], ssm_ref[1])  # slot 1 not in the batch
+
+
+def test_selective_state_update_pad_goes_to_scratch():
+    from hybrid.ops.mamba_cuda import MambaCudaKernels
+
+    cfg, dtype = TINY, torch.bfloat16
+    mixer = make_mixer(cfg, 64, dtype, seed=1)
+    mixer.kernels = MambaCudaKernels()
+    conv = torch.randn(SLOTS + 1, cfg.conv_dim, 3, device=DEV).to(dtype)
+    ssm = torch.randn(SLOTS + 1, cfg.num_heads, cfg.head_dim, cfg.state_size, device=DEV)
+    before = (conv.clone(), ssm.clone())
+    batch = mixed_batch([PAD_SLOT_ID, 3, PAD_SLOT_ID], [])
+    mixer(torch.randn(3, 64, device=DEV).to(dtype), batch, conv, ssm)
+    untouched = [0, 1, 2, 4, 5]
+    assert torch.equal(conv[untouched], before[0][untouched]) and torch.equal(ssm[untouched], before[1][untouched])
+    assert torch.equal(conv[SLOTS], before[0][SLOTS])  # conv kernel skips pads entirely
+    assert not torch.equal(ssm[3], before[1][3])
+
+
+# ---------------------------------------------------------------------------------- attention
+def attn_batch(q_lens, ctx_lens, page_size, max_pages, device=DEV, seed=0):
+    """Requests with ctx_lens tokens already cached and q_lens new ones; distinct random pages."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(q_lens)
+    seq = [c + q for c, q in zip(ctx_lens, q_lens)]
+    need = [-(-s // page_size) for s in seq]
+    perm = (torch.randperm(sum(need), generator=g) + 1).tolist()
+    table = torch.zeros(n, max_pages, dtype=torch.int32)
+    loc, k = [], 0
+    for i in range(n):
+        pages = perm[k:k + need[i]]
+        k += need[i]
+        table[i, : need[i]] = torch.tensor(pages, dtype=torch.int32)
+        loc += [pages[p // page_size] * page_size + p % page_size for p in range(ctx_lens[i], seq[i])]
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    nd = sum(1 for q in q_lens if q == 1) if all(q == 1 for q in q_lens) else 0
+    return StepBatch(
+        input_ids=torch.zeros(qsl[-1], dtype=torch.long, device=device), positions=torch.zeros(qsl[-1], dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device), seq_lens=torch.tensor(seq, dtype=torch.int32, device=device),
+        page_table=table.to(device), kv_write_loc=torch.tensor(loc, device=device),
+        state_slot=torch.zeros(n, dtype=torch.long, device=device), has_initial_state=torch.ones(n, dtype=torch.bool, device=device),
+        logits_indices=torch.zeros(1, dtype=torch.long, device=device), num_decodes=nd, num_prefills=n - nd,
+        query_lens_cpu=list(q_lens), seq_lens_cpu=seq, state_slot_cpu=[0] * n, has_initial_state_cpu=[True] * n,
+    ), sum(need) + 1
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (32, 8, 128)])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_trtllm_attention_vs_torch(page_size, heads, kv_heads, head_dim, mode):
+    from attention.trtllm import TrtllmAttentionBackend
+
+    if mode == "decode":
+        q_lens, ctx = [1, 1, 1, 1], [0, 15, 200, 517]
+    else:
+        q_lens, ctx = [1, 40, 7, 130], [33, 0, 100, 16]  # a decode row, a first chunk, later chunks
+    batch, num_pages = attn_batch(q_lens, ctx, page_size, max_pages=-(-700 // page_size))
+    dtype = torch.bfloat16
+    torch.manual_seed(1)
+    kv = torch.randn(num_pages, 2, kv_heads, page_size, head_dim, device=DEV).to(dtype)
+    T = sum(q_lens)
+    q = torch.randn(T, heads, head_dim, device=DEV).to(dtype)
+    k = torch.randn(T, kv_heads, head_dim, device=DEV).to(dtype)
+    v = torch.randn(T, kv_heads, head_dim, device=DEV).to(dtype)
+    scale = head_dim ** -0.5
+    kv_ref = kv.clone()
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kv_ref.float(), batch, scale)
+    backend = TrtllmAttentionBackend()
+    out = backend.forward(q, k, v, kv, batch, scale)
+    torch.cuda.synchronize()
+    assert rel_err(out.float(), ref) < TOL[dtype], rel_err(out.float(), ref)
+    kv_ref2 = kv_ref.clone()
+    write_kv(kv_ref2, k, v, batch.kv_write_loc)
+    assert torch.equal(kv, kv_ref2)  # fused KV write == reference scatter, exactly
+
+
+def test_fused_kv_write_skips_negative_rows():
+    from attention.trtllm import write_kv_fused
+
+    kv = torch.zeros(4, 2, 2, 16, 64, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(3, 2, 64, device=DEV).bfloat16()
+    v = torch.randn(3, 2, 64, device=DEV).bfloat16()
+    write_kv_fused(kv, k, v, torch.tensor([17, -1, 63], device=DEV))
+    assert torch.equal(kv[1, 0, :, 1], k[0]) and torch.equal(kv[1, 1, :, 1], v[0])
+    assert torch.equal(kv[3, 0, :, 15], k[2]) and torch.equal(kv[3, 1, :, 15], v[2])
+    assert int((kv != 0).sum()) == 4 * 64 * 2
