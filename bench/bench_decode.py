@@ -71,7 +71,8 @@ def make_llm(args, enforce_eager):
     return L.LLM("/nonexistent-random-model", device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                  max_model_len=max(args.prompt, args.ctx) + 64, max_num_batched_tokens=args.prompt,
                  enforce_eager=enforce_eager, cuda_graph_sizes=sorted(set(args.batches)),
-                 gpu_memory_utilization=args.util)
+                 gpu_memory_utilization=args.util, mamba_ssm_dtype=args.ssm_dtype,
+                 mamba_decode_kernels=args.decode_kernels)
 
 
 def decode_batch(llm, n, ctx):
@@ -131,6 +132,10 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--util", type=float, default=0.9)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ssm-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--decode-kernels", default="triton", choices=["triton", "library"])
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode timing")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the 8K-prompt TTFT measurement")
     args = ap.parse_args()
     import logging
 
@@ -154,7 +159,7 @@ def main():
     for n in args.batches:
         batch = decode_batch(llm, n, args.ctx)
         t_graph = time_steps(lambda: runner.execute(batch).argmax(-1), args.steps)
-        t_eager = time_steps(lambda: runner.model(batch, runner.ctx).argmax(-1), args.steps)
+        t_eager = float("nan") if args.no_eager else time_steps(lambda: runner.model(batch, runner.ctx).argmax(-1), args.steps)
         step_bytes = weight_bytes + n * (args.ctx * kv_token_bytes + 2 * slot_bytes)
         floor = step_bytes / bw
         rows.append(dict(batch=n, ctx=args.ctx, graph_ms=t_graph * 1e3, eager_ms=t_eager * 1e3,
@@ -166,6 +171,10 @@ def main():
 
     for s in list(llm.state_pool.live_slots):
         llm.state_pool.free(s)
+    if args.no_prefill:
+        print(json.dumps(dict(copy_bw_gbs=bw / 1e9, ssm_dtype=args.ssm_dtype, decode_kernels=args.decode_kernels,
+                              decode=rows), indent=1))
+        return
     prompt = torch.randint(4, 100000, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], sp, use_tqdm=False)  # warm-up (JIT, autotune)
@@ -180,7 +189,7 @@ def main():
     pre = dict(prompt=args.prompt, ttft_ms=best * 1e3, prefill_tok_s=args.prompt / best,
                flops_tflops=2 * weight_bytes / 2 * args.prompt / best / 1e12)
     print(pre)
-    result = dict(copy_bw_gbs=bw / 1e9, weights_gb=weight_bytes / 1e9, slot_mb=slot_bytes / 1e6,
+    result = dict(copy_bw_gbs=bw / 1e9, ssm_dtype=args.ssm_dtype, decode_kernels=args.decode_kernels, weights_gb=weight_bytes / 1e9, slot_mb=slot_bytes / 1e6,
                   memory_plan=llm.memory_plan.summary(max(args.batches), llm.max_model_len, llm.kv_cache.page_size),
                   decode=rows, prefill=pre)
     print(json.dumps(result, indent=1))

@@ -53,6 +53,7 @@ class LLM:
         check_state: bool | None = None,  # state sanitizer; None: env HYBRID_CHECK_STATE=1 turns it on
         gpu_memory_utilization: float = 0.9,  # CUDA: share of GPU memory for weights, activations, state, KV
         cuda_graph_sizes: list[int] | None = None,  # decode batch sizes captured (default 1, 2, 4, 8k..max_num_seqs)
+        mamba_decode_kernels: str = "triton",  # CUDA decode: our Triton kernels, or "library" (mamba-ssm/causal-conv1d)
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR
         self.device = torch.device(device)
@@ -81,7 +82,7 @@ class LLM:
             from graphs.memory import plan_memory
             from hybrid.ops.mamba_cuda import attach_kernels
 
-            if attach_kernels(self.model) is None and cfg.mamba_layers:
+            if attach_kernels(self.model, mamba_decode_kernels) is None and cfg.mamba_layers:
                 logger.warning("mamba-ssm / causal-conv1d not importable: Mamba layers use the torch path")
             self.memory_plan = plan_memory(
                 self.model, cfg, device=self.device, gpu_memory_utilization=gpu_memory_utilization,

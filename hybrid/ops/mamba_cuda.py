@@ -1,6 +1,8 @@
 """CUDA dispatch of the Mamba2 mixer's stateful ops (installed as `Mamba2Mixer.kernels`).
 
-- decode rows: causal-conv1d's `causal_conv1d_update` (conv_state_indices; PAD_SLOT_ID rows are
+- decode rows, `decode_kernels="triton"` (default): our own Triton kernels
+  (hybrid/ops/triton_mamba.py: one CTA per (head-dim block, head, request), the whole state dim
+  in registers; they skip PAD_SLOT_ID rows themselves). `decode_kernels="library"`: causal-conv1d's `causal_conv1d_update` (conv_state_indices; PAD_SLOT_ID rows are
   skipped by the kernel) and mamba-ssm's Triton `selective_state_update` with state indices. That
   kernel cannot skip padding, so padding rows are pointed at the pool's scratch row (the last
   row, which no request owns): padding never reads or writes a live slot. Both are CUDA-graph safe.
@@ -46,8 +48,15 @@ class MambaCudaKernels:
     # Speculative verify rows (per-token states into the verify scratch) take the mixer's torch path.
     supports_verify = False
 
-    def __init__(self) -> None:
+    def __init__(self, decode_kernels: str = "triton") -> None:
+        if decode_kernels not in ("triton", "library"):
+            raise ValueError(f"decode_kernels must be 'triton' or 'library', got {decode_kernels!r}")
         self.chunk_scan, self.state_update, self.conv_fn, self.conv_update = load_kernels()
+        self.decode_kernels = decode_kernels
+        if decode_kernels == "triton":
+            from hybrid.ops import triton_mamba
+
+            self.triton = triton_mamba
         self._params: dict[int, dict[str, torch.Tensor]] = {}
 
     def params(self, mixer) -> dict[str, torch.Tensor]:
@@ -82,7 +91,15 @@ class MambaCudaKernels:
         scratch = conv_state.shape[0] - 1
 
         nd = batch.num_decodes
-        if nd:
+        if nd and self.decode_kernels == "triton":
+            slots = batch.state_slot[:nd]
+            xbc = self.triton.conv_state_update(xBC[:nd], conv_state, mixer.conv_weight, mixer.conv_bias, slots)
+            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
+            y[:nd] = self.triton.selective_state_update(
+                ssm_state, x.reshape(nd, nh, P), dt[:nd], p["A"], B.reshape(nd, G, N), C.reshape(nd, G, N),
+                p["D"], p["dt_bias"], slots,
+            )
+        elif nd:
             slots = batch.state_slot[:nd]
             xbc = self.conv_update(xBC[:nd].contiguous(), conv_state, mixer.conv_weight, mixer.conv_bias,
                                    "silu", None, slots.to(torch.int32))
@@ -129,14 +146,14 @@ class MambaCudaKernels:
         return mixer.out_proj(out.to(hidden.dtype))
 
 
-def attach_kernels(model) -> MambaCudaKernels | None:
+def attach_kernels(model, decode_kernels: str = "triton") -> MambaCudaKernels | None:
     """Install the CUDA kernels on every Mamba mixer of a CUDA model; None (torch path) if unavailable."""
     mixers = model.mamba_mixers()
     if not mixers or not kernels_available():
         return None
     if mixers[0].A_log.device.type != "cuda":
         return None
-    kernels = MambaCudaKernels()
+    kernels = MambaCudaKernels(decode_kernels)
     for m in mixers:
         m.kernels = kernels
     return kernels
