@@ -7,6 +7,11 @@ import sys
 import pytest
 import torch
 
+# Without CUDA our Triton kernels are tested through Triton's CPU interpreter, which must be switched
+# on before triton is first imported (tests/test_triton_kernels.py); the GPU tests are skipped then.
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tiny_checkpoints  # noqa: E402
@@ -74,3 +79,15 @@ def prompts_for(tiny_ckpt):
 
     return get
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """Bit-exact padding cases run only inside the child process that test_padded_decode_bit_identical
+    starts (with ATen's scalar CPU kernels); in the normal run they are deselected, not skipped."""
+    if os.environ.get("HYBRID_BITEXACT_CHILD") == "1":
+        return
+    keep = [item for item in items if item.get_closest_marker("bitexact_child") is None]
+    dropped = [item for item in items if item.get_closest_marker("bitexact_child") is not None]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep

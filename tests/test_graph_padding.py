@@ -131,7 +131,7 @@ def test_padded_decode_bit_identical():
     assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
-@pytest.mark.skipif(not _CHILD, reason="run by test_padded_decode_bit_identical in a child process")
+@pytest.mark.bitexact_child  # collected only in the child process (tests/conftest.py deselects it otherwise)
 @pytest.mark.parametrize("slots", [[NUM_SLOTS - 1], [0, NUM_SLOTS - 1], [NUM_SLOTS - 1, 2, 0], [0, 1, 3, 4, NUM_SLOTS - 1]])
 def test_bitexact_child(llm, slots, rowwise):
     cfg = llm.config
