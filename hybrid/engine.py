@@ -423,12 +423,14 @@ class Engine:
         if self.check_state:
             self._check_logits(logits, chunks)
         self.stats["steps"] += 1
+        # Greedy picks for every row in one device-to-host copy, rather than one sync per request.
+        greedy = logits.argmax(-1).tolist()
         changed: dict[str, Request] = {}
         row = 0
         for c in chunks:
             seq = c.seq
             if c.draft:
-                row = self._finish_verify(c, logits, row)
+                row = self._finish_verify(c, logits, greedy, row)
                 changed[seq.request_id] = self.requests[seq.request_id]
                 continue
             seq.num_computed += c.num_tokens
@@ -436,12 +438,12 @@ class Engine:
                 self.stats["prompt_tokens"] += c.num_tokens
             if seq.num_computed < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing
-            seq_logits = logits[row]
+            seq_logits, greedy_token = logits[row], greedy[row]
             row += 1
             req = self.requests[seq.request_id]
             if seq.index == 0 and len(req.seqs) > 1 and not req.forked:
-                self._fork(req, seq_logits)  # before branch 0 may finish and free its slot
-            self._emit(seq, seq_logits)
+                self._fork(req, seq_logits, greedy_token)  # before branch 0 may finish and free its slot
+            self._emit(seq, seq_logits, greedy_token)
             changed[seq.request_id] = req
         outputs = []
         for req in changed.values():
@@ -450,9 +452,10 @@ class Engine:
                 self.requests.pop(req.request_id, None)
         return outputs
 
-    def _emit(self, seq: Sequence, seq_logits: torch.Tensor) -> int:
-        """Sample one token from a logits row with the sequence's own generator and append it."""
-        token = sample_row(seq_logits, seq.params, seq.generator)
+    def _emit(self, seq: Sequence, seq_logits: torch.Tensor, greedy_token: int) -> int:
+        """Sample one token from a logits row with the sequence's own generator and append it
+        (`greedy_token` is the row's argmax, already on the host)."""
+        token = greedy_token if seq.params.greedy else sample_row(seq_logits, seq.params, seq.generator)
         if seq.logprobs is not None:
             seq.logprobs.append(top_logprobs(seq_logits, token, seq.params.logprobs))
         seq.output_token_ids.append(token)
@@ -461,7 +464,7 @@ class Engine:
         return token
 
     # ------------------------------------------------------------------ speculative verify
-    def _finish_verify(self, c: ScheduledChunk, logits: torch.Tensor, row: int) -> int:
+    def _finish_verify(self, c: ScheduledChunk, logits: torch.Tensor, greedy: list[int], row: int) -> int:
         """Accept drafts position by position (accept iff the token sampled from the target there
         equals the draft), emit the sampled tokens and commit the state after the last accepted one.
         Returns the next logits row."""
@@ -470,7 +473,7 @@ class Engine:
         start = seq.num_computed
         emitted = accepted = 0
         for j in range(k + 1):
-            token = self._emit(seq, logits[row + j])
+            token = self._emit(seq, logits[row + j], greedy[row + j])
             emitted += 1
             matched = j < k and token == draft[j]
             accepted += matched
@@ -486,7 +489,7 @@ class Engine:
         return row + k + 1
 
     # ------------------------------------------------------------------ forking (n > 1)
-    def _fork(self, req: Request, seq_logits: torch.Tensor) -> None:
+    def _fork(self, req: Request, seq_logits: torch.Tensor, greedy_token: int) -> None:
         """Branch 0 has just prefilled the prompt: give every other branch a copy of its Mamba state
         and share its full prompt pages (the partial last page, which the branches write
         differently, is copied), then sample each branch's first token with its own generator.
@@ -498,7 +501,7 @@ class Engine:
                 continue
             if self._fork_into(parent, child):
                 self.stats["forks"] += 1
-                self._emit(child, seq_logits)
+                self._emit(child, seq_logits, greedy_token)
             else:
                 self.waiting.append(child)
 
