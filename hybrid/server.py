@@ -22,6 +22,7 @@ import os
 import re
 import time
 import uuid
+from typing import NamedTuple
 
 from fastapi import Request  # noqa: F401 - module level: FastAPI resolves the endpoints' annotations here
 
@@ -325,6 +326,37 @@ class _Server:
             # let the cancelled pumps run their finally (which queues the aborts) before we return
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def choice_updates(self, prompts, params: SamplingParams, base_id: str, want_logprobs: bool):
+        """Stream updates per choice, shared by completions and chat: yields _ChoiceUpdate with the
+        text delta (stop strings and partial characters held back), the logprob rows whose text
+        is now sent, and the finish reason once the choice ends."""
+        states: dict[tuple[int, int], _ChoiceState] = {}
+        agen = self.run(prompts, params, base_id)
+        try:
+            async for pi, out in agen:
+                for c in out.outputs:
+                    st = states.get((pi, c.index))
+                    if st is None:
+                        st = states[(pi, c.index)] = _ChoiceState(params.stop)
+                    if st.done:
+                        continue
+                    finished = c.finish_reason is not None
+                    delta = st.deltas.update(c.text, finished)
+                    rows = None
+                    if want_logprobs and c.logprobs is not None:
+                        # logprobs of the tokens whose text is now (fully or partly) sent
+                        upto = len(c.token_ids) if (finished or delta) else st.lp_sent
+                        if upto > st.lp_sent:
+                            rows = (c.logprobs[st.lp_sent:upto], c.token_ids[st.lp_sent:upto])
+                            st.lp_sent = upto
+                    update = _ChoiceUpdate(pi, c.index, delta, rows, st.text_len,
+                                           c.finish_reason if finished else None, len(c.token_ids))
+                    st.text_len += len(delta)
+                    st.done = finished
+                    yield update
+        finally:
+            await agen.aclose()
+
     async def collect(self, request, prompts, params: SamplingParams, base_id: str) -> list:
         """Run to completion; abort everything if the client disconnects first."""
         finals: list = [None] * len(prompts)
@@ -406,34 +438,16 @@ class _Server:
             return _sse(d)
 
         async def events():
-            states: dict[tuple[int, int], _ChoiceState] = {}
             completion_tokens = 0
-            agen = self.run(prompts, params, cid)
+            updates = self.choice_updates(prompts, params, cid, k is not None)
             try:
-                async for pi, out in agen:
-                    for c in out.outputs:
-                        st = states.get((pi, c.index))
-                        if st is None:
-                            st = states[(pi, c.index)] = _ChoiceState(params.stop)
-                        if st.done:
-                            continue
-                        finished = c.finish_reason is not None
-                        delta = st.deltas.update(c.text, finished)
-                        lp = None
-                        if k is not None and c.logprobs is not None:
-                            # logprobs of the tokens whose text is now (fully or partly) sent
-                            upto = len(c.token_ids) if (finished or delta) else st.lp_sent
-                            if upto > st.lp_sent:
-                                lp = self.completion_logprobs(c.logprobs[st.lp_sent:upto], c.token_ids[st.lp_sent:upto],
-                                                              k, st.text_len)
-                                st.lp_sent = upto
-                        st.text_len += len(delta)
-                        if finished:
-                            st.done = True
-                            completion_tokens += len(c.token_ids)
-                        if delta or finished or lp is not None:
-                            yield chunk([{"index": pi * n + c.index, "text": delta, "logprobs": lp,
-                                          "finish_reason": _finish_reason(c.finish_reason) if finished else None}])
+                async for u in updates:
+                    lp = self.completion_logprobs(*u.logprobs, k, u.text_offset) if u.logprobs else None
+                    if u.finish_reason is not None:
+                        completion_tokens += u.num_tokens
+                    if u.delta or u.finish_reason is not None or lp is not None:
+                        yield chunk([{"index": u.prompt_index * n + u.index, "text": u.delta, "logprobs": lp,
+                                      "finish_reason": _finish_reason(u.finish_reason)}])
                 if include_usage:
                     pt = sum(len(ids) for _, ids in prompts)
                     yield chunk([], {"prompt_tokens": pt, "completion_tokens": completion_tokens,
@@ -441,7 +455,7 @@ class _Server:
             except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
                 yield _sse(_stream_error(e))
             finally:
-                await agen.aclose()
+                await updates.aclose()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -512,48 +526,42 @@ class _Server:
             return _sse(d)
 
         async def events():
-            states: dict[int, _ChoiceState] = {}
             completion_tokens = 0
-            agen = self.run(prompts, params, cid)
+            updates = self.choice_updates(prompts, params, cid, k is not None)
             try:
                 for i in range(params.n):
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
-                async for _, out in agen:
-                    for c in out.outputs:
-                        st = states.get(c.index)
-                        if st is None:
-                            st = states[c.index] = _ChoiceState(params.stop)
-                        if st.done:
-                            continue
-                        finished = c.finish_reason is not None
-                        delta = st.deltas.update(c.text, finished)
-                        lp = None
-                        if k is not None and c.logprobs is not None:
-                            upto = len(c.token_ids) if (finished or delta) else st.lp_sent
-                            if upto > st.lp_sent:
-                                lp = self.chat_logprobs(c.logprobs[st.lp_sent:upto], c.token_ids[st.lp_sent:upto], k)
-                                st.lp_sent = upto
-                        if finished:
-                            st.done = True
-                            completion_tokens += len(c.token_ids)
-                        if delta or lp is not None:
-                            yield chunk([{"index": c.index, "delta": {"content": delta}, "logprobs": lp,
-                                          "finish_reason": None}])
-                        if finished:
-                            yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                          "finish_reason": _finish_reason(c.finish_reason)}])
+                async for u in updates:
+                    lp = self.chat_logprobs(*u.logprobs, k) if u.logprobs else None
+                    if u.delta or lp is not None:
+                        yield chunk([{"index": u.index, "delta": {"content": u.delta}, "logprobs": lp,
+                                      "finish_reason": None}])
+                    if u.finish_reason is not None:
+                        completion_tokens += u.num_tokens
+                        yield chunk([{"index": u.index, "delta": {}, "logprobs": None,
+                                      "finish_reason": _finish_reason(u.finish_reason)}])
                 if include_usage:
                     yield chunk([], {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
                                      "total_tokens": len(ids) + completion_tokens})
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
                 yield _sse(_stream_error(e))
             finally:
-                await agen.aclose()
+                await updates.aclose()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _ChoiceUpdate(NamedTuple):
+    prompt_index: int
+    index: int  # choice index within the prompt's request (0 .. n-1)
+    delta: str
+    logprobs: tuple[list[dict[int, float]], list[int]] | None  # (logprob rows, their token ids) now sent
+    text_offset: int  # characters of this choice sent before `delta`
+    finish_reason: str | None
+    num_tokens: int
 
 
 class _ChoiceState:
