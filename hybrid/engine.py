@@ -52,6 +52,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
+    detok_prefix: int = 0  # incremental detokenization: output tokens decoded as context ...
+    detok_read: int = 0  # ... and the ones whose text is already in `text`
     num_preemptions: int = 0
 
     @property
@@ -557,15 +559,26 @@ class Engine:
             row += n
         raise StateCorruptionError("NaN logits: a step read poisoned (freed) state")
 
+    def _update_text(self, seq: Sequence) -> None:
+        """Extend seq.text with the new tokens' text, decoding only a short window of tokens (the
+        previous token(s) as context, then the new ones) instead of the whole output every step.
+        Text that ends in a partial UTF-8 character is held back until the next token completes it."""
+        ids = seq.output_token_ids
+        before = self.tokenizer.decode(ids[seq.detok_prefix:seq.detok_read])
+        after = self.tokenizer.decode(ids[seq.detok_prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            seq.text += after[len(before):]
+            seq.detok_prefix, seq.detok_read = seq.detok_read, len(ids)
+
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
         if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_token_ids)
+            self._update_text(seq)
         if not p.ignore_eos and token in self.eos_token_ids:
-            self._finish(seq, "stop", token)
+            self._finish_with_text(seq, "stop", token)
             return
         if p.stop_token_ids and token in p.stop_token_ids:
-            self._finish(seq, "stop", token)
+            self._finish_with_text(seq, "stop", token)
             return
         if p.stop and self.tokenizer is not None:
             for s in p.stop:
@@ -575,4 +588,9 @@ class Engine:
                     self._finish(seq, "stop", s)
                     return
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length")
+            self._finish_with_text(seq, "length")
+
+    def _finish_with_text(self, seq: Sequence, reason: str, stop_reason: int | None = None) -> None:
+        if self.tokenizer is not None:  # the final text is the plain decode of every output token
+            seq.text = self.tokenizer.decode(seq.output_token_ids)
+        self._finish(seq, reason, stop_reason)
