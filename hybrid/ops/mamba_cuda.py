@@ -45,14 +45,15 @@ def kernels_available() -> bool:
 
 
 class MambaCudaKernels:
-    # Speculative verify rows (per-token states into the verify scratch) take the mixer's torch path.
-    supports_verify = False
 
     def __init__(self, decode_kernels: str = "triton") -> None:
         if decode_kernels not in ("triton", "library"):
             raise ValueError(f"decode_kernels must be 'triton' or 'library', got {decode_kernels!r}")
         self.chunk_scan, self.state_update, self.conv_fn, self.conv_update = load_kernels()
         self.decode_kernels = decode_kernels
+        # Speculative verify rows (per-token states into the verify scratch) run on our Triton kernels;
+        # with the library decode kernels they take the mixer's torch path.
+        self.supports_verify = decode_kernels == "triton"
         if decode_kernels == "triton":
             from hybrid.ops import triton_mamba
 
@@ -111,9 +112,13 @@ class MambaCudaKernels:
                 dt_softplus=True, state_batch_indices=state_idx,
             )
 
+        nv = batch.num_verify
+        if nv:
+            triton_verify(self.triton, mixer, xBC, dt, p, y, batch, conv_state, ssm_state)
+
         width = conv_state.shape[-1]
-        offset = nd
-        for i in range(nd, batch.num_requests):
+        offset = nd + sum(batch.query_lens_cpu[nd:nd + nv])
+        for i in range(nd + nv, batch.num_requests):
             length = batch.query_lens_cpu[i]
             slot = batch.state_slot_cpu[i]
             rows = slice(offset, offset + length)
@@ -144,6 +149,40 @@ class MambaCudaKernels:
 
         out = mixer.gated_norm(y.reshape(T, inner), z)
         return mixer.out_proj(out.to(hidden.dtype))
+
+
+def triton_verify(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[str, torch.Tensor], y: torch.Tensor,
+                  batch, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+    """Speculative verify rows [num_decodes, num_decodes + num_verify) on our Triton kernels: the decode
+    recurrence over each row's 1 + drafts tokens, starting from its slot, with the state after every
+    token written to the verify scratch (the slot itself is untouched; the engine commits the accepted
+    position). Same math as Mamba2Mixer._verify. Rows are grouped by token count (the kernels take a
+    fixed T per launch)."""
+    cfg = mixer.cfg
+    inner, nh, P, G, N = cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
+    nd, nv = batch.num_decodes, batch.num_verify
+    conv_scr = batch.state_scratch[0][mixer.layer_index]  # [rows, K+1, conv_dim, K-1]
+    ssm_scr = batch.state_scratch[1][mixer.layer_index]  # [rows, K+1, H, P, N]
+    q_lens = batch.query_lens_cpu
+    groups: dict[int, list[tuple[int, int]]] = {}  # T -> [(first token row, request row)]
+    start = nd
+    for i in range(nd, nd + nv):
+        groups.setdefault(q_lens[i], []).append((start, i))
+        start += q_lens[i]
+    dev = xBC.device
+    for T, rows in groups.items():
+        b = len(rows)
+        tok = torch.tensor([[first + j for j in range(T)] for first, _ in rows], dtype=torch.long, device=dev)
+        slots = torch.tensor([batch.state_slot_cpu[i] for _, i in rows], dtype=torch.long, device=dev)
+        scratch = torch.tensor([batch.scratch_index_cpu[i] for _, i in rows], dtype=torch.long, device=dev)
+        xbc = tm.conv_state_update(xBC[tok], conv_state, mixer.conv_weight, mixer.conv_bias, slots,
+                                   intermediate_states=conv_scr[:, :T], intermediate_indices=scratch)
+        x, B, C = torch.split(xbc, [inner, G * N, G * N], dim=-1)
+        out = tm.selective_state_update(
+            ssm_state, x.reshape(b, T, nh, P), dt[tok], params["A"], B.reshape(b, T, G, N), C.reshape(b, T, G, N),
+            params["D"], params["dt_bias"], slots, intermediate_states=ssm_scr[:, :T], intermediate_indices=scratch,
+        )
+        y[tok] = out.to(y.dtype)
 
 
 def attach_kernels(model, decode_kernels: str = "triton") -> MambaCudaKernels | None:
