@@ -154,18 +154,31 @@ class ModelRunner:
                     self.capture_sizes, time.perf_counter() - start, used / 2**20)
 
     # ------------------------------------------------------------------ execute
+    def bucket(self, batch: StepBatch) -> int | None:
+        """The padded size this runner runs `batch` at (graph replay or padded eager), or None (as is)."""
+        if (self.use_graphs or self.pad_decode) and is_plain_decode(batch):
+            return bucket_for(batch.num_requests, self.capture_sizes)
+        return None
+
+    def padded_batch(self, batch: StepBatch) -> StepBatch | None:
+        """The padded batch that runs for `batch` (what the graph buffers are filled with), for the
+        state sanitizer; None when the batch runs unpadded."""
+        size = self.bucket(batch)
+        if size is None or size == batch.num_requests:
+            return None
+        return pad_decode_batch(batch, size, self.page_size)
+
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] (fp32) for the batch."""
-        if (self.use_graphs or self.pad_decode) and is_plain_decode(batch):
-            size = bucket_for(batch.num_requests, self.capture_sizes)
-            if size is not None:
-                if self.use_graphs and size in self.graphs and \
-                        batch.page_table.shape[1] <= self.buffers.page_table.shape[1]:
-                    return self.replay(batch, size)
-                if self.pad_decode:
-                    self.stats["padded_eager"] += 1
-                    padded = pad_decode_batch(batch, size, self.page_size)
-                    return self.model(padded, self.ctx)[: batch.num_requests]
+        size = self.bucket(batch)
+        if size is not None:
+            if self.use_graphs and size in self.graphs and \
+                    batch.page_table.shape[1] <= self.buffers.page_table.shape[1]:
+                return self.replay(batch, size)
+            if self.pad_decode:
+                self.stats["padded_eager"] += 1
+                padded = pad_decode_batch(batch, size, self.page_size)
+                return self.model(padded, self.ctx)[: batch.num_requests]
         self.stats["eager"] += 1
         return self.model(batch, self.ctx)
 

@@ -421,6 +421,9 @@ class Engine:
         batch = self._build_batch(chunks)
         if self.check_state:
             self.check_batch(batch, chunks)
+            padded = self.runner.padded_batch(batch)  # padding rows the runner adds: checked as well
+            if padded is not None:
+                self.check_batch(padded, chunks)
         logits = self.runner.execute(batch)
         if self.check_state:
             self._check_logits(logits, chunks)

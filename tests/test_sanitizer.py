@@ -141,3 +141,34 @@ def test_silent_on_a_mixed_workload(tiny_ckpt, make_llm):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in r.outputs]
     assert llm.engine.stats["preemptions"] > 0 and llm.engine.stats["spec_verify_rows"] > 0
     assert llm.state_pool.num_free == 3 and llm.kv_cache.allocator.num_free == 13
+
+
+def test_padding_rows_added_by_the_runner_are_checked(tiny_ckpt, make_llm, monkeypatch):
+    """Decode batches padded to a bucket (what the CUDA-graph runner replays) are sanitized too:
+    silent on correct padding, and a padding row pointed at a live slot is refused before it runs."""
+    import graphs.runner as runner_module
+
+    path = tiny_ckpt("nemotron_h")
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]  # 3 decoding requests -> padded to the bucket of 4
+    ref = make_llm(path, max_num_seqs=4, page_size=4).generate(prompts, sp, use_tqdm=False)
+    llm = make_llm(path, max_num_seqs=4, page_size=4, check_state=True)
+    llm.runner.pad_decode = True  # pad decode batches to buckets 1, 2, 4 on CPU, as the graph runner does
+    checked = []
+    real_check = llm.engine.check_batch
+    monkeypatch.setattr(llm.engine, "check_batch", lambda b, c: (checked.append(b.num_real_requests), real_check(b, c)))
+    out = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert llm.runner.stats["padded_eager"] > 0 and 3 in checked  # padded batches (3 real rows) were checked
+
+    real_pad = runner_module.pad_decode_batch
+
+    def pad_onto_a_live_slot(batch, size, page_size):
+        padded = real_pad(batch, size, page_size)
+        slots = list(padded.state_slot_cpu)
+        slots[-1] = batch.state_slot_cpu[0]
+        return dataclasses.replace(padded, state_slot_cpu=slots, state_slot=torch.tensor(slots))
+
+    monkeypatch.setattr(runner_module, "pad_decode_batch", pad_onto_a_live_slot)
+    with pytest.raises(StateCorruptionError, match="padding row 3 points at Mamba slot"):
+        llm.generate(prompts, sp, use_tqdm=False)
