@@ -14,6 +14,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from attention.kv_cache import DUMMY_PAGE, PagedKVCache
@@ -63,6 +64,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without concatenating the whole prompt and output (hot in every step)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     @property
     def is_decoding(self) -> bool:
@@ -358,31 +368,30 @@ class Engine:
     def _build_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
         input_ids, positions, kv_loc, logits_rows = [], [], [], []
         query_lens, seq_lens, slots, has_init = [], [], [], []
-        page_table = torch.full((len(chunks), self.max_pages_per_seq), DUMMY_PAGE, dtype=torch.int32)
+        page_table = np.full((len(chunks), self.max_pages_per_seq), DUMMY_PAGE, dtype=np.int32)
         offset = 0
         ps = self.page_size
         num_drafts, scratch = [], []
         for row, c in enumerate(chunks):
             seq = c.seq
             start, end = seq.num_computed, seq.num_computed + c.num_tokens
-            toks = seq.tokens
             num_drafts.append(len(c.draft))
             if c.draft:  # verify: the last sampled token, then the drafts; logits for each of them
                 c.scratch_index = sum(1 for n in num_drafts if n) - 1
                 scratch.append(c.scratch_index)
-                input_ids.append(toks[start])
+                input_ids.extend(seq.token_slice(start, start + 1))
                 input_ids.extend(c.draft)
                 logits_rows.extend(range(offset, offset + c.num_tokens - 1))
             else:
                 scratch.append(-1)
-                input_ids.extend(toks[start:end])
+                input_ids.extend(seq.token_slice(start, end))
             positions.extend(range(start, end))
             kv_loc.extend(seq.pages[p // ps] * ps + p % ps for p in range(start, end))
             query_lens.append(c.num_tokens)
             seq_lens.append(end)
             slots.append(seq.slot)
             has_init.append(start > 0)
-            page_table[row, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+            page_table[row, : len(seq.pages)] = seq.pages
             offset += c.num_tokens
             if end == seq.num_tokens or c.draft:  # chunk reaches the last token: sample from it
                 logits_rows.append(offset - 1)
@@ -394,7 +403,7 @@ class Engine:
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            page_table=page_table.to(dev),
+            page_table=torch.from_numpy(page_table).to(dev),
             kv_write_loc=torch.tensor(kv_loc, dtype=torch.long, device=dev),
             state_slot=torch.tensor(slots, dtype=torch.long, device=dev),
             has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=dev),
