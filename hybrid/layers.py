@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
 from hybrid.config import AttentionConfig, MambaConfig, MoEConfig
-from hybrid.ops import mamba_torch
+from hybrid.ops import mamba_torch, triton_norm
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -32,8 +32,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         # NemotronH multiplies by the weight before casting back; the other families after.
         self.weight_in_fp32 = weight_in_fp32
+        self.triton = False  # one Triton launch instead of the torch op chain (CUDA, opt-in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            return triton_norm.rms_norm(x.contiguous(), self.weight, self.eps, self.weight_in_fp32)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,10 +72,13 @@ class Mamba2Mixer(nn.Module):
         self.norm_weight = _param(inner)
         self.out_proj = Linear(inner, hidden_size, cfg.proj_bias)
         self.kernels = None  # set by the model when GPU kernels are in use
+        self.triton_norm = False  # gated norm as one Triton launch (CUDA, opt-in)
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm(y * silu(z)) per group of inner/G channels, in fp32, gate before the norm."""
         cfg = self.cfg
+        if self.triton_norm:
+            return triton_norm.gated_rms_norm(y.contiguous(), z, self.norm_weight, cfg.norm_eps, cfg.n_groups)
         h = y.float() * F.silu(z.float())
         h = h.view(h.shape[0], cfg.n_groups, -1)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
@@ -314,3 +320,18 @@ class GraniteMoE(nn.Module):
         top_logits, top_idx = logits.topk(self.cfg.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
         return self.experts(x, top_idx, top_w)
+
+
+def use_triton_norms(model: nn.Module) -> int:
+    """Switch every RMSNorm and Mamba gated norm of the model to its Triton kernel; returns how many."""
+    if not triton_norm.is_available():
+        raise RuntimeError("triton is not importable: the fused norms are unavailable")
+    count = 0
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.triton = True
+            count += 1
+        elif isinstance(m, Mamba2Mixer):
+            m.triton_norm = True
+            count += 1
+    return count

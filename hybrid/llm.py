@@ -54,6 +54,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,  # CUDA: share of GPU memory for weights, activations, state, KV
         cuda_graph_sizes: list[int] | None = None,  # decode batch sizes captured (default 1, 2, 4, 8k..max_num_seqs)
         mamba_decode_kernels: str = "triton",  # CUDA decode: our Triton kernels, or "library" (mamba-ssm/causal-conv1d)
+        triton_norms: bool = False,  # CUDA: RMSNorm and the Mamba gated norm as single Triton kernels (opt-in)
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR
         self.device = torch.device(device)
@@ -84,6 +85,10 @@ class LLM:
 
             if attach_kernels(self.model, mamba_decode_kernels) is None and cfg.mamba_layers:
                 logger.warning("mamba-ssm / causal-conv1d not importable: Mamba layers use the torch path")
+            if triton_norms:
+                from hybrid.layers import use_triton_norms
+
+                use_triton_norms(self.model)
             self.memory_plan = plan_memory(
                 self.model, cfg, device=self.device, gpu_memory_utilization=gpu_memory_utilization,
                 max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,

@@ -1,0 +1,99 @@
+"""Triton kernels for the two norms of the model, one launch each instead of a chain of small
+torch ops (which, at decode batch sizes, cost more in launches than in bytes):
+
+- `rms_norm(x, weight, eps, weight_in_fp32)`: RMSNorm of each row of x [T, H]. NemotronH multiplies
+  by the weight in fp32 and casts once (weight_in_fp32=True); Granite / Bamba cast the normalised
+  row to the model dtype first and multiply in it (weight_in_fp32=False). Output dtype: x's.
+- `gated_rms_norm(y, z, weight, eps, n_groups)`: the Mamba2 output norm, RMSNorm(y * silu(z)) over
+  each contiguous group of I/G channels, in fp32, times the weight; output dtype: the weight's.
+
+Same math as hybrid.layers.RMSNorm / Mamba2Mixer.gated_norm (the reductions add in another order).
+Triton is imported guarded, as in triton_mamba.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # guarded: hybrid must import on machines without triton
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def is_available() -> bool:
+    return HAS_TRITON
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, H, eps,
+                         BLOCK: tl.constexpr, W_FP32: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        r = xf / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        if W_FP32:
+            y = w.to(tl.float32) * r
+        else:  # round the normalised row to the model dtype, then multiply in it
+            y = w.to(tl.float32) * r.to(x.dtype).to(tl.float32)
+        tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, eps,
+                               BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < GROUP
+        col = g * GROUP + offs
+        y = tl.load(y_ptr + row * s_y + col, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * s_z + col, mask=mask, other=0.0).to(tl.float32)
+        h = y * (z / (1.0 + tl.exp(-z)))
+        r = h / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
+        w = tl.load(w_ptr + col, mask=mask, other=0.0)
+        out = w.to(tl.float32) * r.to(w.dtype).to(tl.float32)
+        tl.store(out_ptr + row * s_o + col, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _require() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("hybrid.ops.triton_norm needs triton, which is not importable here")
+
+
+def _warps(block: int) -> int:
+    return 8 if block >= 4096 else 4 if block >= 1024 else 2
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
+    _require()
+    T, H = x.shape
+    assert weight.shape == (H,) and x.stride(-1) == 1
+    out = torch.empty_like(x)
+    if T:
+        block = triton.next_power_of_2(H)
+        _rms_norm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), H, eps,
+                               BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block))
+    return out
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int) -> torch.Tensor:
+    _require()
+    T, inner = y.shape
+    assert z.shape == (T, inner) and weight.shape == (inner,) and inner % n_groups == 0
+    assert y.stride(-1) == 1 and z.stride(-1) == 1
+    out = torch.empty(T, inner, dtype=weight.dtype, device=y.device)
+    if T:
+        group = inner // n_groups
+        block = triton.next_power_of_2(group)
+        _gated_rms_norm_kernel[(T, n_groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), group, eps,
+                                              BLOCK=block, num_warps=_warps(block))
+    return out

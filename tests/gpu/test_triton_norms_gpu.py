@@ -1,0 +1,52 @@
+"""Triton norm kernels on the GPU (compiled), at Nemotron-H-8B dims, against the torch layers; and an
+engine run with LLM(triton_norms=True) against the default. Not yet run on the device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid.layers import RMSNorm
+from hybrid.ops import triton_norm as tn
+
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("weight_in_fp32", [True, False])
+def test_rms_norm_8b_dims(weight_in_fp32):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    norm = RMSNorm(4096, 1e-5, weight_in_fp32)
+    norm.weight = torch.nn.Parameter((0.5 + torch.rand(4096, generator=g, device=DEV)).bfloat16(), requires_grad=False)
+    x = torch.randn(64, 4096, generator=g, device=DEV).bfloat16()
+    ref, got = norm(x), tn.rms_norm(x, norm.weight, 1e-5, weight_in_fp32)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=1.6e-2)
+
+
+def test_gated_norm_8b_dims():
+    g = torch.Generator(device=DEV).manual_seed(1)
+    inner, groups = 8192, 8
+    y = torch.randn(64, inner, generator=g, device=DEV).bfloat16()
+    z = torch.randn(64, 2 * inner, generator=g, device=DEV).bfloat16()[:, :inner]
+    w = (0.5 + torch.rand(inner, generator=g, device=DEV)).bfloat16()
+    h = y.float() * torch.nn.functional.silu(z.float())
+    h = h.view(64, groups, -1)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    ref = w * h.view(64, -1).to(w.dtype)
+    got = tn.gated_rms_norm(y, z, w, 1e-5, groups)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=1.6e-2)
+
+
+def test_engine_with_triton_norms(tiny_ckpt):
+    from hybrid import LLM, SamplingParams
+
+    path = tiny_ckpt("granite_dense")
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [11], list(range(20, 50))]
+    kw = dict(device="cuda", max_num_seqs=4, max_model_len=128, gpu_memory_utilization=0.3)
+    ref = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(path, triton_norms=True, **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(len(r) for r in ref)
+    assert [g[0] for g in got] == [r[0] for r in ref] and agree >= 0.9
+    assert llm.runner.stats["graph_replays"] > 0
