@@ -72,7 +72,7 @@ def make_llm(args, enforce_eager):
                  max_model_len=max(args.prompt, args.ctx) + 64, max_num_batched_tokens=args.prompt,
                  enforce_eager=enforce_eager, cuda_graph_sizes=sorted(set(args.batches)),
                  gpu_memory_utilization=args.util, mamba_ssm_dtype=args.ssm_dtype,
-                 mamba_decode_kernels=args.decode_kernels)
+                 mamba_decode_kernels=args.decode_kernels, triton_norms=args.triton_norms)
 
 
 def decode_batch(llm, n, ctx):
@@ -134,6 +134,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--ssm-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--decode-kernels", default="triton", choices=["triton", "library"])
+    ap.add_argument("--triton-norms", action="store_true", help="LLM(triton_norms=True): norms as Triton kernels")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode timing")
     ap.add_argument("--no-prefill", action="store_true", help="skip the 8K-prompt TTFT measurement")
     args = ap.parse_args()
