@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU device, from the project root, after `source .devkit/setup.sh`:
-#   bash bench/run_device.sh [tests|bench|all]
+#   bash bench/run_device.sh [tests|bench|all|pending]
 # Runs the GPU test suite (pytest -m gpu tests/gpu + the CPU padding tests) and/or the decode
 # benchmark; logs and results go to $OUT (default /tmp/out).
 set -o pipefail
@@ -14,5 +14,14 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/bench_decode.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+if [[ $what == pending ]]; then
+  # what had not run on the device yet when the last session ended (see BENCHMARKS.md)
+  python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_state_under_graphs.py \
+      tests/gpu/test_triton_norms_gpu.py 2>&1 | tee "$OUT/gpu_pending_tests.log" || rc=1
+  python3 bench/bench_decode.py --steps 10 --no-eager --no-prefill 2>&1 | tee "$OUT/bench_fp32_triton.log" || rc=1
+  python3 bench/bench_decode.py --steps 10 --no-eager --no-prefill --ssm-dtype bfloat16 --triton-norms \
+      2>&1 | tee "$OUT/bench_bf16_triton_norms.log" || rc=1
+  python3 bench/bench_transformers_peer.py 2>&1 | tee "$OUT/bench_peer.log" || rc=1
 fi
 exit $rc
