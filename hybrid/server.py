@@ -426,16 +426,10 @@ class _Server:
             return JSONResponse({
                 "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens},
+                "usage": _usage(prompt_tokens, completion_tokens),
             })
 
-        def chunk(choices, usage=None):
-            d = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                 "choices": choices}
-            if usage is not None or include_usage:
-                d["usage"] = usage
-            return _sse(d)
+        chunk = _chunker("text_completion", cid, created, self.model_name, include_usage)
 
         async def events():
             completion_tokens = 0
@@ -450,8 +444,7 @@ class _Server:
                                       "finish_reason": _finish_reason(u.finish_reason)}])
                 if include_usage:
                     pt = sum(len(ids) for _, ids in prompts)
-                    yield chunk([], {"prompt_tokens": pt, "completion_tokens": completion_tokens,
-                                     "total_tokens": pt + completion_tokens})
+                    yield chunk([], _usage(pt, completion_tokens))
             except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
                 yield _sse(_stream_error(e))
             finally:
@@ -514,16 +507,10 @@ class _Server:
             return JSONResponse({
                 "id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices,
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(ids) + completion_tokens},
+                "usage": _usage(len(ids), completion_tokens),
             })
 
-        def chunk(choices, usage=None):
-            d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                 "choices": choices}
-            if usage is not None or include_usage:
-                d["usage"] = usage
-            return _sse(d)
+        chunk = _chunker("chat.completion.chunk", cid, created, self.model_name, include_usage)
 
         async def events():
             completion_tokens = 0
@@ -542,8 +529,7 @@ class _Server:
                         yield chunk([{"index": u.index, "delta": {}, "logprobs": None,
                                       "finish_reason": _finish_reason(u.finish_reason)}])
                 if include_usage:
-                    yield chunk([], {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                                     "total_tokens": len(ids) + completion_tokens})
+                    yield chunk([], _usage(len(ids), completion_tokens))
             except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
                 yield _sse(_stream_error(e))
             finally:
@@ -572,6 +558,22 @@ class _ChoiceState:
         self.lp_sent = 0
         self.text_len = 0
         self.done = False
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _chunker(obj: str, cid: str, created: int, model: str, include_usage: bool):
+    """chunk(choices, usage=None) -> one server-sent event of a streamed response."""
+    def chunk(choices: list, usage: dict | None = None) -> str:
+        d = {"id": cid, "object": obj, "created": created, "model": model, "choices": choices}
+        if usage is not None or include_usage:
+            d["usage"] = usage
+        return _sse(d)
+
+    return chunk
 
 
 def _finish_reason(reason: str | None) -> str | None:
