@@ -1,0 +1,42 @@
+"""The command line, as a user runs it: `hybrid generate` (and `python -m hybrid`)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from hybrid import LLM, SamplingParams
+from hybrid.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_generate_prints_the_greedy_continuation(capsys):
+    prompt = "And the LORD said unto Moses,"
+    assert main(["generate", "--prompt", prompt, "--max-tokens", "12", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    expected = LLM(None).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    assert out.strip() == (prompt + expected[0].outputs[0].text).strip()
+
+
+def test_several_prompts_and_branches(capsys):
+    args = ["generate", "--prompt", "In the beginning", "--prompt", "Hear, O Israel:", "--max-tokens", "6",
+            "--temperature", "0.8", "--sampling-seed", "3", "--n", "2", "--device", "cpu"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- prompt") == 4 and "'In the beginning' [1]" in out and "'Hear, O Israel:' [0]" in out
+
+
+def test_bad_arguments_are_clear_errors(capsys, tmp_path):
+    assert main(["generate", "--prompt", "x", "--temperature", "-1", "--device", "cpu"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "x", "--device", "cpu"]) == 2
+    assert "checkpoint directory not found" in capsys.readouterr().err
+
+
+def test_python_dash_m():
+    proc = subprocess.run([sys.executable, "-m", "hybrid", "generate", "--prompt", "Blessed", "--max-tokens", "4",
+                           "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Blessed")
