@@ -36,10 +36,10 @@ def bucket_for(n: int, sizes: list[int]) -> int | None:
 
 
 def is_plain_decode(batch: StepBatch) -> bool:
-    """A batch of one-token decodes only (the shape the graphs capture)."""
+    """A batch of one-token decodes only (the shape the graphs capture): no verify, replay or prefill rows."""
     if batch.num_prefills != 0 or batch.num_decodes != batch.num_requests or batch.num_requests == 0:
         return False
-    if batch.num_tokens != batch.num_requests or getattr(batch, "num_verify", 0):
+    if batch.num_tokens != batch.num_requests or getattr(batch, "num_verify", 0) or getattr(batch, "num_replay", 0):
         return False
     return int(batch.logits_indices.shape[0]) == batch.num_requests
 

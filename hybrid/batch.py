@@ -1,8 +1,9 @@
 """The step batch: everything one forward pass needs, built by the engine.
 
-Requests are ordered decodes first, then prefill chunks, so that a decode-only step has exactly
-the shape the CUDA-graph wrapper captures. All index tensors live on the model's device; the
-`*_cpu` lists are host copies so that no step has to synchronise the device to read them.
+Requests are ordered decodes first, then prefill chunks (verify and replay rows, below, sit
+between them), so that a decode-only step has exactly the shape the CUDA-graph wrapper captures.
+All index tensors live on the model's device; the `*_cpu` lists are host copies so that no step
+has to synchronise the device to read them.
 
 Index contract shared by state_pool/, attention/ and graphs/:
 - `state_slot[i]` is the Mamba slot request i reads and writes; `PAD_SLOT_ID` (-1) marks padding
@@ -23,6 +24,18 @@ to `state_scratch[.][layer, scratch_index[i], j]`. After sampling, the engine co
 of the last accepted token into the slot (MambaStatePool.commit_spec); rejected positions leave
 nothing in the slot, and their KV rows lie beyond the committed seq_len, to be overwritten.
 Attention treats a verify row like a prefill chunk with context (causal over the new tokens).
+
+Replay rows (a preempted sequence, readmitted, rebuilding the state of the tokens it had already
+generated; see Engine._schedule) sit between the verifies and the prefills: order is
+[decodes | verifies | replays | prefills], `num_replay` counts them, and neither `num_decodes`
+(plain one-token decodes only, the shape the CUDA graphs capture) nor `num_prefills` includes
+them. A replay row i has q_len >= 1 known tokens (q_len >= 2, or one token that is not the
+sequence's last), has_initial_state True, seq_lens counting all of them, and one logits row
+(for its last token) only when it reaches the sequence's last token. The Mamba layers run its
+tokens with the decode recurrence, token after token (no dt clamp: they were generated tokens
+and first ran as decodes, so the rebuilt state is the one the decodes built), reading and
+writing `state_slot[i]` in place like a decode. Attention treats it like a prefill chunk with
+context. Padding never occurs in replay rows.
 """
 from __future__ import annotations
 
@@ -57,6 +70,9 @@ class StepBatch:
     scratch_index_cpu: list[int] | None = None
     # (spec_conv, spec_ssm) of the state pool, every layer: [layers, rows, K+1, ...]; None if no verify
     state_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Replay (see the module docstring): requests [num_decodes + num_verify, ... + num_replay)
+    # rebuild a readmitted sequence's state from its known generated tokens, decode recurrence in place.
+    num_replay: int = 0
 
     @property
     def num_requests(self) -> int:

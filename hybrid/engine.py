@@ -5,7 +5,10 @@ sequence that is decoding, then prefill chunks (of running sequences, then of ne
 ones). A sequence owns one Mamba slot and a list of KV pages while it runs; both are freed the
 moment it finishes, is aborted or is preempted. When pages run out, the newest running sequence
 is preempted and later recomputed from its tokens (its outputs so far are kept), so no request
-ever writes into state it does not own.
+ever writes into state it does not own. On readmission only the prompt is prefilled; the tokens it
+had generated are then replayed through the decode recurrence as "replay" chunks (as many tokens
+per step as the budget and the free pages allow; see hybrid/batch.py), so its rebuilt Mamba state
+is the one its decodes built.
 """
 from __future__ import annotations
 
@@ -118,6 +121,7 @@ class ScheduledChunk:
     num_tokens: int
     is_decode: bool
     draft: list[int] = field(default_factory=list)  # speculative drafts: a verify chunk when non-empty
+    replay: bool = False  # known generated tokens replayed after a preemption (decode recurrence, in place)
     scratch_index: int = -1  # verify chunks: row of the pool's verify scratch (set by _build_batch)
 
 
@@ -283,11 +287,27 @@ class Engine:
         prefills: list[ScheduledChunk] = []
 
         verifies: list[ScheduledChunk] = []
+        replays: list[ScheduledChunk] = []
         # 1. one token for every decoding sequence, oldest first; preempt the newest when out of pages.
         #    With speculation, a sequence with n-gram drafts becomes a verify chunk (1 + drafts tokens).
-        for seq in sorted([s for s in self.running if s.is_decoding], key=lambda s: s.arrival):
+        #    A sequence readmitted after a preemption whose generated tokens are known but not computed
+        #    yet replays as many of them as the budget and the free pages allow (a replay chunk: decode
+        #    recurrence, sampled only if it reaches the last token); it preempts others only as a
+        #    one-token decode would.
+        decoding = sorted([s for s in self.running if s.is_decoding], key=lambda s: s.arrival)
+        for k, seq in enumerate(decoding):
             if seq.status != Status.RUNNING or budget <= 0:
                 continue
+            replaying = seq.num_computed + 1 < seq.num_tokens
+            if replaying:
+                # leave a token of budget for every decoding sequence after this one
+                later = sum(1 for s in decoding[k + 1:] if s.status == Status.RUNNING)
+                chunk = self._fit_chunk(seq, max(1, budget - later), upto=seq.num_tokens)
+                if chunk:
+                    replays.append(ScheduledChunk(seq, chunk, True, replay=True))
+                    budget -= chunk
+                    continue
+                # not even one token's page is free: one token, preempting as a decode does
             draft = self._propose(seq, budget)
             if draft and not self._grow_pages(seq, seq.num_computed + 1 + len(draft)):
                 draft = []  # no pages for the drafts: plain decode (never preempt for speculation)
@@ -300,10 +320,11 @@ class Engine:
                 self._preempt(victim)
                 decodes = [c for c in decodes if c.seq is not victim]
                 verifies = [c for c in verifies if c.seq is not victim]
+                replays = [c for c in replays if c.seq is not victim]
                 if victim is seq:
                     break
             if seq.status == Status.RUNNING:
-                decodes.append(ScheduledChunk(seq, 1, True))
+                (replays if replaying else decodes).append(ScheduledChunk(seq, 1, True, replay=replaying))
                 budget -= 1
 
         # 2. continue running prefills
@@ -323,8 +344,8 @@ class Engine:
                 break
             seq.slot = slot
             # Only the prompt goes through the prefill scan. Tokens generated before a preemption are
-            # replayed one per step through the decode recurrence, as they first ran, so the rebuilt
-            # state is bit-identical (the scan clamps dt and rounds differently from the recurrence).
+            # then replayed through the decode recurrence (replay chunks, step 1), as they first ran, so
+            # the rebuilt state is bit-identical (the scan clamps dt and rounds differently).
             seq.prefill_len = len(seq.prompt_token_ids)
             seq.num_computed = 0
             chunk = self._fit_chunk(seq, budget)
@@ -338,12 +359,12 @@ class Engine:
             prefills.append(ScheduledChunk(seq, chunk, False))
             budget -= chunk
 
-        if not decodes and not verifies and not prefills and self.running:
+        if not decodes and not verifies and not replays and not prefills and self.running:
             # Every running sequence is stuck waiting for pages: free the newest and try again.
             victim = max(self.running, key=lambda s: (s.arrival, s.index))
             self._preempt(victim)
             return self._schedule()
-        return decodes + verifies + prefills
+        return decodes + verifies + replays + prefills
 
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
         """Speculative drafts for a decoding sequence ([] without speculation or without a match)."""
@@ -356,9 +377,10 @@ class Engine:
             return []
         return self.proposer.propose(seq.tokens, room)
 
-    def _fit_chunk(self, seq: Sequence, budget: int) -> int:
-        """Largest prefill chunk (<= budget) whose pages can be allocated now."""
-        chunk = min(seq.prefill_len - seq.num_computed, budget)
+    def _fit_chunk(self, seq: Sequence, budget: int, upto: int | None = None) -> int:
+        """Largest chunk (<= budget, ending at or before token `upto`, default the prefill length)
+        whose pages can be allocated now."""
+        chunk = min((seq.prefill_len if upto is None else upto) - seq.num_computed, budget)
         while chunk > 0 and not self._grow_pages(seq, seq.num_computed + chunk):
             free_tokens = (len(seq.pages) + self.kv_cache.allocator.num_free) * self.page_size - seq.num_computed
             chunk = min(chunk - 1, max(free_tokens, 0))
@@ -408,7 +430,7 @@ class Engine:
             state_slot=torch.tensor(slots, dtype=torch.long, device=dev),
             has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=dev),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            num_decodes=sum(1 for c in chunks if c.is_decode and not c.draft),
+            num_decodes=sum(1 for c in chunks if c.is_decode and not c.draft and not c.replay),
             num_prefills=sum(1 for c in chunks if not c.is_decode),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
@@ -419,6 +441,7 @@ class Engine:
             scratch_index=torch.tensor(scratch, dtype=torch.long, device=dev) if num_verify else None,
             scratch_index_cpu=scratch,
             state_scratch=self.state_pool.spec_scratch if num_verify else None,
+            num_replay=sum(1 for c in chunks if c.replay),
         )
 
     # ------------------------------------------------------------------ one step

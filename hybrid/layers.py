@@ -56,7 +56,8 @@ def activation(name: str):
 
 
 class Mamba2Mixer(nn.Module):
-    """Mamba2 mixer over a StepBatch: decodes use the recurrence, prefill chunks the chunked scan."""
+    """Mamba2 mixer over a StepBatch: decodes (and verify / replay rows) use the recurrence, prefill
+    chunks the chunked scan."""
 
     def __init__(self, hidden_size: int, cfg: MambaConfig, layer_index: int) -> None:
         super().__init__()
@@ -109,10 +110,13 @@ class Mamba2Mixer(nn.Module):
 
         if nv:
             self._verify(xBC, dt, A, y, batch, conv_state, ssm_state)
+        nr = batch.num_replay
+        if nr:
+            self._replay(xBC, dt, A, y, batch, conv_state, ssm_state)
 
         starts = batch.query_lens_cpu
-        offset = nd + sum(starts[nd:nd + nv])
-        for i in range(nd + nv, batch.num_requests):
+        offset = nd + sum(starts[nd:nd + nv + nr])
+        for i in range(nd + nv + nr, batch.num_requests):
             length = starts[i]
             slot = batch.state_slot_cpu[i]
             if slot < 0:  # padding row: touches no state
@@ -170,6 +174,35 @@ class Mamba2Mixer(nn.Module):
             y[tok] = mamba_torch.ssm_decode(
                 x.reshape(n, nh, P), dt[tok], A, B.reshape(n, cfg.n_groups, -1), C.reshape(n, cfg.n_groups, -1),
                 self.D, self.dt_bias, ssm_flat, dst,
+            ).float()
+
+    def _replay(self, xBC: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor, batch: StepBatch,
+                conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        """Replay rows (a readmitted sequence's known generated tokens): the decode recurrence token by
+        token on each row's own slot, in place, exactly the decode branch's math (no dt clamp), batched
+        across the rows still active at each token position."""
+        cfg = self.cfg
+        inner, nh, P = cfg.intermediate_size, cfg.num_heads, cfg.head_dim
+        gn = cfg.n_groups * cfg.state_size
+        nd, nv, nr = batch.num_decodes, batch.num_verify, batch.num_replay
+        q_lens = batch.query_lens_cpu
+        rows = list(range(nd + nv, nd + nv + nr))
+        first = nd + sum(q_lens[nd:nd + nv])
+        tok_start = []
+        for i in rows:
+            tok_start.append(first)
+            first += q_lens[i]
+        dev = xBC.device
+        for j in range(max(q_lens[i] for i in rows)):
+            act = [k for k, i in enumerate(rows) if q_lens[i] > j]
+            n = len(act)
+            tok = torch.tensor([tok_start[k] + j for k in act], dtype=torch.long, device=dev)
+            slots = torch.tensor([batch.state_slot_cpu[rows[k]] for k in act], dtype=torch.long, device=dev)
+            xbc = mamba_torch.conv_decode(xBC[tok], conv_state, slots, self.conv_weight, self.conv_bias)
+            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
+            y[tok] = mamba_torch.ssm_decode(
+                x.reshape(n, nh, P), dt[tok], A, B.reshape(n, cfg.n_groups, -1), C.reshape(n, cfg.n_groups, -1),
+                self.D, self.dt_bias, ssm_state, slots,
             ).float()
 
 

@@ -13,6 +13,8 @@ What is checked, for every row of the batch:
   another sequence (refcount 1: shared prompt pages are read-only), and its page-table entries
   are live pages.
 - verify rows (speculative decoding) use distinct scratch rows inside the scratch tensor.
+Replay rows (a readmitted sequence's known generated tokens) are ordinary real rows: they write
+their own slot and their own pages, and get exactly the checks above.
 """
 from __future__ import annotations
 

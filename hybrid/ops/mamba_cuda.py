@@ -6,6 +6,9 @@
   skipped by the kernel) and mamba-ssm's Triton `selective_state_update` with state indices. That
   kernel cannot skip padding, so padding rows are pointed at the pool's scratch row (the last
   row, which no request owns): padding never reads or writes a live slot. Both are CUDA-graph safe.
+- replay rows (a readmitted sequence's known generated tokens, see hybrid/batch.py): the decode
+  kernels again, in place on the row's slot: `triton_replay` (T-token launches grouped by T), or
+  with the library kernels one token position per call.
 - prefill chunks: one request at a time (mamba-ssm's varlen scan resets to zero at sequence
   boundaries and cannot take per-request initial states): the slot's conv history is prepended
   and `causal_conv1d_fn` runs over [history | chunk]; `mamba_chunk_scan_combined` runs with the
@@ -115,10 +118,15 @@ class MambaCudaKernels:
         nv = batch.num_verify
         if nv:
             triton_verify(self.triton, mixer, xBC, dt, p, y, batch, conv_state, ssm_state)
+        nr = batch.num_replay
+        if nr and self.decode_kernels == "triton":
+            triton_replay(self.triton, mixer, xBC, dt, p, y, batch, conv_state, ssm_state)
+        elif nr:
+            self._library_replay(mixer, xBC, dt, p, y, batch, conv_state, ssm_state)
 
         width = conv_state.shape[-1]
-        offset = nd + sum(batch.query_lens_cpu[nd:nd + nv])
-        for i in range(nd + nv, batch.num_requests):
+        offset = nd + sum(batch.query_lens_cpu[nd:nd + nv + nr])
+        for i in range(nd + nv + nr, batch.num_requests):
             length = batch.query_lens_cpu[i]
             slot = batch.state_slot_cpu[i]
             rows = slice(offset, offset + length)
@@ -149,6 +157,78 @@ class MambaCudaKernels:
 
         out = mixer.gated_norm(y.reshape(T, inner), z)
         return mixer.out_proj(out.to(hidden.dtype))
+
+    def _library_replay(self, mixer, xBC: torch.Tensor, dt: torch.Tensor, p: dict[str, torch.Tensor], y: torch.Tensor,
+                        batch, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        """Replay rows with the library decode kernels: one token position per call, batched across
+        the rows still active there, in place on their slots (replay rows are never padding)."""
+        cfg = mixer.cfg
+        inner, nh, P, G, N = cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
+        dev = xBC.device
+        for tok_list, slot_list in _replay_positions(batch):
+            n = len(tok_list)
+            tok = torch.tensor(tok_list, dtype=torch.long, device=dev)
+            slots = torch.tensor(slot_list, dtype=torch.long, device=dev)
+            xbc = self.conv_update(xBC[tok].contiguous(), conv_state, mixer.conv_weight, mixer.conv_bias,
+                                   "silu", None, slots.to(torch.int32))
+            x, B, C = torch.split(xbc, [inner, G * N, G * N], dim=-1)
+            y[tok] = self.state_update(
+                ssm_state, x.reshape(n, nh, P), dt[tok][:, :, None].expand(n, nh, P), p["A_hpn"],
+                B.reshape(n, G, N), C.reshape(n, G, N), D=p["D_hp"], z=None, dt_bias=p["dt_bias_hp"],
+                dt_softplus=True, state_batch_indices=slots,
+            ).to(y.dtype)
+
+
+def _replay_rows(batch) -> list[tuple[int, int, int]]:
+    """(first token row, token count, slot) of every replay row of the batch."""
+    nd, nv, nr = batch.num_decodes, batch.num_verify, batch.num_replay
+    q_lens = batch.query_lens_cpu
+    start = nd + sum(q_lens[nd:nd + nv])
+    rows = []
+    for i in range(nd + nv, nd + nv + nr):
+        rows.append((start, q_lens[i], batch.state_slot_cpu[i]))
+        start += q_lens[i]
+    return rows
+
+
+def _replay_positions(batch) -> list[tuple[list[int], list[int]]]:
+    """Token position by token position: (token rows, slots) of the replay rows active there."""
+    rows = _replay_rows(batch)
+    return [([first + j for first, T, _ in rows if T > j], [slot for _, T, slot in rows if T > j])
+            for j in range(max(T for _, T, _ in rows))]
+
+
+def triton_replay(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[str, torch.Tensor], y: torch.Tensor,
+                  batch, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+    """Replay rows [num_decodes + num_verify, ... + num_replay) on our Triton decode kernels: the decode
+    recurrence over each row's known tokens, in place on its slot (the slot ends with the state after the
+    row's last token). Same math as Mamba2Mixer._replay. Rows are grouped by token count, one T-token
+    launch per group: the kernels carry the state across the T tokens in fp32 registers, which equals T
+    one-token decodes only when the SSM state is fp32 (and the conv history stores the inputs exactly).
+    With a lower-precision state (rounded on every decode's store) the rows run one token position per
+    launch instead, as the decodes did."""
+    cfg = mixer.cfg
+    inner, nh, P, G, N = cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
+    dev = xBC.device
+    if ssm_state.dtype == torch.float32 and conv_state.dtype in (xBC.dtype, torch.float32):
+        groups: dict[int, list[tuple[int, int]]] = {}  # T -> [(first token row, slot)]
+        for first, T, slot in _replay_rows(batch):
+            groups.setdefault(T, []).append((first, slot))
+        launches = [([[first + j for j in range(T)] for first, _ in rows], [slot for _, slot in rows])
+                    for T, rows in groups.items()]
+    else:
+        launches = [([[t] for t in toks], slots) for toks, slots in _replay_positions(batch)]
+    for tok_rows, slot_list in launches:
+        b, T = len(tok_rows), len(tok_rows[0])
+        tok = torch.tensor(tok_rows, dtype=torch.long, device=dev)  # [b, T]
+        slots = torch.tensor(slot_list, dtype=torch.long, device=dev)
+        xbc = tm.conv_state_update(xBC[tok], conv_state, mixer.conv_weight, mixer.conv_bias, slots)
+        x, B, C = torch.split(xbc, [inner, G * N, G * N], dim=-1)
+        out = tm.selective_state_update(
+            ssm_state, x.reshape(b, T, nh, P), dt[tok], params["A"], B.reshape(b, T, G, N), C.reshape(b, T, G, N),
+            params["D"], params["dt_bias"], slots,
+        )
+        y[tok] = out.to(y.dtype)
 
 
 def triton_verify(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[str, torch.Tensor], y: torch.Tensor,
