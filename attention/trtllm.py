@@ -147,7 +147,6 @@ class TrtllmAttentionBackend:
     def context_sm100(self, q, kv_layer, batch, scale, ws):
         from flashinfer.prefill import trtllm_batch_context_with_kv_cache
 
-        page_size = kv_layer.shape[3]
         cum_kv = [0]
         for s in batch.seq_lens_cpu:
             cum_kv.append(cum_kv[-1] + s)

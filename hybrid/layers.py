@@ -100,13 +100,7 @@ class Mamba2Mixer(nn.Module):
 
         nd = batch.num_decodes
         if nd:
-            slots = batch.state_slot[:nd]
-            xbc = mamba_torch.conv_decode(xBC[:nd], conv_state, slots, self.conv_weight, self.conv_bias)
-            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
-            y[:nd] = mamba_torch.ssm_decode(
-                x.reshape(nd, nh, P), dt[:nd], A, B.reshape(nd, cfg.n_groups, -1), C.reshape(nd, cfg.n_groups, -1),
-                self.D, self.dt_bias, ssm_state, slots,
-            ).float()
+            y[:nd] = self._recurrence_step(xBC[:nd], dt[:nd], A, conv_state, ssm_state, batch.state_slot[:nd])
 
         if nv:
             self._verify(xBC, dt, A, y, batch, conv_state, ssm_state)
@@ -138,14 +132,24 @@ class Mamba2Mixer(nn.Module):
         out = self.gated_norm(y.reshape(-1, inner), z)
         return self.out_proj(out.to(hidden.dtype))
 
+    def _recurrence_step(self, xBC: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, conv_buf: torch.Tensor,
+                         ssm_buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """One token per row through the decode recurrence (conv window, then the state update, no dt
+        clamp), on state rows `index` of the buffers (slots, or verify scratch rows). Returns y [n, H, P]."""
+        cfg = self.cfg
+        n, gn = xBC.shape[0], cfg.n_groups * cfg.state_size
+        xbc = mamba_torch.conv_decode(xBC, conv_buf, index, self.conv_weight, self.conv_bias)
+        x, B, C = torch.split(xbc, [cfg.intermediate_size, gn, gn], dim=-1)
+        return mamba_torch.ssm_decode(
+            x.reshape(n, cfg.num_heads, cfg.head_dim), dt, A, B.reshape(n, cfg.n_groups, -1),
+            C.reshape(n, cfg.n_groups, -1), self.D, self.dt_bias, ssm_buf, index,
+        ).float()
+
     def _verify(self, xBC: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor, batch: StepBatch,
                 conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         """Speculative verify rows: the decode recurrence token by token (exactly the decode path's
         math), starting from each row's slot and keeping the state after every token in the verify
         scratch; the slots themselves are not written (the engine commits the accepted position)."""
-        cfg = self.cfg
-        inner, nh, P = cfg.intermediate_size, cfg.num_heads, cfg.head_dim
-        gn = cfg.n_groups * cfg.state_size
         nd, nv = batch.num_decodes, batch.num_verify
         conv_scr = batch.state_scratch[0][self.layer_index]  # [rows, K+1, C, W]
         ssm_scr = batch.state_scratch[1][self.layer_index]  # [rows, K+1, H, P, N]
@@ -158,7 +162,6 @@ class Mamba2Mixer(nn.Module):
         dev = xBC.device
         for j in range(max(q_lens[i] for i in rows)):
             act = [k for k, i in enumerate(rows) if q_lens[i] > j]
-            n = len(act)
             tok = torch.tensor([tok_start[k] + j for k in act], dtype=torch.long, device=dev)
             dst = torch.tensor([batch.scratch_index_cpu[rows[k]] * width + j for k in act], dtype=torch.long,
                                device=dev)
@@ -169,21 +172,13 @@ class Mamba2Mixer(nn.Module):
             else:
                 conv_flat[dst] = conv_flat[dst - 1]
                 ssm_flat[dst] = ssm_flat[dst - 1]
-            xbc = mamba_torch.conv_decode(xBC[tok], conv_flat, dst, self.conv_weight, self.conv_bias)
-            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
-            y[tok] = mamba_torch.ssm_decode(
-                x.reshape(n, nh, P), dt[tok], A, B.reshape(n, cfg.n_groups, -1), C.reshape(n, cfg.n_groups, -1),
-                self.D, self.dt_bias, ssm_flat, dst,
-            ).float()
+            y[tok] = self._recurrence_step(xBC[tok], dt[tok], A, conv_flat, ssm_flat, dst)
 
     def _replay(self, xBC: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor, batch: StepBatch,
                 conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         """Replay rows (a readmitted sequence's known generated tokens): the decode recurrence token by
         token on each row's own slot, in place, exactly the decode branch's math (no dt clamp), batched
         across the rows still active at each token position."""
-        cfg = self.cfg
-        inner, nh, P = cfg.intermediate_size, cfg.num_heads, cfg.head_dim
-        gn = cfg.n_groups * cfg.state_size
         nd, nv, nr = batch.num_decodes, batch.num_verify, batch.num_replay
         q_lens = batch.query_lens_cpu
         rows = list(range(nd + nv, nd + nv + nr))
@@ -195,15 +190,9 @@ class Mamba2Mixer(nn.Module):
         dev = xBC.device
         for j in range(max(q_lens[i] for i in rows)):
             act = [k for k, i in enumerate(rows) if q_lens[i] > j]
-            n = len(act)
             tok = torch.tensor([tok_start[k] + j for k in act], dtype=torch.long, device=dev)
             slots = torch.tensor([batch.state_slot_cpu[rows[k]] for k in act], dtype=torch.long, device=dev)
-            xbc = mamba_torch.conv_decode(xBC[tok], conv_state, slots, self.conv_weight, self.conv_bias)
-            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
-            y[tok] = mamba_torch.ssm_decode(
-                x.reshape(n, nh, P), dt[tok], A, B.reshape(n, cfg.n_groups, -1), C.reshape(n, cfg.n_groups, -1),
-                self.D, self.dt_bias, ssm_state, slots,
-            ).float()
+            y[tok] = self._recurrence_step(xBC[tok], dt[tok], A, conv_state, ssm_state, slots)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
