@@ -96,24 +96,13 @@ class MambaCudaKernels:
 
         nd = batch.num_decodes
         if nd and self.decode_kernels == "triton":
-            slots = batch.state_slot[:nd]
-            xbc = self.triton.conv_state_update(xBC[:nd], conv_state, mixer.conv_weight, mixer.conv_bias, slots)
-            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
-            y[:nd] = self.triton.selective_state_update(
-                ssm_state, x.reshape(nd, nh, P), dt[:nd], p["A"], B.reshape(nd, G, N), C.reshape(nd, G, N),
-                p["D"], p["dt_bias"], slots,
-            )
+            y[:nd] = triton_recurrence(self.triton, mixer, p, xBC[:nd], dt[:nd], conv_state, ssm_state,
+                                       batch.state_slot[:nd])
         elif nd:
             slots = batch.state_slot[:nd]
-            xbc = self.conv_update(xBC[:nd].contiguous(), conv_state, mixer.conv_weight, mixer.conv_bias,
-                                   "silu", None, slots.to(torch.int32))
-            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
-            state_idx = slots.masked_fill(slots < 0, scratch)
-            y[:nd] = self.state_update(
-                ssm_state, x.reshape(nd, nh, P), dt[:nd, :, None].expand(nd, nh, P), p["A_hpn"],
-                B.reshape(nd, G, N), C.reshape(nd, G, N), D=p["D_hp"], z=None, dt_bias=p["dt_bias_hp"],
-                dt_softplus=True, state_batch_indices=state_idx,
-            )
+            # mamba-ssm's kernel cannot skip PAD_SLOT_ID rows: they go to the scratch row
+            y[:nd] = self._library_step(mixer, p, xBC[:nd], dt[:nd], conv_state, ssm_state, slots,
+                                        slots.masked_fill(slots < 0, scratch))
 
         nv = batch.num_verify
         if nv:
@@ -162,21 +151,49 @@ class MambaCudaKernels:
                         batch, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         """Replay rows with the library decode kernels: one token position per call, batched across
         the rows still active there, in place on their slots (replay rows are never padding)."""
-        cfg = mixer.cfg
-        inner, nh, P, G, N = cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
         dev = xBC.device
         for tok_list, slot_list in _replay_positions(batch):
-            n = len(tok_list)
             tok = torch.tensor(tok_list, dtype=torch.long, device=dev)
             slots = torch.tensor(slot_list, dtype=torch.long, device=dev)
-            xbc = self.conv_update(xBC[tok].contiguous(), conv_state, mixer.conv_weight, mixer.conv_bias,
-                                   "silu", None, slots.to(torch.int32))
-            x, B, C = torch.split(xbc, [inner, G * N, G * N], dim=-1)
-            y[tok] = self.state_update(
-                ssm_state, x.reshape(n, nh, P), dt[tok][:, :, None].expand(n, nh, P), p["A_hpn"],
-                B.reshape(n, G, N), C.reshape(n, G, N), D=p["D_hp"], z=None, dt_bias=p["dt_bias_hp"],
-                dt_softplus=True, state_batch_indices=slots,
-            ).to(y.dtype)
+            y[tok] = self._library_step(mixer, p, xBC[tok], dt[tok], conv_state, ssm_state, slots, slots).to(y.dtype)
+
+    def _library_step(self, mixer, p: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,
+                      conv_state: torch.Tensor, ssm_state: torch.Tensor, conv_slots: torch.Tensor,
+                      ssm_slots: torch.Tensor) -> torch.Tensor:
+        """One token per row through causal-conv1d's and mamba-ssm's decode kernels. Returns y [n, H, P]."""
+        cfg = mixer.cfg
+        n, nh, P, G, N = xBC.shape[0], cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
+        xbc = self.conv_update(xBC.contiguous(), conv_state, mixer.conv_weight, mixer.conv_bias,
+                               "silu", None, conv_slots.to(torch.int32))
+        x, B, C = torch.split(xbc, [cfg.intermediate_size, G * N, G * N], dim=-1)
+        return self.state_update(
+            ssm_state, x.reshape(n, nh, P), dt[:, :, None].expand(n, nh, P), p["A_hpn"],
+            B.reshape(n, G, N), C.reshape(n, G, N), D=p["D_hp"], z=None, dt_bias=p["dt_bias_hp"],
+            dt_softplus=True, state_batch_indices=ssm_slots,
+        )
+
+
+def triton_recurrence(tm, mixer, params: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,
+                      conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+                      scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      scratch_index: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode recurrence on our Triton kernels for token rows xBC [b, C] (one token each) or
+    [b, T, C] (T tokens each): conv window, then the state update, starting from `slots`. Without
+    `scratch` the slots are updated in place; with it (conv, ssm scratch views with T positions) the
+    state after every token goes to scratch row `scratch_index` and the slots are untouched.
+    Returns y [b, H, P] / [b, T, H, P]."""
+    cfg = mixer.cfg
+    lead = xBC.shape[:-1]
+    gn = cfg.n_groups * cfg.state_size
+    conv_scr, ssm_scr = scratch if scratch is not None else (None, None)
+    xbc = tm.conv_state_update(xBC, conv_state, mixer.conv_weight, mixer.conv_bias, slots,
+                               intermediate_states=conv_scr, intermediate_indices=scratch_index)
+    x, B, C = torch.split(xbc, [cfg.intermediate_size, gn, gn], dim=-1)
+    return tm.selective_state_update(
+        ssm_state, x.reshape(*lead, cfg.num_heads, cfg.head_dim), dt, params["A"],
+        B.reshape(*lead, cfg.n_groups, -1), C.reshape(*lead, cfg.n_groups, -1), params["D"], params["dt_bias"],
+        slots, intermediate_states=ssm_scr, intermediate_indices=scratch_index,
+    )
 
 
 def _replay_rows(batch) -> list[tuple[int, int, int]]:
@@ -207,8 +224,6 @@ def triton_replay(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[s
     one-token decodes only when the SSM state is fp32 (and the conv history stores the inputs exactly).
     With a lower-precision state (rounded on every decode's store) the rows run one token position per
     launch instead, as the decodes did."""
-    cfg = mixer.cfg
-    inner, nh, P, G, N = cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
     dev = xBC.device
     if ssm_state.dtype == torch.float32 and conv_state.dtype in (xBC.dtype, torch.float32):
         groups: dict[int, list[tuple[int, int]]] = {}  # T -> [(first token row, slot)]
@@ -219,16 +234,9 @@ def triton_replay(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[s
     else:
         launches = [([[t] for t in toks], slots) for toks, slots in _replay_positions(batch)]
     for tok_rows, slot_list in launches:
-        b, T = len(tok_rows), len(tok_rows[0])
         tok = torch.tensor(tok_rows, dtype=torch.long, device=dev)  # [b, T]
         slots = torch.tensor(slot_list, dtype=torch.long, device=dev)
-        xbc = tm.conv_state_update(xBC[tok], conv_state, mixer.conv_weight, mixer.conv_bias, slots)
-        x, B, C = torch.split(xbc, [inner, G * N, G * N], dim=-1)
-        out = tm.selective_state_update(
-            ssm_state, x.reshape(b, T, nh, P), dt[tok], params["A"], B.reshape(b, T, G, N), C.reshape(b, T, G, N),
-            params["D"], params["dt_bias"], slots,
-        )
-        y[tok] = out.to(y.dtype)
+        y[tok] = triton_recurrence(tm, mixer, params, xBC[tok], dt[tok], conv_state, ssm_state, slots).to(y.dtype)
 
 
 def triton_verify(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[str, torch.Tensor], y: torch.Tensor,
@@ -238,8 +246,6 @@ def triton_verify(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[s
     token written to the verify scratch (the slot itself is untouched; the engine commits the accepted
     position). Same math as Mamba2Mixer._verify. Rows are grouped by token count (the kernels take a
     fixed T per launch)."""
-    cfg = mixer.cfg
-    inner, nh, P, G, N = cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
     nd, nv = batch.num_decodes, batch.num_verify
     conv_scr = batch.state_scratch[0][mixer.layer_index]  # [rows, K+1, conv_dim, K-1]
     ssm_scr = batch.state_scratch[1][mixer.layer_index]  # [rows, K+1, H, P, N]
@@ -251,18 +257,11 @@ def triton_verify(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[s
         start += q_lens[i]
     dev = xBC.device
     for T, rows in groups.items():
-        b = len(rows)
         tok = torch.tensor([[first + j for j in range(T)] for first, _ in rows], dtype=torch.long, device=dev)
         slots = torch.tensor([batch.state_slot_cpu[i] for _, i in rows], dtype=torch.long, device=dev)
         scratch = torch.tensor([batch.scratch_index_cpu[i] for _, i in rows], dtype=torch.long, device=dev)
-        xbc = tm.conv_state_update(xBC[tok], conv_state, mixer.conv_weight, mixer.conv_bias, slots,
-                                   intermediate_states=conv_scr[:, :T], intermediate_indices=scratch)
-        x, B, C = torch.split(xbc, [inner, G * N, G * N], dim=-1)
-        out = tm.selective_state_update(
-            ssm_state, x.reshape(b, T, nh, P), dt[tok], params["A"], B.reshape(b, T, G, N), C.reshape(b, T, G, N),
-            params["D"], params["dt_bias"], slots, intermediate_states=ssm_scr[:, :T], intermediate_indices=scratch,
-        )
-        y[tok] = out.to(y.dtype)
+        y[tok] = triton_recurrence(tm, mixer, params, xBC[tok], dt[tok], conv_state, ssm_state, slots,
+                                   (conv_scr[:, :T], ssm_scr[:, :T]), scratch).to(y.dtype)
 
 
 def attach_kernels(model, decode_kernels: str = "triton") -> MambaCudaKernels | None:
