@@ -81,7 +81,3 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
-from hybrid.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
+from hybrid.config import ATTENTION, MAMBA, MLP, ModelConfig
 from hybrid.layers import (
     Attention, DenseMLP, GatedMLP, GraniteMoE, Linear, Mamba2Mixer, NemotronMoE, RMSNorm, _param,
 )
@@ -45,7 +45,6 @@ class TwoStageBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, kind: str, mamba_index: int, attn_index: int) -> None:
         super().__init__()
         self.kind = kind
-        self.family = cfg.family
         self.residual_multiplier = cfg.residual_multiplier
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
@@ -62,10 +61,10 @@ class TwoStageBlock(nn.Module):
             x = self.mixer(x, batch, *ctx.mamba_state(self.mixer.layer_index))
         else:
             x = self.mixer(x, batch, ctx.kv_layer(self.mixer.layer_index), ctx.attention_backend)
-        h = h + x * self.residual_multiplier if self.residual_multiplier != 1.0 else h + x
+        h = h + x * self.residual_multiplier
         x = self.ffn_norm(h)
         x = self.moe(x) + self.mlp(x) if self.moe is not None else self.mlp(x)
-        return h + x * self.residual_multiplier if self.residual_multiplier != 1.0 else h + x
+        return h + x * self.residual_multiplier
 
 
 class HybridModel(nn.Module):

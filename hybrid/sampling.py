@@ -6,7 +6,7 @@ the batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -94,10 +94,3 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> dict[int, float]:
         values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
         out.update({int(i): float(v) for i, v in zip(ids, values)})
     return out
-
-
-@dataclass
-class SamplerState:
-    """Per-request sampling state that must survive preemption (same draws after recompute)."""
-
-    generator: torch.Generator | None = field(default=None)
