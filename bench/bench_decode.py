@@ -124,6 +124,29 @@ def time_steps(fn, steps):
     return (time.perf_counter() - t) / steps
 
 
+def profile_step(fn, label, steps=5):
+    """Kernel time per kernel name over `steps` calls (CUPTI sees the kernels inside a CUDA graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            rec = per_name.setdefault(ev.name[:90], [0.0, 0])
+            rec[0] += ev.device_time / steps
+            rec[1] += 1 / steps
+    total = sum(v[0] for v in per_name.values())
+    count = sum(v[1] for v in per_name.values())
+    print(f"profile {label}: {count:.0f} kernels, {total / 1e3:.3f} ms of kernel time per step")
+    for name, (us, k) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:30]:
+        print(f"  {us:9.1f} us  {k:5.0f}x  {name}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -137,6 +160,8 @@ def main():
     ap.add_argument("--triton-norms", action="store_true", help="LLM(triton_norms=True): norms as Triton kernels")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode timing")
     ap.add_argument("--no-prefill", action="store_true", help="skip the 8K-prompt TTFT measurement")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the GPU kernel time per kernel name of one graph replay per batch size")
     args = ap.parse_args()
     import logging
 
@@ -167,6 +192,8 @@ def main():
                          graph_tok_s=n / t_graph, eager_tok_s=n / t_eager, floor_ms=floor * 1e3,
                          floor_tok_s=n / floor, step_gb=step_bytes / 1e9))
         print(rows[-1], flush=True)
+        if args.profile:
+            profile_step(lambda: runner.execute(batch).argmax(-1), f"batch {n}, graph replay")
     # prefill: one 8K prompt, TTFT through generate (prefill runs eagerly with or without graphs)
     from hybrid.sampling import SamplingParams
 

@@ -19,8 +19,8 @@ if [[ $what == pending ]]; then
   # what had not run on the device yet when the last session ended (see BENCHMARKS.md)
   python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_state_under_graphs.py \
       tests/gpu/test_triton_norms_gpu.py tests/gpu/test_kernels.py 2>&1 | tee "$OUT/gpu_pending_tests.log" || rc=1
-  python3 bench/bench_decode.py --steps 10 --no-eager --no-prefill 2>&1 | tee "$OUT/bench_fp32_triton.log" || rc=1
-  python3 bench/bench_decode.py --steps 10 --no-eager --no-prefill --ssm-dtype bfloat16 --triton-norms \
+  python3 bench/bench_decode.py --steps 10 --no-eager --no-prefill --profile 2>&1 | tee "$OUT/bench_fp32_triton.log" || rc=1
+  python3 bench/bench_decode.py --steps 10 --no-eager --no-prefill --ssm-dtype bfloat16 --triton-norms --profile \
       2>&1 | tee "$OUT/bench_bf16_triton_norms.log" || rc=1
   python3 bench/bench_transformers_peer.py 2>&1 | tee "$OUT/bench_peer.log" || rc=1
 fi
