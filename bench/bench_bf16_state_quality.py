@@ -52,7 +52,7 @@ def main() -> None:
         path = str(build(os.path.join(tmp, name)))
         prompts = [torch.randint(4, 150, (n,), generator=g).tolist() for n in (1, 7, 33, 90)]
         cases.append((f"tiny random {name}", path, prompts))
-    print(f"| checkpoint | greedy tokens | first divergence per prompt | agreement per prompt |")
+    print("| checkpoint | greedy tokens | first divergence per prompt | agreement per prompt |")
     print("|---|---:|---|---|")
     for name, path, prompts in cases:
         res = compare(path, prompts, args.tokens)

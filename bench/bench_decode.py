@@ -10,7 +10,6 @@ Usage: python bench/bench_decode.py [--batches 1 8 64 256] [--ctx 2048] [--promp
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os

@@ -436,7 +436,7 @@ def main() -> int:
                 us, mode = time_calls(calls, args.iters)
                 add("ours ssm verify T=4 (scratch)", batch, sdt, us, sb // 2 * (1 + T), mode,
                     "bytes: 1 read + 4 writes")
-                del inter
+                inter = None  # free it before the next batch size
             except torch.OutOfMemoryError:
                 print("  verify T=4: out of memory; skipped")
             except Exception:  # noqa: BLE001

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
 from hybrid.config import AttentionConfig, MambaConfig, MoEConfig
-from hybrid.ops import mamba_torch, triton_norm
+from hybrid.ops import mamba_torch, triton_act, triton_norm
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -32,10 +32,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
         # NemotronH multiplies by the weight before casting back; the other families after.
         self.weight_in_fp32 = weight_in_fp32
-        self.triton = False  # one Triton launch instead of the torch op chain (CUDA, opt-in)
+        self.fused = False  # one Triton launch instead of the torch op chain (see use_fused_ops)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x * scale), residual + x * scale); residual None starts the stream at x.
+        The fused path updates `residual` in place."""
+        if residual is None:
+            return self(x), x
+        if self.fused:
+            return triton_norm.add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32, scale), residual
+        residual = residual + (x * scale if scale != 1.0 else x)
+        return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton:
+        if self.fused:
             return triton_norm.rms_norm(x.contiguous(), self.weight, self.eps, self.weight_in_fp32)
         dtype = x.dtype
         h = x.float()
@@ -73,12 +84,12 @@ class Mamba2Mixer(nn.Module):
         self.norm_weight = _param(inner)
         self.out_proj = Linear(inner, hidden_size, cfg.proj_bias)
         self.kernels = None  # set by the model when GPU kernels are in use
-        self.triton_norm = False  # gated norm as one Triton launch (CUDA, opt-in)
+        self.fused = False  # gated norm as one Triton launch (see use_fused_ops)
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm(y * silu(z)) per group of inner/G channels, in fp32, gate before the norm."""
         cfg = self.cfg
-        if self.triton_norm:
+        if self.fused:
             return triton_norm.gated_rms_norm(y.contiguous(), z, self.norm_weight, cfg.norm_eps, cfg.n_groups)
         h = y.float() * F.silu(z.float())
         h = h.view(h.shape[0], cfg.n_groups, -1)
@@ -250,9 +261,12 @@ class DenseMLP(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate, bias)
         self.down_proj = Linear(intermediate, hidden_size, bias)
         self.act = activation(act)
+        self.fused = False  # relu2 as one Triton launch (see use_fused_ops)
+        self.can_fuse = act == "relu2"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+        h = self.up_proj(x)
+        return self.down_proj(triton_act.relu2(h) if self.fused else self.act(h))
 
 
 class GatedMLP(nn.Module):
@@ -263,9 +277,14 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate, bias)
         self.down_proj = Linear(intermediate, hidden_size, bias)
         self.act = activation(act)
+        self.fused = False  # silu(gate) * up as one Triton launch (see use_fused_ops)
+        self.can_fuse = act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(triton_act.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -344,16 +363,15 @@ class GraniteMoE(nn.Module):
         return self.experts(x, top_idx, top_w)
 
 
-def use_triton_norms(model: nn.Module) -> int:
-    """Switch every RMSNorm and Mamba gated norm of the model to its Triton kernel; returns how many."""
-    if not triton_norm.is_available():
-        raise RuntimeError("triton is not importable: the fused norms are unavailable")
+def use_fused_ops(model: nn.Module) -> int:
+    """Switch the model's norms (with the residual add before them), the Mamba gated norm and the
+    relu2 / SwiGLU activations of the dense MLPs to their Triton kernels; returns how many modules.
+    Same math as the torch chains they replace, rounded at the same points."""
+    if not (triton_norm.is_available() and triton_act.is_available()):
+        raise RuntimeError("triton is not importable: the fused ops are unavailable")
     count = 0
     for m in model.modules():
-        if isinstance(m, RMSNorm):
-            m.triton = True
-            count += 1
-        elif isinstance(m, Mamba2Mixer):
-            m.triton_norm = True
+        if isinstance(m, (RMSNorm, Mamba2Mixer)) or (isinstance(m, (DenseMLP, GatedMLP)) and m.can_fuse):
+            m.fused = True
             count += 1
     return count

@@ -13,6 +13,7 @@ from graphs.runner import ModelRunner
 from hybrid.config import load_config
 from hybrid.engine import Engine
 from hybrid.errors import CapacityError, InvalidRequestError
+from hybrid.layers import use_fused_ops
 from hybrid.loader import load_model
 from hybrid.model import ForwardContext
 from hybrid.outputs import RequestOutput
@@ -54,7 +55,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,  # CUDA: share of GPU memory for weights, activations, state, KV
         cuda_graph_sizes: list[int] | None = None,  # decode batch sizes captured (default 1, 2, 4, 8k..max_num_seqs)
         mamba_decode_kernels: str = "triton",  # CUDA decode: our Triton kernels, or "library" (mamba-ssm/causal-conv1d)
-        triton_norms: bool = False,  # CUDA: RMSNorm and the Mamba gated norm as single Triton kernels (opt-in)
+        fused_ops: bool | None = None,  # Triton norms (+ residual add), gated norm, relu2/SwiGLU; None: on for CUDA
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR
         self.device = torch.device(device)
@@ -77,6 +78,12 @@ class LLM:
         self.model = load_model(self.model_dir, cfg, self.device, self.dtype, progress=self.device.type == "cuda")
         m = cfg.mamba
         shapes = StateShapes(len(cfg.mamba_layers), m.conv_dim, m.conv_kernel - 1, m.num_heads, m.head_dim, m.state_size)
+        if fused_ops is None:  # on where the kernels compile; on CPU only through Triton's interpreter
+            from hybrid.ops import triton_act, triton_norm
+
+            fused_ops = self.device.type == "cuda" and triton_norm.is_available() and triton_act.is_available()
+        if fused_ops:
+            use_fused_ops(self.model)
         backend = select_backend(self.device)
         self.memory_plan = None
         if self.device.type == "cuda":
@@ -85,10 +92,6 @@ class LLM:
 
             if attach_kernels(self.model, mamba_decode_kernels) is None and cfg.mamba_layers:
                 logger.warning("mamba-ssm / causal-conv1d not importable: Mamba layers use the torch path")
-            if triton_norms:
-                from hybrid.layers import use_triton_norms
-
-                use_triton_norms(self.model)
             self.memory_plan = plan_memory(
                 self.model, cfg, device=self.device, gpu_memory_utilization=gpu_memory_utilization,
                 max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,

@@ -13,7 +13,10 @@ from hybrid.layers import (
 
 
 class NemotronHBlock(nn.Module):
-    """h += mixer(norm(h)); the mixer is one of mamba, attention, mlp, moe."""
+    """h += mixer(norm(h)); the mixer is one of mamba, attention, mlp, moe.
+
+    Blocks take and return (x, residual): x is the previous block's output not yet added to the
+    residual stream, so that the add runs fused with this block's norm (RMSNorm.add_norm)."""
 
     def __init__(self, cfg: ModelConfig, kind: str, mamba_index: int, attn_index: int) -> None:
         super().__init__()
@@ -28,19 +31,22 @@ class NemotronHBlock(nn.Module):
         else:
             self.mixer = NemotronMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act)
 
-    def forward(self, h, batch, ctx):
-        x = self.norm(h)
+    residual_multiplier = 1.0
+
+    def forward(self, x, residual, batch, ctx):
+        x, residual = self.norm.add_norm(x, residual)
         if self.kind == MAMBA:
             x = self.mixer(x, batch, *ctx.mamba_state(self.mixer.layer_index))
         elif self.kind == ATTENTION:
             x = self.mixer(x, batch, ctx.kv_layer(self.mixer.layer_index), ctx.attention_backend)
         else:
             x = self.mixer(x)
-        return h + x
+        return x, residual
 
 
 class TwoStageBlock(nn.Module):
-    """Bamba / Granite block: h += m * mixer(norm1(h)); h += m * ffn(norm2(h))."""
+    """Bamba / Granite block: h += m * mixer(norm1(h)); h += m * ffn(norm2(h)). Takes and returns
+    (x, residual) like NemotronHBlock; x is added to the stream times m by the next norm."""
 
     def __init__(self, cfg: ModelConfig, kind: str, mamba_index: int, attn_index: int) -> None:
         super().__init__()
@@ -55,16 +61,16 @@ class TwoStageBlock(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act)
         self.moe = GraniteMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act) if cfg.moe is not None else None
 
-    def forward(self, h, batch, ctx):
-        x = self.input_norm(h)
+    def forward(self, x, residual, batch, ctx):
+        m = self.residual_multiplier
+        x, residual = self.input_norm.add_norm(x, residual, m)
         if self.kind == MAMBA:
             x = self.mixer(x, batch, *ctx.mamba_state(self.mixer.layer_index))
         else:
             x = self.mixer(x, batch, ctx.kv_layer(self.mixer.layer_index), ctx.attention_backend)
-        h = h + x * self.residual_multiplier
-        x = self.ffn_norm(h)
+        x, residual = self.ffn_norm.add_norm(x, residual, m)
         x = self.moe(x) + self.mlp(x) if self.moe is not None else self.mlp(x)
-        return h + x * self.residual_multiplier
+        return x, residual
 
 
 class HybridModel(nn.Module):
@@ -92,9 +98,12 @@ class HybridModel(nn.Module):
         h = F.embedding(batch.input_ids, self.embed)
         if self.cfg.embedding_multiplier != 1.0:
             h = h * self.cfg.embedding_multiplier
+        x, residual = h, None
         for block in self.layers:
-            h = block(h, batch, ctx)
-        h = self.final_norm(h[batch.logits_indices])
+            x, residual = block(x, residual, batch, ctx)
+        # the last block's output joins the stream only on the rows that produce logits
+        rows = batch.logits_indices
+        h, _ = self.final_norm.add_norm(x[rows], residual[rows], self.layers[-1].residual_multiplier)
         weight = self.embed if self.lm_head is None else self.lm_head.weight
         logits = F.linear(h, weight)
         if self.cfg.logits_scaling != 1.0:

@@ -8,7 +8,6 @@ import torch
 
 from hybrid import SamplingParams
 from hybrid.errors import HybridError, StateCorruptionError
-from state_pool.pool import PAD_SLOT_ID
 
 torch.set_num_threads(1)  # 2 cores shared by several people: 2 threads here run ~20x slower
 

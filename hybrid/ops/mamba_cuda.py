@@ -96,8 +96,8 @@ class MambaCudaKernels:
 
         nd = batch.num_decodes
         if nd and self.decode_kernels == "triton":
-            y[:nd] = triton_recurrence(self.triton, mixer, p, xBC[:nd], dt[:nd], conv_state, ssm_state,
-                                       batch.state_slot[:nd])
+            triton_recurrence(self.triton, mixer, p, xBC[:nd], dt[:nd], conv_state, ssm_state,
+                              batch.state_slot[:nd], out=y[:nd])
         elif nd:
             slots = batch.state_slot[:nd]
             # mamba-ssm's kernel cannot skip PAD_SLOT_ID rows: they go to the scratch row
@@ -176,12 +176,12 @@ class MambaCudaKernels:
 def triton_recurrence(tm, mixer, params: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,
                       conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
                       scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      scratch_index: torch.Tensor | None = None) -> torch.Tensor:
+                      scratch_index: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The decode recurrence on our Triton kernels for token rows xBC [b, C] (one token each) or
     [b, T, C] (T tokens each): conv window, then the state update, starting from `slots`. Without
     `scratch` the slots are updated in place; with it (conv, ssm scratch views with T positions) the
     state after every token goes to scratch row `scratch_index` and the slots are untouched.
-    Returns y [b, H, P] / [b, T, H, P]."""
+    Returns y [b, H, P] / [b, T, H, P] (written into `out` when given)."""
     cfg = mixer.cfg
     lead = xBC.shape[:-1]
     gn = cfg.n_groups * cfg.state_size
@@ -192,7 +192,7 @@ def triton_recurrence(tm, mixer, params: dict[str, torch.Tensor], xBC: torch.Ten
     return tm.selective_state_update(
         ssm_state, x.reshape(*lead, cfg.num_heads, cfg.head_dim), dt, params["A"],
         B.reshape(*lead, cfg.n_groups, -1), C.reshape(*lead, cfg.n_groups, -1), params["D"], params["dt_bias"],
-        slots, intermediate_states=ssm_scr, intermediate_indices=scratch_index,
+        slots, out=out, intermediate_states=ssm_scr, intermediate_indices=scratch_index,
     )
 
 

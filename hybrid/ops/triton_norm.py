@@ -4,6 +4,9 @@ torch ops (which, at decode batch sizes, cost more in launches than in bytes):
 - `rms_norm(x, weight, eps, weight_in_fp32)`: RMSNorm of each row of x [T, H]. NemotronH multiplies
   by the weight in fp32 and casts once (weight_in_fp32=True); Granite / Bamba cast the normalised
   row to the model dtype first and multiply in it (weight_in_fp32=False). Output dtype: x's.
+- `add_rms_norm(x, residual, weight, eps, weight_in_fp32, scale)`: the residual add fused with the
+  next norm: residual += x * scale (in place, rounded to the residual's dtype as torch rounds
+  `residual + x * scale`), then `rms_norm` of the updated residual. Returns the normed rows.
 - `gated_rms_norm(y, z, weight, eps, n_groups)`: the Mamba2 output norm, RMSNorm(y * silu(z)) over
   each contiguous group of I/G channels, in fp32, times the weight; output dtype: the weight's.
 
@@ -48,6 +51,28 @@ if HAS_TRITON:
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_x, s_r, s_o, H, eps, scale,
+                             BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
+        res = tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        if SCALED:  # torch rounds x * scale to x's dtype before the add
+            xf = (xf * scale).to(x.dtype).to(tl.float32)
+        h = (res.to(tl.float32) + xf).to(res.dtype)
+        tl.store(res_ptr + row * s_r + offs, h, mask=mask)
+        hf = h.to(tl.float32)
+        r = hf / tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        if W_FP32:
+            y = w.to(tl.float32) * r
+        else:
+            y = w.to(tl.float32) * r.to(h.dtype).to(tl.float32)
+        tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, eps,
                                BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -82,6 +107,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
         block = triton.next_power_of_2(H)
         _rms_norm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), H, eps,
                                BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 weight_in_fp32: bool, scale: float = 1.0) -> torch.Tensor:
+    """residual += x * scale in place; returns the RMSNorm of the updated residual (residual's dtype)."""
+    _require()
+    T, H = residual.shape
+    assert x.shape == (T, H) and weight.shape == (H,) and x.stride(-1) == 1 and residual.stride(-1) == 1
+    out = torch.empty_like(residual)
+    if T:
+        block = triton.next_power_of_2(H)
+        _add_rms_norm_kernel[(T,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), H, eps,
+                                   float(scale), BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
+                                   num_warps=_warps(block))
     return out
 
 

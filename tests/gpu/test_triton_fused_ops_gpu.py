@@ -1,11 +1,12 @@
-"""Triton norm kernels on the GPU (compiled), at Nemotron-H-8B dims, against the torch layers; and an
-engine run with LLM(triton_norms=True) against the default. Not yet run on the device."""
+"""The fused Triton ops on the GPU (compiled), at Nemotron-H-8B dims, against the torch layers; and an
+engine run with them (the CUDA default) against one with LLM(fused_ops=False)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from hybrid.layers import RMSNorm
+from hybrid.ops import triton_act as ta
 from hybrid.ops import triton_norm as tn
 
 DEV = "cuda"
@@ -20,6 +21,29 @@ def test_rms_norm_8b_dims(weight_in_fp32):
     ref, got = norm(x), tn.rms_norm(x, norm.weight, 1e-5, weight_in_fp32)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.22])
+def test_add_rms_norm_8b_dims(scale):
+    g = torch.Generator(device=DEV).manual_seed(2)
+    norm = RMSNorm(4096, 1e-5, True)
+    norm.weight = torch.nn.Parameter((0.5 + torch.rand(4096, generator=g, device=DEV)).bfloat16(), requires_grad=False)
+    x = torch.randn(64, 4096, generator=g, device=DEV).bfloat16()
+    res = torch.randn(64, 4096, generator=g, device=DEV).bfloat16()
+    ref, ref_res = norm.add_norm(x, res.clone(), scale)
+    got = tn.add_rms_norm(x, res, norm.weight, 1e-5, True, scale)
+    assert torch.equal(res, ref_res)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=1.6e-2)
+
+
+def test_activations_8b_dims():
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(64, 21504, generator=g, device=DEV).bfloat16()
+    assert torch.equal(ta.relu2(x), torch.square(torch.relu(x)))
+    gate_up = torch.randn(64, 2 * 4096, generator=g, device=DEV).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ta.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=2e-2,
+                               rtol=1.6e-2)
 
 
 def test_gated_norm_8b_dims():
@@ -37,15 +61,16 @@ def test_gated_norm_8b_dims():
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=1.6e-2)
 
 
-def test_engine_with_triton_norms(tiny_ckpt):
+def test_engine_with_fused_ops(tiny_ckpt):
     from hybrid import LLM, SamplingParams
 
     path = tiny_ckpt("granite_dense")
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [11], list(range(20, 50))]
     kw = dict(device="cuda", max_num_seqs=4, max_model_len=128, gpu_memory_utilization=0.3)
-    ref = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, sp, use_tqdm=False)]
-    llm = LLM(path, triton_norms=True, **kw)
+    ref = [o.outputs[0].token_ids for o in LLM(path, fused_ops=False, **kw).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(path, **kw)  # fused ops are the CUDA default
+    assert llm.model.layers[0].input_norm.fused
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(len(r) for r in ref)
     assert [g[0] for g in got] == [r[0] for r in ref] and agree >= 0.9

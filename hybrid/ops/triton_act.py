@@ -1,0 +1,78 @@
+"""Triton kernels for the MLP activations, one launch each instead of two torch ops:
+
+- `relu2(x)`: relu(x) ** 2 (NemotronH MLPs), rounded once to x's dtype as `torch.square(relu(x))`.
+- `silu_and_mul(gate_up)`: silu(gate) * up for gate_up = [gate | up] along the last dim (SwiGLU),
+  rounded like the torch chain: silu(gate) to the model dtype first, then the product.
+
+Triton is imported guarded, as in triton_norm.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # guarded: hybrid must import on machines without triton
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+BLOCK = 1024
+
+
+def is_available() -> bool:
+    return HAS_TRITON
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _relu2_kernel(x_ptr, out_ptr, s_x, s_o, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < width
+        x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
+        r = tl.maximum(x.to(tl.float32), 0.0)
+        tl.store(out_ptr + row * s_o + offs, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_kernel(g_ptr, out_ptr, s_g, s_o, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < width
+        gate = tl.load(g_ptr + row * s_g + offs, mask=mask, other=0.0)
+        up = tl.load(g_ptr + row * s_g + width + offs, mask=mask, other=0.0).to(tl.float32)
+        gf = gate.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)
+        tl.store(out_ptr + row * s_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _require() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("hybrid.ops.triton_act needs triton, which is not importable here")
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    _require()
+    T, width = x.shape
+    assert x.stride(-1) == 1
+    out = torch.empty_like(x)
+    if T:
+        _relu2_kernel[(T, triton.cdiv(width, BLOCK))](x, out, x.stride(0), out.stride(0), width, BLOCK=BLOCK,
+                                                      num_warps=4)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    _require()
+    T, two_width = gate_up.shape
+    assert gate_up.stride(-1) == 1 and two_width % 2 == 0
+    width = two_width // 2
+    out = torch.empty(T, width, dtype=gate_up.dtype, device=gate_up.device)
+    if T:
+        _silu_and_mul_kernel[(T, triton.cdiv(width, BLOCK))](gate_up, out, gate_up.stride(0), out.stride(0), width,
+                                                             BLOCK=BLOCK, num_warps=4)
+    return out

@@ -1,0 +1,106 @@
+"""The fused Triton ops (hybrid/ops/triton_norm.py, triton_act.py) against the torch layers they
+replace, on CPU through Triton's interpreter: RMSNorm in both weight conventions, with and without
+the residual add (and its multiplier), the Mamba gated norm, relu2 and SwiGLU, fp32 and bf16, and
+whole model forwards with them switched on (LLM(fused_ops=True)) against the torch chains."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid.layers import RMSNorm, use_fused_ops
+
+tn = pytest.importorskip("hybrid.ops.triton_norm")
+ta = pytest.importorskip("hybrid.ops.triton_act")
+if not tn.is_available():
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+
+def _tol(dtype):
+    # bf16: one bf16 step (2**-7 relative) apart at most; CPU's interpreter also rounds fp32 -> bf16
+    # its own way
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_in_fp32", [True, False])
+@pytest.mark.parametrize("hidden", [64, 96])  # 96: not a power of two (masked lanes)
+def test_rms_norm(dtype, weight_in_fp32, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    norm = RMSNorm(hidden, 1e-5, weight_in_fp32)
+    norm.weight = torch.nn.Parameter((0.5 + torch.rand(hidden, generator=g)).to(dtype), requires_grad=False)
+    x = (torch.randn(5, hidden, generator=g) * 3).to(dtype)
+    ref = norm(x)
+    got = tn.rms_norm(x, norm.weight, norm.eps, weight_in_fp32)
+    assert got.dtype == ref.dtype == dtype
+    torch.testing.assert_close(got.float(), ref.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_in_fp32", [True, False])
+@pytest.mark.parametrize("scale", [1.0, 0.22])
+def test_add_rms_norm(dtype, weight_in_fp32, scale):
+    hidden = 96
+    g = torch.Generator().manual_seed(7)
+    norm = RMSNorm(hidden, 1e-5, weight_in_fp32)
+    norm.weight = torch.nn.Parameter((0.5 + torch.rand(hidden, generator=g)).to(dtype), requires_grad=False)
+    x = (torch.randn(5, hidden, generator=g) * 3).to(dtype)
+    residual = (torch.randn(5, hidden, generator=g) * 3).to(dtype)
+    ref_out, ref_res = norm.add_norm(x, residual.clone(), scale)
+    updated = residual.clone()
+    got = tn.add_rms_norm(x, updated, norm.weight, norm.eps, weight_in_fp32, scale)
+    assert got.dtype == ref_out.dtype == dtype
+    # the residual stream is rounded as torch rounds `residual + x * scale` (bit-exact on the GPU,
+    # tests/gpu; the interpreter's fp32 -> bf16 cast may land one bf16 step away)
+    torch.testing.assert_close(updated, ref_res, **(_tol(dtype) if dtype == torch.bfloat16 else dict(atol=0, rtol=0)))
+    torch.testing.assert_close(got.float(), ref_out.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 1500])  # 1500: two blocks, the second masked
+def test_activations(dtype, width):
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(3, width, generator=g) * 4).to(dtype)
+    torch.testing.assert_close(ta.relu2(x), torch.square(torch.relu(x)), **_tol(dtype))
+    gate_up = (torch.randn(3, 2 * width, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ta.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_norm_matches_the_mixer(tiny_ckpt, make_llm, dtype):
+    llm = make_llm(tiny_ckpt("nemotron_h"))
+    mixer = llm.model.mamba_mixers()[0]
+    inner = mixer.cfg.intermediate_size
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn(6, inner, generator=g)
+    z = torch.randn(6, 3 * inner, generator=g)[:, inner:2 * inner].to(dtype)  # a strided view, as after the split
+    mixer.norm_weight = torch.nn.Parameter(mixer.norm_weight.to(dtype), requires_grad=False)
+    ref = mixer.gated_norm(y, z)
+    got = tn.gated_rms_norm(y, z, mixer.norm_weight, mixer.cfg.norm_eps, mixer.cfg.n_groups)
+    assert got.dtype == ref.dtype == dtype
+    torch.testing.assert_close(got.float(), ref.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("name", ["granite_dense", "nemotron_h"])
+def test_model_forward_with_fused_ops(tiny_ckpt, make_llm, name):
+    from hybrid import SamplingParams
+    from hybrid.layers import DenseMLP, GatedMLP, Mamba2Mixer
+
+    path = tiny_ckpt(name)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [[5, 6, 7, 8, 9], [11]]
+    ref = make_llm(path).generate(prompts, sp, use_tqdm=False)
+    llm = make_llm(path, fused_ops=True)
+    mods = list(llm.model.modules())
+    norms = sum(isinstance(m, RMSNorm) for m in mods)
+    mixers = sum(isinstance(m, Mamba2Mixer) for m in mods)
+    mlps = sum(isinstance(m, (DenseMLP, GatedMLP)) for m in mods)
+    assert norms and mixers and mlps
+    assert all(m.fused for m in mods if isinstance(m, (RMSNorm, Mamba2Mixer, DenseMLP, GatedMLP)))
+    assert use_fused_ops(llm.model) == norms + mixers + mlps
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    for r, o in zip(ref, got):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(r.outputs[0].logprobs, o.outputs[0].logprobs):
+            t = next(iter(a))
+            assert abs(a[t] - b[t]) < 1e-4
