@@ -217,9 +217,8 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.layer_index = layer_index  # index among attention layers: the row of the KV cache
         hd = cfg.head_dim
-        self.q_proj = Linear(hidden_size, cfg.num_heads * hd, cfg.bias)
-        self.k_proj = Linear(hidden_size, cfg.num_kv_heads * hd, cfg.bias)
-        self.v_proj = Linear(hidden_size, cfg.num_kv_heads * hd, cfg.bias)
+        self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, cfg.bias)  # [q | k | v] rows
         self.o_proj = Linear(cfg.num_heads * hd, hidden_size, cfg.bias)
         if cfg.rope_theta is not None:
             dim = cfg.rotary_dim
@@ -244,9 +243,10 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: StepBatch, kv_layer: torch.Tensor, backend) -> torch.Tensor:
         cfg = self.cfg
         n = hidden.shape[0]
-        q = self.q_proj(hidden).view(n, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(hidden).view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(hidden).view(n, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = torch.split(self.qkv_proj(hidden), [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, cfg.num_heads, cfg.head_dim)
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
         if self.inv_freq is not None:
             q, k = self.rope(q, k, batch.positions)
         out = backend.forward(q, k, v, kv_layer, batch, cfg.scale)

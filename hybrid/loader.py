@@ -28,7 +28,8 @@ _IGNORED = [
 @dataclass
 class Source:
     disk_names: list[str]
-    how: str  # "whole" | "conv" (drop the singleton dim) | "stack" (experts) | "concat" (gate|up rows)
+    how: str  # "whole" | "conv" (drop the singleton dim) | "stack" (experts) | "concat" (rows, e.g. gate|up)
+    rows: tuple[int, ...] | None = None  # "concat": rows of each part (None: equal parts)
 
 
 def _mamba_sources(param_prefix: str, disk_prefix: str, cfg: ModelConfig) -> dict[str, Source]:
@@ -47,9 +48,15 @@ def _mamba_sources(param_prefix: str, disk_prefix: str, cfg: ModelConfig) -> dic
 
 
 def _attention_sources(param_prefix: str, disk_prefix: str, cfg: ModelConfig) -> dict[str, Source]:
-    names = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    kinds = ["weight"] + (["bias"] if cfg.attention.bias else [])
-    return {f"{param_prefix}{n}.{k}": Source([f"{disk_prefix}{n}.{k}"], "whole") for n in names for k in kinds}
+    a = cfg.attention
+    rows = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
+    plan = {}
+    for k in ["weight"] + (["bias"] if a.bias else []):
+        # q, k and v projections as one GEMM
+        plan[f"{param_prefix}qkv_proj.{k}"] = Source([f"{disk_prefix}{n}.{k}" for n in ("q_proj", "k_proj", "v_proj")],
+                                                     "concat", rows)
+        plan[f"{param_prefix}o_proj.{k}"] = Source([f"{disk_prefix}o_proj.{k}"], "whole")
+    return plan
 
 
 def tensor_plan(cfg: ModelConfig) -> dict[str, Source]:
@@ -105,7 +112,7 @@ def tensor_plan(cfg: ModelConfig) -> dict[str, Source]:
     return plan
 
 
-def _disk_shapes(how: str, shape: torch.Size, count: int) -> list[tuple[int, ...]]:
+def _disk_shapes(how: str, shape: torch.Size, count: int, rows: tuple[int, ...] | None = None) -> list[tuple[int, ...]]:
     if how == "whole":
         return [tuple(shape)]
     if how == "conv":
@@ -113,7 +120,7 @@ def _disk_shapes(how: str, shape: torch.Size, count: int) -> list[tuple[int, ...
     if how == "stack":
         return [tuple(shape[1:])] * count
     if how == "concat":
-        return [(shape[0] // 2, *shape[1:])] * count
+        return [(r, *shape[1:]) for r in rows] if rows else [(shape[0] // count, *shape[1:])] * count
     raise AssertionError(how)
 
 
@@ -187,7 +194,7 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         items = tqdm(items, desc="Loading weights", unit="tensor")
     for pname, src in items:
         target = params[pname]
-        shapes = _disk_shapes(src.how, target.shape, len(src.disk_names))
+        shapes = _disk_shapes(src.how, target.shape, len(src.disk_names), src.rows)
         parts = []
         for disk_name, shape in zip(src.disk_names, shapes):
             found = tuple(handle(disk_name).get_slice(disk_name).get_shape())
