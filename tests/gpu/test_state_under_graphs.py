@@ -11,17 +11,22 @@ a sanitizer error, as NaN logits, or as tokens far down the reference's ranking.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
 from hybrid import LLM, SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_util import GREEDY, assert_greedy_under_reference  # noqa: E402
 
 # dense: MoE models decode eagerly, these replay graphs. The bamba here has no dt clamp
 # (time_step_limit (0, inf)): with the tiny_ckpt bamba's finite limit, prefill clamps dt and decode
 # does not (as in transformers), so a teacher-forced prefix would not reproduce a decode.
 FAMILIES = ["bamba_unclamped", "granite_dense"]
 PROMPTS = [[7, 19, 33, 41, 5, 60, 12, 88, 9], [4], [100, 3, 57, 22, 61], [45], list(range(20, 60))]
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -46,25 +51,6 @@ def make(path, **kw) -> LLM:
 
 def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
-
-
-NEAR_TIE = 0.1  # nats: how far below the reference's greedy choice a bf16-noise flip may rank
-MIN_EXACT = 0.75  # share of tokens that must be the reference's greedy choice exactly
-
-
-def assert_greedy_under_reference(ref: LLM, prompts: list[list[int]], outs: list[list[int]]) -> None:
-    """Each outs[i][j] is, for `ref` fed prompts[i] + outs[i][:j], its greedy choice or a near-tie."""
-    prefixes = [p + o[:j] for p, o in zip(prompts, outs) for j in range(len(o))]
-    expected = [t for o in outs for t in o]
-    res = ref.generate(prefixes, SamplingParams(max_tokens=1, logprobs=5, **GREEDY), use_tqdm=False)
-    exact = 0
-    for prefix, want, r in zip(prefixes, expected, res):
-        choice = r.outputs[0].token_ids[0]
-        lp = r.outputs[0].logprobs[0]
-        exact += choice == want
-        assert want in lp, f"token {want} after {len(prefix)} tokens is not in the reference's top 5: {lp}"
-        assert lp[choice] - lp[want] <= NEAR_TIE, (want, choice, lp)
-    assert exact >= MIN_EXACT * len(expected), f"only {exact}/{len(expected)} tokens are the greedy choice"
 
 
 def assert_clean(llm: LLM) -> None:
