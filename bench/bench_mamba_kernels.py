@@ -195,10 +195,9 @@ class Problem:
                                                  self.dt_bias, self.idx64, out=self.y, block_p=block_p,
                                                  num_warps=num_warps)
 
-    def ours_conv(self, layer, block_c=256, rows=None, num_warps=4):
+    def ours_conv(self, layer):
         return lambda: tm.conv_state_update(self.xBC, self.conv[layer], self.w, self.cb, self.idx64, "silu",
-                                            out=self.conv_out, block_c=block_c, rows_per_program=rows,
-                                            num_warps=num_warps)
+                                            out=self.conv_out)
 
     def ours_fused(self, layer, block_p=None, num_warps=None):
         return lambda: tm.fused_conv_ssm_update(self.xBC, self.dt, self.conv[layer], self.w, self.cb, self.ssm[layer],
@@ -324,7 +323,6 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--iters", type=int, default=5, help="graph replays per measurement")
     ap.add_argument("--no-sweep", action="store_true", help="skip the BLOCK_P x num_warps sweep")
-    ap.add_argument("--conv-sweep", action="store_true", help="sweep BLOCK_C x rows per program x warps of the conv")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark")
@@ -404,21 +402,6 @@ def main() -> int:
                     add("ours conv_state_update (bf16)", batch, sdt, us, cbytes, mode)
                 except Exception:  # noqa: BLE001
                     traceback.print_exc()
-                if args.conv_sweep:
-                    best = None
-                    for bc in (128, 256, 512):
-                        for rows in (1, 2, 4, 8):
-                            for nw in (2, 4):
-                                try:
-                                    us, mode = time_calls([pr.ours_conv(l, bc, rows, nw) for l in range(L)], args.iters)
-                                except Exception as e:  # noqa: BLE001
-                                    print(f"    conv sweep BLOCK_C={bc} rows={rows} warps={nw}: {type(e).__name__}: {e}")
-                                    continue
-                                if best is None or us < best[0]:
-                                    best = (us, bc, rows, nw, mode)
-                    if best:
-                        add("ours conv, best of sweep", batch, sdt, best[0], cbytes, best[4],
-                            f"BLOCK_C={best[1]} rows={best[2]} warps={best[3]}")
                 if ccu is not None:
                     try:
                         us, mode = time_calls([pr.lib_conv(ccu, l) for l in range(L)], args.iters)

@@ -148,15 +148,14 @@ def _conv_inputs(batch, CD, K, conv_dtype, seed, T=None):
 
 @pytest.mark.parametrize("conv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("rows", [1, 3])  # 3: two programs per channel block, the second half past the batch
-def test_conv_state_update(conv_dtype, with_bias, rows):
+def test_conv_state_update(conv_dtype, with_bias):
     CD, K = 80, 4
     slots = [PAD, 5, 0, PAD]
     x, conv_state, weight, bias = _conv_inputs(len(slots), CD, K, conv_dtype, seed=3)
     bias = bias if with_bias else None
     idx = torch.tensor(slots)
     before = conv_state.clone()
-    got = tm.conv_state_update(x, conv_state, weight, bias, idx, "silu", block_c=32, rows_per_program=rows)
+    got = tm.conv_state_update(x, conv_state, weight, bias, idx, "silu", block_c=32)
     rows = torch.tensor([1, 2])
     ref_state = before.float().clone()
     ref = mamba_torch.conv_decode(x[rows], ref_state, idx[rows], weight, bias)
@@ -181,8 +180,7 @@ def test_conv_state_update_multi_token_and_intermediate():
     idx = torch.tensor(slots)
     inter = torch.full((3, T, CD, K - 1), 7.0)
     before = conv_state.clone()
-    got = tm.conv_state_update(x, conv_state, weight, bias, idx, "silu", intermediate_states=inter, block_c=32,
-                               rows_per_program=2)
+    got = tm.conv_state_update(x, conv_state, weight, bias, idx, "silu", intermediate_states=inter, block_c=32)
     assert torch.equal(conv_state, before)
     assert torch.equal(inter[1], torch.full_like(inter[1], 7.0))
     ref_state = before.clone()

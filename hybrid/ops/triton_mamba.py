@@ -164,16 +164,6 @@ if HAS_TRITON:
         return hist + xt
 
     @triton.jit
-    def _conv_apply(win, w, bias, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-        """Conv output (fp32, [BLOCK_C]) of one window tile: sum_k w[c, k] * win[c, k] (+ bias), silu."""
-        acc = tl.sum(win * w, axis=1)
-        if HAS_BIAS:
-            acc = acc + bias
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
-        return acc
-
-    @triton.jit
     def _conv_window_out(cs_row, x_row, w_ptr, bias_ptr, offs_c, mask_c, t, s_cs_c, s_cs_k, s_x_t, s_w_c, valid,
                          K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
         """Conv output (fp32, [BLOCK_C]) of token t: sum_k w[c, k] * ext[t + k] (+ bias), silu."""
@@ -182,62 +172,54 @@ if HAS_TRITON:
         w = tl.load(w_ptr + offs_c[:, None] * s_w_c + cols[None, :],
                     mask=mask_c[:, None] & (cols < K)[None, :], other=0.0,
                     eviction_policy="evict_last").to(tl.float32)
-        bias = 0.0
+        acc = tl.sum(win * w, axis=1)
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        return _conv_apply(win, w, bias, HAS_BIAS, SILU)
+            acc = acc + tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        return acc
 
     @triton.jit
     def _conv_update_kernel(
         x_ptr, cs_ptr, w_ptr, bias_ptr, out_ptr, idx_ptr, inter_ptr, inter_idx_ptr,
-        T, CD, batch,
+        T, CD,
         s_x_b, s_x_t,
         s_cs_slot, s_cs_c, s_cs_k,
         s_w_c,
         s_o_b, s_o_t,
         s_i_slot, s_i_t, s_i_c, s_i_k,
-        K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
+        K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr,
         HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_INTER: tl.constexpr, HAS_INTER_IDX: tl.constexpr,
     ):
-        # One program: BLOCK_C channels of ROWS batch rows; the weight and bias tiles are loaded once
-        # and reused across the rows (at large batch they were a third of each program's traffic).
         pid_c = tl.program_id(0)
+        b = tl.program_id(1)
         offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         mask_c = offs_c < CD
         cols = tl.arange(0, KP)
-        w = tl.load(w_ptr + offs_c[:, None] * s_w_c + cols[None, :],
-                    mask=mask_c[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
-        bias = 0.0
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-        for r in tl.static_range(ROWS):
-            b_raw = tl.program_id(1) * ROWS + r
-            row_ok = b_raw < batch
-            b = tl.minimum(b_raw, batch - 1).to(tl.int64)  # rows past the batch read the last row, store nothing
-            out_base = out_ptr + b * s_o_b + offs_c
-            slot = tl.load(idx_ptr + b).to(tl.int64)
-            valid = (slot >= 0) & row_ok  # padding row: zero history in, nothing stored (as conv_decode)
-            cs_row = cs_ptr + tl.maximum(slot, 0) * s_cs_slot
-            x_row = x_ptr + b * s_x_b
+        out_base = out_ptr + b.to(tl.int64) * s_o_b + offs_c
+        slot = tl.load(idx_ptr + b).to(tl.int64)
+        valid = slot >= 0  # padding row: zero history in, nothing stored (as mamba_torch.conv_decode)
+        cs_row = cs_ptr + tl.maximum(slot, 0) * s_cs_slot
+        x_row = x_ptr + b.to(tl.int64) * s_x_b
+        if HAS_INTER:
+            if HAS_INTER_IDX:
+                irow = tl.maximum(tl.load(inter_idx_ptr + b).to(tl.int64), 0)
+            else:
+                irow = b.to(tl.int64)
+            i_ptrs = inter_ptr + irow * s_i_slot + offs_c[:, None] * s_i_c + cols[None, :] * s_i_k
+        for t in range(T):
+            acc = _conv_window_out(cs_row, x_row, w_ptr, bias_ptr, offs_c, mask_c, t, s_cs_c, s_cs_k, s_x_t,
+                                   s_w_c, valid, K, KP, HAS_BIAS, SILU)
+            tl.store(out_base + t * s_o_t, acc.to(out_ptr.dtype.element_ty), mask=mask_c)
             if HAS_INTER:
-                if HAS_INTER_IDX:
-                    irow = tl.maximum(tl.load(inter_idx_ptr + b).to(tl.int64), 0)
-                else:
-                    irow = b
-                i_ptrs = inter_ptr + irow * s_i_slot + offs_c[:, None] * s_i_c + cols[None, :] * s_i_k
-            for t in range(T):
-                win = _ext_tile(cs_row, x_row, offs_c, mask_c, t, s_cs_c, s_cs_k, s_x_t, valid, K, KP, K)
-                acc = _conv_apply(win, w, bias, HAS_BIAS, SILU)
-                tl.store(out_base + t * s_o_t, acc.to(out_ptr.dtype.element_ty), mask=mask_c & row_ok)
-                if HAS_INTER:
-                    win = _ext_tile(cs_row, x_row, offs_c, mask_c, t + 1, s_cs_c, s_cs_k, s_x_t, valid, K, KP, K - 1)
-                    tl.store(i_ptrs + t * s_i_t, win.to(inter_ptr.dtype.element_ty),
-                             mask=mask_c[:, None] & (cols < K - 1)[None, :] & valid)
-            if not HAS_INTER:
-                new = _ext_tile(cs_row, x_row, offs_c, mask_c, T, s_cs_c, s_cs_k, s_x_t, valid, K, KP, K - 1)
-                tl.debug_barrier()  # every thread has read the old history before any of it is overwritten
-                tl.store(cs_row + offs_c[:, None] * s_cs_c + cols[None, :] * s_cs_k, new.to(cs_ptr.dtype.element_ty),
+                win = _ext_tile(cs_row, x_row, offs_c, mask_c, t + 1, s_cs_c, s_cs_k, s_x_t, valid, K, KP, K - 1)
+                tl.store(i_ptrs + t * s_i_t, win.to(inter_ptr.dtype.element_ty),
                          mask=mask_c[:, None] & (cols < K - 1)[None, :] & valid)
+        if not HAS_INTER:
+            new = _ext_tile(cs_row, x_row, offs_c, mask_c, T, s_cs_c, s_cs_k, s_x_t, valid, K, KP, K - 1)
+            tl.debug_barrier()  # every thread has read the old history before any of it is overwritten
+            tl.store(cs_row + offs_c[:, None] * s_cs_c + cols[None, :] * s_cs_k, new.to(cs_ptr.dtype.element_ty),
+                     mask=mask_c[:, None] & (cols < K - 1)[None, :] & valid)
 
     @triton.jit
     def _fused_conv_ssm_kernel(
@@ -345,12 +327,6 @@ def default_ssm_config(batch: int, heads: int, head_dim: int, state_size: int, s
     return bp, num_warps
 
 
-def default_conv_rows(batch: int) -> int:
-    """Batch rows per conv-update program: 1 while the grid is small, more once there are programs
-    to spare (the weight tile is then loaded once for several rows)."""
-    return 1 if batch <= 16 else 4
-
-
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -432,7 +408,7 @@ def conv_state_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
                       state_indices: torch.Tensor, activation: str | None = "silu", *,
                       out: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
                       intermediate_indices: torch.Tensor | None = None, block_c: int = 256,
-                      rows_per_program: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                      num_warps: int = 4) -> torch.Tensor:
     """Depthwise causal conv decode step(s) with the slot's K-1 history (causal_conv1d_update equivalent).
 
     x [b, C] or [b, T, C]; conv_state [S, C, K-1]; weight [C, K]; bias [C] or None;
@@ -464,17 +440,16 @@ def conv_state_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
         inter = conv_state
         inter_strides = (0, 0, 0, 0)
     ii = _indices(intermediate_indices) if intermediate_indices is not None else idx
-    rows = rows_per_program or default_conv_rows(batch)
-    grid = (triton_cdiv(CD, block_c), triton_cdiv(batch, rows))
+    grid = (triton_cdiv(CD, block_c), batch)
     _conv_update_kernel[grid](
         x, conv_state, weight, bias if bias is not None else weight, out, idx, inter, ii,
-        T, CD, batch,
+        T, CD,
         x.stride(0), x.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight.stride(0),
         out.stride(0), out.stride(1),
         *inter_strides,
-        K=K, KP=_next_pow2(K), BLOCK_C=block_c, ROWS=rows,
+        K=K, KP=_next_pow2(K), BLOCK_C=block_c,
         HAS_BIAS=bias is not None, SILU=activation is not None,
         HAS_INTER=intermediate_states is not None, HAS_INTER_IDX=intermediate_indices is not None,
         num_warps=num_warps,
