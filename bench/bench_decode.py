@@ -71,8 +71,7 @@ def make_llm(args, enforce_eager):
                  max_model_len=max(args.prompt, args.ctx) + 64, max_num_batched_tokens=args.prompt,
                  enforce_eager=enforce_eager, cuda_graph_sizes=sorted(set(args.batches)),
                  gpu_memory_utilization=args.util, mamba_ssm_dtype=args.ssm_dtype,
-                 mamba_decode_kernels=args.decode_kernels, fused_ops=not args.no_fused_ops,
-                 decode_gemm=args.decode_gemm)
+                 mamba_decode_kernels=args.decode_kernels, fused_ops=not args.no_fused_ops)
 
 
 def decode_batch(llm, n, ctx):
@@ -157,8 +156,6 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--ssm-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--decode-kernels", default="triton", choices=["triton", "library"])
-    ap.add_argument("--decode-gemm", default="cublas", choices=["cublas", "triton"],
-                    help="LLM(decode_gemm=...): projections of decode batches on cuBLAS or our Triton matmul")
     ap.add_argument("--no-fused-ops", action="store_true",
                     help="LLM(fused_ops=False): norms, residual adds and activations as torch op chains")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode timing")
@@ -204,7 +201,7 @@ def main():
         llm.state_pool.free(s)
     if args.no_prefill:
         print(json.dumps(dict(copy_bw_gbs=bw / 1e9, ssm_dtype=args.ssm_dtype, decode_kernels=args.decode_kernels,
-                              fused_ops=not args.no_fused_ops, decode_gemm=args.decode_gemm, decode=rows), indent=1))
+                              fused_ops=not args.no_fused_ops, decode=rows), indent=1))
         return
     prompt = torch.randint(4, 100000, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -223,7 +220,7 @@ def main():
                flops_tflops=2 * weight_bytes / 2 * args.prompt / best / 1e12)
     print(pre)
     result = dict(copy_bw_gbs=bw / 1e9, ssm_dtype=args.ssm_dtype, decode_kernels=args.decode_kernels,
-                  fused_ops=not args.no_fused_ops, decode_gemm=args.decode_gemm, weights_gb=weight_bytes / 1e9, slot_mb=slot_bytes / 1e6,
+                  fused_ops=not args.no_fused_ops, weights_gb=weight_bytes / 1e9, slot_mb=slot_bytes / 1e6,
                   memory_plan=llm.memory_plan.summary(max(args.batches), llm.max_model_len, llm.kv_cache.page_size),
                   decode=rows, prefill=pre)
     print(json.dumps(result, indent=1))

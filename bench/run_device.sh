@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU device, from the project root, after `source .devkit/setup.sh`:
-#   bash bench/run_device.sh [tests|bench|all|pending|perf]
+#   bash bench/run_device.sh [tests|bench|all|pending|final]
 # Runs the GPU test suite (pytest -m gpu tests/gpu + the CPU padding tests) and/or the decode
 # benchmark; logs and results go to $OUT (default /tmp/out).
 set -o pipefail
@@ -24,16 +24,12 @@ if [[ $what == pending ]]; then
       2>&1 | tee "$OUT/bench_bf16_triton_norms.log" || rc=1
   python3 bench/bench_transformers_peer.py 2>&1 | tee "$OUT/bench_peer.log" || rc=1
 fi
-if [[ $what == perf ]]; then
-  # the fused-op / Triton-matmul / conv work of this session: kernel tests, then measurements by priority
-  timeout 100 python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_triton_fused_ops_gpu.py \
-      tests/gpu/test_triton_gemm_gpu.py -k "not engine" 2>&1 | tee "$OUT/gpu_kernel_tests.log" || rc=1
-  timeout 220 python3 bench/bench_decode.py --steps 10 --no-eager --ssm-dtype bfloat16 --profile \
+if [[ $what == final ]]; then
+  # the whole GPU suite, then the decode/prefill benchmark (bf16 state with the kernel profile, fp32 state)
+  timeout 420 python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  timeout 120 python3 bench/bench_decode.py --steps 10 --no-eager --ssm-dtype bfloat16 --profile \
       --json "$OUT/bench_bf16.json" 2>&1 | tee "$OUT/bench_bf16.log" || rc=1
-  timeout 130 python3 bench/bench_gemm.py --sweep --json "$OUT/bench_gemm.json" 2>&1 | tee "$OUT/bench_gemm.log" || rc=1
-  timeout 80 python3 bench/bench_decode.py --steps 10 --no-eager --no-prefill --ssm-dtype bfloat16 \
-      --decode-gemm triton 2>&1 | tee "$OUT/bench_bf16_triton_gemm.log" || rc=1
-  timeout 70 python3 bench/bench_decode.py --steps 10 --no-eager --no-prefill 2>&1 | tee "$OUT/bench_fp32.log" || rc=1
-  python3 bench/bench_mamba_kernels.py --no-sweep --conv-sweep --batches 64,256 2>&1 | tee "$OUT/bench_conv.log" || rc=1
+  timeout 60 python3 bench/bench_decode.py --steps 10 --no-eager --no-prefill --json "$OUT/bench_fp32.json" \
+      2>&1 | tee "$OUT/bench_fp32.log" || rc=1
 fi
 exit $rc

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
 from hybrid.config import AttentionConfig, MambaConfig, MoEConfig
-from hybrid.ops import mamba_torch, triton_act, triton_gemm, triton_norm
+from hybrid.ops import mamba_torch, triton_act, triton_norm
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -20,11 +20,8 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
-        self.skinny_max_rows = 0  # up to this many rows: our weight-streaming Triton matmul (see use_triton_gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.skinny_max_rows and x.stride(-1) == 1:
-            return triton_gemm.skinny_matmul(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -379,19 +376,3 @@ def use_fused_ops(model: nn.Module) -> int:
             count += 1
     return count
 
-
-def use_triton_gemm(model: nn.Module, max_rows: int = triton_gemm.MAX_M) -> int:
-    """Run the model's 16-bit projections on our weight-streaming Triton matmul for inputs of up to
-    `max_rows` rows (decode batches), cuBLAS above; returns how many Linear layers."""
-    if not triton_gemm.is_available():
-        raise RuntimeError("triton is not importable: the Triton matmul is unavailable")
-    if not 0 <= max_rows <= triton_gemm.MAX_M:
-        raise ValueError(f"max_rows must be in [0, {triton_gemm.MAX_M}], got {max_rows}")
-    count = 0
-    for m in model.modules():
-        if isinstance(m, Linear) and m.weight.dtype in (torch.bfloat16, torch.float16):
-            m.skinny_max_rows = max_rows
-            count += 1
-        if hasattr(m, "tied_head_skinny_max_rows") and m.embed.dtype in (torch.bfloat16, torch.float16):
-            m.tied_head_skinny_max_rows = max_rows  # the model's tied logits projection
-    return count

@@ -13,7 +13,7 @@ from graphs.runner import ModelRunner
 from hybrid.config import load_config
 from hybrid.engine import Engine
 from hybrid.errors import CapacityError, InvalidRequestError
-from hybrid.layers import use_fused_ops, use_triton_gemm
+from hybrid.layers import use_fused_ops
 from hybrid.loader import load_model
 from hybrid.model import ForwardContext
 from hybrid.outputs import RequestOutput
@@ -54,9 +54,8 @@ class LLM:
         check_state: bool | None = None,  # state sanitizer; None: env HYBRID_CHECK_STATE=1 turns it on
         gpu_memory_utilization: float = 0.9,  # CUDA: share of GPU memory for weights, activations, state, KV
         cuda_graph_sizes: list[int] | None = None,  # decode batch sizes captured (default 1, 2, 4, 8k..max_num_seqs)
-        mamba_decode_kernels: str = "triton",  # CUDA decode: our Triton kernels, or "library" (mamba-ssm/causal-conv1d)
+        mamba_decode_kernels: str = "triton",  # CUDA: our Triton decode + prefill-conv kernels, or "library" (mamba-ssm/causal-conv1d)
         fused_ops: bool | None = None,  # Triton norms (+ residual add), gated norm, relu2/SwiGLU; None: on for CUDA
-        decode_gemm: str = "cublas",  # projections of batches <= 64 rows: "cublas", or "triton" (our matmul)
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR
         self.device = torch.device(device)
@@ -85,10 +84,6 @@ class LLM:
             fused_ops = self.device.type == "cuda" and triton_norm.is_available() and triton_act.is_available()
         if fused_ops:
             use_fused_ops(self.model)
-        if decode_gemm not in ("cublas", "triton"):
-            raise ValueError(f"decode_gemm must be 'cublas' or 'triton', got {decode_gemm!r}")
-        if decode_gemm == "triton":
-            use_triton_gemm(self.model)
         backend = select_backend(self.device)
         self.memory_plan = None
         if self.device.type == "cuda":

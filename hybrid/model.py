@@ -10,7 +10,6 @@ from hybrid.config import ATTENTION, MAMBA, MLP, ModelConfig
 from hybrid.layers import (
     Attention, DenseMLP, GatedMLP, GraniteMoE, Linear, Mamba2Mixer, NemotronMoE, RMSNorm, _param,
 )
-from hybrid.ops import triton_gemm
 
 
 class NemotronHBlock(nn.Module):
@@ -89,7 +88,6 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(blocks)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=cfg.family == "nemotron_h")
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tied_head_skinny_max_rows = 0
 
     def mamba_mixers(self) -> list[Mamba2Mixer]:
         return [b.mixer for b in self.layers if isinstance(b.mixer, Mamba2Mixer)]
@@ -106,12 +104,7 @@ class HybridModel(nn.Module):
         # the last block's output joins the stream only on the rows that produce logits
         rows = batch.logits_indices
         h, _ = self.final_norm.add_norm(x[rows], residual[rows], self.layers[-1].residual_multiplier)
-        if self.lm_head is not None:
-            logits = self.lm_head(h)
-        elif h.shape[0] <= self.tied_head_skinny_max_rows:  # tied head on our Triton matmul (use_triton_gemm)
-            logits = triton_gemm.skinny_matmul(h, self.embed)
-        else:
-            logits = F.linear(h, self.embed)
+        logits = F.linear(h, self.embed) if self.lm_head is None else self.lm_head(h)
         if self.cfg.logits_scaling != 1.0:
             logits = logits / self.cfg.logits_scaling
         return logits.float()

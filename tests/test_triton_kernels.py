@@ -259,3 +259,25 @@ def test_module_imports_without_triton():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+@pytest.mark.parametrize("conv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("has_init", [True, False])
+@pytest.mark.parametrize("L", [1, 2, 70])  # shorter than the history (1, 2), and several token blocks (70)
+def test_conv_prefill(conv_dtype, has_init, L):
+    CD, K = 80, 4
+    g = torch.Generator().manual_seed(L)
+    x_full = torch.randn(L, CD + 16, generator=g).to(conv_dtype)
+    x = x_full[:, 8:8 + CD]  # a column slice, as xBC is of the projection output
+    conv_state = torch.randn(NUM_SLOTS + 1, CD, K - 1, generator=g).to(conv_dtype)
+    weight = (torch.randn(CD, K, generator=g) * 0.5).to(conv_dtype)
+    bias = torch.randn(CD, generator=g).to(conv_dtype)
+    ref_state = conv_state.clone()
+    ref = mamba_torch.conv_prefill(x, ref_state, 3, has_init, weight, bias)
+    before = conv_state.clone()
+    got = tm.conv_prefill(x, conv_state, 3, has_init, weight, bias, block_l=32, block_c=32)
+    assert got.shape == (L, CD) and got.dtype == conv_dtype and got.is_contiguous()
+    torch.testing.assert_close(got.float(), ref.float(), **_tol(conv_dtype))
+    assert torch.equal(conv_state[3], ref_state[3])  # the history is a copy of inputs: exact
+    others = [s for s in range(NUM_SLOTS + 1) if s != 3]
+    assert torch.equal(conv_state[others], before[others])

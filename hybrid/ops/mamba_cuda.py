@@ -10,8 +10,10 @@
   kernels again, in place on the row's slot: `triton_replay` (T-token launches grouped by T), or
   with the library kernels one token position per call.
 - prefill chunks: one request at a time (mamba-ssm's varlen scan resets to zero at sequence
-  boundaries and cannot take per-request initial states): the slot's conv history is prepended
-  and `causal_conv1d_fn` runs over [history | chunk]; `mamba_chunk_scan_combined` runs with the
+  boundaries and cannot take per-request initial states): the causal conv runs over [slot history |
+  chunk], on our token-major Triton kernel (`triton_mamba.conv_prefill`; with the library decode
+  kernels, causal-conv1d's `causal_conv1d_fn`, which wants channel-first input: two transposes that
+  cost ~1.7 ms per layer on an 8K chunk); `mamba_chunk_scan_combined` runs with the
   slot's SSM state as initial state (or none for a first chunk) and its final state is written back.
 
 Semantics match hybrid/ops/mamba_torch.py (dt clamped to dt_limit on prefill only).
@@ -113,7 +115,6 @@ class MambaCudaKernels:
         elif nr:
             self._library_replay(mixer, xBC, dt, p, y, batch, conv_state, ssm_state)
 
-        width = conv_state.shape[-1]
         offset = nd + sum(batch.query_lens_cpu[nd:nd + nv + nr])
         for i in range(nd + nv + nr, batch.num_requests):
             length = batch.query_lens_cpu[i]
@@ -124,20 +125,18 @@ class MambaCudaKernels:
                 y[rows].zero_()
                 continue
             has_init = batch.has_initial_state_cpu[i]
-            xr = xBC[rows].t()  # [C, L]
-            if has_init:
-                history = conv_state[slot].to(xr.dtype)
+            if self.decode_kernels == "triton":
+                # token-major causal conv over [slot history | chunk]: our Triton kernel, no transposes
+                xbc = self.triton.conv_prefill(xBC[rows], conv_state, slot, has_init, mixer.conv_weight,
+                                               mixer.conv_bias)
             else:
-                history = torch.zeros(conv_dim, width, dtype=xr.dtype, device=xr.device)
-            window = torch.cat([history, xr], dim=-1)  # [C, K-1 + L]
-            conv_state[slot] = window[:, -width:].to(conv_state.dtype)
-            out = self.conv_fn(window[None], mixer.conv_weight, mixer.conv_bias, activation="silu")
-            xbc = out[0, :, width:].t().contiguous()  # [L, C]
+                xbc = self._library_conv_prefill(mixer, xBC[rows], conv_state, slot, has_init)
             x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
             init = ssm_state[slot][None].float() if has_init else None
+            # strided views: the scan copies only what its kernels need contiguous
             out_y, final = self.chunk_scan(
-                x.reshape(1, length, nh, P).contiguous(), dt[rows][None].contiguous(), p["A"],
-                B.reshape(1, length, G, N).contiguous(), C.reshape(1, length, G, N).contiguous(),
+                x.reshape(1, length, nh, P), dt[rows][None], p["A"],
+                B.reshape(1, length, G, N), C.reshape(1, length, G, N),
                 cfg.chunk_size, D=p["D"], z=None, dt_bias=p["dt_bias"], initial_states=init,
                 dt_softplus=True, dt_limit=tuple(cfg.dt_limit), return_final_states=True,
             )
@@ -146,6 +145,20 @@ class MambaCudaKernels:
 
         out = mixer.gated_norm(y.reshape(T, inner), z)
         return mixer.out_proj(out.to(hidden.dtype))
+
+    def _library_conv_prefill(self, mixer, x: torch.Tensor, conv_state: torch.Tensor, slot: int,
+                              has_init: bool) -> torch.Tensor:
+        """causal-conv1d's causal_conv1d_fn over [slot history | chunk] (channel-first: transposes)."""
+        width = conv_state.shape[-1]
+        xr = x.t()  # [C, L]
+        if has_init:
+            history = conv_state[slot].to(xr.dtype)
+        else:
+            history = torch.zeros(xr.shape[0], width, dtype=xr.dtype, device=xr.device)
+        window = torch.cat([history, xr], dim=-1)  # [C, K-1 + L]
+        conv_state[slot] = window[:, -width:].to(conv_state.dtype)
+        out = self.conv_fn(window[None], mixer.conv_weight, mixer.conv_bias, activation="silu")
+        return out[0, :, width:].t().contiguous()  # [L, C]
 
     def _library_replay(self, mixer, xBC: torch.Tensor, dt: torch.Tensor, p: dict[str, torch.Tensor], y: torch.Tensor,
                         batch, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:

@@ -15,6 +15,10 @@ with all arithmetic in fp32 whatever the storage dtypes, and with padding rows s
       x [b, C] or [b, T, C]; conv_state [S, C, K-1]; weight [C, K]; bias [C] or None.
       Returns silu(conv) with x's shape. `intermediate_states` [num_scratch, T, C, K-1]: the window
       after every token goes there and the slot is untouched (as above).
+- `conv_prefill(x, conv_state, slot, has_initial_state, weight, bias)`: one request's prefill chunk,
+      x [L, C] rows (any row stride); as mamba_torch.conv_prefill: returns silu(conv) [L, C]
+      (contiguous, x's dtype) over [slot history | x] (zero history for a first chunk) and stores the
+      last K-1 inputs as the slot's new history. Token-major all the way: no transposes.
 - `fused_conv_ssm_update(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias,
       state_indices, num_heads=, head_dim=, n_groups=)`: one token per request, one kernel:
       conv window update + silu + split into x / B / C + state update. xBC [b, conv_dim] is the raw
@@ -220,6 +224,36 @@ if HAS_TRITON:
             tl.debug_barrier()  # every thread has read the old history before any of it is overwritten
             tl.store(cs_row + offs_c[:, None] * s_cs_c + cols[None, :] * s_cs_k, new.to(cs_ptr.dtype.element_ty),
                      mask=mask_c[:, None] & (cols < K - 1)[None, :] & valid)
+
+    @triton.jit
+    def _conv_prefill_kernel(x_ptr, hist_ptr, w_ptr, bias_ptr, out_ptr, L, CD,
+                             s_x, s_o, s_h_c, s_h_k, s_w_c,
+                             K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+                             HAS_HIST: tl.constexpr, HAS_BIAS: tl.constexpr):
+        # One program: BLOCK_L tokens x BLOCK_C channels. out[t] = silu(sum_k w[:, k] * ext[t + k] + b)
+        # where ext = [history (K-1 columns) | x]; tokens t + k - (K-1) < 0 read the history.
+        offs_t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+        offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_t = offs_t < L
+        mask_c = offs_c < CD
+        acc = tl.zeros((BLOCK_L, BLOCK_C), dtype=tl.float32)
+        for k in tl.static_range(K):
+            src = offs_t + (k - (K - 1))  # token index into x; < 0: history column src + K - 1
+            in_x = (src >= 0) & mask_t
+            xv = tl.load(x_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * s_x + offs_c[None, :],
+                         mask=in_x[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+            if HAS_HIST:
+                in_h = (src < 0) & mask_t
+                hv = tl.load(hist_ptr + offs_c[None, :] * s_h_c + tl.maximum(src + (K - 1), 0)[:, None] * s_h_k,
+                             mask=in_h[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+                xv = xv + hv
+            w = tl.load(w_ptr + offs_c * s_w_c + k, mask=mask_c, other=0.0).to(tl.float32)
+            acc += xv * w[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+        acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * s_o + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_t[:, None] & mask_c[None, :])
 
     @triton.jit
     def _fused_conv_ssm_kernel(
@@ -455,6 +489,33 @@ def conv_state_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
         num_warps=num_warps,
     )
     return out[:, 0] if single else out
+
+
+def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int, has_initial_state: bool,
+                 weight: torch.Tensor, bias: torch.Tensor | None, *, block_l: int = 64,
+                 block_c: int = 128) -> torch.Tensor:
+    """One request's prefill chunk through the causal conv (+ silu); see the module docstring."""
+    _require()
+    L, CD = x.shape
+    K = weight.shape[-1]
+    width = K - 1
+    assert weight.shape == (CD, K) and conv_state.shape[1:] == (CD, width) and x.stride(-1) == 1
+    out = torch.empty(L, CD, dtype=x.dtype, device=x.device)
+    history = conv_state[slot]  # [C, K-1]
+    if L:
+        _conv_prefill_kernel[(triton_cdiv(L, block_l), triton_cdiv(CD, block_c))](
+            x, history, weight, bias if bias is not None else weight, out, L, CD,
+            x.stride(0), out.stride(0), history.stride(0), history.stride(1), weight.stride(0),
+            K=K, BLOCK_L=block_l, BLOCK_C=block_c, HAS_HIST=has_initial_state, HAS_BIAS=bias is not None,
+            num_warps=4,
+        )
+    # the new history: the last K-1 inputs of [history | x] (read before it is overwritten)
+    if L >= width:
+        conv_state[slot] = x[L - width:].t()
+    else:
+        old = history if has_initial_state else torch.zeros_like(history)
+        conv_state[slot] = torch.cat([old, x.t().to(old.dtype)], dim=-1)[:, -width:]
+    return out
 
 
 _WORKSPACES: dict[tuple[str, int | None], torch.Tensor] = {}

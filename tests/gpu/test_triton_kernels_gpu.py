@@ -242,3 +242,20 @@ def test_matches_library_when_installed():
              state_batch_indices=idx.to(torch.int32))
     assert _rel(y1, y2) < 1e-5
     assert _rel(s1, s2) < 1e-5
+
+
+@pytest.mark.parametrize("has_init", [True, False])
+@pytest.mark.parametrize("L", [2, 1000])
+def test_conv_prefill_8b_dims(has_init, L):
+    g = _gen(L)
+    zx = torch.randn(L, CD + 8192, device=DEV, generator=g).bfloat16()
+    x = zx[:, 8192:]  # the xBC columns of the projection output, as in the mixer
+    conv = torch.randn(SLOTS, CD, K - 1, device=DEV, generator=g).bfloat16()
+    w = (torch.randn(CD, K, device=DEV, generator=g) * 0.5).bfloat16()
+    b = torch.randn(CD, device=DEV, generator=g).bfloat16()
+    ref_conv, before = conv.clone(), conv.clone()
+    ref = mamba_torch.conv_prefill(x, ref_conv, 4, has_init, w, b)
+    got = tm.conv_prefill(x, conv, 4, has_init, w, b)
+    assert torch.isfinite(got).all() and _rel(got, ref) < 2e-2
+    assert torch.equal(conv, ref_conv)  # the new history of slot 4, every other slot untouched
+    assert torch.equal(conv[5:], before[5:]) and torch.equal(conv[:4], before[:4])
