@@ -5,7 +5,8 @@ The model is built in memory on the GPU (no checkpoint on disk): `hybrid.llm.loa
 (Mamba kernels, memory planning, CUDA-graph capture). Decode is timed on synthetic decode steps
 through `runner.execute` (the engine's one call) at a ~2K-token context with random KV / state,
 graphs on (replay) and off (eager); prefill is one 8K prompt through `LLM.generate` (max_tokens=1).
-Usage: python bench/bench_decode.py [--batches 1 8 64 256] [--ctx 2048] [--prompt 8192]
+Usage: python bench/bench_decode.py [--batches 1 8 64 256] [--ctx 2048] [--prompt 8192] [--ssm-dtype ...]
+(bench/run_benchmark.py runs it for both SSM-state dtypes plus the transformers peer, in one command.)
 """
 from __future__ import annotations
 
@@ -160,6 +161,8 @@ def main():
                     help="LLM(fused_ops=False): norms, residual adds and activations as torch op chains")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode timing")
     ap.add_argument("--no-prefill", action="store_true", help="skip the 8K-prompt TTFT measurement")
+    ap.add_argument("--greedy", type=int, default=0,
+                    help="also generate this many greedy tokens for 4 fixed prompts (bf16- vs fp32-state agreement)")
     ap.add_argument("--profile", action="store_true",
                     help="also print the GPU kernel time per kernel name of one graph replay per batch size")
     args = ap.parse_args()
@@ -194,15 +197,41 @@ def main():
         print(rows[-1], flush=True)
         if args.profile:
             profile_step(lambda: runner.execute(batch).argmax(-1), f"batch {n}, graph replay")
-    # prefill: one 8K prompt, TTFT through generate (prefill runs eagerly with or without graphs)
-    from hybrid.sampling import SamplingParams
-
+    # the engine runs below (prefill TTFT, greedy tokens): give back the slots the synthetic batches used
     for s in list(llm.state_pool.live_slots):
         llm.state_pool.free(s)
-    if args.no_prefill:
-        print(json.dumps(dict(copy_bw_gbs=bw / 1e9, ssm_dtype=args.ssm_dtype, decode_kernels=args.decode_kernels,
-                              fused_ops=not args.no_fused_ops, decode=rows), indent=1))
-        return
+    result = dict(copy_bw_gbs=bw / 1e9, ssm_dtype=args.ssm_dtype, decode_kernels=args.decode_kernels,
+                  fused_ops=not args.no_fused_ops, weights_gb=weight_bytes / 1e9, slot_mb=slot_bytes / 1e6,
+                  memory_plan=llm.memory_plan.summary(max(args.batches), llm.max_model_len, llm.kv_cache.page_size),
+                  decode=rows)
+    if not args.no_prefill:
+        result["prefill"] = prefill_ttft(llm, args)
+    if args.greedy:
+        result["greedy"] = greedy_tokens(llm, args.greedy)
+    print(json.dumps({k: v for k, v in result.items() if k != "greedy"}, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+GREEDY_PROMPT_LENS = (16, 100, 500, 2000)
+
+
+def greedy_tokens(llm, n: int) -> list[list[int]]:
+    """Greedy continuations of fixed random prompts through the engine (prefill, then graph decode)."""
+    from hybrid.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, 100000, (k,), generator=g).tolist() for k in GREEDY_PROMPT_LENS]
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def prefill_ttft(llm, args) -> dict:
+    """One 8K prompt through generate(max_tokens=1), best of 3 after a warm-up (JIT, autotune); prefill
+    runs eagerly with or without graphs."""
+    from hybrid.sampling import SamplingParams
+
     prompt = torch.randint(4, 100000, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], sp, use_tqdm=False)  # warm-up (JIT, autotune)
@@ -216,17 +245,11 @@ def main():
     best = min(ttft)
     if args.profile:
         profile_step(lambda: llm.generate([prompt], sp, use_tqdm=False), f"{args.prompt}-token prefill", steps=1)
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
     pre = dict(prompt=args.prompt, ttft_ms=best * 1e3, prefill_tok_s=args.prompt / best,
                flops_tflops=2 * weight_bytes / 2 * args.prompt / best / 1e12)
     print(pre)
-    result = dict(copy_bw_gbs=bw / 1e9, ssm_dtype=args.ssm_dtype, decode_kernels=args.decode_kernels,
-                  fused_ops=not args.no_fused_ops, weights_gb=weight_bytes / 1e9, slot_mb=slot_bytes / 1e6,
-                  memory_plan=llm.memory_plan.summary(max(args.batches), llm.max_model_len, llm.kv_cache.page_size),
-                  decode=rows, prefill=pre)
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    return pre
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
@@ -50,6 +51,9 @@ def main() -> None:
     result = {"peer": "transformers generate", "batch": 1, "prompt": args.prompt,
               "decode_ms_per_step": step * 1e3, "decode_tok_s": 1 / step, "prefill_ms": times[1] * 1e3}
     print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
