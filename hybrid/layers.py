@@ -375,4 +375,3 @@ def use_fused_ops(model: nn.Module) -> int:
             m.fused = True
             count += 1
     return count
-

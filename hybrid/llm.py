@@ -54,7 +54,7 @@ class LLM:
         check_state: bool | None = None,  # state sanitizer; None: env HYBRID_CHECK_STATE=1 turns it on
         gpu_memory_utilization: float = 0.9,  # CUDA: share of GPU memory for weights, activations, state, KV
         cuda_graph_sizes: list[int] | None = None,  # decode batch sizes captured (default 1, 2, 4, 8k..max_num_seqs)
-        mamba_decode_kernels: str = "triton",  # CUDA: our Triton decode + prefill-conv kernels, or "library" (mamba-ssm/causal-conv1d)
+        mamba_decode_kernels: str = "triton",  # CUDA: our Triton decode/prefill-conv kernels, or "library"
         fused_ops: bool | None = None,  # Triton norms (+ residual add), gated norm, relu2/SwiGLU; None: on for CUDA
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR

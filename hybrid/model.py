@@ -18,6 +18,8 @@ class NemotronHBlock(nn.Module):
     Blocks take and return (x, residual): x is the previous block's output not yet added to the
     residual stream, so that the add runs fused with this block's norm (RMSNorm.add_norm)."""
 
+    residual_multiplier = 1.0  # (TwoStageBlock's is the config's; the model reads it for the final add)
+
     def __init__(self, cfg: ModelConfig, kind: str, mamba_index: int, attn_index: int) -> None:
         super().__init__()
         self.kind = kind
@@ -30,8 +32,6 @@ class NemotronHBlock(nn.Module):
             self.mixer = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act)
         else:
             self.mixer = NemotronMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act)
-
-    residual_multiplier = 1.0
 
     def forward(self, x, residual, batch, ctx):
         x, residual = self.norm.add_norm(x, residual)

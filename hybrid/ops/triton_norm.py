@@ -35,19 +35,24 @@ def is_available() -> bool:
 if HAS_TRITON:
 
     @triton.jit
+    def _normalised_row(hf, like, w_ptr, offs, mask, H, eps, W_FP32: tl.constexpr):
+        """weight * RMS-normalised fp32 row hf; without W_FP32 the row is rounded to like's dtype first."""
+        r = hf / tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if W_FP32:
+            y = w * r
+        else:
+            y = w * r.to(like.dtype).to(tl.float32)
+        return y
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, H, eps,
                          BLOCK: tl.constexpr, W_FP32: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
-        xf = x.to(tl.float32)
-        r = xf / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        if W_FP32:
-            y = w.to(tl.float32) * r
-        else:  # round the normalised row to the model dtype, then multiply in it
-            y = w.to(tl.float32) * r.to(x.dtype).to(tl.float32)
+        y = _normalised_row(x.to(tl.float32), x, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -63,13 +68,7 @@ if HAS_TRITON:
             xf = (xf * scale).to(x.dtype).to(tl.float32)
         h = (res.to(tl.float32) + xf).to(res.dtype)
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
-        hf = h.to(tl.float32)
-        r = hf / tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        if W_FP32:
-            y = w.to(tl.float32) * r
-        else:
-            y = w.to(tl.float32) * r.to(h.dtype).to(tl.float32)
+        y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
