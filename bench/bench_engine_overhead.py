@@ -1,7 +1,9 @@
-"""Host time of one engine decode step (scheduling, batch building, sampling bookkeeping), without
-the model: a fake runner returns fixed logits. On a GPU this host work is serialised with the
-device step, so it adds to every decode step's latency.
+"""Host time of one engine decode step (scheduling, batch building, sampling bookkeeping, outputs),
+without the model: a fake runner returns fixed logits. On a GPU this host work is serialised with
+the device step, so it adds to every decode step's latency.
 Usage: python bench/bench_engine_overhead.py [--batches 1 64 256] [--context 2000]
+       python bench/bench_engine_overhead.py --batches 256 --context 200 --generated 0 1000 2000 \
+           --output-kinds cumulative delta final     # the cost of the outputs as generations grow
 """
 from __future__ import annotations
 
@@ -35,16 +37,23 @@ class FixedLogits:
         return None
 
 
-def measure(batch_size: int, context: int, steps: int = 20) -> tuple[float, float]:
+def measure(batch_size: int, context: int, steps: int = 20, generated: int = 0,
+            output_kind: str = "cumulative") -> tuple[float, float]:
+    """(host seconds per decode step, of which schedule + batch build) once every request has
+    `generated` output tokens."""
     page = 16
+    room = generated + steps + 40
     pool = MambaStatePool(StateShapes(1, 8, 3, 1, 1, 1), batch_size)
-    kv = PagedKVCache(1, batch_size * (-(-(context + 100) // page)) + 1, page, 1, 8)
-    eng = Engine(FixedLogits(), pool, kv, vocab_size=VOCAB, max_model_len=context + 100, max_num_seqs=batch_size,
+    kv = PagedKVCache(1, batch_size * (-(-(context + room) // page)) + 1, page, 1, 8)
+    eng = Engine(FixedLogits(), pool, kv, vocab_size=VOCAB, max_model_len=context + room, max_num_seqs=batch_size,
                  max_num_batched_tokens=8192, eos_token_ids=set(), tokenizer=None)
     prompt = [1 + i % (VOCAB - 1) for i in range(context)]
     for i in range(batch_size):
-        eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True))
+        eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True),
+                        output_kind=output_kind)
     while eng.waiting or any(not s.is_decoding for s in eng.running):
+        eng.step()
+    while len(eng.running[0].output_token_ids) < generated:
         eng.step()
     t = time.perf_counter()
     for _ in range(steps):
@@ -61,13 +70,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--context", type=int, default=2000)
+    ap.add_argument("--generated", type=int, nargs="+", default=[0], help="output tokens already generated")
+    ap.add_argument("--output-kinds", nargs="+", default=["final"], help="Engine output_kind(s) to measure")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print("| batch | context | host time per decode step | of which schedule + batch build |")
-    print("|---:|---:|---:|---:|")
+    print("| batch | context | generated | output kind | host time per decode step | of which schedule + batch build |")
+    print("|---:|---:|---:|---|---:|---:|")
     for b in args.batches:
-        step, build = measure(b, args.context)
-        print(f"| {b} | {args.context} | {step * 1e3:.2f} ms | {build * 1e3:.2f} ms |", flush=True)
+        for gen in args.generated:
+            for kind in args.output_kinds:
+                step, build = measure(b, args.context, generated=gen, output_kind=kind)
+                print(f"| {b} | {args.context} | {gen} | {kind} | {step * 1e3:.2f} ms | {build * 1e3:.2f} ms |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -179,7 +179,9 @@ class AsyncEngine:
             if kind == "add":
                 tr, prompt_ids, prompt = cmd[1], cmd[2], cmd[3]
                 try:
-                    self.engine.add_request(tr.request_id, prompt_ids, tr.params, prompt=prompt)
+                    # deltas: the per-step cost stays flat however long the output grows; generate()
+                    # turns them back into running totals on the caller's side
+                    self.engine.add_request(tr.request_id, prompt_ids, tr.params, prompt=prompt, output_kind="delta")
                 except BaseException as e:
                     self._deliver(tr, e)
                     continue
@@ -201,8 +203,7 @@ class AsyncEngine:
             pass
 
     def _observe(self, tr: _Tracked, out: RequestOutput, now: float) -> None:
-        n = sum(len(c.token_ids) for c in out.outputs)
-        new = n - tr.num_tokens
+        new = sum(len(c.token_ids) for c in out.outputs)  # a delta output: the new tokens only
         if new > 0:
             if tr.first_token_at is None:
                 tr.first_token_at = now
@@ -211,7 +212,7 @@ class AsyncEngine:
             elif self.metrics is not None and tr.last_token_at is not None:
                 self.metrics.observe_tpot(now - tr.last_token_at)
             tr.last_token_at = now
-            tr.num_tokens = n
+            tr.num_tokens += new
             if self.metrics is not None:
                 self.metrics.add_tokens(new)
         if out.finished and self.metrics is not None:
@@ -247,7 +248,10 @@ class AsyncEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's RequestOutput after every step that changed it; the last one has
-        finished=True. Leaving the iteration early (client gone, task cancelled) aborts the request."""
+        finished=True. Each output holds everything so far (text, token_ids, logprobs); the token_ids
+        and logprobs lists are this iteration's running totals, extended in place when the next
+        output arrives (copy them to keep a snapshot). Leaving the iteration early (client gone, task
+        cancelled) aborts the request."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead!r}")
         self.validate(prompt_token_ids, params)
@@ -256,6 +260,7 @@ class AsyncEngine:
         tr = _Tracked(rid, loop, asyncio.Queue(), len(prompt_token_ids), params)
         self._inflight.add(rid)
         finished = False
+        totals: dict[int, tuple[list[int], list | None]] = {}  # per completion index: tokens, logprobs
         try:
             self._commands.put(("add", tr, list(prompt_token_ids), prompt))
             self._wakeup.set()
@@ -266,6 +271,13 @@ class AsyncEngine:
                     raise item
                 if item.finished:
                     finished = True
+                for c in item.outputs:  # delta -> running totals
+                    tokens, logprobs = totals.setdefault(c.index, ([], [] if c.logprobs is not None else None))
+                    tokens.extend(c.token_ids)
+                    c.token_ids = tokens
+                    if logprobs is not None:
+                        logprobs.extend(c.logprobs)
+                        c.logprobs = logprobs
                 yield item
                 if finished:
                     return

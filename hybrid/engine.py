@@ -59,6 +59,7 @@ class Sequence:
     detok_prefix: int = 0  # incremental detokenization: output tokens decoded as context ...
     detok_read: int = 0  # ... and the ones whose text is already in `text`
     num_preemptions: int = 0
+    num_sent: int = 0  # output tokens already reported ("delta" outputs)
 
     @property
     def tokens(self) -> list[int]:
@@ -92,27 +93,38 @@ class Request:
     # n > 1: branches 1..n-1 wait (outside the waiting queue) until branch 0 has prefilled the prompt,
     # then fork from it (copy of its slot, its prompt pages shared by refcount)
     forked: bool = False
+    output_kind: str = "cumulative"  # see OUTPUT_KINDS
 
     @property
     def finished(self) -> bool:
         return all(s.status == Status.FINISHED for s in self.seqs)
 
     def output(self) -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    index=s.index, text=s.text, token_ids=list(s.output_token_ids),
-                    finish_reason=s.finish_reason,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                    stop_reason=s.stop_reason,
-                )
-                for s in self.seqs
-            ],
-            finished=self.finished,
-        )
+        """The request's output now; "delta" outputs carry only the tokens (and their logprobs) that
+        no earlier output carried, and mark them as sent."""
+        delta = self.output_kind == "delta"
+        outputs = []
+        for s in self.seqs:
+            start = s.num_sent if delta else 0
+            outputs.append(CompletionOutput(
+                index=s.index, text=s.text, token_ids=s.output_token_ids[start:],
+                finish_reason=s.finish_reason,
+                logprobs=s.logprobs[start:] if s.logprobs is not None else None,
+                stop_reason=s.stop_reason,
+            ))
+            if delta:
+                s.num_sent = len(s.output_token_ids)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=outputs, finished=self.finished)
+
+
+# What Engine.step() returns for a request (Engine.add_request(output_kind=...)):
+# - "cumulative": after every step that changed it, everything so far (copies grow with the output);
+# - "delta": after every step that changed it, the new tokens and their logprobs (text stays the
+#   whole text so far: stop-string handling may still shorten it, and a str costs nothing to pass);
+# - "final": one output, when it finishes. LLM.generate uses "final", the server "delta": their
+#   per-step host time does not grow with the length of what was generated.
+OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
 @dataclass
@@ -189,9 +201,11 @@ class Engine:
             )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, output_kind: str = "cumulative") -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams")
         params.validate()
@@ -205,7 +219,8 @@ class Engine:
                 generator=self._generator(params, arrival, i), arrival=arrival,
                 logprobs=[] if params.logprobs is not None else None,
             ))
-        self.requests[request_id] = Request(request_id, prompt, prompt_token_ids, params, seqs)
+        self.requests[request_id] = Request(request_id, prompt, prompt_token_ids, params, seqs,
+                                            output_kind=output_kind)
         # Only branch 0 prefills the prompt; the others fork from it once it is done (see _fork).
         self.waiting.append(seqs[0])
 
@@ -446,7 +461,7 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return the outputs of requests that changed."""
+        """Run one forward pass; return the outputs of the requests it changed (as their output_kind says)."""
         chunks = self._schedule()
         if not chunks:
             return []
@@ -484,7 +499,8 @@ class Engine:
             changed[seq.request_id] = req
         outputs = []
         for req in changed.values():
-            outputs.append(req.output())
+            if req.output_kind != "final" or req.finished:
+                outputs.append(req.output())
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs

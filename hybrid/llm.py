@@ -161,7 +161,7 @@ class LLM:
         order = []
         for text, ids, params in prepared:
             rid = f"gen-{next(self._ids)}"
-            self.engine.add_request(rid, ids, params, prompt=text)
+            self.engine.add_request(rid, ids, params, prompt=text, output_kind="final")
             order.append(rid)
         results: dict[str, RequestOutput] = {}
         bar = None
