@@ -121,6 +121,27 @@ def test_n_greater_than_one(client):
     assert streamed == texts  # seeded: the same samples
 
 
+def test_n_streamed_logprobs_equal_non_streamed(client):
+    """Streams carry each choice's tokens once, in order: the engine reports deltas and the async
+    front end rebuilds running totals per choice (n > 1 and logprobs included)."""
+    kw = dict(model=MODEL, prompt="Once upon", max_tokens=10, temperature=1.0, seed=11, n=2, logprobs=2,
+              extra_body={"ignore_eos": True})
+    full = {c.index: c for c in client.completions.create(**kw).choices}
+    tokens: dict[int, list] = {0: [], 1: []}
+    lps: dict[int, list] = {0: [], 1: []}
+    text: dict[int, str] = {0: "", 1: ""}
+    for ch in client.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            text[c.index] += c.text
+            if c.logprobs is not None:
+                tokens[c.index] += c.logprobs.tokens
+                lps[c.index] += c.logprobs.token_logprobs
+    for i in (0, 1):
+        assert text[i] == full[i].text
+        assert tokens[i] == full[i].logprobs.tokens and len(tokens[i]) == 10
+        assert lps[i] == pytest.approx(full[i].logprobs.token_logprobs)
+
+
 def test_sampling_fields_and_logprobs(client):
     a = client.completions.create(model=MODEL, prompt="abc", max_tokens=10, temperature=0.8, top_p=0.9, seed=3,
                                   extra_body={"top_k": 20, "ignore_eos": True}, logprobs=2)
