@@ -86,7 +86,6 @@ class _Tracked:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    num_tokens: int = 0
 
 
 class AsyncEngine:
@@ -212,7 +211,6 @@ class AsyncEngine:
             elif self.metrics is not None and tr.last_token_at is not None:
                 self.metrics.observe_tpot(now - tr.last_token_at)
             tr.last_token_at = now
-            tr.num_tokens += new
             if self.metrics is not None:
                 self.metrics.add_tokens(new)
         if out.finished and self.metrics is not None:
