@@ -4,21 +4,13 @@
 - `silu_and_mul(gate_up)`: silu(gate) * up for gate_up = [gate | up] along the last dim (SwiGLU),
   rounded like the torch chain: silu(gate) to the model dtype first, then the product.
 
-Triton is imported guarded, as in triton_norm.
+Triton is imported guarded (hybrid/ops/triton_guard.py).
 """
 from __future__ import annotations
 
 import torch
 
-try:  # guarded: hybrid must import on machines without triton
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the machine
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from hybrid.ops.triton_guard import HAS_TRITON, require, tl, triton
 
 BLOCK = 1024
 
@@ -50,13 +42,8 @@ if HAS_TRITON:
         tl.store(out_ptr + row * s_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _require() -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("hybrid.ops.triton_act needs triton, which is not importable here")
-
-
 def relu2(x: torch.Tensor) -> torch.Tensor:
-    _require()
+    require(__name__)
     T, width = x.shape
     assert x.stride(-1) == 1
     out = torch.empty_like(x)
@@ -67,7 +54,7 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    _require()
+    require(__name__)
     T, two_width = gate_up.shape
     assert gate_up.stride(-1) == 1 and two_width % 2 == 0
     width = two_width // 2

@@ -42,33 +42,21 @@ Kernel design (memory bound: each state element is read once and written once):
   to finish, found with an atomic counter in a small int32 workspace that the last program resets
   to zero (so it is CUDA-graph safe); every program has read the old history before it counts in.
 
-Triton is imported guarded: importing this module without triton works; calling a kernel raises.
+Triton is imported guarded (hybrid/ops/triton_guard.py): importing this module without triton works;
+calling a kernel raises.
 Set TRITON_INTERPRET=1 before the first triton import to run the kernels on CPU tensors.
 """
 from __future__ import annotations
 
 import torch
 
-try:  # guarded: hybrid must import on machines without triton
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the machine
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from hybrid.ops.triton_guard import HAS_TRITON, require, tl, triton
 
 PAD_SLOT_ID = -1
 
 
 def is_available() -> bool:
     return HAS_TRITON
-
-
-def _require() -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("hybrid.ops.triton_mamba needs triton, which is not importable here")
 
 
 if HAS_TRITON:
@@ -386,7 +374,7 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     dt is softplus(dt + dt_bias) (no clamp); dA = exp(dt * A[h]); state = state * dA + dt * B x;
     y = state . C + D x. state_indices[i] < 0 marks a padding row (zero state in, nothing stored).
     """
-    _require()
+    require(__name__)
     single = x.dim() == 3
     if single:
         x, dt, B, C = x.unsqueeze(1), dt.unsqueeze(1), B.unsqueeze(1), C.unsqueeze(1)
@@ -449,7 +437,7 @@ def conv_state_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
     activation "silu"/"swish" or None. Returns the conv output like x (dtype of x, or `out`).
     Padding rows (state_indices < 0) see a zero history and store nothing.
     """
-    _require()
+    require(__name__)
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}")
     single = x.dim() == 2
@@ -495,7 +483,7 @@ def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int, has_initi
                  weight: torch.Tensor, bias: torch.Tensor | None, *, block_l: int = 64,
                  block_c: int = 128) -> torch.Tensor:
     """One request's prefill chunk through the causal conv (+ silu); see the module docstring."""
-    _require()
+    require(__name__)
     L, CD = x.shape
     K = weight.shape[-1]
     width = K - 1
@@ -541,7 +529,7 @@ def fused_conv_ssm_update(xBC: torch.Tensor, dt: torch.Tensor, conv_state: torch
     followed by selective_state_update. `workspace`: see fused_workspace (cached per
     device when omitted: then do not let the first call happen inside a CUDA-graph capture).
     """
-    _require()
+    require(__name__)
     batch, CD = xBC.shape
     H, P, G = num_heads, head_dim, n_groups
     N = ssm_state.shape[-1]

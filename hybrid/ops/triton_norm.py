@@ -11,21 +11,13 @@ torch ops (which, at decode batch sizes, cost more in launches than in bytes):
   each contiguous group of I/G channels, in fp32, times the weight; output dtype: the weight's.
 
 Same math as hybrid.layers.RMSNorm / Mamba2Mixer.gated_norm (the reductions add in another order).
-Triton is imported guarded, as in triton_mamba.
+Triton is imported guarded (hybrid/ops/triton_guard.py).
 """
 from __future__ import annotations
 
 import torch
 
-try:  # guarded: hybrid must import on machines without triton
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the machine
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from hybrid.ops.triton_guard import HAS_TRITON, require, tl, triton
 
 
 def is_available() -> bool:
@@ -88,17 +80,12 @@ if HAS_TRITON:
         tl.store(out_ptr + row * s_o + col, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _require() -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("hybrid.ops.triton_norm needs triton, which is not importable here")
-
-
 def _warps(block: int) -> int:
     return 8 if block >= 4096 else 4 if block >= 1024 else 2
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
-    _require()
+    require(__name__)
     T, H = x.shape
     assert weight.shape == (H,) and x.stride(-1) == 1
     out = torch.empty_like(x)
@@ -112,7 +99,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  weight_in_fp32: bool, scale: float = 1.0) -> torch.Tensor:
     """residual += x * scale in place; returns the RMSNorm of the updated residual (residual's dtype)."""
-    _require()
+    require(__name__)
     T, H = residual.shape
     assert x.shape == (T, H) and weight.shape == (H,) and x.stride(-1) == 1 and residual.stride(-1) == 1
     out = torch.empty_like(residual)
@@ -125,7 +112,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int) -> torch.Tensor:
-    _require()
+    require(__name__)
     T, inner = y.shape
     assert z.shape == (T, inner) and weight.shape == (inner,) and inner % n_groups == 0
     assert y.stride(-1) == 1 and z.stride(-1) == 1
