@@ -205,7 +205,7 @@ def main():
                   memory_plan=llm.memory_plan.summary(max(args.batches), llm.max_model_len, llm.kv_cache.page_size),
                   decode=rows)
     if not args.no_prefill:
-        result["prefill"] = prefill_ttft(llm, args)
+        result["prefill"] = prefill_ttft(llm, args, weight_bytes)
     if args.greedy:
         result["greedy"] = greedy_tokens(llm, args.greedy)
     print(json.dumps({k: v for k, v in result.items() if k != "greedy"}, indent=1))
@@ -227,7 +227,7 @@ def greedy_tokens(llm, n: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
-def prefill_ttft(llm, args) -> dict:
+def prefill_ttft(llm, args, weight_bytes: int) -> dict:
     """One 8K prompt through generate(max_tokens=1), best of 3 after a warm-up (JIT, autotune); prefill
     runs eagerly with or without graphs."""
     from hybrid.sampling import SamplingParams
@@ -245,7 +245,6 @@ def prefill_ttft(llm, args) -> dict:
     best = min(ttft)
     if args.profile:
         profile_step(lambda: llm.generate([prompt], sp, use_tqdm=False), f"{args.prompt}-token prefill", steps=1)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
     pre = dict(prompt=args.prompt, ttft_ms=best * 1e3, prefill_tok_s=args.prompt / best,
                flops_tflops=2 * weight_bytes / 2 * args.prompt / best / 1e12)
     print(pre)
