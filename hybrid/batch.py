@@ -44,6 +44,17 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list / numpy array as a tensor on `device`, without waiting for the device: a plain
+    torch.tensor(..., device=cuda) copies synchronously, stalling the host until every queued kernel
+    has run (which would undo async scheduling). The pinned staging block stays reserved until the
+    copy is done (the caching host allocator tracks it)."""
+    t = torch.as_tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class StepBatch:
     input_ids: torch.Tensor  # [T] int64, new tokens of all requests, flattened

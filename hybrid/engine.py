@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from attention.kv_cache import DUMMY_PAGE, PagedKVCache
-from hybrid.batch import StepBatch
+from hybrid.batch import StepBatch, to_device
 from hybrid.errors import InvalidRequestError, StateCorruptionError
 from hybrid.outputs import CompletionOutput, RequestOutput
-from hybrid.sampling import SamplingParams, sample_row, top_logprobs
+from hybrid.sampling import (SamplingParams, logprob_dict, logprob_rows, sample_row, sample_tokens,
+                             top_logprobs)
 from hybrid.spec_decode import NgramProposer, SpeculativeConfig
 from state_pool.pool import PAD_SLOT_ID, MambaStatePool
 from state_pool.sanitizer import RowOwner, check_batch
@@ -60,6 +61,10 @@ class Sequence:
     detok_read: int = 0  # ... and the ones whose text is already in `text`
     num_preemptions: int = 0
     num_sent: int = 0  # output tokens already reported ("delta" outputs)
+    # Async scheduling: a token sampled by the step in flight, still on the device (0 or 1), and its
+    # row in that step's token tensor. num_computed already counts the tokens that step consumed.
+    pending: int = 0
+    pending_row: int = -1
 
     @property
     def tokens(self) -> list[int]:
@@ -135,6 +140,24 @@ class ScheduledChunk:
     draft: list[int] = field(default_factory=list)  # speculative drafts: a verify chunk when non-empty
     replay: bool = False  # known generated tokens replayed after a preemption (decode recurrence, in place)
     scratch_index: int = -1  # verify chunks: row of the pool's verify scratch (set by _build_batch)
+    logits_row: int = -1  # first logits row of the chunk, -1 if it samples nothing (set by _build_batch)
+
+    @property
+    def samples(self) -> bool:
+        return self.logits_row >= 0
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued on the device; its tokens are read back
+    (and the requests updated) by Engine._finish_step."""
+    index: int  # launch count: resources released while this step may still run are freed after it
+    chunks: list[ScheduledChunk]
+    logits: torch.Tensor  # [R, V] fp32, read back only by verify rows and forks (never overlapped)
+    tokens: torch.Tensor  # [R] int64 on the device: the next decode step reads pending tokens here
+    host: dict[str, torch.Tensor]  # tokens (and logprobs, NaN flags) on their way to the host
+    done: torch.cuda.Event | None  # recorded after the copies to `host`; None on CPU
+    overlappable: bool  # the next step may be launched before this one is finished
 
 
 class Engine:
@@ -154,6 +177,7 @@ class Engine:
         device: torch.device = torch.device("cpu"),
         check_state: bool = False,
         speculative_config: dict | SpeculativeConfig | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.runner = runner
         self.state_pool = state_pool
@@ -181,6 +205,15 @@ class Engine:
         self.proposer = NgramProposer(self.spec_config) if self.spec_config is not None else None
         if self.spec_config is not None:
             state_pool.enable_spec_scratch(max_num_seqs, self.spec_config.num_speculative_tokens + 1)
+        # Async scheduling: step N+1 is scheduled and launched while step N still runs on the device
+        # (its decode rows read N's sampled tokens on the device), then N's tokens are read back. The
+        # host's scheduling, batch building and output work hide behind the device step. Drafts need
+        # the latest tokens on the host, so speculation runs synchronously.
+        self.async_scheduling = bool(async_scheduling) and self.spec_config is None
+        self._in_flight: LaunchedStep | None = None
+        self._launched = 0  # steps launched so far
+        self._synced = 0  # steps whose device work is known to be complete
+        self._deferred: list[tuple[int, int | None, list[int]]] = []  # (fence step, slot, pages) to free
 
     def spec_acceptance_rate(self) -> float | None:
         """Accepted / proposed draft tokens so far (None before any draft was verified)."""
@@ -242,7 +275,7 @@ class Engine:
         self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight is not None)
 
     @property
     def num_running(self) -> int:
@@ -254,12 +287,31 @@ class Engine:
 
     # ------------------------------------------------------------------ resources
     def _release(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            self.state_pool.free(seq.slot)
-            seq.slot = None
-        if seq.pages:
-            self.kv_cache.allocator.release(seq.pages)
-            seq.pages = []
+        """Give back the sequence's slot and pages; while a launched step may still read or write them
+        (async scheduling), they are freed only once that step is finished, so nobody reuses them early."""
+        if seq.slot is None and not seq.pages:
+            return
+        if self._launched > self._synced:
+            self._deferred.append((self._launched, seq.slot, seq.pages))
+        else:
+            self._free(seq.slot, seq.pages)
+        seq.slot = None
+        seq.pages = []
+
+    def _free(self, slot: int | None, pages: list[int]) -> None:
+        if slot is not None:
+            self.state_pool.free(slot)
+        if pages:
+            self.kv_cache.allocator.release(pages)
+
+    def _free_deferred(self) -> None:
+        keep = []
+        for fence, slot, pages in self._deferred:
+            if fence <= self._synced:
+                self._free(slot, pages)
+            else:
+                keep.append((fence, slot, pages))
+        self._deferred = keep
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         if seq in self.running:
@@ -313,7 +365,10 @@ class Engine:
         for k, seq in enumerate(decoding):
             if seq.status != Status.RUNNING or budget <= 0:
                 continue
-            replaying = seq.num_computed + 1 < seq.num_tokens
+            if seq.pending and (len(seq.output_token_ids) + seq.pending >= seq.params.max_tokens
+                                or seq.num_tokens + seq.pending >= self.max_model_len):
+                continue  # its token in flight is its last: it finishes by length, nothing to run
+            replaying = seq.num_computed + 1 < seq.num_tokens + seq.pending
             if replaying:
                 # leave a token of budget for every decoding sequence after this one
                 later = sum(1 for s in decoding[k + 1:] if s.status == Status.RUNNING)
@@ -354,6 +409,8 @@ class Engine:
         # 3. admit waiting sequences while there is budget, a slot and pages
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.pending:
+                break  # preempted with a token still in flight: readmit it once that token is known
             slot = self.state_pool.allocate()
             if slot is None:
                 break
@@ -374,7 +431,8 @@ class Engine:
             prefills.append(ScheduledChunk(seq, chunk, False))
             budget -= chunk
 
-        if not decodes and not verifies and not replays and not prefills and self.running:
+        if not decodes and not verifies and not replays and not prefills and self.running \
+                and not any(s.pending for s in self.running):
             # Every running sequence is stuck waiting for pages: free the newest and try again.
             victim = max(self.running, key=lambda s: (s.arrival, s.index))
             self._preempt(victim)
@@ -404,6 +462,7 @@ class Engine:
     # ------------------------------------------------------------------ batch building
     def _build_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
         input_ids, positions, kv_loc, logits_rows = [], [], [], []
+        fills: list[tuple[int, int]] = []  # (input position, row in the step in flight) of pending tokens
         query_lens, seq_lens, slots, has_init = [], [], [], []
         page_table = np.full((len(chunks), self.max_pages_per_seq), DUMMY_PAGE, dtype=np.int32)
         offset = 0
@@ -421,7 +480,11 @@ class Engine:
                 logits_rows.extend(range(offset, offset + c.num_tokens - 1))
             else:
                 scratch.append(-1)
-                input_ids.extend(seq.token_slice(start, end))
+                known = min(end, seq.num_tokens)
+                input_ids.extend(seq.token_slice(start, known))
+                if end > known:  # the token sampled by the step in flight: filled in on the device
+                    fills.append((len(input_ids), seq.pending_row))
+                    input_ids.append(0)
             positions.extend(range(start, end))
             kv_loc.extend(seq.pages[p // ps] * ps + p % ps for p in range(start, end))
             query_lens.append(c.num_tokens)
@@ -430,21 +493,29 @@ class Engine:
             has_init.append(start > 0)
             page_table[row, : len(seq.pages)] = seq.pages
             offset += c.num_tokens
-            if end == seq.num_tokens or c.draft:  # chunk reaches the last token: sample from it
+            if c.draft:
+                c.logits_row = len(logits_rows) - (c.num_tokens - 1)
+                logits_rows.append(offset - 1)
+            elif end == seq.num_tokens + seq.pending:  # chunk reaches the last token: sample from it
+                c.logits_row = len(logits_rows)
                 logits_rows.append(offset - 1)
         num_verify = sum(1 for n in num_drafts if n)
         dev = self.device
         qsl = [0] + list(itertools.accumulate(query_lens))
+        ids = to_device(input_ids, torch.long, dev)
+        if fills:  # pending tokens: gathered from the step in flight, in stream order after its sampling
+            at, src = zip(*fills)
+            ids[to_device(list(at), torch.long, dev)] = self._in_flight.tokens[to_device(list(src), torch.long, dev)]
         return StepBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            page_table=torch.from_numpy(page_table).to(dev),
-            kv_write_loc=torch.tensor(kv_loc, dtype=torch.long, device=dev),
-            state_slot=torch.tensor(slots, dtype=torch.long, device=dev),
-            has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=dev),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            input_ids=ids,
+            positions=to_device(positions, torch.long, dev),
+            query_start_loc=to_device(qsl, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            page_table=to_device(page_table, torch.int32, dev),
+            kv_write_loc=to_device(kv_loc, torch.long, dev),
+            state_slot=to_device(slots, torch.long, dev),
+            has_initial_state=to_device(has_init, torch.bool, dev),
+            logits_indices=to_device(logits_rows, torch.long, dev),
             num_decodes=sum(1 for c in chunks if c.is_decode and not c.draft and not c.replay),
             num_prefills=sum(1 for c in chunks if not c.is_decode),
             query_lens_cpu=query_lens,
@@ -453,7 +524,7 @@ class Engine:
             has_initial_state_cpu=has_init,
             num_verify=num_verify,
             num_draft_tokens_cpu=num_drafts,
-            scratch_index=torch.tensor(scratch, dtype=torch.long, device=dev) if num_verify else None,
+            scratch_index=to_device(scratch, torch.long, dev) if num_verify else None,
             scratch_index_cpu=scratch,
             state_scratch=self.state_pool.spec_scratch if num_verify else None,
             num_replay=sum(1 for c in chunks if c.replay),
@@ -461,42 +532,22 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return the outputs of the requests it changed (as their output_kind says)."""
+        """Run one forward pass; return the outputs of the requests it changed (as their output_kind says).
+
+        With async scheduling the step launched here is finished (its tokens read back) by the next
+        call, so outputs lag one call behind the device; the tokens and their order are the same."""
+        prev = self._in_flight
         chunks = self._schedule()
-        if not chunks:
-            return []
-        batch = self._build_batch(chunks)
-        if self.check_state:
-            self.check_batch(batch, chunks)
-            padded = self.runner.padded_batch(batch)  # padding rows the runner adds: checked as well
-            if padded is not None:
-                self.check_batch(padded, chunks)
-        logits = self.runner.execute(batch)
-        if self.check_state:
-            self._check_logits(logits, chunks)
-        self.stats["steps"] += 1
-        # Greedy picks for every row in one device-to-host copy, rather than one sync per request.
-        greedy = logits.argmax(-1).tolist()
+        launched = self._launch(chunks) if chunks else None
+        self._in_flight = None
         changed: dict[str, Request] = {}
-        row = 0
-        for c in chunks:
-            seq = c.seq
-            if c.draft:
-                row = self._finish_verify(c, logits, greedy, row)
-                changed[seq.request_id] = self.requests[seq.request_id]
-                continue
-            seq.num_computed += c.num_tokens
-            if not c.is_decode:
-                self.stats["prompt_tokens"] += c.num_tokens
-            if seq.num_computed < seq.num_tokens:
-                continue  # a prefill chunk that does not reach the end samples nothing
-            seq_logits, greedy_token = logits[row], greedy[row]
-            row += 1
-            req = self.requests[seq.request_id]
-            if seq.index == 0 and len(req.seqs) > 1 and not req.forked:
-                self._fork(req, seq_logits, greedy_token)  # before branch 0 may finish and free its slot
-            self._emit(seq, seq_logits, greedy_token)
-            changed[seq.request_id] = req
+        if prev is not None:
+            changed.update(self._finish_step(prev))
+        if launched is not None:
+            if launched.overlappable:
+                self._in_flight = launched
+            else:
+                changed.update(self._finish_step(launched))
         outputs = []
         for req in changed.values():
             if req.output_kind != "final" or req.finished:
@@ -505,16 +556,119 @@ class Engine:
                 self.requests.pop(req.request_id, None)
         return outputs
 
+    def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
+        """Queue the forward pass and the sampling of `chunks` on the device, and the copy of the
+        sampled tokens to the host; advance each sequence past the tokens the step consumes."""
+        batch = self._build_batch(chunks)
+        if self.check_state:
+            self.check_batch(batch, chunks)
+            padded = self.runner.padded_batch(batch)  # padding rows the runner adds: checked as well
+            if padded is not None:
+                self.check_batch(padded, chunks)
+        logits = self.runner.execute(batch)
+        self._launched += 1
+        self.stats["steps"] += 1
+        num_rows = logits.shape[0]
+        row_params: list[SamplingParams | None] = [None] * num_rows  # None: argmax (verify rows too)
+        row_generators: list[torch.Generator | None] = [None] * num_rows
+        lp_rows, lp_ks = [], []
+        for c in chunks:
+            if c.samples and not c.draft:
+                row_params[c.logits_row] = c.seq.params
+                row_generators[c.logits_row] = c.seq.generator
+                if c.seq.params.logprobs is not None:
+                    lp_rows.append(c.logits_row)
+                    lp_ks.append(c.seq.params.logprobs)
+        tokens = sample_tokens(logits, row_params, row_generators)
+        device_out = {"tokens": tokens}
+        if lp_rows:
+            index = to_device(lp_rows, torch.long, logits.device)
+            device_out["lp_token"], device_out["lp_values"], device_out["lp_ids"] = \
+                logprob_rows(logits[index], tokens[index], lp_ks)
+        if self.check_state:
+            device_out["nan"] = torch.isnan(logits).any(dim=-1)
+        overlappable = self.async_scheduling
+        for c in chunks:
+            seq = c.seq
+            if c.draft:  # verify rows are accepted on the host (_finish_verify): never overlapped
+                overlappable = False
+                continue
+            seq.num_computed += c.num_tokens
+            if c.samples:
+                seq.pending, seq.pending_row = 1, c.logits_row
+                if seq.index == 0 and len(self.requests[seq.request_id].seqs) > 1 \
+                        and not self.requests[seq.request_id].forked:
+                    overlappable = False  # the fork copies this state before anything else runs on it
+        done = None
+        if logits.is_cuda:
+            host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in device_out.items()}
+            for k, v in device_out.items():
+                host[k].copy_(v, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = device_out
+        return LaunchedStep(self._launched, chunks, logits, tokens, host, done, overlappable)
+
+    def _finish_step(self, step: LaunchedStep) -> dict[str, Request]:
+        """Wait for a launched step's tokens and apply them: emit, check stops, fork, accept drafts.
+        Returns the requests it changed."""
+        if step.done is not None:
+            step.done.synchronize()
+        self._synced = step.index
+        self._free_deferred()
+        host = step.host
+        if "nan" in host and bool(host["nan"].any()):
+            self._raise_nan(host["nan"], step.chunks)
+        tokens = host["tokens"].tolist()
+        lp = {}
+        if "lp_token" in host:
+            rows = [c.logits_row for c in step.chunks
+                    if c.samples and not c.draft and c.seq.params.logprobs is not None]
+            token_lp, values, ids = host["lp_token"].tolist(), host["lp_values"].tolist(), host["lp_ids"].tolist()
+            lp = {r: (token_lp[j], values[j], ids[j]) for j, r in enumerate(rows)}
+        changed: dict[str, Request] = {}
+        for c in step.chunks:
+            seq = c.seq
+            if c.draft:
+                self._finish_verify(c, step.logits, tokens, c.logits_row)
+                changed[seq.request_id] = self.requests[seq.request_id]
+                continue
+            if not c.is_decode:
+                self.stats["prompt_tokens"] += c.num_tokens
+            if not c.samples:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            seq.pending = 0
+            if seq.status == Status.FINISHED:
+                continue  # it stopped (or was aborted) while this step ran: the token is dropped
+            token = tokens[c.logits_row]
+            req = self.requests[seq.request_id]
+            if seq.index == 0 and len(req.seqs) > 1 and not req.forked:
+                self._fork(req, step.logits[c.logits_row], token)  # before branch 0 may finish and free its slot
+            logprobs = None
+            if seq.logprobs is not None:
+                token_lp, values, ids = lp[c.logits_row]
+                k = seq.params.logprobs
+                logprobs = logprob_dict(token, token_lp, values[:k], ids[:k])
+            self._append_token(seq, token, logprobs)
+            changed[seq.request_id] = req
+        self._free_deferred()
+        return changed
+
     def _emit(self, seq: Sequence, seq_logits: torch.Tensor, greedy_token: int) -> int:
         """Sample one token from a logits row with the sequence's own generator and append it
-        (`greedy_token` is the row's argmax, already on the host)."""
+        (`greedy_token` is the row's argmax, already on the host). For verify rows and forks."""
         token = greedy_token if seq.params.greedy else sample_row(seq_logits, seq.params, seq.generator)
+        logprobs = top_logprobs(seq_logits, token, seq.params.logprobs) if seq.logprobs is not None else None
+        self._append_token(seq, token, logprobs)
+        return token
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         if seq.logprobs is not None:
-            seq.logprobs.append(top_logprobs(seq_logits, token, seq.params.logprobs))
+            seq.logprobs.append(logprobs)
         seq.output_token_ids.append(token)
         self.stats["generated_tokens"] += 1
         self._check_stop(seq, token)
-        return token
 
     # ------------------------------------------------------------------ speculative verify
     def _finish_verify(self, c: ScheduledChunk, logits: torch.Tensor, greedy: list[int], row: int) -> int:
@@ -596,18 +750,15 @@ class Engine:
                            list(c.seq.pages)) for c in chunks]
         check_batch(batch, self.state_pool, self.kv_cache.allocator, self.page_size, owners, DUMMY_PAGE)
 
-    def _check_logits(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
-        bad = torch.isnan(logits).any(dim=-1)
-        if not bool(bad.any()):
-            return
-        row = 0
+    def _raise_nan(self, bad: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+        """NaN logits (flags per logits row) mean a row read poisoned (freed) state: name the culprit."""
         for c in chunks:
-            n = c.num_tokens if c.draft else int(c.seq.num_computed + c.num_tokens == c.seq.num_tokens)
-            if bool(bad[row:row + n].any()):
-                raise StateCorruptionError(
-                    f"{self._owner_name(c.seq)} (Mamba slot {c.seq.slot}) produced NaN logits: it read "
-                    f"poisoned (freed) state")
-            row += n
+            if c.samples:
+                n = c.num_tokens if c.draft else 1
+                if bool(bad[c.logits_row:c.logits_row + n].any()):
+                    raise StateCorruptionError(
+                        f"{self._owner_name(c.seq)} (Mamba slot {c.seq.slot}) produced NaN logits: it read "
+                        f"poisoned (freed) state")
         raise StateCorruptionError("NaN logits: a step read poisoned (freed) state")
 
     def _update_text(self, seq: Sequence) -> None:
