@@ -61,8 +61,9 @@ class Sequence:
     detok_read: int = 0  # ... and the ones whose text is already in `text`
     num_preemptions: int = 0
     num_sent: int = 0  # output tokens already reported ("delta" outputs)
-    # Async scheduling: a token sampled by the step in flight, still on the device (0 or 1), and its
-    # row in that step's token tensor. num_computed already counts the tokens that step consumed.
+    # Async scheduling: tokens sampled by launched steps, still on the device (1 while a step is in
+    # flight), and the row of the latest in that step's token tensor. num_computed already counts
+    # the tokens those steps consumed.
     pending: int = 0
     pending_row: int = -1
 
@@ -153,6 +154,7 @@ class LaunchedStep:
     (and the requests updated) by Engine._finish_step."""
     index: int  # launch count: resources released while this step may still run are freed after it
     chunks: list[ScheduledChunk]
+    batch: StepBatch
     logits: torch.Tensor  # [R, V] fp32, read back only by verify rows and forks (never overlapped)
     tokens: torch.Tensor  # [R] int64 on the device: the next decode step reads pending tokens here
     host: dict[str, torch.Tensor]  # tokens (and logprobs, NaN flags) on their way to the host
@@ -197,7 +199,7 @@ class Engine:
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
         self.stats = {"steps": 0, "preemptions": 0, "generated_tokens": 0, "prompt_tokens": 0,
-                      "forks": 0, "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+                      "forks": 0, "overlapped_steps": 0, "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         # State sanitizer: poison freed slots, check every batch against live slots/pages.
         self.check_state = bool(check_state)
         state_pool.poison_freed = self.check_state
@@ -537,15 +539,23 @@ class Engine:
         With async scheduling the step launched here is finished (its tokens read back) by the next
         call, so outputs lag one call behind the device; the tokens and their order are the same."""
         prev = self._in_flight
+        changed: dict[str, Request] = {}
+        if prev is not None and self._decode_pages_needed() > self.kv_cache.allocator.num_free:
+            # Out of pages: preempting now would free nothing (a victim's pages wait for the step in
+            # flight), so each victim would bring down the next. Finish that step first; this step's
+            # schedule then sees every page that came back, as a synchronous engine does.
+            self._in_flight = None
+            changed.update(self._finish_step(prev))
+            prev = None
         chunks = self._schedule()
         launched = self._launch(chunks) if chunks else None
         self._in_flight = None
-        changed: dict[str, Request] = {}
         if prev is not None:
             changed.update(self._finish_step(prev))
         if launched is not None:
             if launched.overlappable:
                 self._in_flight = launched
+                self.stats["overlapped_steps"] += 1
             else:
                 changed.update(self._finish_step(launched))
         outputs = []
@@ -555,6 +565,11 @@ class Engine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _decode_pages_needed(self) -> int:
+        """New pages the decoding sequences need for their next token."""
+        ps = self.page_size
+        return sum(1 for s in self.running if s.is_decoding and s.num_computed // ps >= len(s.pages))
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
         """Queue the forward pass and the sampling of `chunks` on the device, and the copy of the
@@ -595,7 +610,8 @@ class Engine:
                 continue
             seq.num_computed += c.num_tokens
             if c.samples:
-                seq.pending, seq.pending_row = 1, c.logits_row
+                seq.pending += 1  # 2 for a moment: until the step before this one is finished
+                seq.pending_row = c.logits_row
                 if seq.index == 0 and len(self.requests[seq.request_id].seqs) > 1 \
                         and not self.requests[seq.request_id].forked:
                     overlappable = False  # the fork copies this state before anything else runs on it
@@ -608,7 +624,7 @@ class Engine:
             done.record()
         else:
             host = device_out
-        return LaunchedStep(self._launched, chunks, logits, tokens, host, done, overlappable)
+        return LaunchedStep(self._launched, chunks, batch, logits, tokens, host, done, overlappable)
 
     def _finish_step(self, step: LaunchedStep) -> dict[str, Request]:
         """Wait for a launched step's tokens and apply them: emit, check stops, fork, accept drafts.
@@ -638,7 +654,7 @@ class Engine:
                 self.stats["prompt_tokens"] += c.num_tokens
             if not c.samples:
                 continue  # a prefill chunk that does not reach the end samples nothing
-            seq.pending = 0
+            seq.pending -= 1
             if seq.status == Status.FINISHED:
                 continue  # it stopped (or was aborted) while this step ran: the token is dropped
             token = tokens[c.logits_row]

@@ -56,6 +56,7 @@ class LLM:
         cuda_graph_sizes: list[int] | None = None,  # decode batch sizes captured (default 1, 2, 4, 8k..max_num_seqs)
         mamba_decode_kernels: str = "triton",  # CUDA: our Triton decode/prefill-conv kernels, or "library"
         fused_ops: bool | None = None,  # Triton norms (+ residual add), gated norm, relu2/SwiGLU; None: on for CUDA
+        async_scheduling: bool | None = None,  # schedule step N+1 while step N runs; None: on for CUDA
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR
         self.device = torch.device(device)
@@ -124,6 +125,8 @@ class LLM:
             check_state=check_state if check_state is not None else os.environ.get("HYBRID_CHECK_STATE", "0")
             not in ("", "0", "false", "False"),
             speculative_config=speculative_config,
+            # on CPU every op runs synchronously anyway: nothing to overlap
+            async_scheduling=self.device.type == "cuda" if async_scheduling is None else async_scheduling,
         )
         self._ids = itertools.count()
 
