@@ -117,7 +117,8 @@ class TrtllmAttentionBackend:
             kv_indptr.append(kv_indptr[-1] + n)
         rows = torch.repeat_interleave(torch.arange(len(n_pages)), torch.tensor(n_pages))
         cols = torch.cat([torch.arange(n) for n in n_pages])
-        kv_indices = batch.page_table[rows.to(device), cols.to(device)].to(torch.int32).contiguous()
+        # non-blocking uploads: a blocking one would stall the host until the queued steps have run
+        kv_indices = batch.page_table[_upload(rows, device), _upload(cols, device)].to(torch.int32).contiguous()
         last = [s - (n - 1) * page_size for s, n in zip(batch.seq_lens_cpu, n_pages)]
         return kv_indptr, kv_indices, last
 
@@ -135,7 +136,8 @@ class TrtllmAttentionBackend:
             for n in batch.query_lens_cpu:
                 qo_indptr.append(qo_indptr[-1] + n)
             kv_indptr, kv_indices, last = self._paged_indices(batch, page_size, dev)
-            i32 = dict(dtype=torch.int32, device=dev)
+            # indptr and last-page lengths on the host, as plan() wants them: device ones are read back (a sync)
+            i32 = dict(dtype=torch.int32)
             self._prefill.plan(
                 torch.tensor(qo_indptr, **i32), torch.tensor(kv_indptr, **i32), kv_indices,
                 torch.tensor(last, **i32), num_heads, num_kv_heads, head_dim, page_size,
@@ -155,5 +157,10 @@ class TrtllmAttentionBackend:
             seq_lens=batch.seq_lens, max_q_len=max(batch.query_lens_cpu), max_kv_len=max(batch.seq_lens_cpu),
             bmm1_scale=float(scale), bmm2_scale=1.0, batch_size=batch.num_requests,
             cum_seq_lens_q=batch.query_start_loc,
-            cum_seq_lens_kv=torch.tensor(cum_kv, dtype=torch.int32, device=q.device), kv_layout="HND",
+            cum_seq_lens_kv=_upload(torch.tensor(cum_kv, dtype=torch.int32), q.device), kv_layout="HND",
         )
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the work queued there (pinned, non-blocking)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

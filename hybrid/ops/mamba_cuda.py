@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.batch import to_device
+
 _LOADED = None
 
 
@@ -166,8 +168,8 @@ class MambaCudaKernels:
         the rows still active there, in place on their slots (replay rows are never padding)."""
         dev = xBC.device
         for tok_list, slot_list in _replay_positions(batch):
-            tok = torch.tensor(tok_list, dtype=torch.long, device=dev)
-            slots = torch.tensor(slot_list, dtype=torch.long, device=dev)
+            tok = to_device(tok_list, torch.long, dev)
+            slots = to_device(slot_list, torch.long, dev)
             y[tok] = self._library_step(mixer, p, xBC[tok], dt[tok], conv_state, ssm_state, slots, slots).to(y.dtype)
 
     def _library_step(self, mixer, p: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,
@@ -247,8 +249,8 @@ def triton_replay(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[s
     else:
         launches = [([[t] for t in toks], slots) for toks, slots in _replay_positions(batch)]
     for tok_rows, slot_list in launches:
-        tok = torch.tensor(tok_rows, dtype=torch.long, device=dev)  # [b, T]
-        slots = torch.tensor(slot_list, dtype=torch.long, device=dev)
+        tok = to_device(tok_rows, torch.long, dev)  # [b, T]
+        slots = to_device(slot_list, torch.long, dev)
         y[tok] = triton_recurrence(tm, mixer, params, xBC[tok], dt[tok], conv_state, ssm_state, slots).to(y.dtype)
 
 
@@ -270,9 +272,9 @@ def triton_verify(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[s
         start += q_lens[i]
     dev = xBC.device
     for T, rows in groups.items():
-        tok = torch.tensor([[first + j for j in range(T)] for first, _ in rows], dtype=torch.long, device=dev)
-        slots = torch.tensor([batch.state_slot_cpu[i] for _, i in rows], dtype=torch.long, device=dev)
-        scratch = torch.tensor([batch.scratch_index_cpu[i] for _, i in rows], dtype=torch.long, device=dev)
+        tok = to_device([[first + j for j in range(T)] for first, _ in rows], torch.long, dev)
+        slots = to_device([batch.state_slot_cpu[i] for _, i in rows], torch.long, dev)
+        scratch = to_device([batch.scratch_index_cpu[i] for _, i in rows], torch.long, dev)
         y[tok] = triton_recurrence(tm, mixer, params, xBC[tok], dt[tok], conv_state, ssm_state, slots,
                                    (conv_scr[:, :T], ssm_scr[:, :T]), scratch).to(y.dtype)
 
