@@ -463,7 +463,7 @@ class Engine:
 
     # ------------------------------------------------------------------ batch building
     def _build_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
-        input_ids, positions, kv_loc, logits_rows = [], [], [], []
+        input_ids, starts, logits_rows = [], [], []
         fills: list[tuple[int, int]] = []  # (input position, row in the step in flight) of pending tokens
         query_lens, seq_lens, slots, has_init = [], [], [], []
         page_table = np.full((len(chunks), self.max_pages_per_seq), DUMMY_PAGE, dtype=np.int32)
@@ -487,8 +487,7 @@ class Engine:
                 if end > known:  # the token sampled by the step in flight: filled in on the device
                     fills.append((len(input_ids), seq.pending_row))
                     input_ids.append(0)
-            positions.extend(range(start, end))
-            kv_loc.extend(seq.pages[p // ps] * ps + p % ps for p in range(start, end))
+            starts.append(start)
             query_lens.append(c.num_tokens)
             seq_lens.append(end)
             slots.append(seq.slot)
@@ -504,6 +503,12 @@ class Engine:
         num_verify = sum(1 for n in num_drafts if n)
         dev = self.device
         qsl = [0] + list(itertools.accumulate(query_lens))
+        # positions and KV rows of every token, vectorised (a Python loop over an 8K prompt costs ms)
+        q = np.asarray(query_lens, dtype=np.int64)
+        token_row = np.repeat(np.arange(len(chunks)), q)
+        positions = np.repeat(np.asarray(starts, dtype=np.int64) - np.asarray(qsl[:-1], dtype=np.int64), q) \
+            + np.arange(qsl[-1], dtype=np.int64)
+        kv_loc = page_table[token_row, positions // ps].astype(np.int64) * ps + positions % ps
         ids = to_device(input_ids, torch.long, dev)
         if fills:  # pending tokens: gathered from the step in flight, in stream order after its sampling
             at, src = zip(*fills)
