@@ -13,9 +13,15 @@ from typing import Any
 
 from hybrid.errors import CheckpointError
 
-SUPPORTED_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba")
+SUPPORTED_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1")
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
+PARALLEL = "parallel"  # Falcon-H1: a Mamba2 mixer and attention side by side on the same input, then an MLP
+
+# Where the Mamba gate silu(z) meets the grouped RMSNorm of the SSM output y.
+GATE_THEN_NORM = "gate_then_norm"  # norm(y * silu(z)) (NemotronH, Bamba, Granite; Falcon-H1 option)
+NORM_THEN_GATE = "norm_then_gate"  # norm(y) * silu(z) (Falcon-H1 option)
+GATE_ONLY = "gate_only"  # y * silu(z), no norm (Falcon-H1 default)
 
 # NemotronH layer letters and the layer-type names transformers writes (old and new spellings).
 _NEMOTRON_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
@@ -39,6 +45,7 @@ class MambaConfig:
     norm_eps: float
     # Prefill clamps dt to this range; the one-token decode recurrence does not (as in transformers).
     dt_limit: tuple[float, float]
+    gate: str = GATE_THEN_NORM
 
     @property
     def intermediate_size(self) -> int:
@@ -74,6 +81,21 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class FalconMultipliers:
+    """Falcon-H1's muP multipliers that scale a projection's input or output; each folds exactly
+    (up to one rounding of the scaled weight) into the weight rows it multiplies."""
+
+    ssm_in: float  # Mamba input
+    ssm_zxbcdt: tuple[float, float, float, float, float]  # in_proj output sections z, x, B, C, dt
+    ssm_out: float  # Mamba output
+    attention_in: float  # attention input
+    key: float  # keys, before RoPE
+    attention_out: float  # attention output
+    mlp_gate: float  # gate projection, before the activation
+    mlp_down: float  # MLP output
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -94,6 +116,9 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Falcon-H1: logits times this; its other muP multipliers scale weights (folded in at load time)
+    lm_head_multiplier: float = 1.0
+    mup: FalconMultipliers | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -102,11 +127,11 @@ class ModelConfig:
 
     @property
     def mamba_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == MAMBA]
+        return [i for i, t in enumerate(self.layer_types) if t in (MAMBA, PARALLEL)]
 
     @property
     def attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == ATTENTION]
+        return [i for i, t in enumerate(self.layer_types) if t in (ATTENTION, PARALLEL)]
 
 
 def _decode_infinity(value: Any) -> Any:
@@ -240,8 +265,11 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
             **common,
         )
 
-    # Bamba and GraniteMoeHybrid share the Mamba keys.
     n_layers = int(_need(cfg, "num_hidden_layers", family))
+    if family == "falcon_h1":
+        return _parse_falcon_h1(cfg, common, hidden, n_heads, n_kv, n_layers)
+
+    # Bamba and GraniteMoeHybrid share the Mamba keys.
     if family == "bamba":
         if cfg.get("layers_block_type") is not None:
             layer_types = _layer_types(cfg["layers_block_type"], family)
@@ -312,6 +340,56 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
         logits_scaling=float(cfg.get("logits_scaling", 1.0)),
         **common,
+    )
+
+
+def _parse_falcon_h1(cfg: dict[str, Any], common: dict[str, Any], hidden: int, n_heads: int, n_kv: int,
+                     n_layers: int) -> ModelConfig:
+    family = "falcon_h1"
+    inner = cfg.get("mamba_d_ssm")
+    inner = int(inner) if inner is not None else int(cfg.get("mamba_expand", 2)) * hidden
+    nh = int(_need(cfg, "mamba_n_heads", family))
+    d_head = cfg.get("mamba_d_head", "auto")
+    d_head = inner // nh if d_head in (None, "auto") else int(d_head)
+    if d_head * nh != inner:
+        raise CheckpointError(f"mamba_n_heads * mamba_d_head = {nh * d_head} != mamba_d_ssm = {inner}")
+    if not cfg.get("mamba_rms_norm", False):
+        gate = GATE_ONLY
+    else:
+        gate = NORM_THEN_GATE if cfg.get("mamba_norm_before_gate", True) else GATE_THEN_NORM
+    limit = cfg.get("time_step_limit") or (0.0, math.inf)
+    mamba = MambaConfig(
+        num_heads=nh, head_dim=d_head, n_groups=int(cfg.get("mamba_n_groups", 1)),
+        state_size=int(cfg.get("mamba_d_state", 256)), conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+        chunk_size=int(cfg.get("mamba_chunk_size", 256)), conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)), norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        dt_limit=(float(limit[0]), float(limit[1])), gate=gate,
+    )
+    if bool(cfg.get("projectors_bias", False)) != mamba.proj_bias:
+        raise CheckpointError("falcon_h1 with projectors_bias != mamba_proj_bias is not supported")
+    head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+    theta, rotary_dim = _rope(cfg, head_dim, default_partial=1.0)
+    attention = AttentionConfig(n_heads, n_kv, head_dim, head_dim**-0.5, bool(cfg.get("attention_bias", False)),
+                                theta, rotary_dim)
+    if bool(cfg.get("mlp_bias", False)):
+        raise CheckpointError("falcon_h1 with mlp_bias is not supported")
+    zxbcdt = tuple(float(v) for v in (cfg.get("ssm_multipliers") or (1.0,) * 5))
+    mlp = tuple(float(v) for v in (cfg.get("mlp_multipliers") or (1.0, 1.0)))
+    if len(zxbcdt) != 5 or len(mlp) != 2:
+        raise CheckpointError("falcon_h1 ssm_multipliers needs 5 values and mlp_multipliers 2")
+    mup = FalconMultipliers(
+        ssm_in=float(cfg.get("ssm_in_multiplier", 1.0)), ssm_zxbcdt=zxbcdt,
+        ssm_out=float(cfg.get("ssm_out_multiplier", 1.0)),
+        attention_in=float(cfg.get("attention_in_multiplier", 1.0)), key=float(cfg.get("key_multiplier", 1.0)),
+        attention_out=float(cfg.get("attention_out_multiplier", 1.0)), mlp_gate=mlp[0], mlp_down=mlp[1],
+    )
+    return ModelConfig(
+        layer_types=(PARALLEL,) * n_layers, norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), mamba=mamba,
+        attention=attention, intermediate_size=int(_need(cfg, "intermediate_size", family)),
+        mlp_act=str(cfg.get("hidden_act", "silu")), moe=None,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        lm_head_multiplier=float(cfg.get("lm_head_multiplier", 1.0)), mup=mup, **common,
     )
 
 

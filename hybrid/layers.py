@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
-from hybrid.config import AttentionConfig, MambaConfig, MoEConfig
+from hybrid.config import GATE_ONLY, GATE_THEN_NORM, AttentionConfig, MambaConfig, MoEConfig
 from hybrid.ops import mamba_torch, triton_act, triton_norm
 
 
@@ -81,20 +81,30 @@ class Mamba2Mixer(nn.Module):
         self.A_log = _param(nh)
         self.D = _param(nh)
         self.dt_bias = _param(nh)
-        self.norm_weight = _param(inner)
+        self.norm_weight = None if cfg.gate == GATE_ONLY else _param(inner)
         self.out_proj = Linear(inner, hidden_size, cfg.proj_bias)
         self.kernels = None  # set by the model when GPU kernels are in use
         self.fused = False  # gated norm as one Triton launch (see use_fused_ops)
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """RMSNorm(y * silu(z)) per group of inner/G channels, in fp32, gate before the norm."""
+        """The SSM output gated by silu(z) and RMS-normalised per group of inner/G channels, in fp32,
+        in the order the checkpoint's family uses (MambaConfig.gate): norm(y * silu(z)) for most,
+        norm(y) * silu(z) or y * silu(z) without a norm for Falcon-H1."""
         cfg = self.cfg
-        if self.fused:
-            return triton_norm.gated_rms_norm(y.contiguous(), z, self.norm_weight, cfg.norm_eps, cfg.n_groups)
-        h = y.float() * F.silu(z.float())
+        if cfg.gate == GATE_ONLY:
+            return (y.float() * F.silu(z.float())).to(z.dtype)
+        if cfg.gate == GATE_THEN_NORM:
+            if self.fused:
+                return triton_norm.gated_rms_norm(y.contiguous(), z, self.norm_weight, cfg.norm_eps, cfg.n_groups)
+            h = y.float() * F.silu(z.float())
+        else:
+            h = y.float()
         h = h.view(h.shape[0], cfg.n_groups, -1)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
-        return self.norm_weight * h.view(h.shape[0], -1).to(self.norm_weight.dtype)
+        h = h.view(h.shape[0], -1)
+        if cfg.gate == GATE_THEN_NORM:
+            return self.norm_weight * h.to(self.norm_weight.dtype)
+        return (self.norm_weight * h * F.silu(z.float())).to(z.dtype)  # Falcon-H1 order: weight, then gate
 
     def forward(self, hidden: torch.Tensor, batch: StepBatch, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:

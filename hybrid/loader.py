@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from hybrid.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig, read_json
+from hybrid.config import ATTENTION, GATE_ONLY, MAMBA, MLP, MOE, ModelConfig, read_json
 from hybrid.errors import CheckpointError
 from hybrid.model import HybridModel
 
@@ -30,14 +30,19 @@ class Source:
     disk_names: list[str]
     how: str  # "whole" | "conv" (drop the singleton dim) | "stack" (experts) | "concat" (rows, e.g. gate|up)
     rows: tuple[int, ...] | None = None  # "concat": rows of each part (None: equal parts)
+    # Per-row multipliers folded into the tensor (in fp32, before the cast to the model dtype):
+    # Falcon-H1's muP multipliers of a projection's input or output sections
+    row_scale: tuple[tuple[int, float], ...] | None = None  # (rows, multiplier) runs, in order
 
 
 def _mamba_sources(param_prefix: str, disk_prefix: str, cfg: ModelConfig) -> dict[str, Source]:
     m = cfg.mamba
     out = {
         "in_proj.weight": "in_proj.weight", "out_proj.weight": "out_proj.weight",
-        "A_log": "A_log", "D": "D", "dt_bias": "dt_bias", "norm_weight": "norm.weight",
+        "A_log": "A_log", "D": "D", "dt_bias": "dt_bias",
     }
+    if m.gate != GATE_ONLY:
+        out["norm_weight"] = "norm.weight"
     if m.proj_bias:
         out.update({"in_proj.bias": "in_proj.bias", "out_proj.bias": "out_proj.bias"})
     if m.conv_bias:
@@ -62,6 +67,8 @@ def _attention_sources(param_prefix: str, disk_prefix: str, cfg: ModelConfig) ->
 def tensor_plan(cfg: ModelConfig) -> dict[str, Source]:
     """Model parameter name -> the on-disk tensors that make it."""
     plan: dict[str, Source] = {}
+    if cfg.family == "falcon_h1":
+        return _falcon_h1_plan(cfg)
     if cfg.family == "nemotron_h":
         plan["embed"] = Source(["backbone.embeddings.weight"], "whole")
         plan["final_norm.weight"] = Source(["backbone.norm_f.weight"], "whole")
@@ -110,6 +117,53 @@ def tensor_plan(cfg: ModelConfig) -> dict[str, Source]:
     if not cfg.tie_word_embeddings:
         plan["lm_head.weight"] = Source(["lm_head.weight"], "whole")
     return plan
+
+
+def _falcon_h1_plan(cfg: ModelConfig) -> dict[str, Source]:
+    """Falcon-H1: every layer has a Mamba2 mixer and attention in parallel, then a SwiGLU MLP. Its
+    muP multipliers scale projections' inputs or output sections, so they fold into weight rows:
+    in_proj(x * s_in) * [s_z|s_x|s_B|s_C|s_dt], k_proj(x * s_attn_in) * s_key, act(gate * s_gate), ..."""
+    mup, m, a = cfg.mup, cfg.mamba, cfg.attention
+    inner, gn, nh = m.intermediate_size, m.n_groups * m.state_size, m.num_heads
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    s_z, s_x, s_b, s_c, s_dt = mup.ssm_zxbcdt
+    sections = ((inner, s_z), (inner, s_x), (gn, s_b), (gn, s_c), (nh, s_dt))
+    # (weight runs, bias runs): a bias takes only the multipliers applied after the projection
+    scales = {
+        "mamba.in_proj": ([(n, v * mup.ssm_in) for n, v in sections], list(sections)),
+        "mamba.out_proj": ([(cfg.hidden_size, mup.ssm_out)],) * 2,
+        "attn.qkv_proj": ([(q, mup.attention_in), (kv, mup.attention_in * mup.key), (kv, mup.attention_in)],
+                          [(q, 1.0), (kv, mup.key), (kv, 1.0)]),
+        "attn.o_proj": ([(cfg.hidden_size, mup.attention_out)],) * 2,
+        "mlp.gate_up_proj": ([(cfg.intermediate_size, mup.mlp_gate), (cfg.intermediate_size, 1.0)],) * 2,
+        "mlp.down_proj": ([(cfg.hidden_size, mup.mlp_down)],) * 2,
+    }
+    plan = {"embed": Source(["model.embed_tokens.weight"], "whole"),
+            "final_norm.weight": Source(["model.final_layernorm.weight"], "whole")}
+    for i in range(cfg.num_layers):
+        p, d = f"layers.{i}.", f"model.layers.{i}."
+        plan[f"{p}input_norm.weight"] = Source([f"{d}input_layernorm.weight"], "whole")
+        plan[f"{p}ffn_norm.weight"] = Source([f"{d}pre_ff_layernorm.weight"], "whole")
+        plan.update(_mamba_sources(f"{p}mamba.", f"{d}mamba.", cfg))
+        plan.update(_attention_sources(f"{p}attn.", f"{d}self_attn.", cfg))
+        plan[f"{p}mlp.gate_up_proj.weight"] = Source(
+            [f"{d}feed_forward.gate_proj.weight", f"{d}feed_forward.up_proj.weight"], "concat")
+        plan[f"{p}mlp.down_proj.weight"] = Source([f"{d}feed_forward.down_proj.weight"], "whole")
+        for name, (weight_runs, bias_runs) in scales.items():
+            for leaf, runs in (("weight", weight_runs), ("bias", bias_runs)):
+                src = plan.get(f"{p}{name}.{leaf}")
+                if src is not None and any(v != 1.0 for _, v in runs):
+                    src.row_scale = tuple(runs)
+    if not cfg.tie_word_embeddings:
+        plan["lm_head.weight"] = Source(["lm_head.weight"], "whole")
+    return plan
+
+
+def _apply_row_scale(tensor: torch.Tensor, runs: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    scale = torch.cat([torch.full((n,), v, dtype=torch.float32) for n, v in runs]).to(tensor.device)
+    if scale.shape[0] != tensor.shape[0]:
+        raise AssertionError(f"row multipliers for {scale.shape[0]} rows, tensor has {tensor.shape[0]}")
+    return tensor.float() * scale.view(-1, *([1] * (tensor.dim() - 1)))
 
 
 def _disk_shapes(how: str, shape: torch.Size, count: int, rows: tuple[int, ...] | None = None) -> list[tuple[int, ...]]:
@@ -210,6 +264,8 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         else:
             tensor = torch.cat(parts, dim=0)
         del parts
+        if src.row_scale is not None:
+            tensor = _apply_row_scale(tensor, src.row_scale)
         want_dtype = torch.float32 if _FP32_PARAMS.search(pname) else dtype
         tensor = tensor.to(device=device, dtype=want_dtype).contiguous()
         _set_param(model, pname, tensor)

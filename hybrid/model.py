@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
-from hybrid.config import ATTENTION, MAMBA, MLP, ModelConfig
+from hybrid.config import ATTENTION, MAMBA, MLP, PARALLEL, ModelConfig
 from hybrid.layers import (
     Attention, DenseMLP, GatedMLP, GraniteMoE, Linear, Mamba2Mixer, NemotronMoE, RMSNorm, _param,
 )
@@ -73,6 +73,32 @@ class TwoStageBlock(nn.Module):
         return x, residual
 
 
+class ParallelBlock(nn.Module):
+    """Falcon-H1 block: x = norm1(h); h += mamba(x) + attention(x); h += mlp(norm2(h)). Its muP
+    multipliers (Mamba and attention input / output, keys, MLP gate and output) are folded into the
+    projection weights at load time (hybrid/loader.py). Takes and returns (x, residual)."""
+
+    residual_multiplier = 1.0
+
+    def __init__(self, cfg: ModelConfig, kind: str, mamba_index: int, attn_index: int) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
+        self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba, mamba_index)
+        self.attn = Attention(cfg.hidden_size, cfg.attention, attn_index)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act)
+
+    def forward(self, x, residual, batch, ctx):
+        x, residual = self.input_norm.add_norm(x, residual)
+        m = self.mamba(x, batch, *ctx.mamba_state(self.mamba.layer_index))
+        a = self.attn(x, batch, ctx.kv_layer(self.attn.layer_index), ctx.attention_backend)
+        x, residual = self.ffn_norm.add_norm(m + a, residual)
+        return self.mlp(x), residual
+
+
+_BLOCKS = {"nemotron_h": NemotronHBlock, "falcon_h1": ParallelBlock}
+
+
 class HybridModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -80,17 +106,17 @@ class HybridModel(nn.Module):
         self.embed = _param(cfg.vocab_size, cfg.hidden_size)
         blocks = []
         mamba_index = attn_index = 0
-        block_cls = NemotronHBlock if cfg.family == "nemotron_h" else TwoStageBlock
+        block_cls = _BLOCKS.get(cfg.family, TwoStageBlock)
         for kind in cfg.layer_types:
             blocks.append(block_cls(cfg, kind, mamba_index, attn_index))
-            mamba_index += kind == MAMBA
-            attn_index += kind == ATTENTION
+            mamba_index += kind in (MAMBA, PARALLEL)
+            attn_index += kind in (ATTENTION, PARALLEL)
         self.layers = nn.ModuleList(blocks)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=cfg.family == "nemotron_h")
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def mamba_mixers(self) -> list[Mamba2Mixer]:
-        return [b.mixer for b in self.layers if isinstance(b.mixer, Mamba2Mixer)]
+        return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, ctx) -> torch.Tensor:
@@ -107,6 +133,8 @@ class HybridModel(nn.Module):
         logits = F.linear(h, self.embed) if self.lm_head is None else self.lm_head(h)
         if self.cfg.logits_scaling != 1.0:
             logits = logits / self.cfg.logits_scaling
+        if self.cfg.lm_head_multiplier != 1.0:
+            logits = logits * self.cfg.lm_head_multiplier
         return logits.float()
 
 

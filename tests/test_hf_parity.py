@@ -1,6 +1,6 @@
 """Token-for-token and logprob parity with Hugging Face transformers (the oracle).
 
-For every family variant (NemotronH with M/*/-/E layers, Granite 4.0-H dense and MoE, Bamba,
+For every family variant (NemotronH with M/*/-/E layers, Granite 4.0-H dense and MoE, Bamba, Falcon-H1,
 and a sharded NemotronH checkpoint) the runtime's greedy continuation of each prompt -- all
 prompts submitted in ONE `generate` call -- must equal transformers' greedy continuation of
 that prompt run alone (eager attention, fp32, batch 1, no padding).

@@ -267,6 +267,32 @@ def build_bamba(path, *, vocab_size: int = 224, seed: int = 3, num_layers: int =
     return _finish(model, path)
 
 
+def build_falcon_h1(path, *, vocab_size: int = 208, seed: int = 6, num_layers: int = 3, rms_norm: bool = False,
+                    norm_before_gate: bool = True, time_step_limit=(0.0, float("inf"))) -> Path:
+    """Falcon-H1: every layer runs a Mamba2 mixer and attention (full RoPE) in parallel on the same
+    normed input, then a SwiGLU MLP. Every muP multiplier is set away from 1 (each one a runtime
+    could forget), and the Mamba gate / norm order is one of its three options."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    cfg = FalconH1Config(
+        vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=num_layers,
+        num_attention_heads=N_HEADS, num_key_value_heads=N_KV_HEADS, head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS, mamba_d_ssm=MAMBA_HEADS * MAMBA_HEAD_DIM, mamba_n_heads=MAMBA_HEADS,
+        mamba_d_head=MAMBA_HEAD_DIM, mamba_n_groups=2, mamba_d_state=SSM_STATE, mamba_d_conv=CONV_K,
+        mamba_chunk_size=CHUNK, mamba_rms_norm=rms_norm, mamba_norm_before_gate=norm_before_gate,
+        time_step_limit=tuple(time_step_limit), rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        embedding_multiplier=1.7, lm_head_multiplier=0.8, key_multiplier=0.7, attention_in_multiplier=1.3,
+        attention_out_multiplier=0.9, ssm_in_multiplier=1.2, ssm_out_multiplier=0.85,
+        ssm_multipliers=[0.9, 1.1, 0.8, 1.25, 0.7], mlp_multipliers=[1.2, 0.75],
+        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    )
+    torch.manual_seed(seed)
+    model = FalconH1ForCausalLM(cfg).to(torch.float32).eval()
+    _redraw_weights(model, seed)
+    return _finish(model, path)
+
+
 # ----------------------------------------------------------------------------------------
 # tokenizer
 # ----------------------------------------------------------------------------------------
@@ -389,6 +415,11 @@ BUILDERS = {
     "granite_moe": (build_granite_moe_hub_config, {"seed": 4}),
     # finite time_step_limit: the prefill (chunked) path clamps dt to it, decode does not
     "bamba": (build_bamba, {"seed": 3, "time_step_limit": (0.0, 0.15)}),
+    # Falcon-H1: parallel Mamba + attention, muP multipliers; y * silu(z) without a norm (its default)
+    "falcon_h1": (build_falcon_h1, {"seed": 6}),
+    # ... and with the grouped norm before the gate, and a finite dt limit
+    "falcon_h1_norm": (build_falcon_h1, {"seed": 7, "rms_norm": True, "norm_before_gate": True,
+                                         "time_step_limit": (0.0, 0.15)}),
     # a second NemotronH with another pattern (attention first, then MoE), saved in
     # ~9 shards with model.safetensors.index.json; dt kept well above time_step_min so the
     # NemotronH prefill clamp never bites (separates clamp bugs from loading bugs)

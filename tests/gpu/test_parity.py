@@ -7,7 +7,7 @@ import torch
 from hybrid import LLM
 from hybrid.sampling import SamplingParams
 
-FAMILIES = ["nemotron_h", "bamba", "granite_dense"]
+FAMILIES = ["nemotron_h", "bamba", "granite_dense", "falcon_h1", "falcon_h1_norm"]
 def prompts_of(path):
     # (tests/conftest's prompts_for runs transformers, which on a machine with mamba-ssm and
     # causal-conv1d installed tries their CUDA kernels on CPU tensors: fixed random prompts instead)
