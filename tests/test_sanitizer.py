@@ -171,3 +171,19 @@ def test_padding_rows_added_by_the_runner_are_checked(tiny_ckpt, make_llm, monke
     monkeypatch.setattr(runner_module, "pad_decode_batch", pad_onto_a_live_slot)
     with pytest.raises(StateCorruptionError, match="padding row 3 points at Mamba slot"):
         llm.generate(prompts, sp, use_tqdm=False)
+
+
+def test_poisoned_read_is_reported_under_async_scheduling(tiny_ckpt, make_llm, monkeypatch):
+    """With steps in flight the NaN flags travel back with the tokens: the culprit is still named."""
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=2, page_size=4, check_state=True, async_scheduling=True)
+    eng = llm.engine
+    eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))
+    eng.add_request("b", [8, 9, 10, 11, 12], SamplingParams(max_tokens=12, **GREEDY))
+    for _ in range(4):  # 'a' stops; its slot is freed (and poisoned) once no launched step uses it
+        eng.step()
+    assert torch.isnan(llm.state_pool.ssm_state[:, 0]).all() and [s.slot for s in eng.running] == [1]
+    monkeypatch.setattr(eng, "check_batch", lambda batch, chunks: None)
+    _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0]))
+    with pytest.raises(StateCorruptionError, match=r"request 'b'.*NaN"):
+        for _ in range(2):
+            eng.step()
