@@ -20,23 +20,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.bench_decode import copy_bandwidth  # noqa: E402
+
 SHAPES = {  # name: (N, K)
     "mamba in_proj": (18560, 4096), "mamba out_proj": (4096, 8192), "mlp up": (21504, 4096),
     "mlp down": (4096, 21504), "attn qkv": (6144, 4096), "attn o": (4096, 4096), "lm_head": (131072, 4096),
 }
 BACKENDS = ("cublas", "cublaslt")
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (time.perf_counter() - t)
 
 
 def time_graph(fns, reps: int = 5) -> float:
@@ -63,7 +53,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256, 8192])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s  torch {torch.__version__}")
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
