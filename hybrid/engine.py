@@ -154,7 +154,7 @@ class LaunchedStep:
     (and the requests updated) by Engine._finish_step."""
     index: int  # launch count: resources released while this step may still run are freed after it
     chunks: list[ScheduledChunk]
-    batch: StepBatch
+    batch: StepBatch  # kept until the step is finished (the sanitizer tests inspect what is in flight)
     logits: torch.Tensor  # [R, V] fp32, read back only by verify rows and forks (never overlapped)
     tokens: torch.Tensor  # [R] int64 on the device: the next decode step reads pending tokens here
     host: dict[str, torch.Tensor]  # tokens (and logprobs, NaN flags) on their way to the host
@@ -617,8 +617,7 @@ class Engine:
             if c.samples:
                 seq.pending += 1  # 2 for a moment: until the step before this one is finished
                 seq.pending_row = c.logits_row
-                if seq.index == 0 and len(self.requests[seq.request_id].seqs) > 1 \
-                        and not self.requests[seq.request_id].forked:
+                if self._forks_from(seq):
                     overlappable = False  # the fork copies this state before anything else runs on it
         done = None
         if logits.is_cuda:
@@ -664,7 +663,7 @@ class Engine:
                 continue  # it stopped (or was aborted) while this step ran: the token is dropped
             token = tokens[c.logits_row]
             req = self.requests[seq.request_id]
-            if seq.index == 0 and len(req.seqs) > 1 and not req.forked:
+            if self._forks_from(seq):
                 self._fork(req, step.logits[c.logits_row], token)  # before branch 0 may finish and free its slot
             logprobs = None
             if seq.logprobs is not None:
@@ -717,6 +716,11 @@ class Engine:
         return row + k + 1
 
     # ------------------------------------------------------------------ forking (n > 1)
+    def _forks_from(self, seq: Sequence) -> bool:
+        """Whether the other branches of seq's request fork from it once its prompt is prefilled."""
+        req = self.requests[seq.request_id]
+        return seq.index == 0 and len(req.seqs) > 1 and not req.forked
+
     def _fork(self, req: Request, seq_logits: torch.Tensor, greedy_token: int) -> None:
         """Branch 0 has just prefilled the prompt: give every other branch a copy of its Mamba state
         and share its full prompt pages (the partial last page, which the branches write
