@@ -40,3 +40,14 @@ def test_python_dash_m():
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Blessed")
+
+
+def test_async_scheduling_flag():
+    import argparse
+
+    from hybrid.cli import _add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    _add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["--device", "cpu"]))["async_scheduling"] is None  # LLM's default
+    assert engine_kwargs(p.parse_args(["--device", "cpu", "--no-async-scheduling"]))["async_scheduling"] is False
