@@ -24,8 +24,8 @@ from attention.kv_cache import DUMMY_PAGE, PagedKVCache
 from hybrid.batch import StepBatch, to_device
 from hybrid.errors import InvalidRequestError, StateCorruptionError
 from hybrid.outputs import CompletionOutput, RequestOutput
-from hybrid.sampling import (SamplingParams, logprob_dict, logprob_rows, sample_row, sample_tokens,
-                             top_logprobs)
+from hybrid.sampling import (SamplingParams, logprob_dict, logprob_rows, process_logits, sample_row,
+                             sample_tokens, top_logprobs)
 from hybrid.spec_decode import NgramProposer, SpeculativeConfig
 from state_pool.pool import PAD_SLOT_ID, MambaStatePool
 from state_pool.sanitizer import RowOwner, check_batch
@@ -244,6 +244,10 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams")
         params.validate()
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"invalid sampling parameter logit_bias={{{bad[0]}: {params.logit_bias[bad[0]]}}}: "
+                                      f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         prompt_token_ids = list(prompt_token_ids)
         self.validate_prompt(prompt_token_ids)
         arrival = next(self._arrivals)
@@ -599,8 +603,8 @@ class Engine:
                 if c.seq.params.logprobs is not None:
                     lp_rows.append(c.logits_row)
                     lp_ks.append(c.seq.params.logprobs)
-        tokens = sample_tokens(logits, row_params, row_generators)
-        device_out = {"tokens": tokens}
+        tokens = sample_tokens(self._processed(logits, chunks), row_params, row_generators)
+        device_out = {"tokens": tokens}  # logprobs below: of the model's own distribution (raw logits)
         if lp_rows:
             index = to_device(lp_rows, torch.long, logits.device)
             device_out["lp_token"], device_out["lp_values"], device_out["lp_ids"] = \
@@ -629,6 +633,30 @@ class Engine:
         else:
             host = device_out
         return LaunchedStep(self._launched, chunks, batch, logits, tokens, host, done, overlappable)
+
+    def _processed(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The logits to sample from: min_tokens, logit bias and penalties applied on the rows whose
+        requests ask for them (the logits themselves when none does)."""
+        proc = [c for c in chunks if c.samples and not c.draft and c.seq.params.processes_logits]
+        if not proc:
+            return logits
+        seqs = [c.seq for c in proc]
+        pending = None
+        if any(s.pending for s in seqs):  # the token sampled by the step in flight is part of the history
+            at = [j for j, s in enumerate(seqs) if s.pending]
+            src = to_device([seqs[j].pending_row for j in at], torch.long, logits.device)
+            pending = (at, self._in_flight.tokens[src])
+        return process_logits(
+            logits, [c.logits_row for c in proc], [s.params for s in seqs],
+            [len(s.output_token_ids) + s.pending for s in seqs],
+            [(s.prompt_token_ids, s.output_token_ids) for s in seqs], [self._banned(s) for s in seqs], pending)
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        """Tokens that would end the output: masked while fewer than min_tokens are generated."""
+        ids = set(seq.params.stop_token_ids or ())
+        if not seq.params.ignore_eos:
+            ids |= self.eos_token_ids
+        return sorted(i for i in ids if 0 <= i < self.vocab_size)
 
     def _finish_step(self, step: LaunchedStep) -> dict[str, Request]:
         """Wait for a launched step's tokens and apply them: emit, check stops, fork, accept drafts.
@@ -678,7 +706,14 @@ class Engine:
     def _emit(self, seq: Sequence, seq_logits: torch.Tensor, greedy_token: int) -> int:
         """Sample one token from a logits row with the sequence's own generator and append it
         (`greedy_token` is the row's argmax, already on the host). For verify rows and forks."""
-        token = greedy_token if seq.params.greedy else sample_row(seq_logits, seq.params, seq.generator)
+        p = seq.params
+        if p.processes_logits:
+            seq_logits_p = process_logits(seq_logits[None], [0], [p], [len(seq.output_token_ids)],
+                                          [(seq.prompt_token_ids, seq.output_token_ids)], [self._banned(seq)])[0]
+            greedy_token = int(seq_logits_p.argmax())
+        else:
+            seq_logits_p = seq_logits
+        token = greedy_token if p.greedy else sample_row(seq_logits_p, p, seq.generator)
         logprobs = top_logprobs(seq_logits, token, seq.params.logprobs) if seq.logprobs is not None else None
         self._append_token(seq, token, logprobs)
         return token

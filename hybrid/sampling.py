@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybrid.batch import to_device
@@ -26,6 +27,12 @@ class SamplingParams:
     stop: list[str] | str | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities returned per generated token
+    min_p: float = 0.0  # drop tokens whose probability is below min_p times the top one's
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # ... times the number of times it was generated
+    repetition_penalty: float = 1.0  # logits of tokens in the prompt or output: / if > 0, * if < 0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         self.validate()
@@ -51,6 +58,25 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer >= 0")
         if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of integers")
+        if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "must be in [0, 1]")
+        if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
+            raise bad("min_tokens", "must be an integer in [0, max_tokens]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not (-2.0 <= v <= 2.0):
+                raise bad(name, "must be in [-2, 2]")
+        if not isinstance(self.repetition_penalty, (int, float)) or not (0.0 < self.repetition_penalty < float("inf")):
+            raise bad("repetition_penalty", "must be a finite number > 0")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must map token ids to numbers")
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise bad("logit_bias", "must map token ids to numbers") from None
+            if any(not (-100.0 <= v <= 100.0) for v in self.logit_bias.values()):
+                raise bad("logit_bias", "values must be in [-100, 100]")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
@@ -59,6 +85,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before sampling (greedy rows too): bias, min_tokens, penalties."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalised
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -98,6 +133,11 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams | None],
         drop_sorted &= (limit < 1.0)[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
+    min_p = [params[i].min_p for i in rows]
+    if any(p > 0.0 for p in min_p):
+        probs = torch.softmax(scaled, dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * to_device(min_p, probs.dtype, dev)[:, None]
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one RNG draw per vocab entry
     noise = torch.empty_like(probs)
@@ -105,6 +145,63 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams | None],
         noise[j].exponential_(1.0, generator=generators[i])
     tokens[index] = torch.argmax(probs / noise, dim=-1)
     return tokens
+
+
+def process_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generated: list[int],
+                   histories: list[tuple[list[int], list[int]]], banned: list[list[int]],
+                   pending: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+    """A copy of `logits` [R, V] with, on each listed row (params[j] for logits row rows[j]): the
+    tokens of banned[j] (EOS and stop ids) masked while fewer than min_tokens are generated
+    (generated[j] counts them), the logit bias added, then the repetition, frequency and presence
+    penalties over histories[j] = (prompt ids, output ids). `pending` = (positions j, the tokens on
+    the device) adds to a row's output a token sampled by the step still in flight (async
+    scheduling), so nothing waits for it on the host."""
+    out = logits.clone()
+    dev = logits.device
+    ban_r, ban_t, bias_r, bias_t, bias_v = [], [], [], [], []
+    for j, (r, p) in enumerate(zip(rows, params)):
+        if generated[j] < p.min_tokens:
+            ban_r += [r] * len(banned[j])
+            ban_t += banned[j]
+        if p.logit_bias:
+            bias_r += [r] * len(p.logit_bias)
+            bias_t += list(p.logit_bias)
+            bias_v += list(p.logit_bias.values())
+    if ban_r:
+        out[to_device(ban_r, torch.long, dev), to_device(ban_t, torch.long, dev)] = float("-inf")
+    if bias_r:
+        out.index_put_((to_device(bias_r, torch.long, dev), to_device(bias_t, torch.long, dev)),
+                       to_device(bias_v, out.dtype, dev), accumulate=True)
+    pen = [j for j, p in enumerate(params) if p.penalised]
+    if not pen:
+        return out
+    n, vocab = len(pen), logits.shape[-1]
+    counts = torch.zeros(n, vocab, dtype=out.dtype, device=dev)  # output-token counts per penalised row
+    prompt_seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    out_r = np.repeat(np.arange(n), [len(histories[j][1]) for j in pen])
+    out_t = np.fromiter((t for j in pen for t in histories[j][1]), dtype=np.int64, count=len(out_r))
+    if len(out_r):
+        counts.index_put_((to_device(out_r, torch.long, dev), to_device(out_t, torch.long, dev)),
+                          torch.ones(len(out_r), dtype=out.dtype, device=dev), accumulate=True)
+    if pending is not None:
+        at = {j: k for k, j in enumerate(pending[0])}
+        has = [(i, at[j]) for i, j in enumerate(pen) if j in at]
+        if has:
+            dst, src = zip(*has)
+            counts.index_put_((to_device(list(dst), torch.long, dev), pending[1][to_device(list(src), torch.long, dev)]),
+                              torch.ones(len(dst), dtype=out.dtype, device=dev), accumulate=True)
+    pr_r = np.repeat(np.arange(n), [len(histories[j][0]) for j in pen])
+    pr_t = np.fromiter((t for j in pen for t in histories[j][0]), dtype=np.int64, count=len(pr_r))
+    prompt_seen[to_device(pr_r, torch.long, dev), to_device(pr_t, torch.long, dev)] = True
+    index = to_device([rows[j] for j in pen], torch.long, dev)
+    sub = out[index]
+    rep_p = to_device([params[j].repetition_penalty for j in pen], out.dtype, dev)[:, None]
+    seen = prompt_seen | (counts > 0)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep_p, sub * rep_p), sub)
+    freq = to_device([params[j].frequency_penalty for j in pen], out.dtype, dev)[:, None]
+    pres = to_device([params[j].presence_penalty for j in pen], out.dtype, dev)[:, None]
+    out[index] = sub - freq * counts - pres * (counts > 0).to(out.dtype)
+    return out
 
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

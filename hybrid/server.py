@@ -125,11 +125,16 @@ def _sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> Sa
                                        or not all(isinstance(t, int) and not isinstance(t, bool)
                                                   for t in stop_token_ids)):
         raise _bad("stop_token_ids", "expected a list of integers")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _num(body, name, 0.0) != 0.0:
-            raise _bad(name, "is not supported (only 0 is accepted)")
-    if body.get("logit_bias"):
-        raise _bad("logit_bias", "is not supported")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None:  # OpenAI spells the token ids as strings
+        if not isinstance(logit_bias, dict):
+            raise _bad("logit_bias", "expected an object mapping token ids to numbers")
+        try:
+            logit_bias = {int(k): v for k, v in logit_bias.items()}
+        except ValueError:
+            raise _bad("logit_bias", "keys must be token ids") from None
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logit_bias.values()):
+            raise _bad("logit_bias", "values must be numbers")
     try:
         return SamplingParams(
             n=_int(body, "n", 1, lo=1, hi=128),
@@ -142,6 +147,12 @@ def _sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> Sa
             stop_token_ids=stop_token_ids,
             ignore_eos=_bool(body, "ignore_eos", False),
             logprobs=logprobs,
+            presence_penalty=_num(body, "presence_penalty", 0.0),
+            frequency_penalty=_num(body, "frequency_penalty", 0.0),
+            repetition_penalty=_num(body, "repetition_penalty", 1.0),
+            min_p=_num(body, "min_p", 0.0),
+            min_tokens=_int(body, "min_tokens", 0, lo=0),
+            logit_bias=logit_bias or None,
         )
     except InvalidRequestError as e:
         raise _from_invalid(e) from None

@@ -160,6 +160,21 @@ def test_sampling_fields_and_logprobs(client):
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
 
 
+def test_logit_bias_and_penalties(client):
+    """OpenAI's logit_bias (token ids as strings) and penalties, plus min_p / min_tokens /
+    repetition_penalty through extra_body."""
+    forced = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0,
+                                       logit_bias={"7": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text and forced.usage.completion_tokens == 4
+    ids = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, logprobs=1,
+                                    logit_bias={"7": 100}, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(set(ids.tokens)) == 1  # the same (biased) token every step
+    pen = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0.7, seed=2,
+                                    presence_penalty=1.0, frequency_penalty=0.5,
+                                    extra_body={"min_p": 0.05, "min_tokens": 3, "repetition_penalty": 1.3})
+    assert pen.usage.completion_tokens >= 3
+
+
 BAD_COMPLETIONS = [
     ({"model": "no-such-model", "prompt": "a"}, "model"),
     ({"model": MODEL, "prompt": "a" * (MAX_MODEL_LEN + 10)}, "prompt"),
@@ -175,6 +190,11 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": [100000]}, "prompt"),
     ({"model": MODEL}, "prompt"),
+    ({"model": MODEL, "prompt": "a", "presence_penalty": 5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 500}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"100000": 5}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "min_p": 2}, "min_p"),
 ]
 
 
