@@ -84,7 +84,7 @@ def _profile_batch(num_tokens: int, num_decodes: int, page_size: int, device) ->
 def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: float, max_num_seqs: int,
                 max_model_len: int, max_num_batched_tokens: int, page_size: int, kv_dtype: torch.dtype,
                 conv_dtype: torch.dtype, ssm_dtype: torch.dtype, attention_backend, num_kv_pages: int | None,
-                use_graphs: bool) -> MemoryPlan:
+                use_graphs: bool, extra_state_slots: int = 0) -> MemoryPlan:
     from hybrid.model import ForwardContext
 
     if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -126,7 +126,8 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
     in_use = total - free
     reserve = GRAPH_RESERVE_BYTES if use_graphs else 0
     budget = int(total * gpu_memory_utilization) - in_use - activation - reserve
-    state_bytes = (max_num_seqs + 1) * slot_bytes
+    # one slot per sequence, the extra ones (cached prefixes) and the scratch row
+    state_bytes = (max_num_seqs + extra_state_slots + 1) * slot_bytes
     min_kv = (pages_per_seq + 1) * page_bytes
     if budget < state_bytes + min_kv:
         fit = max(0, (budget - min_kv) // slot_bytes - 1) if slot_bytes else 0
@@ -145,6 +146,6 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
         raise CapacityError(
             f"num_kv_pages={num_kv_pages} needs {num_kv_pages * page_bytes / GiB:.2f} GiB but only "
             f"{kv_budget / GiB:.2f} GiB are left after {max_num_seqs} Mamba slots")
-    return MemoryPlan(num_slots=max_num_seqs, num_kv_pages=int(num_kv_pages), budget_bytes=int(budget),
+    return MemoryPlan(num_slots=max_num_seqs + extra_state_slots, num_kv_pages=int(num_kv_pages), budget_bytes=int(budget),
                       slot_bytes=slot_bytes, page_bytes=page_bytes, activation_bytes=int(activation),
                       weight_bytes=weight_bytes, max_tokens=(int(num_kv_pages) - 1) * page_size)

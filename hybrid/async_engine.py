@@ -107,7 +107,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.dead: BaseException | None = None
         # A snapshot of the engine's state, published by the worker after each step.
-        self.snapshot = {"running": 0, "waiting": 0, "slots_used": 0, "pages_used": 0}
+        self.snapshot = {"running": 0, "waiting": 0, "slots_used": 0, "pages_used": 0, "prefix_cache_hit_tokens": 0}
         self._slots_total = engine.state_pool.num_free
         self._pages_total = engine.kv_cache.allocator.num_free
 
@@ -223,6 +223,7 @@ class AsyncEngine:
             "waiting": len(e.waiting),
             "slots_used": self._slots_total - e.state_pool.num_free,
             "pages_used": self._pages_total - e.kv_cache.allocator.num_free,
+            "prefix_cache_hit_tokens": e.stats["prefix_cache_hit_tokens"],
         }
 
     # ------------------------------------------------------------------ API (event loop side)

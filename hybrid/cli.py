@@ -15,6 +15,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV and Mamba state of prompt prefixes seen before")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step before scheduling the next (default on CUDA: overlap them)")
 
@@ -27,7 +29,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, device=device, dtype=dtype, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                 page_size=args.page_size, seed=args.seed, enforce_eager=args.enforce_eager,
-                async_scheduling=False if args.no_async_scheduling else None)
+                async_scheduling=False if args.no_async_scheduling else None,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from attention.kv_cache import DUMMY_PAGE, PagedKVCache
 from hybrid.batch import StepBatch, to_device
 from hybrid.errors import InvalidRequestError, StateCorruptionError
 from hybrid.outputs import CompletionOutput, RequestOutput
+from hybrid.prefix_cache import PrefixCache
 from hybrid.sampling import (SamplingParams, logprob_dict, logprob_rows, process_logits, sample_row,
                              sample_tokens, top_logprobs)
 from hybrid.spec_decode import NgramProposer, SpeculativeConfig
@@ -66,6 +67,7 @@ class Sequence:
     # the tokens those steps consumed.
     pending: int = 0
     pending_row: int = -1
+    cache_at: int = 0  # prefix caching: the prefill's chunk ends here and the prefix is cached (0: none)
 
     @property
     def tokens(self) -> list[int]:
@@ -180,6 +182,7 @@ class Engine:
         check_state: bool = False,
         speculative_config: dict | SpeculativeConfig | None = None,
         async_scheduling: bool = False,
+        prefix_cache_entries: int = 0,
     ) -> None:
         self.runner = runner
         self.state_pool = state_pool
@@ -199,7 +202,8 @@ class Engine:
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
         self.stats = {"steps": 0, "preemptions": 0, "generated_tokens": 0, "prompt_tokens": 0,
-                      "forks": 0, "overlapped_steps": 0, "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+                      "forks": 0, "overlapped_steps": 0,
+                      "prefix_cache_hits": 0, "prefix_cache_hit_tokens": 0, "prefix_cache_evictions": 0, "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         # State sanitizer: poison freed slots, check every batch against live slots/pages.
         self.check_state = bool(check_state)
         state_pool.poison_freed = self.check_state
@@ -216,6 +220,8 @@ class Engine:
         self._launched = 0  # steps launched so far
         self._synced = 0  # steps whose device work is known to be complete
         self._deferred: list[tuple[int, int | None, list[int]]] = []  # (fence step, slot, pages) to free
+        # Prefix caching (hybrid/prefix_cache.py): its entries hold state-pool slots beyond max_num_seqs
+        self.prefix_cache = PrefixCache(self.page_size, prefix_cache_entries) if prefix_cache_entries else None
 
     def spec_acceptance_rate(self) -> float | None:
         """Accepted / proposed draft tokens so far (None before any draft was verified)."""
@@ -348,6 +354,8 @@ class Engine:
         if need <= 0:
             return True
         pages = self.kv_cache.allocator.allocate(need)
+        while pages is None and self._evict_cached_prefix():
+            pages = self.kv_cache.allocator.allocate(need)
         if pages is None:
             return False
         seq.pages.extend(pages)
@@ -418,6 +426,8 @@ class Engine:
             if seq.pending:
                 break  # preempted with a token still in flight: readmit it once that token is known
             slot = self.state_pool.allocate()
+            if slot is None and self._evict_cached_prefix():
+                slot = self.state_pool.allocate()
             if slot is None:
                 break
             seq.slot = slot
@@ -426,10 +436,12 @@ class Engine:
             # the rebuilt state is bit-identical (the scan clamps dt and rounds differently).
             seq.prefill_len = len(seq.prompt_token_ids)
             seq.num_computed = 0
+            if self.prefix_cache is not None:
+                self._reuse_cached_prefix(seq)
             chunk = self._fit_chunk(seq, budget)
-            if not chunk:
-                self.state_pool.free(slot)
-                seq.slot = None
+            if not chunk:  # nothing launched has used them yet: back at once
+                self._free(seq.slot, seq.pages)
+                seq.slot, seq.pages, seq.num_computed = None, [], 0
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -460,6 +472,8 @@ class Engine:
         """Largest chunk (<= budget, ending at or before token `upto`, default the prefill length)
         whose pages can be allocated now."""
         chunk = min((seq.prefill_len if upto is None else upto) - seq.num_computed, budget)
+        if seq.cache_at > seq.num_computed:  # end a chunk at the caching point: the state there is kept
+            chunk = min(chunk, seq.cache_at - seq.num_computed)
         while chunk > 0 and not self._grow_pages(seq, seq.num_computed + chunk):
             free_tokens = (len(seq.pages) + self.kv_cache.allocator.num_free) * self.page_size - seq.num_computed
             chunk = min(chunk - 1, max(free_tokens, 0))
@@ -590,6 +604,10 @@ class Engine:
             if padded is not None:
                 self.check_batch(padded, chunks)
         logits = self.runner.execute(batch)
+        if self.prefix_cache is not None:
+            for c in chunks:
+                if c.seq.cache_at and not c.is_decode and c.seq.num_computed + c.num_tokens == c.seq.cache_at:
+                    self._cache_prefix(c.seq)  # queued right behind the forward that computed it
         self._launched += 1
         self.stats["steps"] += 1
         num_rows = logits.shape[0]
@@ -750,6 +768,51 @@ class Engine:
             self.state_pool.commit_spec(seq.slot, c.scratch_index, emitted - 1)
         return row + k + 1
 
+    # ------------------------------------------------------------------ prefix caching
+    def _reuse_cached_prefix(self, seq: Sequence) -> None:
+        """On admission: start from the longest cached prefix of the prompt (its Mamba state copied
+        into the sequence's slot, its KV pages shared), and pick where this prompt's prefix is cached."""
+        cache = self.prefix_cache
+        entry = cache.lookup(seq.prompt_token_ids)
+        if entry is not None:
+            self.state_pool.copy_slot(entry.slot, seq.slot)
+            self.kv_cache.allocator.share(entry.pages)
+            seq.pages = list(entry.pages)
+            seq.num_computed = len(entry.tokens)
+            self.stats["prefix_cache_hits"] += 1
+            self.stats["prefix_cache_hit_tokens"] += len(entry.tokens)
+        point = cache.caching_point(seq.prompt_token_ids)
+        seq.cache_at = point if point > seq.num_computed else 0
+
+    def _cache_prefix(self, seq: Sequence) -> None:
+        """The sequence's prefill has just been queued up to seq.cache_at: keep that prefix (a copy of
+        the slot, queued behind the forward, and one more reference to its pages)."""
+        tokens = seq.prompt_token_ids[:seq.cache_at]
+        seq.cache_at = 0
+        cache = self.prefix_cache
+        if cache.contains(tokens):
+            return
+        if cache.is_full:
+            self._evict_cached_prefix()
+        slot = self.state_pool.allocate()
+        if slot is None:
+            return  # every slot runs a sequence: not cached
+        self.state_pool.copy_slot(seq.slot, slot)
+        pages = seq.pages[:len(tokens) // self.page_size]
+        self.kv_cache.allocator.share(pages)
+        cache.insert(tokens, slot, pages)
+
+    def _evict_cached_prefix(self) -> bool:
+        """Drop the least recently used cached prefix (False: none). Freed at once even with steps in
+        flight: its slot and pages were only read by copies and shares queued before this point, and
+        whoever gets them next queues its work after."""
+        entry = self.prefix_cache.pop_lru() if self.prefix_cache is not None else None
+        if entry is None:
+            return False
+        self._free(entry.slot, entry.pages)
+        self.stats["prefix_cache_evictions"] += 1
+        return True
+
     # ------------------------------------------------------------------ forking (n > 1)
     def _forks_from(self, seq: Sequence) -> bool:
         """Whether the other branches of seq's request fork from it once its prompt is prefilled."""
@@ -773,6 +836,8 @@ class Engine:
                 self.waiting.append(child)
 
     def _fork_into(self, parent: Sequence, child: Sequence) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False  # (the state pool may hold more slots: those of cached prefixes)
         alloc = self.kv_cache.allocator
         n = parent.num_computed
         full = n // self.page_size

@@ -57,6 +57,8 @@ class LLM:
         mamba_decode_kernels: str = "triton",  # CUDA: our Triton decode/prefill-conv kernels, or "library"
         fused_ops: bool | None = None,  # Triton norms (+ residual add), gated norm, relu2/SwiGLU; None: on for CUDA
         async_scheduling: bool | None = None,  # schedule step N+1 while step N runs; None: on for CUDA
+        enable_prefix_caching: bool = False,  # prompts that start like an earlier one skip that prefill
+        prefix_cache_entries: int | None = None,  # cached prefixes (each a Mamba slot); None: max_num_seqs
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR
         self.device = torch.device(device)
@@ -66,6 +68,10 @@ class LLM:
         ssm_dtype = _dtype(mamba_ssm_dtype, "mamba_ssm_dtype")
         if max_num_seqs < 1 or page_size < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs, page_size and max_num_batched_tokens must be >= 1")
+        cache_entries = (max_num_seqs if prefix_cache_entries is None else prefix_cache_entries) \
+            if enable_prefix_caching else 0
+        if enable_prefix_caching and cache_entries < 1:
+            raise ValueError("prefix_cache_entries must be >= 1 with enable_prefix_caching")
         self.config = cfg = load_config(self.model_dir)
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
 
@@ -98,10 +104,11 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, kv_dtype=self.dtype,
                 conv_dtype=self.dtype, ssm_dtype=ssm_dtype, attention_backend=backend, num_kv_pages=num_kv_pages,
-                use_graphs=not enforce_eager)
+                use_graphs=not enforce_eager, extra_state_slots=cache_entries)
             num_kv_pages = self.memory_plan.num_kv_pages
             logger.info(self.memory_plan.summary(max_num_seqs, self.max_model_len, page_size))
-        self.state_pool = MambaStatePool(shapes, max_num_seqs, self.device, conv_dtype=self.dtype, ssm_dtype=ssm_dtype)
+        self.state_pool = MambaStatePool(shapes, max_num_seqs + cache_entries, self.device, conv_dtype=self.dtype,
+                                         ssm_dtype=ssm_dtype)
         pages_per_seq = -(-self.max_model_len // page_size)
         if num_kv_pages is None:
             num_kv_pages = max_num_seqs * pages_per_seq + 1
@@ -127,6 +134,7 @@ class LLM:
             speculative_config=speculative_config,
             # on CPU every op runs synchronously anyway: nothing to overlap
             async_scheduling=self.device.type == "cuda" if async_scheduling is None else async_scheduling,
+            prefix_cache_entries=cache_entries,
         )
         self._ids = itertools.count()
 

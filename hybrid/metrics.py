@@ -28,6 +28,8 @@ class ServerMetrics:
         self.slots_total = gauge("hybrid_state_slots_total", "Mamba state slots.")
         self.pages_used = gauge("hybrid_kv_pages_in_use", "KV cache pages in use.")
         self.pages_total = gauge("hybrid_kv_pages_total", "KV cache pages (without the reserved dummy page).")
+        self.prefix_hit_tokens = gauge("hybrid_prefix_cache_hit_tokens",
+                                       "Prompt tokens taken from the prefix cache instead of prefilled (total).")
         self.gen_tokens = Counter("hybrid_generation_tokens", "Generated tokens.", names, registry=r).labels(**labels)
         self.prompt_tokens = Counter("hybrid_prompt_tokens", "Prompt tokens of finished requests.", names,
                                      registry=r).labels(**labels)
@@ -51,6 +53,7 @@ class ServerMetrics:
         self.waiting.set_function(snap("waiting"))
         self.slots_used.set_function(snap("slots_used"))
         self.pages_used.set_function(snap("pages_used"))
+        self.prefix_hit_tokens.set_function(snap("prefix_cache_hit_tokens"))
         self.inflight.set_function(lambda: async_engine.num_inflight)
         self.slots_total.set(async_engine._slots_total)
         self.pages_total.set(async_engine._pages_total)

@@ -1,0 +1,92 @@
+"""Prefix caching for hybrid models: prompts that start like an earlier prompt skip that part of
+the prefill.
+
+An attention layer can resume from any prefix whose KV is kept, but a Mamba layer needs its state
+*after* the prefix, and the state pool holds only the state after the last computed token. So a
+prefix is cached as a pair: the KV pages of its tokens (shared by refcount, as forks share them)
+and a copy of every Mamba layer's conv and SSM state taken right after its last token, in a
+state-pool slot that the cache owns. Prefixes end on page boundaries (no partially filled page is
+ever shared), and the engine makes a prompt's prefill chunk end at its caching point so that the
+state there exists.
+
+Entries are keyed by a hash chained over the prefix's pages (vLLM-style block hashes), verified
+against the stored tokens on a hit, and evicted least recently used when their slots or pages are
+needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CachedPrefix:
+    tokens: tuple[int, ...]  # the prefix (a multiple of the page size long)
+    slot: int  # state-pool slot: every Mamba layer's state after the prefix
+    pages: list[int]  # KV pages of the prefix; the cache holds one reference to each
+    last_used: int
+
+
+class PrefixCache:
+    def __init__(self, page_size: int, max_entries: int) -> None:
+        if max_entries < 1:
+            raise ValueError("the prefix cache needs at least one entry")
+        self.page_size = page_size
+        self.max_entries = max_entries
+        self.entries: dict[int, CachedPrefix] = {}  # chained hash of the prefix -> entry
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def page_hashes(self, tokens: list[int], num_pages: int) -> list[int]:
+        """Hash of tokens[: (i + 1) * page_size] for i < num_pages, each chained on the previous one."""
+        ps, h, out = self.page_size, 0, []
+        for i in range(num_pages):
+            h = hash((h, tuple(tokens[i * ps:(i + 1) * ps])))
+            out.append(h)
+        return out
+
+    def caching_point(self, prompt: list[int]) -> int:
+        """Where a prompt's prefix is cached: the last page boundary before its last token (that token
+        is always computed, for its logits). 0: too short to cache."""
+        return (len(prompt) - 1) // self.page_size * self.page_size
+
+    def lookup(self, prompt: list[int]) -> CachedPrefix | None:
+        """The longest cached prefix of `prompt` that leaves at least its last token to compute."""
+        n = self.caching_point(prompt) // self.page_size
+        for i, h in reversed(list(enumerate(self.page_hashes(prompt, n)))):
+            entry = self.entries.get(h)
+            if entry is not None and entry.tokens == tuple(prompt[:(i + 1) * self.page_size]):
+                self._clock += 1
+                entry.last_used = self._clock
+                return entry
+        return None
+
+    def contains(self, tokens: list[int]) -> bool:
+        n = len(tokens) // self.page_size
+        if n == 0:
+            return False
+        entry = self.entries.get(self.page_hashes(tokens, n)[-1])
+        return entry is not None and entry.tokens == tuple(tokens[:n * self.page_size])
+
+    def insert(self, tokens: list[int], slot: int, pages: list[int]) -> None:
+        """Cache `tokens` (a whole number of pages): the caller gives the entry its slot and one
+        reference to each page, and has made room (is_full / pop_lru) beforehand."""
+        if len(tokens) % self.page_size or len(pages) != len(tokens) // self.page_size:
+            raise ValueError("a cached prefix covers whole pages")
+        if len(self.entries) >= self.max_entries:
+            raise RuntimeError("prefix cache full: pop an entry first")
+        self._clock += 1
+        key = self.page_hashes(tokens, len(pages))[-1]
+        self.entries[key] = CachedPrefix(tuple(tokens), slot, list(pages), self._clock)
+
+    @property
+    def is_full(self) -> bool:
+        return len(self.entries) >= self.max_entries
+
+    def pop_lru(self) -> CachedPrefix | None:
+        """Remove and return the least recently used entry (its slot and pages go back to the caller)."""
+        if not self.entries:
+            return None
+        key = min(self.entries, key=lambda k: self.entries[k].last_used)
+        return self.entries.pop(key)
