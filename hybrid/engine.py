@@ -67,7 +67,7 @@ class Sequence:
     # the tokens those steps consumed.
     pending: int = 0
     pending_row: int = -1
-    cache_at: int = 0  # prefix caching: the prefill's chunk ends here and the prefix is cached (0: none)
+    cache_at: int = 0  # prefix caching: a prefill chunk ends here and the prefix is cached (0: no more)
 
     @property
     def tokens(self) -> list[int]:
@@ -183,6 +183,7 @@ class Engine:
         speculative_config: dict | SpeculativeConfig | None = None,
         async_scheduling: bool = False,
         prefix_cache_entries: int = 0,
+        prefix_cache_interval: int = 0,
     ) -> None:
         self.runner = runner
         self.state_pool = state_pool
@@ -221,7 +222,8 @@ class Engine:
         self._synced = 0  # steps whose device work is known to be complete
         self._deferred: list[tuple[int, int | None, list[int]]] = []  # (fence step, slot, pages) to free
         # Prefix caching (hybrid/prefix_cache.py): its entries hold state-pool slots beyond max_num_seqs
-        self.prefix_cache = PrefixCache(self.page_size, prefix_cache_entries) if prefix_cache_entries else None
+        self.prefix_cache = (PrefixCache(self.page_size, prefix_cache_entries, prefix_cache_interval)
+                             if prefix_cache_entries else None)
 
     def spec_acceptance_rate(self) -> float | None:
         """Accepted / proposed draft tokens so far (None before any draft was verified)."""
@@ -781,15 +783,14 @@ class Engine:
             seq.num_computed = len(entry.tokens)
             self.stats["prefix_cache_hits"] += 1
             self.stats["prefix_cache_hit_tokens"] += len(entry.tokens)
-        point = cache.caching_point(seq.prompt_token_ids)
-        seq.cache_at = point if point > seq.num_computed else 0
+        seq.cache_at = cache.next_point(seq.prompt_token_ids, seq.num_computed)
 
     def _cache_prefix(self, seq: Sequence) -> None:
         """The sequence's prefill has just been queued up to seq.cache_at: keep that prefix (a copy of
         the slot, queued behind the forward, and one more reference to its pages)."""
         tokens = seq.prompt_token_ids[:seq.cache_at]
-        seq.cache_at = 0
         cache = self.prefix_cache
+        seq.cache_at = cache.next_point(seq.prompt_token_ids, seq.cache_at)
         if cache.contains(tokens):
             return
         if cache.is_full:

@@ -59,6 +59,7 @@ class LLM:
         async_scheduling: bool | None = None,  # schedule step N+1 while step N runs; None: on for CUDA
         enable_prefix_caching: bool = False,  # prompts that start like an earlier one skip that prefill
         prefix_cache_entries: int | None = None,  # cached prefixes (each a Mamba slot); None: max_num_seqs
+        prefix_cache_interval: int = 512,  # also cache every this many prompt tokens (0: each prompt's end only)
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR
         self.device = torch.device(device)
@@ -134,7 +135,7 @@ class LLM:
             speculative_config=speculative_config,
             # on CPU every op runs synchronously anyway: nothing to overlap
             async_scheduling=self.device.type == "cuda" if async_scheduling is None else async_scheduling,
-            prefix_cache_entries=cache_entries,
+            prefix_cache_entries=cache_entries, prefix_cache_interval=prefix_cache_interval,
         )
         self._ids = itertools.count()
 

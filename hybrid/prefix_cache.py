@@ -27,11 +27,16 @@ class CachedPrefix:
 
 
 class PrefixCache:
-    def __init__(self, page_size: int, max_entries: int) -> None:
+    def __init__(self, page_size: int, max_entries: int, interval: int = 0) -> None:
         if max_entries < 1:
             raise ValueError("the prefix cache needs at least one entry")
+        if interval < 0:
+            raise ValueError("the prefix cache interval must be >= 0 (0: only the end of each prompt)")
         self.page_size = page_size
         self.max_entries = max_entries
+        # Besides its end, a prompt is cached every `interval` tokens (rounded up to whole pages), so
+        # that prompts which share only a beginning (a system prompt) find it. 0: the end only.
+        self.interval = -(-interval // page_size) * page_size if interval else 0
         self.entries: dict[int, CachedPrefix] = {}  # chained hash of the prefix -> entry
         self._clock = 0
 
@@ -50,6 +55,16 @@ class PrefixCache:
         """Where a prompt's prefix is cached: the last page boundary before its last token (that token
         is always computed, for its logits). 0: too short to cache."""
         return (len(prompt) - 1) // self.page_size * self.page_size
+
+    def next_point(self, prompt: list[int], after: int) -> int:
+        """The first caching point of `prompt` beyond `after` tokens (0: none): every `interval`
+        tokens, and the caching point at its end."""
+        end = self.caching_point(prompt)
+        if self.interval:
+            step = (after // self.interval + 1) * self.interval
+            if step < end:
+                return step
+        return end if end > after else 0
 
     def lookup(self, prompt: list[int]) -> CachedPrefix | None:
         """The longest cached prefix of `prompt` that leaves at least its last token to compute."""

@@ -87,3 +87,18 @@ def test_off_by_default_and_bad_size(tiny_ckpt, make_llm):
     assert llm.engine.prefix_cache is None and llm.state_pool.num_slots == 8
     with pytest.raises(ValueError, match="prefix_cache_entries"):
         make_llm(tiny_ckpt("granite_dense"), enable_prefix_caching=True, prefix_cache_entries=0)
+
+
+@pytest.mark.parametrize("interval, hit", [(8, 16), (0, 0)])
+def test_prompts_sharing_only_a_system_prompt(interval, hit, tiny_ckpt, make_llm):
+    """Cached every `interval` tokens along a prompt, a shared beginning is found by a prompt that
+    differs after it; cached at the end only (interval 0), it is not."""
+    path = tiny_ckpt("bamba")
+    system = [9, 8, 7, 6, 5, 4, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]  # 20 tokens
+    a, b = system + [60, 61, 62, 63, 64, 65, 66], system + [70, 71, 72, 73, 74]
+    llm = make_llm(path, page_size=4, enable_prefix_caching=True, prefix_cache_interval=interval, check_state=True)
+    _tokens(llm, [a])
+    got = _tokens(llm, [b])[0]
+    assert llm.engine.stats["prefix_cache_hit_tokens"] == hit
+    assert got == hf_oracle.oracle_run(path, b, GREEDY.max_tokens).tokens
+    assert len(llm.engine.prefix_cache) == (4 if interval else 2)  # a: 8, 16, 24; b: 24 (16 is a's)
