@@ -438,13 +438,15 @@ class Engine:
             # the rebuilt state is bit-identical (the scan clamps dt and rounds differently).
             seq.prefill_len = len(seq.prompt_token_ids)
             seq.num_computed = 0
-            if self.prefix_cache is not None:
-                self._reuse_cached_prefix(seq)
+            reused = self._reuse_cached_prefix(seq) if self.prefix_cache is not None else 0
             chunk = self._fit_chunk(seq, budget)
             if not chunk:  # nothing launched has used them yet: back at once
                 self._free(seq.slot, seq.pages)
                 seq.slot, seq.pages, seq.num_computed = None, [], 0
                 break
+            if reused:
+                self.stats["prefix_cache_hits"] += 1
+                self.stats["prefix_cache_hit_tokens"] += reused
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -771,9 +773,10 @@ class Engine:
         return row + k + 1
 
     # ------------------------------------------------------------------ prefix caching
-    def _reuse_cached_prefix(self, seq: Sequence) -> None:
+    def _reuse_cached_prefix(self, seq: Sequence) -> int:
         """On admission: start from the longest cached prefix of the prompt (its Mamba state copied
-        into the sequence's slot, its KV pages shared), and pick where this prompt's prefix is cached."""
+        into the sequence's slot, its KV pages shared), and pick where the prompt is cached next.
+        Returns the number of prompt tokens reused."""
         cache = self.prefix_cache
         entry = cache.lookup(seq.prompt_token_ids)
         if entry is not None:
@@ -781,9 +784,8 @@ class Engine:
             self.kv_cache.allocator.share(entry.pages)
             seq.pages = list(entry.pages)
             seq.num_computed = len(entry.tokens)
-            self.stats["prefix_cache_hits"] += 1
-            self.stats["prefix_cache_hit_tokens"] += len(entry.tokens)
         seq.cache_at = cache.next_point(seq.prompt_token_ids, seq.num_computed)
+        return seq.num_computed
 
     def _cache_prefix(self, seq: Sequence) -> None:
         """The sequence's prefill has just been queued up to seq.cache_at: keep that prefix (a copy of
