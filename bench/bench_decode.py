@@ -61,7 +61,7 @@ def random_model(cfg, device, dtype, progress=False):
     return model
 
 
-def make_llm(args, enforce_eager):
+def make_llm(args, enforce_eager, **llm_kwargs):
     import hybrid.llm as L
     from hybrid.config import parse_config
 
@@ -72,7 +72,7 @@ def make_llm(args, enforce_eager):
                  max_model_len=max(args.prompt, args.ctx) + 64, max_num_batched_tokens=args.prompt,
                  enforce_eager=enforce_eager, cuda_graph_sizes=sorted(set(args.batches)),
                  gpu_memory_utilization=args.util, mamba_ssm_dtype=args.ssm_dtype,
-                 mamba_decode_kernels=args.decode_kernels, fused_ops=not args.no_fused_ops)
+                 mamba_decode_kernels=args.decode_kernels, fused_ops=not args.no_fused_ops, **llm_kwargs)
 
 
 def decode_batch(llm, n, ctx):

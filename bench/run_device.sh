@@ -5,6 +5,7 @@
 #   bench    the one-command benchmark (bench/run_benchmark.py: fp32 and bf16 state, TTFT, peer; ~3.5 minutes)
 #   profile  bench_decode.py with the kernel profile of every batch size and of the 8K prefill (bf16 state)
 #   generate bench_generate.py: end-to-end decode through the engine, async scheduling on / off (~3 minutes)
+#   prefix   bench_prefix_cache.py: second-turn TTFT with and without a prefix-cache hit (8K prompt)
 #   gemm     bench_gemm.py: the model's projections under cuBLAS and cuBLASLt (~1 minute)
 # Logs and results go to $OUT (default /tmp/out). Each step has a time limit, so that one stuck step
 # cannot take the device call's whole 10 minutes.
@@ -26,6 +27,9 @@ if [[ $what == profile ]]; then
 fi
 if [[ $what == generate ]]; then
   timeout 240 python3 bench/bench_generate.py --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" || rc=1
+fi
+if [[ $what == prefix ]]; then
+  timeout 400 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" 2>&1 | tee "$OUT/prefix_cache.log" || rc=1
 fi
 if [[ $what == gemm ]]; then
   timeout 200 python3 bench/bench_gemm.py --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" || rc=1
