@@ -1,7 +1,7 @@
 """Time to first token with and without a prefix-cache hit, on the Nemotron-H-8B-shaped model with
 random bf16 weights (built in memory as in bench_decode.py), on the GPU.
 
-    python3 bench/bench_prefix_cache.py [--prompt 8192] [--follow 256]
+    python3 bench/bench_prefix_cache.py [--prompt 8192] [--follow 256] [--interval 0]
 
 With `LLM(enable_prefix_caching=True)`: a "second turn" (a first prompt of `--prompt` random tokens
 plus `--follow` new ones) is timed once when nothing cached starts like it (a full prefill, which
@@ -35,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--follow", type=int, default=256)
+    ap.add_argument("--interval", type=int, default=0, help="LLM(prefix_cache_interval=...): caching points inside prompts")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from hybrid.sampling import SamplingParams
@@ -45,7 +46,7 @@ def main() -> None:
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     ns = argparse.Namespace(batches=[1], prompt=args.prompt + args.follow, ctx=0, util=0.9, ssm_dtype="bfloat16",
                             decode_kernels="triton", no_fused_ops=False)
-    llm = make_llm(ns, enforce_eager=False, enable_prefix_caching=True)
+    llm = make_llm(ns, enforce_eager=False, enable_prefix_caching=True, prefix_cache_interval=args.interval)
     miss, hit = [], []
     for i in range(4):  # the first pass warms up (JIT, autotune); fresh token ids each time
         turn1 = [(t + 7 * i) % 100000 + 4 for t in first]
@@ -53,7 +54,7 @@ def main() -> None:
         turn1b = [(t + 7 * i + 3) % 100000 + 4 for t in first]
         llm.generate([turn1b], sp, use_tqdm=False)  # the first turn, cached
         hit.append(ttft(llm, turn1b + extra, sp))  # the second turn resumes after it
-    result = dict(prompt=args.prompt, follow=args.follow, full_prefill_ttft_ms=min(miss[1:]) * 1e3,
+    result = dict(prompt=args.prompt, follow=args.follow, interval=args.interval, full_prefill_ttft_ms=min(miss[1:]) * 1e3,
                   cache_hit_ttft_ms=min(hit[1:]) * 1e3, hit_tokens=llm.engine.stats["prefix_cache_hit_tokens"])
     print(f"second turn ({args.prompt} + {args.follow} tokens): full prefill {result['full_prefill_ttft_ms']:.1f} ms, "
           f"after a prefix-cache hit {result['cache_hit_ttft_ms']:.1f} ms", flush=True)

@@ -59,7 +59,7 @@ class LLM:
         async_scheduling: bool | None = None,  # schedule step N+1 while step N runs; None: on for CUDA
         enable_prefix_caching: bool = False,  # prompts that start like an earlier one skip that prefill
         prefix_cache_entries: int | None = None,  # cached prefixes (each a Mamba slot); None: max_num_seqs
-        prefix_cache_interval: int = 512,  # also cache every this many prompt tokens (0: each prompt's end only)
+        prefix_cache_interval: int = 0,  # also cache every this many prompt tokens (0: each prompt's end only)
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR
         self.device = torch.device(device)
