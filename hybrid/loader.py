@@ -223,6 +223,9 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         wanted_optional = {"lm_head.weight"}  # some tied checkpoints still store it
     else:
         wanted_optional = set()
+    if cfg.family == "falcon_h1" and cfg.mamba.gate == GATE_ONLY:
+        # without mamba_rms_norm transformers makes the norm an identity and ignores a stored weight
+        wanted_optional |= {f"model.layers.{i}.mamba.norm.weight" for i in range(cfg.num_layers)}
     unexpected = sorted(n for n in files if n not in wanted and n not in wanted_optional
                         and not any(p.match(n) for p in _IGNORED))
     if unexpected:

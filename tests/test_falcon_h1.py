@@ -78,3 +78,19 @@ def test_unsupported_or_inconsistent_config_is_named(tiny_ckpt, tmp_path, change
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=message):
         load_config(str(path))
+
+
+def test_stored_but_unused_mamba_norm_is_ignored(tiny_ckpt, tmp_path, make_llm):
+    """Without mamba_rms_norm, a checkpoint that still stores mamba.norm.weight loads (transformers
+    ignores it too) and generates as before."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_ckpt("falcon_h1")
+    path = tmp_path / "extra_norm"
+    shutil.copytree(src, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.0.mamba.norm.weight"] = torch.full((128,), 3.0)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = make_llm(src).generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert make_llm(str(path)).generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids == want
