@@ -6,6 +6,7 @@ the batch.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -178,11 +179,8 @@ def process_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingP
     n, vocab = len(pen), logits.shape[-1]
     counts = torch.zeros(n, vocab, dtype=out.dtype, device=dev)  # output-token counts per penalised row
     prompt_seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
-    out_r = np.repeat(np.arange(n), [len(histories[j][1]) for j in pen])
-    out_t = np.fromiter((t for j in pen for t in histories[j][1]), dtype=np.int64, count=len(out_r))
-    if len(out_r):
-        counts.index_put_((to_device(out_r, torch.long, dev), to_device(out_t, torch.long, dev)),
-                          torch.ones(len(out_r), dtype=out.dtype, device=dev), accumulate=True)
+    out_r, out_t = _row_token_index([histories[j][1] for j in pen], dev)
+    counts.index_put_((out_r, out_t), torch.ones(len(out_r), dtype=out.dtype, device=dev), accumulate=True)
     if pending is not None:
         at = {j: k for k, j in enumerate(pending[0])}
         has = [(i, at[j]) for i, j in enumerate(pen) if j in at]
@@ -190,9 +188,7 @@ def process_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingP
             dst, src = zip(*has)
             counts.index_put_((to_device(list(dst), torch.long, dev), pending[1][to_device(list(src), torch.long, dev)]),
                               torch.ones(len(dst), dtype=out.dtype, device=dev), accumulate=True)
-    pr_r = np.repeat(np.arange(n), [len(histories[j][0]) for j in pen])
-    pr_t = np.fromiter((t for j in pen for t in histories[j][0]), dtype=np.int64, count=len(pr_r))
-    prompt_seen[to_device(pr_r, torch.long, dev), to_device(pr_t, torch.long, dev)] = True
+    prompt_seen[_row_token_index([histories[j][0] for j in pen], dev)] = True
     index = to_device([rows[j] for j in pen], torch.long, dev)
     sub = out[index]
     rep_p = to_device([params[j].repetition_penalty for j in pen], out.dtype, dev)[:, None]
@@ -202,6 +198,13 @@ def process_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingP
     pres = to_device([params[j].presence_penalty for j in pen], out.dtype, dev)[:, None]
     out[index] = sub - freq * counts - pres * (counts > 0).to(out.dtype)
     return out
+
+
+def _row_token_index(token_lists: list[list[int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index tensors of every token in token_lists[row], for scatters into [rows, V]."""
+    rows = np.repeat(np.arange(len(token_lists)), [len(t) for t in token_lists])
+    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=len(rows))
+    return to_device(rows, torch.long, dev), to_device(tokens, torch.long, dev)
 
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
