@@ -115,11 +115,11 @@ class ModelRunner:
                 return False
             if hasattr(backend, "graph_safe") and not backend.graph_safe(dtype):
                 return False
-        from hybrid.layers import GraniteMoE, NemotronMoE
+        from hybrid.layers import Experts
 
-        if any(isinstance(m, (NemotronMoE, GraniteMoE)) for m in self.model.modules()):
-            # The routed experts loop over torch.unique(top_idx) on the host: not capturable.
-            logger.info("CUDA graphs off: MoE routing is data-dependent (decode runs eagerly)")
+        if any(isinstance(m, Experts) and not m.fused for m in self.model.modules()):
+            # The torch reference loops over torch.unique(top_idx) on the host: not capturable.
+            logger.info("CUDA graphs off: MoE experts without the fused kernels (fused_ops=False) run eagerly")
             return False
         # The torch Mamba decode path is capturable too, but reads no CPU lists only with kernels.
         return all(m.kernels is not None for m in self.model.mamba_mixers())

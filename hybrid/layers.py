@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
 from hybrid.config import GATE_ONLY, GATE_THEN_NORM, AttentionConfig, MambaConfig, MoEConfig
-from hybrid.ops import mamba_torch, triton_act, triton_norm
+from hybrid.ops import mamba_torch, triton_act, triton_moe, triton_norm
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -299,7 +299,11 @@ class GatedMLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as stacked weights: up [E, I or 2I, H], down [E, H, I]."""
+    """Routed experts as stacked weights: up [E, I or 2I, H], down [E, H, I].
+
+    The torch loop over the chosen experts is the CPU reference; on CUDA (`fused`) one Triton
+    grouped GEMM per projection runs instead (hybrid/ops/triton_moe.py): no host sync, fixed launch
+    shapes, so MoE models decode under CUDA graphs."""
 
     def __init__(self, hidden_size: int, cfg: MoEConfig, act: str, gated: bool) -> None:
         super().__init__()
@@ -308,8 +312,14 @@ class Experts(nn.Module):
         self.up = _param(cfg.num_experts, width, hidden_size)
         self.down = _param(cfg.num_experts, hidden_size, cfg.intermediate_size)
         self.act = activation(act)
+        self.fused = False  # the Triton grouped-GEMM path (see use_fused_ops)
+        self.can_fuse = act == ("silu" if gated else "relu2")
 
-    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_k top_w * expert_k(x) (+ add), in x.dtype."""
+        if self.fused:
+            return triton_moe.fused_experts(x, self.up, self.down, top_idx, top_w, self.gated, add)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=top_w.dtype, device=x.device)
         for e in torch.unique(top_idx).tolist():
             token, k = torch.where(top_idx == e)
@@ -321,7 +331,8 @@ class Experts(nn.Module):
                 h = self.act(h)
             h = F.linear(h, self.down[e]) * top_w[token, k, None]
             out.index_add_(0, token, h.to(out.dtype))
-        return out.to(x.dtype)
+        out = out.to(x.dtype)
+        return out + add if add is not None else out
 
 
 class NemotronMoE(nn.Module):
@@ -354,7 +365,7 @@ class NemotronMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_idx, top_w = self.route(x)
-        return self.experts(x, top_idx, top_w) + self.shared(x)
+        return self.experts(x, top_idx, top_w, add=self.shared(x))
 
 
 class GraniteMoE(nn.Module):
@@ -366,22 +377,23 @@ class GraniteMoE(nn.Module):
         self.router_weight = _param(cfg.num_experts, hidden_size)
         self.experts = Experts(hidden_size, cfg, act, gated=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         logits = F.linear(x, self.router_weight).float()
         top_logits, top_idx = logits.topk(self.cfg.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        return self.experts(x, top_idx, top_w)
+        return self.experts(x, top_idx, top_w, add=add)
 
 
 def use_fused_ops(model: nn.Module) -> int:
-    """Switch the model's norms (with the residual add before them), the Mamba gated norm and the
-    relu2 / SwiGLU activations of the dense MLPs to their Triton kernels; returns how many modules.
-    Same math as the torch chains they replace, rounded at the same points."""
-    if not (triton_norm.is_available() and triton_act.is_available()):
+    """Switch the model's norms (with the residual add before them), the Mamba gated norm, the
+    relu2 / SwiGLU activations of the dense MLPs and the routed experts to their Triton kernels;
+    returns how many modules. Same math as the torch chains they replace; the norms and activations
+    round at the same points, the experts accumulate in fp32 and round once."""
+    if not (triton_norm.is_available() and triton_act.is_available() and triton_moe.is_available()):
         raise RuntimeError("triton is not importable: the fused ops are unavailable")
     count = 0
     for m in model.modules():
-        if isinstance(m, (RMSNorm, Mamba2Mixer)) or (isinstance(m, (DenseMLP, GatedMLP)) and m.can_fuse):
+        if isinstance(m, (RMSNorm, Mamba2Mixer)) or (isinstance(m, (DenseMLP, GatedMLP, Experts)) and m.can_fuse):
             m.fused = True
             count += 1
     return count

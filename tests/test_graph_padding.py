@@ -43,11 +43,11 @@ def decode_batch(slots, seq_lens, pages, vocab, width, seed=0):
     )
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_ckpt):
+@pytest.fixture(scope="module", params=["nemotron_h", "granite_moe"])  # both with MoE layers
+def llm(request, tiny_ckpt):
     from hybrid import LLM
 
-    return LLM(tiny_ckpt("nemotron_h"), device="cpu", dtype="float32", max_num_seqs=NUM_SLOTS, page_size=PAGE,
+    return LLM(tiny_ckpt(request.param), device="cpu", dtype="float32", max_num_seqs=NUM_SLOTS, page_size=PAGE,
                max_model_len=64)
 
 
@@ -128,7 +128,7 @@ def test_padded_decode_bit_identical():
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
                            "-k", "bitexact_child"], env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "8 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 @pytest.mark.bitexact_child  # collected only in the child process (tests/conftest.py deselects it otherwise)

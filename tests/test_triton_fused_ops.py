@@ -1,7 +1,8 @@
 """The fused Triton ops (hybrid/ops/triton_norm.py, triton_act.py) against the torch layers they
 replace, on CPU through Triton's interpreter: RMSNorm in both weight conventions, with and without
 the residual add (and its multiplier), the Mamba gated norm, relu2 and SwiGLU, fp32 and bf16, and
-whole model forwards with them switched on (LLM(fused_ops=True)) against the torch chains."""
+whole model forwards with them switched on (LLM(fused_ops=True), the MoE models' fused experts
+included) against the torch chains."""
 from __future__ import annotations
 
 import pytest
@@ -81,10 +82,10 @@ def test_gated_norm_matches_the_mixer(tiny_ckpt, make_llm, dtype):
     torch.testing.assert_close(got.float(), ref.float(), **_tol(dtype))
 
 
-@pytest.mark.parametrize("name", ["granite_dense", "nemotron_h"])
+@pytest.mark.parametrize("name", ["granite_dense", "nemotron_h", "granite_moe"])  # the last two: MoE
 def test_model_forward_with_fused_ops(tiny_ckpt, make_llm, name):
     from hybrid import SamplingParams
-    from hybrid.layers import DenseMLP, GatedMLP, Mamba2Mixer
+    from hybrid.layers import DenseMLP, Experts, GatedMLP, Mamba2Mixer
 
     path = tiny_ckpt(name)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -95,9 +96,10 @@ def test_model_forward_with_fused_ops(tiny_ckpt, make_llm, name):
     norms = sum(isinstance(m, RMSNorm) for m in mods)
     mixers = sum(isinstance(m, Mamba2Mixer) for m in mods)
     mlps = sum(isinstance(m, (DenseMLP, GatedMLP)) for m in mods)
-    assert norms and mixers and mlps
-    assert all(m.fused for m in mods if isinstance(m, (RMSNorm, Mamba2Mixer, DenseMLP, GatedMLP)))
-    assert use_fused_ops(llm.model) == norms + mixers + mlps
+    experts = sum(isinstance(m, Experts) for m in mods)
+    assert norms and mixers and mlps and (experts > 0) == (name != "granite_dense")
+    assert all(m.fused for m in mods if isinstance(m, (RMSNorm, Mamba2Mixer, DenseMLP, GatedMLP, Experts)))
+    assert use_fused_ops(llm.model) == norms + mixers + mlps + experts
     got = llm.generate(prompts, sp, use_tqdm=False)
     for r, o in zip(ref, got):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids

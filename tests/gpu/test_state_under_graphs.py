@@ -22,10 +22,10 @@ from hybrid import LLM, SamplingParams
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_util import GREEDY, assert_greedy_under_reference  # noqa: E402
 
-# dense: MoE models decode eagerly, these replay graphs. The bamba here has no dt clamp
+# granite_moe and nemotron_h_sharded have MoE layers (fused experts under graphs). The bamba here has no dt clamp
 # (time_step_limit (0, inf)): with the tiny_ckpt bamba's finite limit, prefill clamps dt and decode
 # does not (as in transformers), so a teacher-forced prefix would not reproduce a decode.
-FAMILIES = ["bamba_unclamped", "granite_dense"]
+FAMILIES = ["bamba_unclamped", "granite_dense", "granite_moe", "nemotron_h_sharded"]
 PROMPTS = [[7, 19, 33, 41, 5, 60, 12, 88, 9], [4], [100, 3, 57, 22, 61], [45], list(range(20, 60))]
 
 

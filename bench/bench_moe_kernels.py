@@ -1,0 +1,133 @@
+"""The fused MoE layer alone (hybrid/ops/triton_moe.py) on the GPU: each candidate kernel configuration,
+and torch._grouped_mm as the alternative, timed by CUDA-graph replay (as decode runs it) at the expert
+shapes of Nemotron-3-Nano-30B-A3B, Granite-4.0-H-Tiny and Granite-4.0-H-Small, next to the floor:
+decode rows by the bytes of the experts the batch touches over the copy bandwidth, prefill rows by
+their FLOPs over the bf16 matmul rate (both measured in the same run).
+
+Usage: python bench/bench_moe_kernels.py [--tokens 1 8 64 256 8192] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.bench_decode import copy_bandwidth  # noqa: E402
+
+# (E, top_k, hidden, expert width, gated)
+SHAPES = {"nemotron3_nano": (128, 6, 2688, 1856, False), "granite4_tiny": (64, 6, 1536, 512, True),
+          "granite4_small": (72, 10, 4096, 768, True)}
+DECODE_CONFIGS = [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 4),
+                  (16, 64, 64, 1, 4, 6), (16, 32, 256, 1, 4, 4), (32, 64, 128, 1, 4, 4)]
+PREFILL_CONFIGS = [(64, 128, 64, 8, 4, 3), (128, 128, 64, 8, 8, 3), (64, 64, 64, 8, 4, 4), (128, 64, 64, 8, 4, 3),
+                   (128, 256, 64, 8, 8, 3), (64, 128, 128, 8, 4, 3)]
+
+
+def matmul_tflops(dev) -> float:
+    import triton.testing
+
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=200, return_mode="median")
+    return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+
+
+def graph_ms(fn) -> float:
+    import triton.testing
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=20, rep=100, return_mode="median")
+
+
+def grouped_mm_experts(x, w_up, w_down, top_idx, top_w, gated):
+    """torch._grouped_mm over the pairs sorted by expert (no padding)."""
+    E = w_up.shape[0]
+    k = top_idx.shape[1]
+    flat = top_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    tok = order // k
+    h = torch._grouped_mm(x[tok], w_up.transpose(1, 2), offs=offs)
+    if gated:
+        g, u = h.chunk(2, dim=-1)
+        h = torch.nn.functional.silu(g) * u
+    else:
+        h = torch.relu(h).square()
+    y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs) * top_w.reshape(-1)[order, None].to(h.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 8192])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from hybrid.ops import triton_moe
+
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    tflops = matmul_tflops(dev)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
+    rows = []
+    for name in args.shapes:
+        E, k, H, inter, gated = SHAPES[name]
+        g = torch.Generator(device=dev).manual_seed(0)
+        w_up = (torch.randn(E, 2 * inter if gated else inter, H, generator=g, device=dev) / H ** 0.5).bfloat16()
+        w_down = (torch.randn(E, H, inter, generator=g, device=dev) / inter ** 0.5).bfloat16()
+        expert_bytes = (w_up[0].numel() + w_down[0].numel()) * 2
+        for T in args.tokens:
+            x = torch.randn(T, H, device=dev, generator=g).bfloat16()
+            top_idx = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1)[1]
+            top_w = torch.rand(T, k, device=dev, generator=g)
+            touched = int(torch.unique(top_idx).numel())
+            floor_ms = max(touched * expert_bytes / bw, 2 * T * k * expert_bytes / 2 / (tflops * 1e12)) * 1e3
+            ref = triton_moe.fused_experts(x, w_up, w_down, top_idx, top_w, gated)
+            res = {"shape": name, "tokens": T, "experts_touched": touched, "floor_ms": floor_ms}
+            configs = DECODE_CONFIGS if T * k <= triton_moe.TRITON_ALIGN_MAX_PAIRS else PREFILL_CONFIGS
+            default = triton_moe.CONFIGS[triton_moe.pick_config(T * k, E)]
+            timings = {}
+            for cfg in [default] + [c for c in configs if c != default]:
+                try:
+                    out = triton_moe.fused_experts(x, w_up, w_down, top_idx, top_w, gated, config=cfg)
+                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                    ms = graph_ms(lambda: triton_moe.fused_experts(x, w_up, w_down, top_idx, top_w, gated, config=cfg))
+                    timings[str(cfg)] = (ms, err)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                    timings[str(cfg)] = (float("nan"), repr(e)[:80])
+            try:
+                gm = grouped_mm_experts(x, w_up, w_down, top_idx, top_w, gated)
+                err = ((gm.float() - ref.float()).norm() / ref.float().norm()).item()
+                timings["torch._grouped_mm"] = (graph_ms(lambda: grouped_mm_experts(x, w_up, w_down, top_idx, top_w, gated)), err)
+            except Exception as e:  # noqa: BLE001
+                timings["torch._grouped_mm"] = (float("nan"), repr(e)[:80])
+            res["timings"] = timings
+            best = min((v[0], c) for c, v in timings.items() if v[0] == v[0])
+            res["default_ms"] = timings[str(default)][0]
+            res["best"] = best[1]
+            res["best_ms"] = best[0]
+            rows.append(res)
+            print(f"{name} T={T}: touched {touched}/{E}, floor {floor_ms:.4f} ms; default {str(default)} "
+                  f"{res['default_ms']:.4f} ms ({floor_ms / res['default_ms']:.0%} of floor); best {best[1]} "
+                  f"{best[0]:.4f} ms", flush=True)
+            for c, (ms, err) in sorted(timings.items(), key=lambda kv: kv[1][0] if kv[1][0] == kv[1][0] else 1e9):
+                print(f"    {c:28s} {ms:8.4f} ms  err {err}")
+        del w_up, w_down
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bw_gbs": bw / 1e9, "matmul_tflops": tflops, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Fused MoE experts (Triton): the routed (token, expert) pairs grouped by expert, one grouped-GEMM
+launch per projection, the activation fused into the first and the routing weight into the second.
+
+`fused_experts(x, w_up, w_down, top_idx, top_w, gated, add=None)` computes what the torch loop of
+`hybrid.layers.Experts` (the CPU reference) does, up to rounding:
+    x [T, H]; w_up [E, I, H] (relu2) or [E, 2I, H] ([gate | up] rows, SwiGLU); w_down [E, H, I];
+    top_idx [T, k] (int); top_w [T, k] (any float dtype); add [T, H] or None (added before the one
+    rounding to x.dtype: the shared expert's output).
+    out[t] = sum_j top_w[t, j] * down_e(act(up_e(x[t])))  for e = top_idx[t, j]  (+ add[t])
+
+The n = T*k pairs are numbered p = t*k + j. Steps, every one a launch whose shape depends on T alone
+(no host synchronisation, CUDA-graph capturable):
+1. alignment: the pairs grouped by expert, each expert's group padded to a multiple of BLOCK_M with
+   the sentinel n -> `pairs` [max_blocks * BLOCK_M], `block_expert` [max_blocks] and the padded total
+   (a 1-element tensor). max_blocks = cdiv(n, BLOCK_M) + min(E, n) bounds the padded total for any
+   routing; blocks past the total exit at once. Three ways, one result shape:
+   - `naive` (decode at small batch, n <= NAIVE_MAX_PAIRS): every pair is its own block (its row 0),
+     nothing to sort; an expert chosen twice is streamed twice, which at these sizes is rare;
+   - one-program Triton kernel (n <= TRITON_ALIGN_MAX_PAIRS: decode batches, verify);
+   - torch ops around a stable sort (prefill chunks; also the reference of the kernel).
+2. GEMM 1: each block's rows x[p // k] against its expert's up rows -> h [n, I] in x.dtype, relu2
+   or silu(gate) * up applied in fp32 in the epilogue (gate and up tiles of the same columns in one
+   program).
+3. GEMM 2: rows h[p] against the expert's down rows, times top_w[p] -> y [n, H] in x.dtype.
+4. out[t] = sum_j y[t*k + j] (+ add[t]) in fp32, in a fixed order (no atomics: deterministic).
+A row's result does not depend on which other rows share its blocks, so padding rows (graph
+buckets) cannot change a real row's output.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybrid.ops.triton_guard import HAS_TRITON, require, tl, triton
+
+NAIVE_MAX_PAIRS = 32
+TRITON_ALIGN_MAX_PAIRS = 4096
+ACT_NONE, ACT_RELU2, ACT_SILU_MUL = 0, 1, 2
+
+
+def is_available() -> bool:
+    return HAS_TRITON
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    return -(-num_pairs // block_m) + min(num_experts, num_pairs)
+
+
+def align_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pairs, block_expert, total) by torch ops: a stable sort of the pairs by expert, each expert's
+    run placed at its padded offset. Pairs of one expert keep their order."""
+    n = flat_ids.numel()
+    dev = flat_ids.device
+    ids = flat_ids.long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    run_start = counts.cumsum(0) - counts
+    dest = (pad_end - padded)[sorted_ids] + torch.arange(n, device=dev) - run_start[sorted_ids]
+    nb = max_blocks(n, num_experts, block_m)
+    pairs = torch.full((nb * block_m,), n, dtype=torch.int32, device=dev)
+    pairs.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(nb, device=dev) * block_m
+    block_expert = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
+    return pairs, block_expert, pad_end[-1:].to(torch.int32)
+
+
+_naive_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def align_naive(flat_ids: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pair p alone in block p (row 0); the layout is a constant of (n, block_m), cached."""
+    n = flat_ids.numel()
+    key = (n, block_m, flat_ids.device)
+    if key not in _naive_cache:
+        pairs = torch.full((n, block_m), n, dtype=torch.int32, device=flat_ids.device)
+        pairs[:, 0] = torch.arange(n, dtype=torch.int32, device=flat_ids.device)
+        total = torch.tensor([n * block_m], dtype=torch.int32, device=flat_ids.device)
+        _naive_cache[key] = (pairs.view(-1), total)
+    pairs, total = _naive_cache[key]
+    return pairs, flat_ids, total
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _align_kernel(ids_ptr, n, pairs_ptr, block_expert_ptr, total_ptr, num_rows, num_blocks,
+                      BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr):
+        # One program: counts per expert, padded offsets, then each pair's place (its expert's offset
+        # plus the number of same-expert pairs before it), chunk by chunk in pair order.
+        experts = tl.arange(0, EP)
+        counts = tl.zeros([EP], dtype=tl.int32)
+        for start in range(0, n, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pad_end = tl.cumsum(padded, axis=0)
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+        sentinel = tl.full([CHUNK], 0, tl.int32) + n
+        for start in range(0, num_rows, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            tl.store(pairs_ptr + offs, sentinel, mask=offs < num_rows)
+        for start in range(0, num_blocks, CHUNK):
+            b = start + tl.arange(0, CHUNK)
+            e = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, e, mask=b < num_blocks)
+        tl.debug_barrier()  # the sentinel fill above must land before the pairs below
+        next_row = pad_end - padded
+        for start in range(0, n, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+            hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+            earlier = tl.cumsum(hit, axis=0) - hit
+            dest = tl.sum(hit * (earlier + next_row[None, :]), axis=1)
+            tl.store(pairs_ptr + dest, offs, mask=offs < n)
+            next_row += tl.sum(hit, axis=0)
+
+    @triton.jit
+    def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, pairs_ptr, block_expert_ptr, total_ptr,
+                         N, K, num_pairs, a_div, num_m_blocks, s_am, s_be, s_bn, s_bk, s_cm,
+                         ACT: tl.constexpr, MUL_W: tl.constexpr, IEEE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+        # C[p, :N] = act(A[p // a_div] @ B[e].T) (* w[p]) for the pairs p of each block (expert e).
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * num_n  # GROUP_M row blocks walk the column tiles together (L2 reuse)
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_rows
+        pid_n = (pid % per_group) // group_rows
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = pair < num_pairs
+        a_row = (pair // a_div).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_row[:, None] * s_am + offs_k[None, :]
+        b_ptrs = b_ptr + expert * s_be + offs_n[None, :].to(tl.int64) * s_bn + offs_k[:, None] * s_bk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            if ACT == 2:  # the up rows of the same columns sit N rows further down
+                b_up = tl.load(b_ptrs + N * s_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if IEEE:
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(a, b_up, acc_up)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * s_bk
+        if ACT == 1:
+            acc = tl.maximum(acc, 0.0)
+            acc = acc * acc
+        if ACT == 2:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if MUL_W:
+            acc = acc * tl.load(w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * s_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _sum_k_kernel(y_ptr, add_ptr, out_ptr, H, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ADD:
+            acc += tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Kernel configurations per regime: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
+# Decode (few rows per expert): weight streaming, narrow column tiles for enough programs in flight.
+# Prefill: compute-bound tiles. bench/bench_moe_kernels.py sweeps alternatives on the device.
+CONFIGS = {
+    "decode": (16, 64, 128, 1, 4, 4),
+    "decode_wide": (32, 64, 128, 1, 4, 4),
+    "prefill": (64, 128, 64, 8, 4, 3),
+}
+
+
+def pick_config(num_pairs: int, num_experts: int) -> str:
+    rows_per_expert = num_pairs / num_experts
+    if num_pairs <= TRITON_ALIGN_MAX_PAIRS:
+        return "decode" if rows_per_expert <= 24 else "decode_wide"
+    return "prefill"
+
+
+def align(flat_ids: torch.Tensor, num_experts: int, block_m: int, method: str | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pairs, block_expert, total): see the module docstring; `method` forces naive|triton|torch."""
+    n = flat_ids.numel()
+    if method is None:
+        method = "naive" if n <= NAIVE_MAX_PAIRS else "triton" if n <= TRITON_ALIGN_MAX_PAIRS else "torch"
+    if method == "naive":
+        return align_naive(flat_ids, block_m)
+    if method == "torch":
+        return align_torch(flat_ids, num_experts, block_m)
+    require(__name__)
+    nb = max_blocks(n, num_experts, block_m)
+    dev = flat_ids.device
+    pairs = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    ep = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](flat_ids, n, pairs, block_expert, total, nb * block_m, nb, BLOCK_M=block_m, EP=ep,
+                        CHUNK=max(16, min(128, 8192 // ep)), num_warps=8)
+    return pairs, block_expert, total
+
+
+def _grouped_gemm(a, w, out, weights, pairs, block_expert, total, a_div, act, cfg) -> None:
+    bm, bn, bk, gm, warps, stages = cfg
+    n_out = out.shape[1]
+    k = a.shape[1]
+    nb = block_expert.shape[0]
+    grid = (nb * triton.cdiv(n_out, bn),)
+    _moe_gemm_kernel[grid](
+        a, w, out, weights if weights is not None else out, pairs, block_expert, total,
+        n_out, k, out.shape[0], a_div, nb, a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        ACT=act, MUL_W=weights is not None, IEEE=a.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages,
+    )
+
+
+def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top_idx: torch.Tensor,
+                  top_w: torch.Tensor, gated: bool, add: torch.Tensor | None = None, *,
+                  config: tuple | None = None, align_method: str | None = None) -> torch.Tensor:
+    """The routed experts' output [T, H] in x.dtype (+ `add`); see the module docstring."""
+    require(__name__)
+    T, H = x.shape
+    E, width, _ = w_up.shape
+    inter = w_down.shape[2]
+    top_k = top_idx.shape[1]
+    assert x.stride(1) == 1 and w_up.stride(2) == 1 and w_down.stride(2) == 1
+    assert width == (2 * inter if gated else inter)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    n = T * top_k
+    cfg = config or CONFIGS[pick_config(n, E)]
+    pairs, block_expert, total = align(top_idx.reshape(-1), E, cfg[0], align_method)
+    h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w_up, h, None, pairs, block_expert, total, top_k, ACT_SILU_MUL if gated else ACT_RELU2, cfg)
+    y = torch.empty(n, H, dtype=x.dtype, device=x.device)
+    _grouped_gemm(h, w_down, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1, ACT_NONE, cfg)
+    if add is not None:
+        assert add.shape == (T, H) and add.stride(1) == 1 and add.stride(0) == H
+    block = min(1024, triton.next_power_of_2(H))
+    _sum_k_kernel[(T, triton.cdiv(H, block))](y, add if add is not None else y, out, H, TOP_K=top_k,
+                                              HAS_ADD=add is not None, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,98 @@
+"""The fused MoE path on the GPU (hybrid/ops/triton_moe.py): against the float64 torch loop at model-like
+sizes and every regime (naive / one-program alignment / torch alignment; decode and prefill tiles),
+the alignment kernel against its torch reference, padding rows that cannot change a real row, and a
+captured CUDA graph replayed on new routings."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.moe_reference import ROUTINGS, check_fused_experts, routing  # noqa: E402
+
+# a Nemotron-3-Nano-like (E 128, top-6, relu2) and a Granite-4.0-H-like (E 64, top-6, SwiGLU) layer,
+# narrower than the real ones to keep the float64 reference quick
+SHAPES = {"nemotron": dict(E=128, H=1024, inter=512, top_k=6, gated=False),
+          "granite": dict(E=64, H=768, inter=256, top_k=6, gated=True)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("T", [1, 3, 8, 64, 256, 1500])  # naive, naive, one-program, ..., torch alignment
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_experts_vs_reference(shape, T, kind, dtype):
+    s = dict(SHAPES[shape])
+    gated = s.pop("gated")
+    check_fused_experts(kind, gated, None, T=T, dtype=dtype, device="cuda", with_add=T % 2 == 0, seed=T, **s)
+
+
+@pytest.mark.parametrize("method", ["naive", "triton", "torch"])
+def test_every_alignment_on_decode_tiles(method):
+    check_fused_experts("random", True, method, T=24, dtype=torch.bfloat16, device="cuda", E=64, H=768, inter=256,
+                        top_k=6)
+
+
+@pytest.mark.parametrize("n_tokens", [5, 200, 680])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_kernel_equals_torch(n_tokens, block_m):
+    from hybrid.ops import triton_moe
+
+    for kind in ROUTINGS:
+        ids = routing(kind, n_tokens, 128, 6, seed=n_tokens, device="cuda")[0].reshape(-1)
+        ref = triton_moe.align_torch(ids, 128, block_m)
+        got = triton_moe.align(ids, 128, block_m, method="triton")
+        total = int(ref[2][0])
+        assert int(got[2][0]) == total
+        assert torch.equal(got[0][:total], ref[0][:total])
+        assert torch.equal(got[1][: total // block_m], ref[1][: total // block_m])
+
+
+def _layer(E=128, H=1024, inter=512, gated=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w_up = torch.randn(E, 2 * inter if gated else inter, H, generator=g, device="cuda").div(H ** 0.5).bfloat16()
+    w_down = torch.randn(E, H, inter, generator=g, device="cuda").div(inter ** 0.5).bfloat16()
+    return w_up, w_down
+
+
+def test_padding_rows_do_not_change_real_rows():
+    """Real rows computed with extra (padding) rows routed anywhere are bit-identical (same tiles)."""
+    from hybrid.ops import triton_moe
+
+    w_up, w_down = _layer()
+    x = torch.randn(40, 1024, device="cuda").bfloat16()
+    idx, w = routing("random", 40, 128, 6, seed=1, device="cuda")
+    cfg = triton_moe.CONFIGS["decode"]
+    real = triton_moe.fused_experts(x[:29], w_up, w_down, idx[:29], w[:29], False, config=cfg, align_method="triton")
+    for pad_idx in (idx[29:], torch.zeros_like(idx[29:]), idx[:11]):  # random / all on expert 0 / real rows' experts
+        padded = triton_moe.fused_experts(x, w_up, w_down, torch.cat([idx[:29], pad_idx]), w, False, config=cfg,
+                                          align_method="triton")
+        assert torch.equal(padded[:29], real)
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_graph_replay_equals_eager(T):
+    from hybrid.ops import triton_moe
+
+    w_up, w_down = _layer(gated=True, E=64, H=768, inter=256)
+    x = torch.randn(T, 768, device="cuda").bfloat16()
+    idx, w = routing("random", T, 64, 6, seed=2, device="cuda")
+    w = w.bfloat16()
+    add = torch.randn(T, 768, device="cuda").bfloat16()
+    for _ in range(2):  # warm-up: JIT outside the capture
+        triton_moe.fused_experts(x, w_up, w_down, idx, w, True, add)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_moe.fused_experts(x, w_up, w_down, idx, w, True, add)
+    for seed in (3, 4, 5):  # new tokens and new routings in the same buffers
+        new_idx, new_w = routing(["random", "one_expert", "few_experts"][seed - 3], T, 64, 6, seed=seed, device="cuda")
+        idx.copy_(new_idx)
+        w.copy_(new_w)
+        x.normal_()
+        graph.replay()
+        eager = triton_moe.fused_experts(x, w_up, w_down, idx, w, True, add)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)

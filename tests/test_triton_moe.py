@@ -1,0 +1,70 @@
+"""The fused MoE kernels (hybrid/ops/triton_moe.py) vs the torch loop of layers.Experts, on CPU
+through Triton's interpreter (see tests/test_triton_kernels.py for why the variable is set here).
+
+Routings: random (some experts unused), every expert hit, no pair on most experts, all tokens on
+one expert; every alignment method (naive, the one-program kernel, torch ops); relu2 and SwiGLU;
+with and without the shared-expert add. GPU runs of the same checks: tests/gpu/test_moe_gpu.py.
+"""
+import os
+import sys
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CPU interpreter tests: run in their own process with TRITON_INTERPRET=1", allow_module_level=True)
+
+from hybrid.ops import triton_moe as tmoe  # noqa: E402
+from tests.moe_reference import ROUTINGS, check_fused_experts, routing  # noqa: E402
+
+E, H, INTER, TOP_K = 8, 32, 16, 2
+
+
+def _check_layout(ids: torch.Tensor, pairs, block_expert, total, block_m: int) -> None:
+    """Every pair exactly once, in a block of its own expert; the rest of each block is the sentinel."""
+    n = ids.numel()
+    total = int(total[0])
+    assert total % block_m == 0 and total <= pairs.numel()
+    seen = []
+    for b in range(total // block_m):
+        rows = pairs[b * block_m:(b + 1) * block_m].tolist()
+        real = [p for p in rows if p < n]
+        assert all(p == n for p in rows[len(real):]), "sentinels only after a block's pairs"
+        assert all(int(ids[p]) == int(block_expert[b]) for p in real)
+        seen += real
+    assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_align_methods_agree(kind, block_m):
+    top_idx, _ = routing(kind, 37, E, TOP_K, seed=3)
+    ids = top_idx.reshape(-1)
+    ref = tmoe.align_torch(ids, E, block_m)
+    _check_layout(ids, *ref, block_m)
+    out = tmoe.align(ids, E, block_m, method="triton")
+    _check_layout(ids, *out, block_m)
+    assert torch.equal(out[2], ref[2])
+    blocks = int(ref[2][0]) // block_m
+    assert torch.equal(out[1][:blocks], ref[1][:blocks])
+    assert torch.equal(out[0][: int(ref[2][0])], ref[0][: int(ref[2][0])]), "both keep pair order per expert"
+    _check_layout(ids, *tmoe.align(ids, E, block_m, method="naive"), block_m)
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("method", ["naive", "triton", "torch"])
+def test_fused_experts_match_torch_loop(kind, gated, method):
+    check_fused_experts(kind, gated, method, T=13, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,
+                        device="cpu", config=(16, 16, 16, 2, 1, 1))
+
+
+def test_fused_experts_prefill_config_and_add():
+    # the prefill tiles (BLOCK_M 64, grouped ordering) over more tokens than one block holds
+    check_fused_experts("random", True, "torch", T=70, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,
+                        device="cpu", config=(64, 32, 16, 2, 1, 1), with_add=True)
