@@ -30,7 +30,7 @@ def _replay_batch(slots, q_lens, num_decodes):
 
 @pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
 def test_triton_replay_matches_torch_reference(tiny_ckpt, make_llm, ssm_dtype):
-    """fp32 state: one T-token launch per token count; bf16 state: one launch per token position."""
+    """One T-token launch per token count, with fp32 and bf16 state."""
     from hybrid.ops.mamba_cuda import triton_replay
 
     llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=6)

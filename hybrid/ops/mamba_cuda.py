@@ -9,6 +9,10 @@
 - replay rows (a readmitted sequence's known generated tokens, see hybrid/batch.py): the decode
   kernels again, in place on the row's slot: `triton_replay` (T-token launches grouped by T), or
   with the library kernels one token position per call.
+- decode, verify and replay on our kernels all go through `triton_recurrence`, i.e. the same two
+  kernels under one state contract: the state is rounded to its storage dtype after every token,
+  so a T-token verify or replay launch commits bit for bit what T decode steps would
+  (tests/test_state_contract.py).
 - prefill chunks: one request at a time (mamba-ssm's varlen scan resets to zero at sequence
   boundaries and cannot take per-request initial states): the causal conv runs over [slot history |
   chunk], on our token-major Triton kernel (`triton_mamba.conv_prefill`; with the library decode
@@ -233,27 +237,30 @@ def _replay_positions(batch) -> list[tuple[list[int], list[int]]]:
             for j in range(max(T for _, T, _ in rows))]
 
 
+def _token_groups(batch, first: int, count: int) -> list[tuple[int, list[int], list[int]]]:
+    """Request rows [first, first + count) grouped by token count, one T-token launch per group:
+    [(T, each row's first token row, the request rows)]."""
+    q_lens = batch.query_lens_cpu
+    groups: dict[int, tuple[list[int], list[int]]] = {}
+    tok = sum(q_lens[:first])
+    for i in range(first, first + count):
+        toks, rows = groups.setdefault(q_lens[i], ([], []))
+        toks.append(tok)
+        rows.append(i)
+        tok += q_lens[i]
+    return [(T, toks, rows) for T, (toks, rows) in groups.items()]
+
+
 def triton_replay(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[str, torch.Tensor], y: torch.Tensor,
                   batch, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
     """Replay rows [num_decodes + num_verify, ... + num_replay) on our Triton decode kernels: the decode
     recurrence over each row's known tokens, in place on its slot (the slot ends with the state after the
-    row's last token). Same math as Mamba2Mixer._replay. Rows are grouped by token count, one T-token
-    launch per group: the kernels carry the state across the T tokens in fp32 registers, which equals T
-    one-token decodes only when the SSM state is fp32 (and the conv history stores the inputs exactly).
-    With a lower-precision state (rounded on every decode's store) the rows run one token position per
-    launch instead, as the decodes did."""
+    row's last token). Same math as Mamba2Mixer._replay. One T-token launch per token count: the kernels
+    round the state to its dtype after every token, so this equals T one-token decodes in any state dtype."""
     dev = xBC.device
-    if ssm_state.dtype == torch.float32 and conv_state.dtype in (xBC.dtype, torch.float32):
-        groups: dict[int, list[tuple[int, int]]] = {}  # T -> [(first token row, slot)]
-        for first, T, slot in _replay_rows(batch):
-            groups.setdefault(T, []).append((first, slot))
-        launches = [([[first + j for j in range(T)] for first, _ in rows], [slot for _, slot in rows])
-                    for T, rows in groups.items()]
-    else:
-        launches = [([[t] for t in toks], slots) for toks, slots in _replay_positions(batch)]
-    for tok_rows, slot_list in launches:
-        tok = to_device(tok_rows, torch.long, dev)  # [b, T]
-        slots = to_device(slot_list, torch.long, dev)
+    for T, toks, rows in _token_groups(batch, batch.num_decodes + batch.num_verify, batch.num_replay):
+        tok = to_device([[first + j for j in range(T)] for first in toks], torch.long, dev)  # [b, T]
+        slots = to_device([batch.state_slot_cpu[i] for i in rows], torch.long, dev)
         y[tok] = triton_recurrence(tm, mixer, params, xBC[tok], dt[tok], conv_state, ssm_state, slots).to(y.dtype)
 
 
@@ -262,22 +269,15 @@ def triton_verify(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[s
     """Speculative verify rows [num_decodes, num_decodes + num_verify) on our Triton kernels: the decode
     recurrence over each row's 1 + drafts tokens, starting from its slot, with the state after every
     token written to the verify scratch (the slot itself is untouched; the engine commits the accepted
-    position). Same math as Mamba2Mixer._verify. Rows are grouped by token count (the kernels take a
-    fixed T per launch)."""
-    nd, nv = batch.num_decodes, batch.num_verify
+    position). Same math as Mamba2Mixer._verify, and bit for bit what T one-token decodes would store
+    (the kernels' state contract). One T-token launch per token count."""
     conv_scr = batch.state_scratch[0][mixer.layer_index]  # [rows, K+1, conv_dim, K-1]
     ssm_scr = batch.state_scratch[1][mixer.layer_index]  # [rows, K+1, H, P, N]
-    q_lens = batch.query_lens_cpu
-    groups: dict[int, list[tuple[int, int]]] = {}  # T -> [(first token row, request row)]
-    start = nd
-    for i in range(nd, nd + nv):
-        groups.setdefault(q_lens[i], []).append((start, i))
-        start += q_lens[i]
     dev = xBC.device
-    for T, rows in groups.items():
-        tok = to_device([[first + j for j in range(T)] for first, _ in rows], torch.long, dev)
-        slots = to_device([batch.state_slot_cpu[i] for _, i in rows], torch.long, dev)
-        scratch = to_device([batch.scratch_index_cpu[i] for _, i in rows], torch.long, dev)
+    for T, toks, rows in _token_groups(batch, batch.num_decodes, batch.num_verify):
+        tok = to_device([[first + j for j in range(T)] for first in toks], torch.long, dev)
+        slots = to_device([batch.state_slot_cpu[i] for i in rows], torch.long, dev)
+        scratch = to_device([batch.scratch_index_cpu[i] for i in rows], torch.long, dev)
         y[tok] = triton_recurrence(tm, mixer, params, xBC[tok], dt[tok], conv_state, ssm_state, slots,
                                    (conv_scr[:, :T], ssm_scr[:, :T]), scratch).to(y.dtype)
 

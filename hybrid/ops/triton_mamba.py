@@ -4,7 +4,8 @@ Semantics are those of `hybrid.ops.mamba_torch.conv_decode` / `ssm_decode` (deco
 with all arithmetic in fp32 whatever the storage dtypes, and with padding rows skipped:
 
 - `selective_state_update(state, x, dt, A, B, C, D, dt_bias, state_indices, ...)`
-      state [S, H, P, N] fp32 or bf16 (bf16: loaded as bf16, updated in fp32, rounded once on store)
+      state [S, H, P, N] fp32 or bf16 (loaded, updated in fp32, and rounded to its dtype after every
+      token: one T-token launch equals T one-token launches bit for bit, states and outputs)
       x [b, H, P] (one token) or [b, T, H, P] (T tokens, speculative verify); dt [b, H] / [b, T, H];
       B, C [b, G, N] / [b, T, G, N]; A, D, dt_bias [H] (A = -exp(A_log); D, dt_bias may be None).
       Returns y [b, H, P] / [b, T, H, P] (dtype of x, or write into `out`).
@@ -14,7 +15,8 @@ with all arithmetic in fp32 whatever the storage dtypes, and with padding rows s
 - `conv_state_update(x, conv_state, weight, bias, state_indices, activation="silu", ...)`
       x [b, C] or [b, T, C]; conv_state [S, C, K-1]; weight [C, K]; bias [C] or None.
       Returns silu(conv) with x's shape. `intermediate_states` [num_scratch, T, C, K-1]: the window
-      after every token goes there and the slot is untouched (as above).
+      after every token goes there and the slot is untouched (as above). Past tokens of the window
+      are rounded to conv_state's dtype, as a one-token launch reads them back from the history.
 - `conv_prefill(x, conv_state, slot, has_initial_state, weight, bias)`: one request's prefill chunk,
       x [L, C] rows (any row stride); as mamba_torch.conv_prefill: returns silu(conv) [L, C]
       (contiguous, x's dtype) over [slot history | x] (zero history for a first chunk) and stores the
@@ -69,7 +71,9 @@ if HAS_TRITON:
         lp = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
         return tl.where(v > 20.0, v, lp)
 
-    @triton.jit
+    # T is not specialised: T=1 (decode) and T>1 (verify, replay) run the same binary, so the same
+    # arithmetic per token (the state contract, see selective_state_update).
+    @triton.jit(do_not_specialize=["T"])
     def _ssm_update_kernel(
         state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, out_ptr, idx_ptr,
         inter_ptr, inter_idx_ptr,
@@ -133,6 +137,9 @@ if HAS_TRITON:
             if HAS_D:
                 y = y + x * Dh
             tl.store(out_base + t * s_o_t, y.to(out_ptr.dtype.element_ty), mask=mask_p)
+            # The contract: the state carried to the next token is what a one-token decode would have
+            # stored, rounded to the slot's dtype (y above comes from the unrounded state, as there).
+            state = state.to(state_ptr.dtype.element_ty).to(tl.float32)
             if HAS_INTER:
                 tl.store(i_ptrs + t * s_i_t, state.to(inter_ptr.dtype.element_ty), mask=smask,
                          eviction_policy="evict_first")
@@ -153,6 +160,9 @@ if HAS_TRITON:
                        mask=mask_c[:, None] & in_hist[None, :], other=0.0).to(tl.float32)
         xt = tl.load(x_row + tl.where(in_x, i - (K - 1), 0)[None, :] * s_x_t + offs_c[:, None],
                      mask=mask_c[:, None] & in_x[None, :], other=0.0).to(tl.float32)
+        # Columns before the last are history: a one-token decode would read those tokens back from
+        # the conv state, rounded to its dtype (the contract: state rounded after every token).
+        xt = tl.where((cols < K - 1)[None, :], xt.to(cs_row.dtype.element_ty).to(tl.float32), xt)
         return hist + xt
 
     @triton.jit
@@ -171,7 +181,7 @@ if HAS_TRITON:
             acc = acc / (1.0 + tl.exp(-acc))
         return acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _conv_update_kernel(
         x_ptr, cs_ptr, w_ptr, bias_ptr, out_ptr, idx_ptr, inter_ptr, inter_idx_ptr,
         T, CD,
@@ -373,6 +383,8 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
 
     dt is softplus(dt + dt_bias) (no clamp); dA = exp(dt * A[h]); state = state * dA + dt * B x;
     y = state . C + D x. state_indices[i] < 0 marks a padding row (zero state in, nothing stored).
+    The state contract, for every T: after each token the state is rounded to state.dtype (y is
+    taken before that rounding), so T tokens in one launch equal T one-token launches bit for bit.
     """
     require(__name__)
     single = x.dim() == 3

@@ -121,6 +121,52 @@ def test_ssm_verify_intermediate_states(state_dtype):
             assert _rel(inter[i, t], ref_state[s[0]]) < bound
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_multi_token_launch_equals_decodes(state_dtype):
+    """The state contract on the compiled kernels: one T-token launch (verify into the scratch, and
+    replay in place) equals T one-token decode launches bit for bit, states and outputs, with the
+    conv history and the SSM state stored in state_dtype (x fp32). CPU twin: tests/test_state_contract.py."""
+    g = _gen(6)
+    b, T = 3, 4
+    xBC = torch.randn(b, T, CD, device=DEV, generator=g)
+    w = torch.randn(CD, K, device=DEV, generator=g) * 0.5
+    cb = torch.randn(CD, device=DEV, generator=g)
+    dt = torch.randn(b, T, H, device=DEV, generator=g) - 1
+    A = -torch.exp(torch.rand(H, device=DEV, generator=g) * 2)
+    D = torch.randn(H, device=DEV, generator=g)
+    dtb = torch.randn(H, device=DEV, generator=g) * 0.5
+    conv0 = torch.randn(SLOTS, CD, K - 1, device=DEV, generator=g).to(state_dtype)
+    ssm0 = (torch.randn(SLOTS, H, P, N, device=DEV, generator=g) * 0.3).to(state_dtype)
+    idx = torch.tensor([8, 0, 3], device=DEV)
+
+    def run(xbc_in, dt_in, conv, ssm, scratch=None):
+        lead = xbc_in.shape[:-1]
+        cs, ss = scratch if scratch is not None else (None, None)
+        xbc = tm.conv_state_update(xbc_in, conv, w, cb, idx, "silu", intermediate_states=cs)
+        xs, Bs, Cs = torch.split(xbc, [H * P, G * N, G * N], dim=-1)
+        y = tm.selective_state_update(ssm, xs.reshape(*lead, H, P), dt_in, A, Bs.reshape(*lead, G, N),
+                                      Cs.reshape(*lead, G, N), D, dtb, idx, intermediate_states=ss)
+        return xbc, y
+
+    conv, ssm = conv0.clone(), ssm0.clone()
+    dec = []
+    for t in range(T):
+        xbc, y = run(xBC[:, t], dt[:, t], conv, ssm)
+        dec.append((xbc, y, conv[idx].clone(), ssm[idx].clone()))
+    c_scr = torch.zeros(b, T, CD, K - 1, device=DEV, dtype=state_dtype)
+    s_scr = torch.zeros(b, T, H, P, N, device=DEV, dtype=state_dtype)
+    cv, sv = conv0.clone(), ssm0.clone()
+    xbc_v, y_v = run(xBC, dt, cv, sv, (c_scr, s_scr))
+    cr, sr = conv0.clone(), ssm0.clone()
+    xbc_r, y_r = run(xBC, dt, cr, sr)
+    assert torch.equal(cv, conv0) and torch.equal(sv, ssm0)
+    for t, (xbc, y, c, s) in enumerate(dec):
+        assert torch.equal(xbc_v[:, t], xbc) and torch.equal(xbc_r[:, t], xbc), t
+        assert torch.equal(y_v[:, t], y) and torch.equal(y_r[:, t], y), t
+        assert torch.equal(c_scr[:, t], c) and torch.equal(s_scr[:, t], s), t
+    assert torch.equal(cr, conv) and torch.equal(sr, ssm)
+
+
 @pytest.mark.parametrize("conv_dtype", [torch.float32, torch.bfloat16])
 def test_conv_and_fused_vs_reference(conv_dtype):
     g = _gen(3)
