@@ -6,8 +6,10 @@ throw-away one-slot pool and a few KV pages. Then
 
     budget = total * gpu_memory_utilization - (memory in use now) - activation peak - graph reserve
 
-is split: first max_num_seqs Mamba state slots (+ the scratch row), then KV pages (at most what
-max_num_seqs sequences of max_model_len need). Too little memory is a CapacityError at startup.
+is split (split_budget, pure arithmetic): first max_num_seqs Mamba state slots (+ the cached
+prefixes' slots and the scratch row), then, with speculation, the verify scratch (max_num_seqs x
+(K+1) more states, MambaStatePool.enable_spec_scratch), then KV pages (at most what max_num_seqs
+sequences of max_model_len need). Too little memory is a CapacityError at startup.
 """
 from __future__ import annotations
 
@@ -37,16 +39,62 @@ class MemoryPlan:
     activation_bytes: int
     weight_bytes: int
     max_tokens: int  # KV tokens that fit (all requests together)
+    spec_scratch_bytes: int = 0  # speculative verify scratch: max_num_seqs x (K+1) Mamba states
 
     def summary(self, max_num_seqs: int, max_model_len: int, page_size: int) -> str:
         full = self.max_tokens // max_model_len if self.page_bytes else max_num_seqs
         return (f"memory plan: weights {self.weight_bytes / GiB:.2f} GiB, activation peak "
                 f"{self.activation_bytes / GiB:.2f} GiB, budget {self.budget_bytes / GiB:.2f} GiB; "
                 f"Mamba state {self.num_slots} slots x {self.slot_bytes / 2**20:.1f} MiB = "
-                f"{self.num_slots * self.slot_bytes / GiB:.2f} GiB; KV cache {self.num_kv_pages - 1} pages x "
+                f"{self.num_slots * self.slot_bytes / GiB:.2f} GiB; speculative verify scratch "
+                f"{self.spec_scratch_bytes / GiB:.2f} GiB; KV cache {self.num_kv_pages - 1} pages x "
                 f"{page_size} tokens = {self.max_tokens} tokens ({self.num_kv_pages * self.page_bytes / GiB:.2f} GiB); "
                 f"fits {max_num_seqs} concurrent requests, {min(full, max_num_seqs)} of them at the full "
                 f"max_model_len={max_model_len}")
+
+
+def spec_scratch_bytes(slot_bytes: int, max_num_seqs: int, num_speculative_tokens: int) -> int:
+    """Bytes of the verify scratch the engine allocates with speculation (enable_spec_scratch):
+    the state after each of the K+1 tokens of every one of max_num_seqs verify rows."""
+    return max_num_seqs * (num_speculative_tokens + 1) * slot_bytes if num_speculative_tokens else 0
+
+
+def split_budget(budget: int, *, slot_bytes: int, page_bytes: int, page_size: int, max_num_seqs: int,
+                 max_model_len: int, extra_state_slots: int = 0, num_speculative_tokens: int = 0,
+                 num_kv_pages: int | None = None, accounting: str = "") -> tuple[int, int, int]:
+    """Split `budget` bytes (what is left for state and KV cache) into the Mamba slots, the
+    speculative verify scratch and KV pages, in that order. Returns (state_bytes, spec_scratch_bytes,
+    num_kv_pages). CapacityError, naming what does not fit, when the slots, the scratch and one
+    max_model_len sequence of KV do not all fit, or when a given num_kv_pages does not.
+    `accounting` is appended to the messages (where the budget came from)."""
+    pages_per_seq = -(-max_model_len // page_size)
+    # one slot per sequence, the extra ones (cached prefixes) and the scratch row
+    state_bytes = (max_num_seqs + extra_state_slots + 1) * slot_bytes
+    spec_bytes = spec_scratch_bytes(slot_bytes, max_num_seqs, num_speculative_tokens)
+    min_kv = (pages_per_seq + 1) * page_bytes if page_bytes else 0
+    if budget < state_bytes + spec_bytes + min_kv:
+        per_seq = slot_bytes * (1 + (num_speculative_tokens + 1 if num_speculative_tokens else 0))
+        fit = max(0, (budget - min_kv - (extra_state_slots + 1) * slot_bytes) // per_seq) if per_seq else 0
+        spec = (f", the speculative verify scratch (num_speculative_tokens={num_speculative_tokens}: "
+                f"{max_num_seqs} x {num_speculative_tokens + 1} Mamba states) needs {spec_bytes / GiB:.2f} GiB"
+                if spec_bytes else "")
+        raise CapacityError(
+            f"max_num_seqs={max_num_seqs} and max_model_len={max_model_len} do not fit: "
+            f"{budget / GiB:.2f} GiB are left for state and KV cache{accounting}; "
+            f"{max_num_seqs + extra_state_slots + 1} Mamba slots need {state_bytes / GiB:.2f} GiB "
+            f"({slot_bytes / 2**20:.1f} MiB each){spec}"
+            + (f" and one max_model_len sequence needs {min_kv / GiB:.2f} GiB of KV" if min_kv else "")
+            + f"; at most {fit} sequences fit with these settings")
+    kv_budget = budget - state_bytes - spec_bytes
+    if num_kv_pages is None:
+        cap = max_num_seqs * pages_per_seq + 1
+        num_kv_pages = min(cap, kv_budget // page_bytes) if page_bytes else cap
+    elif page_bytes and num_kv_pages * page_bytes > kv_budget:
+        raise CapacityError(
+            f"num_kv_pages={num_kv_pages} needs {num_kv_pages * page_bytes / GiB:.2f} GiB but only "
+            f"{kv_budget / GiB:.2f} GiB are left after {max_num_seqs + extra_state_slots + 1} Mamba slots"
+            + (" and the speculative verify scratch" if spec_bytes else ""))
+    return state_bytes, spec_bytes, int(num_kv_pages)
 
 
 def _profile_batch(num_tokens: int, num_decodes: int, page_size: int, device) -> StepBatch:
@@ -84,7 +132,7 @@ def _profile_batch(num_tokens: int, num_decodes: int, page_size: int, device) ->
 def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: float, max_num_seqs: int,
                 max_model_len: int, max_num_batched_tokens: int, page_size: int, kv_dtype: torch.dtype,
                 conv_dtype: torch.dtype, ssm_dtype: torch.dtype, attention_backend, num_kv_pages: int | None,
-                use_graphs: bool, extra_state_slots: int = 0) -> MemoryPlan:
+                use_graphs: bool, extra_state_slots: int = 0, num_speculative_tokens: int = 0) -> MemoryPlan:
     from hybrid.model import ForwardContext
 
     if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -94,15 +142,15 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
     shapes = StateShapes(n_mamba, m.conv_dim, m.conv_kernel - 1, m.num_heads, m.head_dim, m.state_size) if m else None
     slot_bytes = shapes.bytes_per_slot(conv_dtype, ssm_dtype) if shapes and n_mamba else 0
     page_bytes = PagedKVCache.bytes_per_page(n_attn, page_size, a.num_kv_heads, a.head_dim, kv_dtype) if n_attn else 0
-    pages_per_seq = -(-max_model_len // page_size)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     free0, total0 = torch.cuda.mem_get_info(device)
-    if (max_num_seqs + 1) * slot_bytes > total0 * gpu_memory_utilization:
-        raise CapacityError(
-            f"max_num_seqs={max_num_seqs} needs {(max_num_seqs + 1) * slot_bytes / GiB:.2f} GiB of Mamba state "
-            f"({slot_bytes / 2**20:.1f} MiB per sequence): more than the whole budget of "
-            f"{total0 * gpu_memory_utilization / GiB:.2f} GiB; these sizes do not fit")
+    # before profiling: state alone (with the verify scratch) beyond the whole budget cannot fit
+    split_budget(int(total0 * gpu_memory_utilization), slot_bytes=slot_bytes, page_bytes=0, page_size=page_size,
+                 max_num_seqs=max_num_seqs, max_model_len=max_model_len, extra_state_slots=extra_state_slots,
+                 num_speculative_tokens=num_speculative_tokens,
+                 accounting=f" even before weights and activations (the whole budget at gpu_memory_utilization="
+                            f"{gpu_memory_utilization})")
 
     # ---- profiling forward at the largest chunk and the largest decode batch
     torch.cuda.synchronize(device)
@@ -126,26 +174,13 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
     in_use = total - free
     reserve = GRAPH_RESERVE_BYTES if use_graphs else 0
     budget = int(total * gpu_memory_utilization) - in_use - activation - reserve
-    # one slot per sequence, the extra ones (cached prefixes) and the scratch row
-    state_bytes = (max_num_seqs + extra_state_slots + 1) * slot_bytes
-    min_kv = (pages_per_seq + 1) * page_bytes
-    if budget < state_bytes + min_kv:
-        fit = max(0, (budget - min_kv) // slot_bytes - 1) if slot_bytes else 0
-        raise CapacityError(
-            f"max_num_seqs={max_num_seqs} and max_model_len={max_model_len} do not fit: "
-            f"{budget / GiB:.2f} GiB are left for state and KV cache at gpu_memory_utilization="
-            f"{gpu_memory_utilization} (total {total / GiB:.1f} GiB, in use {in_use / GiB:.2f} GiB, activations "
-            f"{activation / GiB:.2f} GiB); {max_num_seqs} Mamba slots need {state_bytes / GiB:.2f} GiB "
-            f"({slot_bytes / 2**20:.1f} MiB each) and one max_model_len sequence needs {min_kv / GiB:.2f} GiB of KV; "
-            f"at most {fit} sequences fit at this max_model_len")
-    kv_budget = budget - state_bytes
-    if num_kv_pages is None:
-        cap = max_num_seqs * pages_per_seq + 1
-        num_kv_pages = min(cap, kv_budget // page_bytes) if page_bytes else cap
-    elif page_bytes and num_kv_pages * page_bytes > kv_budget:
-        raise CapacityError(
-            f"num_kv_pages={num_kv_pages} needs {num_kv_pages * page_bytes / GiB:.2f} GiB but only "
-            f"{kv_budget / GiB:.2f} GiB are left after {max_num_seqs} Mamba slots")
+    _, spec_bytes, num_kv_pages = split_budget(
+        budget, slot_bytes=slot_bytes, page_bytes=page_bytes, page_size=page_size, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len, extra_state_slots=extra_state_slots,
+        num_speculative_tokens=num_speculative_tokens, num_kv_pages=num_kv_pages,
+        accounting=f" at gpu_memory_utilization={gpu_memory_utilization} (total {total / GiB:.1f} GiB, in use "
+                   f"{in_use / GiB:.2f} GiB, activations {activation / GiB:.2f} GiB)")
     return MemoryPlan(num_slots=max_num_seqs + extra_state_slots, num_kv_pages=int(num_kv_pages), budget_bytes=int(budget),
                       slot_bytes=slot_bytes, page_bytes=page_bytes, activation_bytes=int(activation),
-                      weight_bytes=weight_bytes, max_tokens=(int(num_kv_pages) - 1) * page_size)
+                      weight_bytes=weight_bytes, max_tokens=(int(num_kv_pages) - 1) * page_size,
+                      spec_scratch_bytes=spec_bytes)

@@ -18,6 +18,7 @@ from hybrid.loader import load_model
 from hybrid.model import ForwardContext
 from hybrid.outputs import RequestOutput
 from hybrid.sampling import SamplingParams
+from hybrid.spec_decode import SpeculativeConfig
 from state_pool.pool import MambaStatePool, StateShapes
 
 logger = logging.getLogger("hybrid")
@@ -93,6 +94,7 @@ class LLM:
         if fused_ops:
             use_fused_ops(self.model)
         backend = select_backend(self.device)
+        spec = SpeculativeConfig.from_dict(speculative_config)
         self.memory_plan = None
         if self.device.type == "cuda":
             from graphs.memory import plan_memory
@@ -105,11 +107,14 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, kv_dtype=self.dtype,
                 conv_dtype=self.dtype, ssm_dtype=ssm_dtype, attention_backend=backend, num_kv_pages=num_kv_pages,
-                use_graphs=not enforce_eager, extra_state_slots=cache_entries)
+                use_graphs=not enforce_eager, extra_state_slots=cache_entries,
+                num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
             num_kv_pages = self.memory_plan.num_kv_pages
             logger.info(self.memory_plan.summary(max_num_seqs, self.max_model_len, page_size))
         self.state_pool = MambaStatePool(shapes, max_num_seqs + cache_entries, self.device, conv_dtype=self.dtype,
                                          ssm_dtype=ssm_dtype)
+        if spec:  # the verify scratch, allocated where the memory plan budgets it: before the KV cache
+            self.state_pool.enable_spec_scratch(max_num_seqs, spec.num_speculative_tokens + 1)
         pages_per_seq = -(-self.max_model_len // page_size)
         if num_kv_pages is None:
             num_kv_pages = max_num_seqs * pages_per_seq + 1
