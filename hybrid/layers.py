@@ -348,7 +348,11 @@ class NemotronMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        scores = F.linear(x.float(), self.router_weight.float()).sigmoid()
+        logits = F.linear(x.float(), self.router_weight.float())
+        if self.experts.fused and cfg.topk_group == cfg.n_group:  # no group masking: one Triton launch
+            return triton_moe.route(logits, cfg.top_k, sigmoid=True, bias=self.router_bias,
+                                    normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+        scores = logits.sigmoid()
         choice = scores + self.router_bias.float()
         n = x.shape[0]
         per_group = cfg.num_experts // cfg.n_group
@@ -379,6 +383,9 @@ class GraniteMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         logits = F.linear(x, self.router_weight).float()
+        if self.experts.fused:
+            top_idx, top_w = triton_moe.route(logits, self.cfg.top_k, sigmoid=False)
+            return self.experts(x, top_idx, top_w.to(x.dtype), add=add)
         top_logits, top_idx = logits.topk(self.cfg.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
         return self.experts(x, top_idx, top_w, add=add)

@@ -68,3 +68,24 @@ def test_fused_experts_prefill_config_and_add():
     # the prefill tiles (BLOCK_M 64, grouped ordering) over more tokens than one block holds
     check_fused_experts("random", True, "torch", T=70, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,
                         device="cpu", config=(64, 32, 16, 2, 1, 1), with_add=True)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 6])
+@pytest.mark.parametrize("num_experts", [8, 20])
+def test_route_kernel_matches_torch(top_k, num_experts):
+    """The one-launch router: NemotronH's sigmoid + correction bias (normalised, scaled) and Granite's
+    softmax over the top-k logits, against the torch ops of layers.NemotronMoE / GraniteMoE."""
+    g = torch.Generator().manual_seed(top_k * 100 + num_experts)
+    logits = torch.randn(9, num_experts, generator=g) * 2
+    bias = torch.randn(num_experts, generator=g) * 0.5
+    idx, w = tmoe.route(logits, top_k, sigmoid=True, bias=bias, normalize=True, scale=2.5)
+    scores = logits.sigmoid()
+    ref_idx = torch.topk(scores + bias, top_k, dim=-1)[1]
+    ref_w = scores.gather(1, ref_idx)
+    ref_w = ref_w / ref_w.sum(-1, keepdim=True) * 2.5
+    assert torch.equal(idx.long(), ref_idx)  # both in descending order of choice
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    idx, w = tmoe.route(logits, top_k, sigmoid=False)
+    top, ref_idx = logits.topk(top_k, dim=-1)
+    assert torch.equal(idx.long(), ref_idx)
+    torch.testing.assert_close(w, torch.softmax(top, dim=-1), rtol=1e-5, atol=1e-6)

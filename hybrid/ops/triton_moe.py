@@ -184,21 +184,82 @@ if HAS_TRITON:
         tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, scale, TOP_K: tl.constexpr,
+                      KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      NORMALIZE: tl.constexpr):
+        # One token per program: the k best experts by repeated argmax over the row (E <= a few
+        # hundred); KP, EP: k and E padded to powers of two for the register tiles.
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, EP)
+        ok = e < E
+        logits = tl.load(logits_ptr + t * s_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+        if SIGMOID:
+            scores = 1.0 / (1.0 + tl.exp(-logits))
+        else:
+            scores = logits
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+        choice = tl.where(ok, choice, float("-inf"))
+        ks = tl.arange(0, KP)
+        real = ks < TOP_K
+        top_idx = tl.zeros([KP], dtype=tl.int32)
+        top_s = tl.zeros([KP], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.argmax(choice, axis=0)
+            top_idx = tl.where(ks == j, best, top_idx)
+            top_s = tl.where(ks == j, tl.sum(tl.where(e == best, scores, 0.0), axis=0), top_s)
+            choice = tl.where(e == best, float("-inf"), choice)
+        if SIGMOID:
+            w = top_s
+            if NORMALIZE:
+                w = w / (tl.sum(tl.where(real, w, 0.0), axis=0) + 1e-20)
+        else:  # softmax over the k chosen logits
+            top_s = tl.where(real, top_s, float("-inf"))
+            w = tl.exp(top_s - tl.max(top_s, axis=0))
+            w = w / tl.sum(w, axis=0)
+        tl.store(idx_ptr + t * TOP_K + ks, top_idx, mask=real)
+        tl.store(w_ptr + t * TOP_K + ks, w * scale, mask=real)
+
+
+def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor | None = None,
+          normalize: bool = False, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing in one launch: (top_idx [T, k] int32, top_w [T, k] fp32) from router logits [T, E].
+    sigmoid: NemotronH (experts chosen by sigmoid(logit) + bias, weighted by sigmoid(logit),
+    optionally normalised over the k, times `scale`); else Granite (the top-k logits, softmax over them)."""
+    require(__name__)
+    T, E = logits.shape
+    assert logits.stride(1) == 1 and top_k <= E
+    idx = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    if T:
+        _route_kernel[(T,)](logits, bias if bias is not None else logits, idx, w, E, logits.stride(0), scale,
+                            TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
+                            SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize,
+                            num_warps=1 if E <= 256 else 4)
+    return idx, w
+
+
 # Kernel configurations per regime: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
 # Decode (few rows per expert): weight streaming, narrow column tiles for enough programs in flight.
 # Prefill: compute-bound tiles. bench/bench_moe_kernels.py sweeps alternatives on the device.
 CONFIGS = {
     "decode": (16, 64, 128, 1, 4, 4),
     "decode_wide": (32, 64, 128, 1, 4, 4),
-    "prefill": (64, 128, 64, 8, 4, 3),
+    "prefill": (128, 256, 64, 8, 8, 3),
+    "prefill_gated": (128, 128, 64, 8, 8, 3),  # two B tiles: (128, 256) is over the shared memory
 }
 
 
-def pick_config(num_pairs: int, num_experts: int) -> str:
-    rows_per_expert = num_pairs / num_experts
+def pick_config(num_pairs: int, num_experts: int, gated: bool) -> str:
+    # measured on the H200 (bench/bench_moe_kernels.py): 16-row blocks while an expert averages at
+    # most 16 pairs, 32-row ones above that, the prefill tiles past the one-program alignment's range
     if num_pairs <= TRITON_ALIGN_MAX_PAIRS:
-        return "decode" if rows_per_expert <= 24 else "decode_wide"
-    return "prefill"
+        return "decode" if num_pairs <= 16 * num_experts else "decode_wide"
+    return "prefill_gated" if gated else "prefill"
 
 
 def align(flat_ids: torch.Tensor, num_experts: int, block_m: int, method: str | None = None
@@ -252,7 +313,7 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     if T == 0:
         return out
     n = T * top_k
-    cfg = config or CONFIGS[pick_config(n, E)]
+    cfg = config or CONFIGS[pick_config(n, E, gated)]
     pairs, block_expert, total = align(top_idx.reshape(-1), E, cfg[0], align_method)
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w_up, h, None, pairs, block_expert, total, top_k, ACT_SILU_MUL if gated else ACT_RELU2, cfg)

@@ -96,3 +96,22 @@ def test_graph_replay_equals_eager(T):
         eager = triton_moe.fused_experts(x, w_up, w_down, idx, w, True, add)
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("E,top_k", [(128, 6), (64, 6), (72, 10)])
+def test_route_kernel_vs_torch(E, top_k):
+    from hybrid.ops import triton_moe
+
+    g = torch.Generator(device="cuda").manual_seed(E + top_k)
+    logits = torch.randn(300, E, generator=g, device="cuda") * 2
+    bias = torch.randn(E, generator=g, device="cuda") * 0.1
+    idx, w = triton_moe.route(logits, top_k, sigmoid=True, bias=bias, normalize=True, scale=2.5)
+    scores = logits.sigmoid()
+    ref_idx = torch.topk(scores + bias, top_k, dim=-1)[1]
+    ref_w = scores.gather(1, ref_idx)
+    assert torch.equal(idx.long(), ref_idx)
+    torch.testing.assert_close(w, ref_w / ref_w.sum(-1, keepdim=True) * 2.5, rtol=1e-5, atol=1e-6)
+    idx, w = triton_moe.route(logits, top_k, sigmoid=False)
+    top, ref_idx = logits.topk(top_k, dim=-1)
+    assert torch.equal(idx.long(), ref_idx)
+    torch.testing.assert_close(w, torch.softmax(top, dim=-1), rtol=1e-5, atol=1e-6)
