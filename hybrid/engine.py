@@ -803,7 +803,10 @@ class Engine:
         self.state_pool.copy_slot(seq.slot, slot)
         pages = seq.pages[:len(tokens) // self.page_size]
         self.kv_cache.allocator.share(pages)
-        cache.insert(tokens, slot, pages)
+        displaced = cache.insert(tokens, slot, pages)
+        if displaced is not None:  # a hash collision: the older prefix gives its slot and pages back
+            self._free(displaced.slot, displaced.pages)
+            self.stats["prefix_cache_evictions"] += 1
 
     def _evict_cached_prefix(self) -> bool:
         """Drop the least recently used cached prefix (False: none). Freed at once even with steps in

@@ -84,16 +84,20 @@ class PrefixCache:
         entry = self.entries.get(self.page_hashes(tokens, n)[-1])
         return entry is not None and entry.tokens == tuple(tokens[:n * self.page_size])
 
-    def insert(self, tokens: list[int], slot: int, pages: list[int]) -> None:
+    def insert(self, tokens: list[int], slot: int, pages: list[int]) -> CachedPrefix | None:
         """Cache `tokens` (a whole number of pages): the caller gives the entry its slot and one
-        reference to each page, and has made room (is_full / pop_lru) beforehand."""
+        reference to each page, and has made room (is_full / pop_lru) beforehand. Returns the entry
+        this one displaced (same key: a prefix whose hash collides, or these tokens again), whose
+        slot and pages go back to the caller as pop_lru's do, so that nothing leaks; None if none."""
         if len(tokens) % self.page_size or len(pages) != len(tokens) // self.page_size:
             raise ValueError("a cached prefix covers whole pages")
+        key = self.page_hashes(tokens, len(pages))[-1]
+        old = self.entries.pop(key, None)
         if len(self.entries) >= self.max_entries:
             raise RuntimeError("prefix cache full: pop an entry first")
         self._clock += 1
-        key = self.page_hashes(tokens, len(pages))[-1]
         self.entries[key] = CachedPrefix(tuple(tokens), slot, list(pages), self._clock)
+        return old
 
     @property
     def is_full(self) -> bool:

@@ -102,3 +102,36 @@ def test_prompts_sharing_only_a_system_prompt(interval, hit, tiny_ckpt, make_llm
     assert llm.engine.stats["prefix_cache_hit_tokens"] == hit
     assert got == hf_oracle.oracle_run(path, b, GREEDY.max_tokens).tokens
     assert len(llm.engine.prefix_cache) == (4 if interval else 2)  # a: 8, 16, 24; b: 24 (16 is a's)
+
+
+def test_insert_under_a_taken_key_returns_the_displaced_entry():
+    from hybrid.prefix_cache import PrefixCache
+
+    cache = PrefixCache(page_size=4, max_entries=1)
+    assert cache.insert(BASE[:8], 3, [1, 2]) is None
+    old = cache.insert(BASE[:8], 5, [7, 8])  # the same key again, cache full: a replacement, not an overflow
+    assert (old.slot, old.pages) == (3, [1, 2]) and len(cache) == 1
+    assert cache.lookup(BASE).slot == 5
+
+
+def test_colliding_prefix_keys_leak_nothing(tiny_ckpt, make_llm, monkeypatch):
+    """Two different prompts whose cached prefixes collide on one key: the second entry displaces the
+    first, whose slot and pages go back (before: leaked). After everything is released the pools'
+    free counts are back where they started, and the first prompt never resumes from the other's state."""
+    from hybrid.prefix_cache import PrefixCache
+
+    path = tiny_ckpt("nemotron_h")
+    monkeypatch.setattr(PrefixCache, "page_hashes", lambda self, tokens, n: list(range(n)))  # key = page count
+    llm = make_llm(path, page_size=4, enable_prefix_caching=True, check_state=True)
+    eng, pool, pages = llm.engine, llm.state_pool, llm.kv_cache.allocator
+    free_slots, free_pages = pool.num_free, pages.num_free
+    other = [t + 1 for t in BASE]
+    first = _tokens(llm, [BASE])[0]
+    _tokens(llm, [other])
+    assert len(eng.prefix_cache) == 1
+    assert next(iter(eng.prefix_cache.entries.values())).tokens == tuple(other[:12])
+    assert _tokens(llm, [BASE])[0] == first  # the key is taken by `other`: verified by tokens, no hit
+    assert eng.stats["prefix_cache_hits"] == 0
+    while eng._evict_cached_prefix():
+        pass
+    assert pool.num_free == free_slots and pages.num_free == free_pages
