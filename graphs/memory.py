@@ -10,6 +10,10 @@ is split (split_budget, pure arithmetic): first max_num_seqs Mamba state slots (
 prefixes' slots and the scratch row), then, with speculation, the verify scratch (max_num_seqs x
 (K+1) more states, MambaStatePool.enable_spec_scratch), then KV pages (at most what max_num_seqs
 sequences of max_model_len need). Too little memory is a CapacityError at startup.
+
+The graph reserve (graph_reserve_bytes) is a fixed 512 MiB plus the captured graphs' outputs:
+graphs/runner.py captures every bucket into one shared pool and keeps each graph's fp32 logits
+[bucket, vocab] alive there, so those add up over the buckets (the intermediates are reused).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.kv_cache import DUMMY_PAGE, PagedKVCache
+from graphs.padding import default_capture_sizes
 from hybrid.batch import StepBatch  # only imported by hybrid.llm, after hybrid itself
 from hybrid.errors import CapacityError
 from state_pool.pool import PAD_SLOT_ID, MambaStatePool, StateShapes
@@ -40,17 +45,32 @@ class MemoryPlan:
     weight_bytes: int
     max_tokens: int  # KV tokens that fit (all requests together)
     spec_scratch_bytes: int = 0  # speculative verify scratch: max_num_seqs x (K+1) Mamba states
+    graph_reserve_bytes: int = 0  # CUDA graphs: fixed reserve + every bucket's logits output
 
     def summary(self, max_num_seqs: int, max_model_len: int, page_size: int) -> str:
         full = self.max_tokens // max_model_len if self.page_bytes else max_num_seqs
         return (f"memory plan: weights {self.weight_bytes / GiB:.2f} GiB, activation peak "
-                f"{self.activation_bytes / GiB:.2f} GiB, budget {self.budget_bytes / GiB:.2f} GiB; "
+                f"{self.activation_bytes / GiB:.2f} GiB, CUDA graphs {self.graph_reserve_bytes / GiB:.2f} GiB, "
+                f"budget {self.budget_bytes / GiB:.2f} GiB; "
                 f"Mamba state {self.num_slots} slots x {self.slot_bytes / 2**20:.1f} MiB = "
                 f"{self.num_slots * self.slot_bytes / GiB:.2f} GiB; speculative verify scratch "
                 f"{self.spec_scratch_bytes / GiB:.2f} GiB; KV cache {self.num_kv_pages - 1} pages x "
                 f"{page_size} tokens = {self.max_tokens} tokens ({self.num_kv_pages * self.page_bytes / GiB:.2f} GiB); "
                 f"fits {max_num_seqs} concurrent requests, {min(full, max_num_seqs)} of them at the full "
                 f"max_model_len={max_model_len}")
+
+
+def graph_reserve_bytes(capture_sizes: list[int], vocab_size: int) -> int:
+    """Memory the captured CUDA graphs keep: GRAPH_RESERVE_BYTES plus, for every bucket, its fp32
+    logits output [bucket, vocab], which stays alive in the shared graph pool (a sum, not a max:
+    each graph's output tensor is kept, so no later capture can reuse it)."""
+    return GRAPH_RESERVE_BYTES + sum(capture_sizes) * vocab_size * 4
+
+
+def capture_sizes(cuda_graph_sizes: list[int] | None, max_num_seqs: int) -> list[int]:
+    """The buckets ModelRunner captures for these arguments (as graphs/runner.py derives them)."""
+    sizes = cuda_graph_sizes if cuda_graph_sizes else default_capture_sizes(max_num_seqs)
+    return sorted({int(s) for s in sizes if int(s) >= 1})
 
 
 def spec_scratch_bytes(slot_bytes: int, max_num_seqs: int, num_speculative_tokens: int) -> int:
@@ -132,7 +152,8 @@ def _profile_batch(num_tokens: int, num_decodes: int, page_size: int, device) ->
 def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: float, max_num_seqs: int,
                 max_model_len: int, max_num_batched_tokens: int, page_size: int, kv_dtype: torch.dtype,
                 conv_dtype: torch.dtype, ssm_dtype: torch.dtype, attention_backend, num_kv_pages: int | None,
-                use_graphs: bool, extra_state_slots: int = 0, num_speculative_tokens: int = 0) -> MemoryPlan:
+                use_graphs: bool, extra_state_slots: int = 0, num_speculative_tokens: int = 0,
+                cuda_graph_sizes: list[int] | None = None) -> MemoryPlan:
     from hybrid.model import ForwardContext
 
     if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -172,15 +193,17 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
 
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free
-    reserve = GRAPH_RESERVE_BYTES if use_graphs else 0
+    reserve = (graph_reserve_bytes(capture_sizes(cuda_graph_sizes, max_num_seqs), cfg.vocab_size)
+               if use_graphs else 0)
     budget = int(total * gpu_memory_utilization) - in_use - activation - reserve
     _, spec_bytes, num_kv_pages = split_budget(
         budget, slot_bytes=slot_bytes, page_bytes=page_bytes, page_size=page_size, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, extra_state_slots=extra_state_slots,
         num_speculative_tokens=num_speculative_tokens, num_kv_pages=num_kv_pages,
         accounting=f" at gpu_memory_utilization={gpu_memory_utilization} (total {total / GiB:.1f} GiB, in use "
-                   f"{in_use / GiB:.2f} GiB, activations {activation / GiB:.2f} GiB)")
+                   f"{in_use / GiB:.2f} GiB, activations {activation / GiB:.2f} GiB, CUDA graphs "
+                   f"{reserve / GiB:.2f} GiB)")
     return MemoryPlan(num_slots=max_num_seqs + extra_state_slots, num_kv_pages=int(num_kv_pages), budget_bytes=int(budget),
                       slot_bytes=slot_bytes, page_bytes=page_bytes, activation_bytes=int(activation),
                       weight_bytes=weight_bytes, max_tokens=(int(num_kv_pages) - 1) * page_size,
-                      spec_scratch_bytes=spec_bytes)
+                      spec_scratch_bytes=spec_bytes, graph_reserve_bytes=reserve)

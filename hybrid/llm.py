@@ -108,7 +108,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, kv_dtype=self.dtype,
                 conv_dtype=self.dtype, ssm_dtype=ssm_dtype, attention_backend=backend, num_kv_pages=num_kv_pages,
                 use_graphs=not enforce_eager, extra_state_slots=cache_entries,
-                num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+                num_speculative_tokens=spec.num_speculative_tokens if spec else 0, cuda_graph_sizes=cuda_graph_sizes)
             num_kv_pages = self.memory_plan.num_kv_pages
             logger.info(self.memory_plan.summary(max_num_seqs, self.max_model_len, page_size))
         self.state_pool = MambaStatePool(shapes, max_num_seqs + cache_entries, self.device, conv_dtype=self.dtype,

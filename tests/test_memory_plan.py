@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from attention.kv_cache import PagedKVCache
-from graphs.memory import GiB, plan_memory, spec_scratch_bytes, split_budget
+from graphs.memory import (GRAPH_RESERVE_BYTES, GiB, capture_sizes, graph_reserve_bytes, plan_memory,
+                           spec_scratch_bytes, split_budget)
+from graphs.padding import default_capture_sizes
 from hybrid.config import parse_config
 from hybrid.errors import CapacityError
 from model_shapes import H200_BYTES, NEMOTRON_H_8B
@@ -82,3 +84,22 @@ def test_plan_memory_refuses_the_8b_spec_configuration_before_profiling(shapes_8
                     max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=2048, page_size=PAGE_SIZE,
                     kv_dtype=torch.bfloat16, conv_dtype=torch.bfloat16, ssm_dtype=torch.float32,
                     attention_backend=None, num_kv_pages=None, use_graphs=True, num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize("sizes", [None, [8, 1, 2, 2, 0, 64]])
+def test_capture_sizes_are_the_runners(sizes):
+    from graphs.runner import ModelRunner
+
+    runner = ModelRunner(None, None, enforce_eager=True, max_num_seqs=256, cuda_graph_sizes=sizes)
+    assert capture_sizes(sizes, 256) == runner.capture_sizes
+
+
+def test_graph_reserve_counts_every_buckets_logits():
+    """The default 35 buckets up to 256 keep 4231 rows of fp32 logits over a 131072 vocab alive in the
+    graph pool: 2.07 GiB, over four times the fixed reserve alone."""
+    sizes = capture_sizes(None, 256)
+    assert sizes == default_capture_sizes(256) and len(sizes) == 35 and sum(sizes) == 4231
+    outputs = graph_reserve_bytes(sizes, 131072) - GRAPH_RESERVE_BYTES
+    assert outputs == 4231 * 131072 * 4
+    assert outputs / GiB > 2 and outputs > 4 * GRAPH_RESERVE_BYTES
+    assert graph_reserve_bytes([1, 2, 4], 1000) == GRAPH_RESERVE_BYTES + 7 * 1000 * 4

@@ -29,7 +29,8 @@ def model_8b(monkeypatch):
         for name, p in list(model.named_parameters()):
             mod_path, _, attr = name.rpartition(".")
             mod = model.get_submodule(mod_path) if mod_path else model
-            setattr(mod, attr, torch.nn.Parameter(torch.zeros(p.shape, device=device, dtype=dtype), requires_grad=False))
+            zeros = torch.zeros(p.shape, device=device, dtype=dtype)
+            setattr(mod, attr, torch.nn.Parameter(zeros, requires_grad=False))
         for m in model.modules():
             for b, buf in list(m._buffers.items()):
                 if buf is not None:
@@ -43,9 +44,10 @@ def model_8b(monkeypatch):
     torch.cuda.empty_cache()
 
 
-def _llm(path, max_num_seqs):
+def _llm(path, max_num_seqs, **kw):
+    kw.setdefault("enforce_eager", True)
     return LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs, max_model_len=16384,
-               max_num_batched_tokens=512, mamba_ssm_dtype="float32", speculative_config=SPEC, enforce_eager=True)
+               max_num_batched_tokens=512, mamba_ssm_dtype="float32", speculative_config=SPEC, **kw)
 
 
 def test_8b_spec_at_256_sequences_fails_at_startup(model_8b):
@@ -54,9 +56,12 @@ def test_8b_spec_at_256_sequences_fails_at_startup(model_8b):
 
 
 def test_8b_spec_that_fits_has_the_scratch_in_the_plan(model_8b):
-    llm = _llm(model_8b, 32)
+    sizes = [1, 2, 4, 8, 16, 32]
+    llm = _llm(model_8b, 32, enforce_eager=False, cuda_graph_sizes=sizes)
     plan, pool = llm.memory_plan, llm.state_pool
     assert plan.spec_scratch_bytes == 32 * 4 * plan.slot_bytes > 0
+    # the graph reserve holds every bucket's fp32 logits (captured or not: graphs need the mamba kernels)
+    assert plan.graph_reserve_bytes == 512 * 2**20 + sum(sizes) * 131072 * 4
     assert pool.spec_ssm is not None and pool.spec_ssm.shape[1:3] == (32, 4)
     out = llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)
