@@ -315,11 +315,31 @@ class Experts(nn.Module):
         self.fused = False  # the Triton grouped-GEMM path (see use_fused_ops)
         self.can_fuse = act == ("silu" if gated else "relu2")
 
+    def shared_slices(self, shared: nn.Module | None) -> int:
+        """How many expert-wide slices the shared expert `shared` joins the fused launches as (0: it
+        runs on its own): on the fused path, for a bias-free shared MLP of this activation whose
+        width is a multiple of the expert width."""
+        if not self.fused or shared is None or not shared.can_fuse:
+            return 0
+        up = shared.gate_up_proj if self.gated else shared.up_proj
+        if isinstance(shared, GatedMLP) != self.gated or up.bias is not None or shared.down_proj.bias is not None:
+            return 0
+        return triton_moe.num_shared_pseudo_experts(shared.down_proj.weight, self.down.shape[2]) \
+            if shared.down_proj.weight.shape[1] % self.down.shape[2] == 0 else 0
+
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
-                add: torch.Tensor | None = None) -> torch.Tensor:
-        """sum_k top_w * expert_k(x) (+ add), in x.dtype."""
+                add: torch.Tensor | None = None, shared: nn.Module | None = None) -> torch.Tensor:
+        """sum_k top_w * expert_k(x) (+ add), in x.dtype. `shared` (fused path only, see
+        shared_slices): the shared MLP as pseudo-experts E.., whose ids and weights (1) are the
+        last columns of top_idx / top_w."""
         if self.fused:
-            return triton_moe.fused_experts(x, self.up, self.down, top_idx, top_w, self.gated, add)
+            s_up = s_down = None
+            if shared is not None:
+                s_up = (shared.gate_up_proj if self.gated else shared.up_proj).weight
+                s_down = shared.down_proj.weight
+            return triton_moe.fused_experts(x, self.up, self.down, top_idx, top_w, self.gated, add,
+                                            shared_up=s_up, shared_down=s_down)
+        assert shared is None, "the shared expert joins the experts only on the fused path"
         out = torch.zeros(x.shape[0], x.shape[1], dtype=top_w.dtype, device=x.device)
         for e in torch.unique(top_idx).tolist():
             token, k = torch.where(top_idx == e)
@@ -346,12 +366,15 @@ class NemotronMoE(nn.Module):
         self.experts = Experts(hidden_size, cfg, act, gated=False)
         self.shared = DenseMLP(hidden_size, cfg.shared_intermediate_size, act)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top_idx, top_w) [T, k + num_shared]: the routed experts, then the shared expert's slices
+        (ids E.., weight 1; see Experts.shared_slices)."""
         cfg = self.cfg
         logits = F.linear(x.float(), self.router_weight.float())
         if self.experts.fused and cfg.topk_group == cfg.n_group:  # no group masking: one Triton launch
             return triton_moe.route(logits, cfg.top_k, sigmoid=True, bias=self.router_bias,
-                                    normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+                                    normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor,
+                                    num_shared=num_shared)
         scores = logits.sigmoid()
         choice = scores + self.router_bias.float()
         n = x.shape[0]
@@ -365,10 +388,18 @@ class NemotronMoE(nn.Module):
         top_w = scores.gather(1, top_idx)
         if cfg.norm_topk_prob:
             top_w = top_w / (top_w.sum(-1, keepdim=True) + 1e-20)
-        return top_idx, top_w * cfg.routed_scaling_factor
+        top_w = top_w * cfg.routed_scaling_factor
+        if num_shared:
+            ids = torch.arange(cfg.num_experts, cfg.num_experts + num_shared, device=x.device)
+            top_idx = torch.cat([top_idx, ids.expand(n, num_shared)], dim=1)
+            top_w = torch.cat([top_w, top_w.new_ones(n, num_shared)], dim=1)
+        return top_idx, top_w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top_idx, top_w = self.route(x)
+        slices = self.experts.shared_slices(self.shared)
+        top_idx, top_w = self.route(x, slices)
+        if slices:
+            return self.experts(x, top_idx, top_w, shared=self.shared)
         return self.experts(x, top_idx, top_w, add=self.shared(x))
 
 
@@ -381,14 +412,18 @@ class GraniteMoE(nn.Module):
         self.router_weight = _param(cfg.num_experts, hidden_size)
         self.experts = Experts(hidden_size, cfg, act, gated=True)
 
-    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        logits = F.linear(x, self.router_weight).float()
-        if self.experts.fused:
-            top_idx, top_w = triton_moe.route(logits, self.cfg.top_k, sigmoid=False)
-            return self.experts(x, top_idx, top_w.to(x.dtype), add=add)
-        top_logits, top_idx = logits.topk(self.cfg.top_k, dim=-1)
+    def forward(self, x: torch.Tensor, shared: nn.Module | None = None) -> torch.Tensor:
+        """The routed experts' output plus the block's shared MLP `shared` (if any)."""
+        logits = F.linear(x, self.router_weight)
+        if self.experts.fused:  # one routing launch; the shared MLP inside the expert launches if it fits
+            slices = self.experts.shared_slices(shared)
+            top_idx, top_w = triton_moe.route(logits, self.cfg.top_k, sigmoid=False, num_shared=slices)
+            if slices:
+                return self.experts(x, top_idx, top_w, shared=shared)
+            return self.experts(x, top_idx, top_w, add=shared(x) if shared is not None else None)
+        top_logits, top_idx = logits.float().topk(self.cfg.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        return self.experts(x, top_idx, top_w, add=add)
+        return self.experts(x, top_idx, top_w, add=shared(x) if shared is not None else None)
 
 
 def use_fused_ops(model: nn.Module) -> int:

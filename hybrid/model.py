@@ -69,7 +69,7 @@ class TwoStageBlock(nn.Module):
         else:
             x = self.mixer(x, batch, ctx.kv_layer(self.mixer.layer_index), ctx.attention_backend)
         x, residual = self.ffn_norm.add_norm(x, residual, m)
-        x = self.moe(x, add=self.mlp(x)) if self.moe is not None else self.mlp(x)
+        x = self.moe(x, shared=self.mlp) if self.moe is not None else self.mlp(x)
         return x, residual
 
 

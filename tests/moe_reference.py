@@ -35,7 +35,11 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 def check_fused_experts(kind: str, gated: bool, method: str, *, T: int, E: int, H: int, inter: int, top_k: int,
-                        dtype: torch.dtype, device, config=None, with_add: bool = False, seed: int = 0) -> None:
+                        dtype: torch.dtype, device, config=None, with_add: bool = False, shared_slices: int = 0,
+                        seed: int = 0) -> None:
+    """fused_experts against the float64 torch loop; shared_slices > 0: a shared MLP of that many expert
+    widths folded into the launches as pseudo-experts, against the shared MLP module run on its own."""
+    from hybrid.layers import DenseMLP, GatedMLP
     from hybrid.ops import triton_moe
 
     g = torch.Generator().manual_seed(seed)
@@ -48,13 +52,30 @@ def check_fused_experts(kind: str, gated: bool, method: str, *, T: int, E: int, 
     x = torch.randn(T, H, generator=g).to(dtype).to(device)
     add = torch.randn(T, H, generator=g).to(dtype).to(device) if with_add else None
     top_idx, top_w = routing(kind, T, E, top_k, seed + 1, device)
+    shared = None
+    if shared_slices:
+        width_s = shared_slices * inter
+        shared = (GatedMLP if gated else DenseMLP)(H, width_s, "silu" if gated else "relu2")
+        up = shared.gate_up_proj if gated else shared.up_proj
+        up.weight = torch.nn.Parameter((torch.randn(up.weight.shape, generator=g) / H ** 0.5).to(dtype).to(device),
+                                       requires_grad=False)
+        shared.down_proj.weight = torch.nn.Parameter(
+            (torch.randn(H, width_s, generator=g) / width_s ** 0.5).to(dtype).to(device), requires_grad=False)
     # the reference: the torch loop in float64 on the same (rounded) weights and inputs
     up, down = experts.up.data, experts.down.data
     experts.up.data, experts.down.data = up.double(), down.double()
     ref = experts(x.double(), top_idx, top_w.double(), None if add is None else add.double())
     experts.up.data, experts.down.data = up, down
+    s_up = s_down = None
+    if shared is not None:
+        s_up, s_down = (shared.gate_up_proj if gated else shared.up_proj).weight, shared.down_proj.weight
+        ref = ref + shared.double()(x.double())
+        shared.to(dtype)
+        ids = torch.arange(E, E + shared_slices, device=device).expand(T, shared_slices)
+        top_idx = torch.cat([top_idx, ids], dim=1)
+        top_w = torch.cat([top_w, torch.ones(T, shared_slices, device=device)], dim=1)
     out = triton_moe.fused_experts(x, experts.up, experts.down, top_idx, top_w, gated, add, config=config,
-                                   align_method=method)
+                                   align_method=method, shared_up=s_up, shared_down=s_down)
     assert out.dtype == dtype and out.shape == (T, H)
     assert torch.isfinite(out).all()
     err = (out.double() - ref.double()).abs().max() / ref.double().abs().max()

@@ -64,6 +64,14 @@ def test_fused_experts_match_torch_loop(kind, gated, method):
                         device="cpu", config=(16, 16, 16, 2, 1, 1))
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("method", ["naive", "triton", "torch"])
+def test_shared_expert_as_pseudo_experts(gated, method):
+    # the shared MLP (3 expert widths) inside the expert launches == the MLP run on its own
+    check_fused_experts("random", gated, method, T=7, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,
+                        device="cpu", config=(16, 16, 16, 2, 1, 1), shared_slices=3, with_add=True)
+
+
 def test_fused_experts_prefill_config_and_add():
     # the prefill tiles (BLOCK_M 64, grouped ordering) over more tokens than one block holds
     check_fused_experts("random", True, "torch", T=70, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,

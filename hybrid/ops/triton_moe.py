@@ -118,12 +118,15 @@ if HAS_TRITON:
             next_row += tl.sum(hit, axis=0)
 
     @triton.jit
-    def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, pairs_ptr, block_expert_ptr, total_ptr,
-                         N, K, num_pairs, a_div, num_m_blocks, s_am, s_be, s_bn, s_bk, s_cm,
-                         ACT: tl.constexpr, MUL_W: tl.constexpr, IEEE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
-        # C[p, :N] = act(A[p // a_div] @ B[e].T) (* w[p]) for the pairs p of each block (expert e).
+    def _moe_gemm_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, pairs_ptr, block_expert_ptr, total_ptr,
+                         N, K, num_pairs, a_div, num_m_blocks, num_experts, s_am, s_be, s_bn, s_sn, s_se,
+                         s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr, HAS_SHARED: tl.constexpr,
+                         IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        # C[p, :N] = act(A[p // a_div] @ W_e.T) (* w[p]) for the pairs p of each block (expert e).
+        # W_e: b + e*s_be (rows s_bn apart; gated: the up rows N rows below the gate rows), or for
+        # e >= num_experts the shared pseudo-expert s = e - num_experts: s_ptr + s*s_se (rows s_sn
+        # apart; up rows s_up further). K is contiguous in both.
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * num_n  # GROUP_M row blocks walk the column tiles together (L2 reuse)
@@ -141,7 +144,15 @@ if HAS_TRITON:
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_row[:, None] * s_am + offs_k[None, :]
-        b_ptrs = b_ptr + expert * s_be + offs_n[None, :].to(tl.int64) * s_bn + offs_k[:, None] * s_bk
+        w_base = b_ptr + expert * s_be
+        row_stride = s_bn
+        up_off = N * s_bn
+        if HAS_SHARED:
+            if expert >= num_experts:
+                w_base = s_ptr + (expert - num_experts) * s_se
+                row_stride = s_sn
+                up_off = s_up
+        b_ptrs = w_base + offs_n[None, :].to(tl.int64) * row_stride + offs_k[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -152,14 +163,14 @@ if HAS_TRITON:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-            if ACT == 2:  # the up rows of the same columns sit N rows further down
-                b_up = tl.load(b_ptrs + N * s_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if ACT == 2:
+                b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 if IEEE:
                     acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
                 else:
                     acc_up = tl.dot(a, b_up, acc_up)
             a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * s_bk
+            b_ptrs += BLOCK_K
         if ACT == 1:
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
@@ -189,9 +200,10 @@ if HAS_TRITON:
     @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, scale, TOP_K: tl.constexpr,
                       KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      NORMALIZE: tl.constexpr):
+                      NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr):
         # One token per program: the k best experts by repeated argmax over the row (E <= a few
-        # hundred); KP, EP: k and E padded to powers of two for the register tiles.
+        # hundred); KP, EP, SP: k, E and NUM_SHARED padded to powers of two for the register tiles.
+        # Output row: the k routed (id, weight), then the shared pseudo-experts (E + s, 1.0).
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, EP)
         ok = e < E
@@ -221,24 +233,33 @@ if HAS_TRITON:
             top_s = tl.where(real, top_s, float("-inf"))
             w = tl.exp(top_s - tl.max(top_s, axis=0))
             w = w / tl.sum(w, axis=0)
-        tl.store(idx_ptr + t * TOP_K + ks, top_idx, mask=real)
-        tl.store(w_ptr + t * TOP_K + ks, w * scale, mask=real)
+        row = t * (TOP_K + NUM_SHARED)
+        tl.store(idx_ptr + row + ks, top_idx, mask=real)
+        tl.store(w_ptr + row + ks, w * scale, mask=real)
+        if NUM_SHARED > 0:
+            ss = tl.arange(0, SP)
+            tl.store(idx_ptr + row + TOP_K + ss, E + ss, mask=ss < NUM_SHARED)
+            tl.store(w_ptr + row + TOP_K + ss, tl.full([SP], 1.0, tl.float32), mask=ss < NUM_SHARED)
 
 
 def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor | None = None,
-          normalize: bool = False, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing in one launch: (top_idx [T, k] int32, top_w [T, k] fp32) from router logits [T, E].
-    sigmoid: NemotronH (experts chosen by sigmoid(logit) + bias, weighted by sigmoid(logit),
-    optionally normalised over the k, times `scale`); else Granite (the top-k logits, softmax over them)."""
+          normalize: bool = False, scale: float = 1.0, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing in one launch: (top_idx [T, k + num_shared] int32, top_w [T, k + num_shared] fp32)
+    from router logits [T, E] (any float dtype). sigmoid: NemotronH (experts chosen by sigmoid(logit)
+    + bias, weighted by sigmoid(logit), optionally normalised over the k, times `scale`); else
+    Granite (the top-k logits, softmax over them). The last num_shared columns are the shared
+    expert's slices for fused_experts: ids E .. E+num_shared-1, weight 1."""
     require(__name__)
     T, E = logits.shape
     assert logits.stride(1) == 1 and top_k <= E
-    idx = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    width = top_k + num_shared
+    idx = torch.empty(T, width, dtype=torch.int32, device=logits.device)
+    w = torch.empty(T, width, dtype=torch.float32, device=logits.device)
     if T:
         _route_kernel[(T,)](logits, bias if bias is not None else logits, idx, w, E, logits.stride(0), scale,
                             TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
                             SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize,
+                            NUM_SHARED=num_shared, SP=triton.next_power_of_2(max(num_shared, 1)),
                             num_warps=1 if E <= 256 else 4)
     return idx, w
 
@@ -284,24 +305,52 @@ def align(flat_ids: torch.Tensor, num_experts: int, block_m: int, method: str | 
     return pairs, block_expert, total
 
 
-def _grouped_gemm(a, w, out, weights, pairs, block_expert, total, a_div, act, cfg) -> None:
+_sm_count: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # (the CPU interpreter: any figure does)
+    if device not in _sm_count:
+        _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count[device]
+
+
+def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div, act, cfg, narrow: bool) -> None:
+    """One grouped GEMM launch. `shared`: (tensor, row stride, pseudo-expert stride, up-row offset)
+    or None. `narrow`: halve BLOCK_N (down to 16) while the launch has under two programs per SM,
+    so that a decode step with few pairs still streams the weights from every SM."""
     bm, bn, bk, gm, warps, stages = cfg
     n_out = out.shape[1]
-    k = a.shape[1]
     nb = block_expert.shape[0]
-    grid = (nb * triton.cdiv(n_out, bn),)
-    _moe_gemm_kernel[grid](
-        a, w, out, weights if weights is not None else out, pairs, block_expert, total,
-        n_out, k, out.shape[0], a_div, nb, a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        ACT=act, MUL_W=weights is not None, IEEE=a.dtype == torch.float32,
+    if narrow:
+        while bn > 16 and nb * triton.cdiv(n_out, bn) < 2 * _num_sms(a.device):
+            bn //= 2
+    s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
+    _moe_gemm_kernel[(nb * triton.cdiv(n_out, bn),)](
+        a, w, s_t, out, weights if weights is not None else out, pairs, block_expert, total,
+        n_out, a.shape[1], out.shape[0], a_div, nb, w.shape[0], a.stride(0), w.stride(0), w.stride(1),
+        s_sn, s_se, s_up, out.stride(0),
+        ACT=act, MUL_W=weights is not None, HAS_SHARED=shared is not None, IEEE=a.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages,
     )
 
 
+def num_shared_pseudo_experts(shared_down: torch.Tensor | None, inter: int) -> int:
+    """How many expert-wide slices the shared expert's down weight [H, S*I] makes (0: none)."""
+    return 0 if shared_down is None else shared_down.shape[1] // inter
+
+
 def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top_idx: torch.Tensor,
                   top_w: torch.Tensor, gated: bool, add: torch.Tensor | None = None, *,
+                  shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
                   config: tuple | None = None, align_method: str | None = None) -> torch.Tensor:
-    """The routed experts' output [T, H] in x.dtype (+ `add`); see the module docstring."""
+    """The routed experts' output [T, H] in x.dtype (+ `add`); see the module docstring.
+
+    With shared_up [S*I or 2*S*I, H] ([gate | up] rows when gated) and shared_down [H, S*I] the
+    shared expert (of S times the expert width) joins the same launches as S pseudo-experts
+    E .. E+S-1, each an I-wide slice of it: top_idx / top_w then carry S more columns, ids E+s with
+    weight 1 (`route(..., num_shared=S)` writes them). The slices' outputs add up to the shared MLP's."""
     require(__name__)
     T, H = x.shape
     E, width, _ = w_up.shape
@@ -309,16 +358,29 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     top_k = top_idx.shape[1]
     assert x.stride(1) == 1 and w_up.stride(2) == 1 and w_down.stride(2) == 1
     assert width == (2 * inter if gated else inter)
+    S = num_shared_pseudo_experts(shared_down, inter)
+    up_shared = down_shared = None
+    if S:
+        s_width = S * inter
+        assert shared_down.shape == (H, s_width) and shared_up.shape == ((2 if gated else 1) * s_width, H)
+        assert shared_up.stride(1) == 1 and shared_down.stride(1) == 1
+        up_shared = (shared_up, shared_up.stride(0), inter * shared_up.stride(0), s_width * shared_up.stride(0))
+        down_shared = (shared_down, shared_down.stride(0), inter, 0)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     n = T * top_k
-    cfg = config or CONFIGS[pick_config(n, E, gated)]
-    pairs, block_expert, total = align(top_idx.reshape(-1), E, cfg[0], align_method)
+    cfg = config or CONFIGS[pick_config(n, E + S, gated)]
+    if align_method is None and S and T > 1 and n <= NAIVE_MAX_PAIRS:
+        align_method = "triton"  # naive blocks would stream the shared slices once per token
+    pairs, block_expert, total = align(top_idx.reshape(-1), E + S, cfg[0], align_method)
+    narrow = config is None and cfg[0] == 16
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w_up, h, None, pairs, block_expert, total, top_k, ACT_SILU_MUL if gated else ACT_RELU2, cfg)
+    _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
+                  ACT_SILU_MUL if gated else ACT_RELU2, cfg, narrow)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, w_down, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1, ACT_NONE, cfg)
+    _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,
+                  ACT_NONE, cfg, narrow)
     if add is not None:
         assert add.shape == (T, H) and add.stride(1) == 1 and add.stride(0) == H
     block = min(1024, triton.next_power_of_2(H))

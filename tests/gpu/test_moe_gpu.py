@@ -115,3 +115,12 @@ def test_route_kernel_vs_torch(E, top_k):
     top, ref_idx = logits.topk(top_k, dim=-1)
     assert torch.equal(idx.long(), ref_idx)
     torch.testing.assert_close(w, torch.softmax(top, dim=-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("T", [1, 4, 64, 1500])
+def test_shared_expert_folded_in(shape, T):
+    """The shared MLP (two expert widths, as in Nemotron-3-Nano and Granite-4.0-H) inside the expert launches."""
+    s = dict(SHAPES[shape])
+    gated = s.pop("gated")
+    check_fused_experts("random", gated, None, T=T, dtype=torch.bfloat16, device="cuda", shared_slices=2, seed=T, **s)
