@@ -315,11 +315,11 @@ class Experts(nn.Module):
         self.fused = False  # the Triton grouped-GEMM path (see use_fused_ops)
         self.can_fuse = act == ("silu" if gated else "relu2")
 
-    def shared_slices(self, shared: nn.Module | None) -> int:
+    def shared_slices(self, shared: nn.Module | None, num_tokens: int) -> int:
         """How many expert-wide slices the shared expert `shared` joins the fused launches as (0: it
-        runs on its own): on the fused path, for a bias-free shared MLP of this activation whose
-        width is a multiple of the expert width."""
-        if not self.fused or shared is None or not shared.can_fuse:
+        runs on its own): on the fused path, for steps of few tokens (triton_moe.SHARED_FOLD_MAX_TOKENS),
+        for a bias-free shared MLP of this activation whose width is a multiple of the expert width."""
+        if not self.fused or shared is None or not shared.can_fuse or num_tokens > triton_moe.SHARED_FOLD_MAX_TOKENS:
             return 0
         up = shared.gate_up_proj if self.gated else shared.up_proj
         if isinstance(shared, GatedMLP) != self.gated or up.bias is not None or shared.down_proj.bias is not None:
@@ -396,7 +396,7 @@ class NemotronMoE(nn.Module):
         return top_idx, top_w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        slices = self.experts.shared_slices(self.shared)
+        slices = self.experts.shared_slices(self.shared, x.shape[0])
         top_idx, top_w = self.route(x, slices)
         if slices:
             return self.experts(x, top_idx, top_w, shared=self.shared)
@@ -416,7 +416,7 @@ class GraniteMoE(nn.Module):
         """The routed experts' output plus the block's shared MLP `shared` (if any)."""
         logits = F.linear(x, self.router_weight)
         if self.experts.fused:  # one routing launch; the shared MLP inside the expert launches if it fits
-            slices = self.experts.shared_slices(shared)
+            slices = self.experts.shared_slices(shared, x.shape[0])
             top_idx, top_w = triton_moe.route(logits, self.cfg.top_k, sigmoid=False, num_shared=slices)
             if slices:
                 return self.experts(x, top_idx, top_w, shared=shared)

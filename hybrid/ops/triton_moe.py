@@ -323,8 +323,8 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
     bm, bn, bk, gm, warps, stages = cfg
     n_out = out.shape[1]
     nb = block_expert.shape[0]
-    if narrow:
-        while bn > 16 and nb * triton.cdiv(n_out, bn) < 2 * _num_sms(a.device):
+    if narrow:  # (32: the narrowest tile measured on the H200, bench/bench_moe_kernels.py)
+        while bn > 32 and nb * triton.cdiv(n_out, bn) < 2 * _num_sms(a.device):
             bn //= 2
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
     _moe_gemm_kernel[(nb * triton.cdiv(n_out, bn),)](
@@ -334,6 +334,13 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
         ACT=act, MUL_W=weights is not None, HAS_SHARED=shared is not None, IEEE=a.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages,
     )
+
+
+# The shared expert joins the expert launches only for steps of at most this many tokens: then each
+# of its slices is one 16-row block, streamed once, and the step saves the shared MLP's three
+# launches. Above it a slice would span several blocks, each streaming the slice's weights again
+# (the shared MLP then runs on its own, through cuBLAS).
+SHARED_FOLD_MAX_TOKENS = 16
 
 
 def num_shared_pseudo_experts(shared_down: torch.Tensor | None, inter: int) -> int:
