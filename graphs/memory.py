@@ -11,6 +11,11 @@ prefixes' slots and the scratch row), then, with speculation, the verify scratch
 (K+1) more states, MambaStatePool.enable_spec_scratch), then KV pages (at most what max_num_seqs
 sequences of max_model_len need). Too little memory is a CapacityError at startup.
 
+MoE models: every expert's weights are resident (counted in the weights, and named in the summary);
+the fused MoE path's routing workspace (pair order, block table, the per-pair intermediates) is
+sized by the step's token count alone, never by the routing, so the profiling forwards at the
+largest chunk and the largest decode batch cover it.
+
 The graph reserve (graph_reserve_bytes) is a fixed 512 MiB plus the captured graphs' outputs:
 graphs/runner.py captures every bucket into one shared pool and keeps each graph's fp32 logits
 [bucket, vocab] alive there, so those add up over the buckets (the intermediates are reused).
@@ -46,10 +51,12 @@ class MemoryPlan:
     max_tokens: int  # KV tokens that fit (all requests together)
     spec_scratch_bytes: int = 0  # speculative verify scratch: max_num_seqs x (K+1) Mamba states
     graph_reserve_bytes: int = 0  # CUDA graphs: fixed reserve + every bucket's logits output
+    expert_bytes: int = 0  # of weight_bytes: the routed experts (MoE models), all resident
 
     def summary(self, max_num_seqs: int, max_model_len: int, page_size: int) -> str:
         full = self.max_tokens // max_model_len if self.page_bytes else max_num_seqs
-        return (f"memory plan: weights {self.weight_bytes / GiB:.2f} GiB, activation peak "
+        experts = f" (routed experts {self.expert_bytes / GiB:.2f} GiB)" if self.expert_bytes else ""
+        return (f"memory plan: weights {self.weight_bytes / GiB:.2f} GiB{experts}, activation peak "
                 f"{self.activation_bytes / GiB:.2f} GiB, CUDA graphs {self.graph_reserve_bytes / GiB:.2f} GiB, "
                 f"budget {self.budget_bytes / GiB:.2f} GiB; "
                 f"Mamba state {self.num_slots} slots x {self.slot_bytes / 2**20:.1f} MiB = "
@@ -154,6 +161,7 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
                 conv_dtype: torch.dtype, ssm_dtype: torch.dtype, attention_backend, num_kv_pages: int | None,
                 use_graphs: bool, extra_state_slots: int = 0, num_speculative_tokens: int = 0,
                 cuda_graph_sizes: list[int] | None = None) -> MemoryPlan:
+    from hybrid.layers import Experts
     from hybrid.model import ForwardContext
 
     if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -164,6 +172,8 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
     slot_bytes = shapes.bytes_per_slot(conv_dtype, ssm_dtype) if shapes and n_mamba else 0
     page_bytes = PagedKVCache.bytes_per_page(n_attn, page_size, a.num_kv_heads, a.head_dim, kv_dtype) if n_attn else 0
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    expert_bytes = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, Experts)
+                       for p in m.parameters())
 
     free0, total0 = torch.cuda.mem_get_info(device)
     # before profiling: state alone (with the verify scratch) beyond the whole budget cannot fit
@@ -206,4 +216,4 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
     return MemoryPlan(num_slots=max_num_seqs + extra_state_slots, num_kv_pages=int(num_kv_pages), budget_bytes=int(budget),
                       slot_bytes=slot_bytes, page_bytes=page_bytes, activation_bytes=int(activation),
                       weight_bytes=weight_bytes, max_tokens=(int(num_kv_pages) - 1) * page_size,
-                      spec_scratch_bytes=spec_bytes, graph_reserve_bytes=reserve)
+                      spec_scratch_bytes=spec_bytes, graph_reserve_bytes=reserve, expert_bytes=expert_bytes)

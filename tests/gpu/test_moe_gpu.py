@@ -124,3 +124,16 @@ def test_shared_expert_folded_in(shape, T):
     s = dict(SHAPES[shape])
     gated = s.pop("gated")
     check_fused_experts("random", gated, None, T=T, dtype=torch.bfloat16, device="cuda", shared_slices=2, seed=T, **s)
+
+
+def test_memory_plan_names_the_resident_experts(tiny_ckpt):
+    from hybrid import LLM
+    from hybrid.layers import Experts
+
+    llm = LLM(tiny_ckpt("granite_moe"), device="cuda", max_num_seqs=4, max_model_len=64, gpu_memory_utilization=0.3)
+    experts = sum(p.numel() * p.element_size() for m in llm.model.modules() if isinstance(m, Experts)
+                  for p in m.parameters())
+    plan = llm.memory_plan
+    assert experts > 0 and plan.expert_bytes == experts and plan.weight_bytes > experts
+    assert "routed experts" in plan.summary(4, 64, llm.kv_cache.page_size)
+    assert llm.runner.use_graphs and all(m.fused for m in llm.model.modules() if isinstance(m, Experts))
