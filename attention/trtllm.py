@@ -11,6 +11,15 @@ KV layout (shared with attention/kv_cache.py, FlashInfer/trtllm "HND"):
   `BatchPrefillWithPagedKVCacheWrapper` (HND, causal bottom-right), planned once per step and
   reused by every attention layer. Head dims it has no kernel for (other than 64/128/256) and
   non-16-bit dtypes fall back to the torch reference for that step.
+- workspaces: each kernel family has its own (`Workspaces`). XQA keeps semaphores at the start of
+  its workspace that must stay zero between calls, while FlashInfer's split-KV prefill writes
+  partial outputs from offset 0 of its float workspace: sharing one buffer would let a prefill step
+  that splits the KV (a short chunk over a long history) corrupt the next decode's semaphores.
+- prefill plans under async scheduling: `plan()` stages its schedule in a pinned host buffer and
+  copies it to the device asynchronously, so a wrapper must not be re-planned while a step that
+  used it may still have that copy queued. Plans rotate through PLAN_RING wrappers (each with its
+  own workspaces and pinned buffer), and re-planning one first waits on the event recorded after its
+  previous plan: with at most one step in flight that wait is already over (`PrefillPlans`).
 flashinfer and triton are imported here only, and this module only on CUDA.
 """
 from __future__ import annotations
@@ -61,6 +70,35 @@ def write_kv_fused(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     )
 
 
+PLAN_RING = 2  # prefill wrappers in rotation: the step being planned and the one in flight
+
+
+class PrefillPlans:
+    """FlashInfer paged-prefill wrappers in rotation, each re-planned only once the host-to-device
+    copies of its previous plan have run (the event recorded right after that plan). All wrappers
+    (and so their workspaces) are made up front, inside the memory plan's profiling forward."""
+
+    def __init__(self, make_wrapper, ring: int = PLAN_RING, make_event=None) -> None:
+        self._wrappers = [make_wrapper(i) for i in range(ring)]  # make_wrapper(i): with workspace i
+        self._make_event = make_event or torch.cuda.Event
+        self._events: list = [None] * ring
+        self._next = 0
+        self.current = None  # the wrapper planned last: every attention layer of the step runs it
+        self.key = None  # (batch, shape key) of that plan
+
+    def plan(self, key, plan_fn) -> None:
+        """Plan the next wrapper of the ring with plan_fn(wrapper), after its previous plan's copies."""
+        i = self._next
+        self._next = (i + 1) % len(self._wrappers)
+        if self._events[i] is not None:
+            self._events[i].synchronize()  # returns at once unless that plan's copies are still queued
+        plan_fn(self._wrappers[i])
+        event = self._make_event()
+        event.record()
+        self._events[i] = event
+        self.current, self.key = self._wrappers[i], key
+
+
 class TrtllmAttentionBackend:
     name = "trtllm"
     supports_cuda_graphs = True  # for decode-only steps in 16-bit dtypes
@@ -68,33 +106,35 @@ class TrtllmAttentionBackend:
     def __init__(self) -> None:
         import flashinfer  # noqa: F401 - fail early (ImportError) without the [gpu] extra
 
-        self._workspace: torch.Tensor | None = None
-        self._prefill = None
-        self._planned = None  # (batch, key) the prefill wrapper is planned for
+        self._workspaces: dict[str, torch.Tensor] = {}  # kernel family -> its own zeroed workspace
+        self._plans: PrefillPlans | None = None
         self._reference = TorchAttentionBackend()
         self._sm = None
 
     def graph_safe(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.bfloat16, torch.float16)
 
-    def workspace(self, device: torch.device) -> torch.Tensor:
-        if self._workspace is None:
-            self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._sm = torch.cuda.get_device_capability(device)[0]
-        return self._workspace
+    def workspace(self, family: str, device: torch.device) -> torch.Tensor:
+        """The workspace of one kernel family ("decode": XQA / trtllm-gen decode, "context": sm_100
+        context, "prefill<i>": the i-th FlashInfer prefill wrapper), allocated zeroed on first use:
+        the profiling forwards of the memory plan reach every family a step can use."""
+        if family not in self._workspaces:
+            self._workspaces[family] = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspaces[family]
 
     def forward(self, q, k, v, kv_layer, batch, scale):
         if not self.graph_safe(kv_layer.dtype) or q.dtype != kv_layer.dtype:
             return self._reference.forward(q, k, v, kv_layer, batch, scale)
         num_tokens, num_heads, head_dim = q.shape
-        ws = self.workspace(q.device)
+        if self._sm is None:
+            self._sm = torch.cuda.get_device_capability(q.device)[0]
         write_kv_fused(kv_layer, k, v, batch.kv_write_loc)
         if batch.num_prefills == 0 and num_tokens == batch.num_decodes:
             out = self.decode(q, kv_layer, batch, scale)
-        elif self._sm is not None and self._sm >= 10:
-            out = self.context_sm100(q, kv_layer, batch, scale, ws)
+        elif self._sm >= 10:
+            out = self.context_sm100(q, kv_layer, batch, scale)
         elif head_dim in _PREFILL_HEAD_DIMS:
-            out = self.prefill_sm90(q, kv_layer, batch, scale, ws)
+            out = self.prefill_sm90(q, kv_layer, batch, scale)
         else:
             return self._reference.forward(q, k, v, kv_layer, batch, scale)
         return out.reshape(num_tokens, num_heads * head_dim)
@@ -104,7 +144,7 @@ class TrtllmAttentionBackend:
 
         page_size = kv_layer.shape[3]
         return trtllm_batch_decode_with_kv_cache(
-            query=q.contiguous(), kv_cache=kv_layer, workspace_buffer=self.workspace(q.device),
+            query=q.contiguous(), kv_cache=kv_layer, workspace_buffer=self.workspace("decode", q.device),
             block_tables=batch.page_table, seq_lens=batch.seq_lens,
             max_seq_len=batch.page_table.shape[1] * page_size,
             bmm1_scale=float(scale), bmm2_scale=1.0, kv_layout="HND",
@@ -122,38 +162,40 @@ class TrtllmAttentionBackend:
         last = [s - (n - 1) * page_size for s, n in zip(batch.seq_lens_cpu, n_pages)]
         return kv_indptr, kv_indices, last
 
-    def prefill_sm90(self, q, kv_layer, batch, scale, ws):
+    def prefill_sm90(self, q, kv_layer, batch, scale):
         import flashinfer
 
         _, num_heads, head_dim = q.shape
         num_kv_heads, page_size = kv_layer.shape[2], kv_layer.shape[3]
+        dev = q.device
         key = (num_heads, num_kv_heads, head_dim, page_size, float(scale), q.dtype, kv_layer.dtype)
-        if self._planned is None or self._planned[0] is not batch or self._planned[1] != key:
-            if self._prefill is None:
-                self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="HND")
-            dev = q.device
+        if self._plans is None:
+            self._plans = PrefillPlans(lambda i: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace(f"prefill{i}", dev), kv_layout="HND"))
+        plans = self._plans
+        if plans.key is None or plans.key[0] is not batch or plans.key[1] != key:
             qo_indptr = [0]
             for n in batch.query_lens_cpu:
                 qo_indptr.append(qo_indptr[-1] + n)
             kv_indptr, kv_indices, last = self._paged_indices(batch, page_size, dev)
             # indptr and last-page lengths on the host, as plan() wants them: device ones are read back (a sync)
             i32 = dict(dtype=torch.int32)
-            self._prefill.plan(
+            plans.plan((batch, key), lambda wrapper: wrapper.plan(
                 torch.tensor(qo_indptr, **i32), torch.tensor(kv_indptr, **i32), kv_indices,
                 torch.tensor(last, **i32), num_heads, num_kv_heads, head_dim, page_size,
                 causal=True, sm_scale=float(scale), q_data_type=q.dtype, kv_data_type=kv_layer.dtype,
-            )
-            self._planned = (batch, key)
-        return self._prefill.run(q.contiguous(), kv_layer)
+            ))
+        return plans.current.run(q.contiguous(), kv_layer)
 
-    def context_sm100(self, q, kv_layer, batch, scale, ws):
+    def context_sm100(self, q, kv_layer, batch, scale):
         from flashinfer.prefill import trtllm_batch_context_with_kv_cache
 
         cum_kv = [0]
         for s in batch.seq_lens_cpu:
             cum_kv.append(cum_kv[-1] + s)
         return trtllm_batch_context_with_kv_cache(
-            query=q.contiguous(), kv_cache=kv_layer, workspace_buffer=ws, block_tables=batch.page_table,
+            query=q.contiguous(), kv_cache=kv_layer, workspace_buffer=self.workspace("context", q.device),
+            block_tables=batch.page_table,
             seq_lens=batch.seq_lens, max_q_len=max(batch.query_lens_cpu), max_kv_len=max(batch.seq_lens_cpu),
             bmm1_scale=float(scale), bmm2_scale=1.0, batch_size=batch.num_requests,
             cum_seq_lens_q=batch.query_start_loc,

@@ -1,0 +1,126 @@
+"""The trtllm backend's bookkeeping, on CPU with a stand-in flashinfer module (the kernels themselves
+run on the GPU: tests/gpu). What is checked here:
+- each kernel family gets its own workspace: XQA's semaphores (start of the decode workspace) can
+  never be written by FlashInfer's split-KV prefill (offset 0 of its float workspace);
+- prefill plans rotate through a ring of wrappers, and a wrapper is re-planned only after waiting
+  on the event recorded after its previous plan (its pinned staging copy may still be queued under
+  async scheduling).
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+
+class FakeEvent:
+    log: list = []
+
+    def __init__(self) -> None:
+        self.id = len(FakeEvent.log)
+
+    def record(self) -> None:
+        FakeEvent.log.append(("record", self.id))
+
+    def synchronize(self) -> None:
+        FakeEvent.log.append(("wait", self.id))
+
+
+class FakeWrapper:
+    def __init__(self, workspace, kv_layout) -> None:
+        self.workspace = workspace
+        self.plans = []
+
+    def plan(self, *args, **kwargs) -> None:
+        FakeEvent.log.append(("plan", id(self)))
+        self.plans.append(args)
+
+    def run(self, q, kv_layer):
+        return torch.zeros_like(q)
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    decode_calls = []
+    fi = types.ModuleType("flashinfer")
+    fi.BatchPrefillWithPagedKVCacheWrapper = FakeWrapper
+    fi_decode = types.ModuleType("flashinfer.decode")
+
+    def fake_decode(**kw):
+        decode_calls.append(kw["workspace_buffer"])
+        return torch.zeros_like(kw["query"])
+
+    fi_decode.trtllm_batch_decode_with_kv_cache = fake_decode
+    fi.decode = fi_decode
+    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    monkeypatch.setitem(sys.modules, "flashinfer.decode", fi_decode)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    import attention.trtllm as trt
+
+    monkeypatch.setattr(trt, "_WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(trt, "write_kv_fused", lambda *a: None)
+    FakeEvent.log = []
+    b = trt.TrtllmAttentionBackend()
+    b.decode_calls = decode_calls
+    return b
+
+
+def _batch(query_lens, seq_lens, page_size=16):
+    from hybrid.batch import StepBatch
+
+    n = len(query_lens)
+    width = max(-(-s // page_size) for s in seq_lens)
+    table = torch.arange(1, 1 + n * width, dtype=torch.int32).view(n, width)
+    T = sum(query_lens)
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+    decodes = sum(q == 1 for q in query_lens) if all(q == 1 for q in query_lens) else 0
+    return StepBatch(
+        input_ids=torch.zeros(T, dtype=torch.long), positions=torch.zeros(T, dtype=torch.long), query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), page_table=table, kv_write_loc=torch.zeros(T, dtype=torch.long),
+        state_slot=torch.arange(n), has_initial_state=torch.ones(n, dtype=torch.bool),
+        logits_indices=qsl[1:].long() - 1, num_decodes=decodes, num_prefills=n - decodes,
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), state_slot_cpu=list(range(n)),
+        has_initial_state_cpu=[True] * n,
+    )
+
+
+def _run(backend, batch, heads=4, kv_heads=2, head_dim=64):
+    T = batch.num_tokens
+    q = torch.randn(T, heads, head_dim, dtype=torch.bfloat16)
+    kv = torch.zeros(40, 2, kv_heads, 16, head_dim, dtype=torch.bfloat16)
+    k = torch.randn(T, kv_heads, head_dim, dtype=torch.bfloat16)
+    return backend.forward(q, k, k, kv, batch, 0.125)
+
+
+def test_decode_and_prefill_never_share_a_workspace(backend):
+    _run(backend, _batch([5, 3], [300, 40]))  # a short chunk over a long history: split-KV prefill
+    _run(backend, _batch([1, 1], [301, 41]))  # then a decode
+    _run(backend, _batch([7], [7]))  # the second prefill wrapper of the ring
+    decode_ws = backend.decode_calls[0]
+    prefill_ws = [w.workspace for w in backend._plans._wrappers]
+    assert len(prefill_ws) == 2
+    buffers = [decode_ws] + prefill_ws
+    ptrs = {b.untyped_storage().data_ptr() for b in buffers}
+    assert len(ptrs) == len(buffers), "two kernel families share a workspace"
+
+
+def test_prefill_plans_rotate_and_wait_for_their_previous_copies(backend):
+    wrappers = []
+    for step in range(5):
+        b = _batch([4, 2], [20 + step, 10])
+        _run(backend, b)
+        _run(backend, b)  # the next attention layer of the same step: no new plan
+        wrappers.append(backend._plans.current)
+    assert wrappers[0] is not wrappers[1] and wrappers[0] is wrappers[2] is wrappers[4]
+    assert sum(len(w.plans) for w in backend._plans._wrappers) == 5  # one plan per step
+    log = FakeEvent.log
+    plans = [i for i, e in enumerate(log) if e[0] == "plan"]
+    # from the third plan on, each is preceded by a wait on the event recorded after the plan two steps back
+    for n, i in enumerate(plans[2:], start=2):
+        recorded = [e[1] for e in log[: plans[n - 2] + 2] if e[0] == "record"][-1]
+        assert log[i - 1] == ("wait", recorded)
