@@ -1,0 +1,118 @@
+"""State integrity at real context lengths on the GPU (max_model_len 16K+), under CUDA graphs and async
+scheduling (the LLM defaults on CUDA), with the state sanitizer on:
+- 8K prompts prefilled in small chunks while other requests decode;
+- a second turn after a prefix-cache hit on an 8K history while others decode;
+- preemption and replay of long requests;
+- speculative decoding over long contexts with both SSM state dtypes.
+Every generated token is checked teacher-forced against a plain engine (see gpu_util), and every
+slot and page must be free afterwards. A dense model and an MoE one; the teacher-forced check needs
+prefill and decode to compute one function (no dt clamp), which both checkpoints here have.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from hybrid import LLM, SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_util import GREEDY, assert_greedy_under_reference  # noqa: E402
+
+FAMILIES = ["bamba_unclamped", "granite_moe"]
+LONG = 8192
+MAX_LEN = 16384 + 256
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt, tmp_path_factory):
+    import tiny_checkpoints
+
+    unclamped = str(tiny_checkpoints.build_bamba(tmp_path_factory.mktemp("bamba_unclamped_long"), seed=3))
+    return lambda name: unclamped if name == "bamba_unclamped" else tiny_ckpt(name)
+
+
+def prompt(n: int, seed: int, vocab: int = 100) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (n,), generator=g).tolist()
+
+
+def make(path, **kw) -> LLM:
+    kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("max_model_len", MAX_LEN)
+    kw.setdefault("max_num_batched_tokens", 512)  # an 8K prompt takes 16 chunks
+    kw.setdefault("check_state", True)
+    return LLM(path, device="cuda", gpu_memory_utilization=0.5, **kw)
+
+
+def reference(path, **kw) -> LLM:
+    return LLM(path, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8, max_model_len=MAX_LEN,
+               max_num_batched_tokens=16384, **kw)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_clean(llm: LLM) -> None:
+    assert llm.runner.use_graphs and llm.runner.stats["graph_replays"] > 0, "decode did not replay graphs"
+    held = len(llm.engine.prefix_cache) if llm.engine.prefix_cache is not None else 0
+    assert llm.state_pool.num_free == llm.state_pool.num_slots - held
+    if not held:
+        assert llm.kv_cache.allocator.num_free == llm.kv_cache.num_pages - 1
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_long_prompts_chunked_while_others_decode(name, ckpt):
+    path = ckpt(name)
+    prompts = [prompt(LONG, 1), prompt(20, 2), prompt(LONG + 333, 3), prompt(7, 4)]
+    sps = [SamplingParams(max_tokens=12, **GREEDY), SamplingParams(max_tokens=64, **GREEDY),
+           SamplingParams(max_tokens=12, **GREEDY), SamplingParams(max_tokens=64, **GREEDY)]
+    llm = make(path)
+    got = tokens(llm.generate(prompts, sps, use_tqdm=False))
+    assert [len(g) for g in got] == [12, 64, 12, 64]
+    assert_greedy_under_reference(reference(path), prompts, got)
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_second_turn_after_prefix_hit_on_long_history(name, ckpt):
+    path = ckpt(name)
+    llm = make(path, enable_prefix_caching=True)
+    first = prompt(LONG, 5)
+    answer = tokens(llm.generate([first], SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False))[0]
+    second = first + answer + prompt(40, 6)
+    others = [prompt(30, 7), prompt(11, 8)]
+    hits = llm.engine.stats.get("prefix_cache_hit_tokens", 0)
+    got = tokens(llm.generate([second] + others, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False))
+    assert llm.engine.stats.get("prefix_cache_hit_tokens", 0) - hits >= LONG - 16, "the second turn missed the cache"
+    assert_greedy_under_reference(reference(path), [second] + others, got)
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_preemption_and_replay_of_long_requests(name, ckpt):
+    path = ckpt(name)
+    prompts = [prompt(6000, 9), prompt(6000, 10), prompt(5000, 11)]
+    sp = SamplingParams(max_tokens=48, **GREEDY)
+    # pages for ~2.2 of the three long requests: the third forces preemptions (and replays)
+    llm = make(path, num_kv_pages=(6100 * 2 + 1000) // 16 + 2)
+    got = tokens(llm.generate(prompts, sp, use_tqdm=False))
+    assert llm.engine.stats["preemptions"] > 0
+    assert_greedy_under_reference(reference(path), prompts, got)
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
+def test_speculation_over_long_contexts(ssm_dtype, ckpt):
+    path = ckpt("bamba_unclamped")
+    base = prompt(64, 12)
+    prompts = [(base * (LONG // 64))[:LONG], prompt(100, 13) * 20]  # repetitive: the n-gram drafts hit
+    sp = SamplingParams(max_tokens=40, **GREEDY)
+    llm = make(path, mamba_ssm_dtype=ssm_dtype, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    got = tokens(llm.generate(prompts, sp, use_tqdm=False))
+    assert llm.engine.stats["spec_draft_tokens"] > 0
+    assert_greedy_under_reference(reference(path, mamba_ssm_dtype=ssm_dtype), prompts, got)
+    assert_clean(llm)
