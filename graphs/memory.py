@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.kv_cache import DUMMY_PAGE, PagedKVCache
-from graphs.padding import default_capture_sizes
+from attention.kv_cache import PagedKVCache
+from graphs.padding import default_capture_sizes, padding_batch
 from hybrid.batch import StepBatch  # only imported by hybrid.llm, after hybrid itself
 from hybrid.errors import CapacityError
-from state_pool.pool import PAD_SLOT_ID, MambaStatePool, StateShapes
+from state_pool.pool import MambaStatePool, StateShapes
 
 logger = logging.getLogger("hybrid")
 
@@ -128,19 +128,7 @@ def _profile_batch(num_tokens: int, num_decodes: int, page_size: int, device) ->
     """One prefill request of num_tokens (slot 0, pages 1..) or num_decodes padding decode rows."""
     dev = device
     if num_decodes:
-        n = num_decodes
-        return StepBatch(
-            input_ids=torch.zeros(n, dtype=torch.long, device=dev), positions=torch.zeros(n, dtype=torch.long, device=dev),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
-            page_table=torch.full((n, 1), DUMMY_PAGE, dtype=torch.int32, device=dev),
-            kv_write_loc=torch.zeros(n, dtype=torch.long, device=dev),
-            state_slot=torch.full((n,), PAD_SLOT_ID, dtype=torch.long, device=dev),
-            has_initial_state=torch.ones(n, dtype=torch.bool, device=dev),
-            logits_indices=torch.arange(n, dtype=torch.long, device=dev), num_decodes=n, num_prefills=0,
-            query_lens_cpu=[1] * n, seq_lens_cpu=[1] * n, state_slot_cpu=[PAD_SLOT_ID] * n,
-            has_initial_state_cpu=[True] * n,
-        )
+        return padding_batch(num_decodes, page_size, device)
     pages = -(-num_tokens // page_size)
     return StepBatch(
         input_ids=torch.zeros(num_tokens, dtype=torch.long, device=dev),

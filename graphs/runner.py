@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from attention.kv_cache import DUMMY_PAGE
-from graphs.padding import bucket_for, default_capture_sizes, is_plain_decode, pad_decode_batch
-from state_pool.pool import PAD_SLOT_ID
+from graphs.padding import (
+    bucket_for, default_capture_sizes, is_plain_decode, pad_decode_batch, padding_batch, padding_row,
+)
 
 if TYPE_CHECKING:
     from hybrid.batch import StepBatch
@@ -31,31 +32,24 @@ logger = logging.getLogger("hybrid")
 class _Buffers:
     """Persistent inputs of the captured graphs, sized for the largest bucket."""
 
-    def __init__(self, size: int, max_pages: int, device: torch.device) -> None:
-        i64 = dict(dtype=torch.long, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(size, **i64)
-        self.positions = torch.zeros(size, **i64)
-        self.query_start_loc = torch.arange(size + 1, **i32)
-        self.seq_lens = torch.ones(size, **i32)
-        self.page_table = torch.full((size, max_pages), DUMMY_PAGE, **i32)
-        self.kv_write_loc = torch.zeros(size, **i64)
-        self.state_slot = torch.full((size,), PAD_SLOT_ID, **i64)
-        self.has_initial_state = torch.ones(size, dtype=torch.bool, device=device)
-        self.logits_indices = torch.arange(size, **i64)
+    FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "kv_write_loc", "state_slot",
+              "has_initial_state", "logits_indices")
+
+    def __init__(self, size: int, max_pages: int, page_size: int, device: torch.device) -> None:
+        # every row starts as a padding row (capture runs on these): graphs/padding.py defines them
+        self.padding = padding_batch(size, page_size, device, pages_per_row=max_pages)
+        for field in self.FIELDS:
+            setattr(self, field, getattr(self.padding, field))
 
     def batch(self, size: int) -> StepBatch:
-        from hybrid.batch import StepBatch
+        """The first `size` rows as a batch (views of the buffers), all of them padding rows."""
+        import dataclasses
 
-        return StepBatch(
-            input_ids=self.input_ids[:size], positions=self.positions[:size],
-            query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
-            page_table=self.page_table[:size], kv_write_loc=self.kv_write_loc[:size],
-            state_slot=self.state_slot[:size], has_initial_state=self.has_initial_state[:size],
-            logits_indices=self.logits_indices[:size], num_decodes=size, num_prefills=0,
-            query_lens_cpu=[1] * size, seq_lens_cpu=[1] * size, state_slot_cpu=[PAD_SLOT_ID] * size,
-            has_initial_state_cpu=[True] * size, num_real_requests=size,
-        )
+        views = {f: getattr(self, f)[: size + 1 if f == "query_start_loc" else size] for f in self.FIELDS}
+        p = self.padding
+        return dataclasses.replace(p, **views, num_decodes=size, query_lens_cpu=p.query_lens_cpu[:size],
+                                   seq_lens_cpu=p.seq_lens_cpu[:size], state_slot_cpu=p.state_slot_cpu[:size],
+                                   has_initial_state_cpu=p.has_initial_state_cpu[:size])
 
     def fill(self, batch: StepBatch, size: int, page_size: int) -> None:
         """Copy a real decode batch into rows [0, n) and padding into rows [n, size), in place."""
@@ -71,13 +65,8 @@ class _Buffers:
         self.state_slot[:n].copy_(batch.state_slot, non_blocking=True)
         self.has_initial_state[:n].copy_(batch.has_initial_state, non_blocking=True)
         if size > n:
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.seq_lens[n:size].fill_(1)
-            self.page_table[n:size].fill_(DUMMY_PAGE)
-            self.kv_write_loc[n:size].fill_(DUMMY_PAGE * page_size)
-            self.state_slot[n:size].fill_(PAD_SLOT_ID)
-            self.has_initial_state[n:size].fill_(True)
+            for field, value in padding_row(page_size).items():
+                getattr(self, field)[n:size].fill_(value)
 
 
 class ModelRunner:
@@ -129,7 +118,7 @@ class ModelRunner:
     def capture(self, progress: bool = True) -> None:
         device = self._device()
         max_pages = -(-self.max_model_len // self.page_size)
-        self.buffers = _Buffers(max(self.capture_sizes), max_pages, device)
+        self.buffers = _Buffers(max(self.capture_sizes), max_pages, self.page_size, device)
         self.pool = torch.cuda.graph_pool_handle()
         sizes = sorted(self.capture_sizes, reverse=True)  # largest first: smaller ones reuse its pool
         it = sizes

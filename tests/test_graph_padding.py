@@ -215,3 +215,20 @@ def test_torch_decode_pad_rows_read_zero_write_nothing():
     assert torch.equal(conv[[0, 3]], before[[0, 3]])  # slot 0 and the scratch row untouched
     zero_hist = torch.cat([torch.zeros(6, 3), x[1][:, None]], -1)
     torch.testing.assert_close(out[1], torch.nn.functional.silu((zero_hist * w).sum(-1)))
+
+
+def test_graph_buffers_pad_exactly_like_eager_padding():
+    """The graph buffers after a fill (graphs/runner.py) and the eager padding (pad_decode_batch) hold
+    the same rows field by field: one padding definition (graphs/padding.padding_row) for both."""
+    from graphs.runner import _Buffers
+
+    width = 4
+    buffers = _Buffers(8, width, PAGE, torch.device("cpu"))
+    for f in _Buffers.FIELDS:  # dirty the buffers, as an earlier, larger batch would leave them
+        getattr(buffers, f).fill_(7)
+    real = decode_batch([5, 0, 2], [3, 20, 9], [[1], [2, 3], [4]], 100, width)
+    buffers.fill(real, 8, PAGE)
+    padded = pad_decode_batch(real, 8, PAGE)
+    for f in ("input_ids", "positions", "seq_lens", "page_table", "kv_write_loc", "state_slot", "has_initial_state"):
+        assert torch.equal(getattr(buffers, f), getattr(padded, f)), f
+    assert padded.state_slot_cpu[3:] == [PAD_SLOT_ID] * 5

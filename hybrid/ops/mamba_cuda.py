@@ -2,10 +2,12 @@
 
 - decode rows, `decode_kernels="triton"` (default): our own Triton kernels
   (hybrid/ops/triton_mamba.py: one CTA per (head-dim block, head, request), the whole state dim
-  in registers; they skip PAD_SLOT_ID rows themselves). `decode_kernels="library"`: causal-conv1d's `causal_conv1d_update` (conv_state_indices; PAD_SLOT_ID rows are
-  skipped by the kernel) and mamba-ssm's Triton `selective_state_update` with state indices. That
-  kernel cannot skip padding, so padding rows are pointed at the pool's scratch row (the last
-  row, which no request owns): padding never reads or writes a live slot. Both are CUDA-graph safe.
+  in registers; they skip PAD_SLOT_ID rows themselves). `decode_kernels="library"`: causal-conv1d's
+  `causal_conv1d_update` (conv_state_indices) and mamba-ssm's Triton `selective_state_update` with
+  state indices. mamba-ssm's kernel cannot skip padding, and causal-conv1d skips negative indices
+  only in some versions, so neither is given PAD_SLOT_ID: padding rows are pointed at the pool's
+  scratch row (the last row, which no request owns) for both, and padding never reads or writes a
+  live slot whatever the library version does. Both are CUDA-graph safe.
 - replay rows (a readmitted sequence's known generated tokens, see hybrid/batch.py): the decode
   kernels again, in place on the row's slot: `triton_replay` (T-token launches grouped by T), or
   with the library kernels one token position per call.
@@ -108,8 +110,9 @@ class MambaCudaKernels:
                               batch.state_slot[:nd], out=y[:nd])
         elif nd:
             slots = batch.state_slot[:nd]
-            # mamba-ssm's kernel cannot skip PAD_SLOT_ID rows: they go to the scratch row
-            y[:nd] = self._library_step(mixer, p, xBC[:nd], dt[:nd], conv_state, ssm_state, slots,
+            # padding rows (PAD_SLOT_ID) go to the scratch row for both library kernels: mamba-ssm's
+            # cannot skip negative indices, and causal-conv1d's skipping depends on its version
+            y[:nd] = self._library_step(mixer, p, xBC[:nd], dt[:nd], conv_state, ssm_state,
                                         slots.masked_fill(slots < 0, scratch))
 
         nv = batch.num_verify
@@ -177,21 +180,21 @@ class MambaCudaKernels:
         for tok_list, slot_list in _replay_positions(batch):
             tok = to_device(tok_list, torch.long, dev)
             slots = to_device(slot_list, torch.long, dev)
-            y[tok] = self._library_step(mixer, p, xBC[tok], dt[tok], conv_state, ssm_state, slots, slots).to(y.dtype)
+            y[tok] = self._library_step(mixer, p, xBC[tok], dt[tok], conv_state, ssm_state, slots).to(y.dtype)
 
     def _library_step(self, mixer, p: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,
-                      conv_state: torch.Tensor, ssm_state: torch.Tensor, conv_slots: torch.Tensor,
-                      ssm_slots: torch.Tensor) -> torch.Tensor:
-        """One token per row through causal-conv1d's and mamba-ssm's decode kernels. Returns y [n, H, P]."""
+                      conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token per row through causal-conv1d's and mamba-ssm's decode kernels, on state rows
+        `slots` (real slots or the scratch row: never negative). Returns y [n, H, P]."""
         cfg = mixer.cfg
         n, nh, P, G, N = xBC.shape[0], cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
         xbc = self.conv_update(xBC.contiguous(), conv_state, mixer.conv_weight, mixer.conv_bias,
-                               "silu", None, conv_slots.to(torch.int32))
+                               "silu", None, slots.to(torch.int32))
         x, B, C = torch.split(xbc, [cfg.intermediate_size, G * N, G * N], dim=-1)
         return self.state_update(
             ssm_state, x.reshape(n, nh, P), dt[:, :, None].expand(n, nh, P), p["A_hpn"],
             B.reshape(n, G, N), C.reshape(n, G, N), D=p["D_hp"], z=None, dt_bias=p["dt_bias_hp"],
-            dt_softplus=True, state_batch_indices=ssm_slots,
+            dt_softplus=True, state_batch_indices=slots,
         )
 
 
