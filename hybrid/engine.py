@@ -25,8 +25,8 @@ from hybrid.batch import StepBatch, to_device
 from hybrid.errors import InvalidRequestError, StateCorruptionError
 from hybrid.outputs import CompletionOutput, RequestOutput
 from hybrid.prefix_cache import PrefixCache
-from hybrid.sampling import (SamplingParams, logprob_dict, logprob_rows, process_logits, sample_row,
-                             sample_tokens, top_logprobs)
+from hybrid.sampling import (SamplingParams, generator_seed, logprob_dict, logprob_rows, process_logits,
+                             sample_row, sample_tokens, top_logprobs)
 from hybrid.spec_decode import NgramProposer, SpeculativeConfig
 from state_pool.pool import PAD_SLOT_ID, MambaStatePool
 from state_pool.sanitizer import RowOwner, check_batch
@@ -194,6 +194,8 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
         self.seed = seed
         self.device = device
         self.page_size = kv_cache.page_size
@@ -276,7 +278,7 @@ class Engine:
             return None
         g = torch.Generator(device=self.device)
         base = params.seed if params.seed is not None else self.seed * 1_000_003 + arrival
-        g.manual_seed(base * 7919 + index)
+        g.manual_seed(generator_seed(base * 7919 + index))  # any int seed: reduced into the generator's range
         return g
 
     def abort_request(self, request_id: str) -> None:

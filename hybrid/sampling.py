@@ -2,7 +2,8 @@
 
 Each request draws from its own torch.Generator, seeded from `seed` (or from the engine's seed and
 the request's arrival order), so a seeded request samples the same tokens whatever else is in
-the batch.
+the batch. Any Python int is a valid seed: the generator's seed is reduced modulo 2**64 (its
+range; see generator_seed), so seeds that differ by a multiple of 2**64 sample the same tokens.
 """
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ import torch
 from hybrid.batch import to_device
 from hybrid.errors import InvalidRequestError
 
+# torch.Generator.manual_seed takes a 64-bit value (a negative one is read as its two's complement)
+# and raises OverflowError beyond that range.
+GENERATOR_SEED_RANGE = 2**64
+
+
+def generator_seed(value: int) -> int:
+    """`value` reduced into the generator's seed range [0, 2**64), deterministically. For every value
+    torch already accepted (-2**63 .. 2**64 - 1) the generator's stream is unchanged."""
+    return value % GENERATOR_SEED_RANGE
+
 
 @dataclass
 class SamplingParams:
@@ -23,7 +34,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
-    seed: int | None = None
+    seed: int | None = None  # any int (negative or huge too): reduced modulo 2**64, see generator_seed
     stop_token_ids: list[int] | None = None
     stop: list[str] | str | None = None
     ignore_eos: bool = False
@@ -53,7 +64,7 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "must be -1 (off) or an integer >= 1")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", "must be an integer")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0")
