@@ -228,10 +228,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ API (event loop side)
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError now (on the caller's thread) for a bad prompt or params.
-        Both checks only read immutable engine settings."""
-        params.validate()
-        self.engine.validate_prompt(list(prompt_token_ids))
+        """Raise InvalidRequestError now (on the caller's thread) for a bad prompt or params: every
+        check add_request makes, vocabulary-dependent ones (logit_bias ids) included, so a streamed
+        request can be refused before its response starts. Only reads immutable engine settings."""
+        self.engine.validate_request(prompt_token_ids, params)
 
     def check_capacity(self, num_new: int = 1) -> None:
         if self.max_queued_requests is None:

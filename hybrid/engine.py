@@ -234,16 +234,34 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise InvalidRequestError(f"a prompt must be a list of token ids, got {type(prompt_token_ids).__name__}")
         if not prompt_token_ids:
             raise InvalidRequestError("empty prompt: at least one token is needed")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
-            bad = next(t for t in prompt_token_ids if (not isinstance(t, int)) or t < 0 or t >= self.vocab_size)
-            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt of {len(prompt_token_ids)} tokens is longer than the context: max_model_len is "
                 f"{self.max_model_len} and at least one token must be generated"
             )
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Every check of the sampling parameters, including those that need the vocabulary."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"invalid sampling parameter logit_bias={{{bad[0]}: {params.logit_bias[bad[0]]}}}: "
+                                      f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if add_request would refuse this prompt and these params. Reads
+        only immutable settings, so another thread may call it while the engine runs."""
+        self.validate_params(params)
+        self.validate_prompt(prompt_token_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, output_kind: str = "cumulative") -> None:
@@ -251,15 +269,8 @@ class Engine:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling params must be a SamplingParams")
-        params.validate()
-        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"invalid sampling parameter logit_bias={{{bad[0]}: {params.logit_bias[bad[0]]}}}: "
-                                      f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        self.validate_request(prompt_token_ids, params)
         prompt_token_ids = list(prompt_token_ids)
-        self.validate_prompt(prompt_token_ids)
         arrival = next(self._arrivals)
         seqs = []
         for i in range(params.n):

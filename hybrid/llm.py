@@ -150,36 +150,66 @@ class LLM:
                 raise InvalidRequestError("this checkpoint has no tokenizer.json: pass token ids, not text")
             if prompt == "":
                 raise InvalidRequestError("empty prompt: at least one token is needed")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt)  # InvalidRequestError for a lone surrogate
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        """One prompt (a string or a list of token ids) or a list of them -> a list of prompts."""
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)):
+            if prompts and all(isinstance(t, int) for t in prompts):
+                return [list(prompts)]  # a single prompt of token ids
+            return list(prompts)
+        raise InvalidRequestError("prompts must be a string, a list of token ids or a list of those, "
+                                  f"got {type(prompts).__name__}")
+
+    @staticmethod
+    def _params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if not isinstance(sampling_params, (list, tuple)) \
+                or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise InvalidRequestError("sampling_params must be a SamplingParams or a list of them, "
+                                      f"got {type(sampling_params).__name__}")
+        if len(sampling_params) != num_prompts:
+            raise InvalidRequestError(f"{num_prompts} prompts but {len(sampling_params)} sampling params")
+        return list(sampling_params)
+
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | list[str] | list[int] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        # Validate everything before queueing anything, so a bad prompt leaves no half-submitted batch.
+        """One RequestOutput per prompt, in order. Every prompt and every parameter (vocabulary-
+        dependent ones too) is validated before anything is queued: an InvalidRequestError leaves
+        nothing behind."""
+        prompts = self._prompt_list(prompts)
+        params_list = self._params_list(sampling_params, len(prompts))
         prepared = []
-        for prompt, params in zip(prompts, params_list):
-            text, ids = self._prompt_ids(prompt)
-            params.validate()
-            self.engine.validate_prompt(ids)
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            try:
+                text, ids = self._prompt_ids(prompt)
+                self.engine.validate_request(ids, params)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
             prepared.append((text, ids, params))
         order = []
-        for text, ids, params in prepared:
-            rid = f"gen-{next(self._ids)}"
-            self.engine.add_request(rid, ids, params, prompt=text, output_kind="final")
-            order.append(rid)
+        try:
+            for text, ids, params in prepared:
+                rid = f"gen-{next(self._ids)}"
+                self.engine.add_request(rid, ids, params, prompt=text, output_kind="final")
+                order.append(rid)
+        except BaseException:  # (validated above: not expected) never leave part of the batch queued
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(order) > 1:

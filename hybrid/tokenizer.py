@@ -4,7 +4,19 @@ from __future__ import annotations
 import json
 import os
 
-from hybrid.errors import CheckpointError
+from hybrid.errors import CheckpointError, InvalidRequestError
+
+
+def check_text(text: str, what: str = "prompt") -> None:
+    """Raise InvalidRequestError unless `text` is a str that can be encoded as UTF-8."""
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")  # a C-speed scan; fails exactly on surrogate code points
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{what} contains a lone UTF-16 surrogate U+{ord(text[e.start]):04X} at character {e.start}: "
+            "it is not valid Unicode text") from None
 
 
 class Tokenizer:
@@ -39,6 +51,9 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. InvalidRequestError for a non-str or for text that is not valid Unicode
+        (a lone UTF-16 surrogate, e.g. from JSON "\\ud800"), which `tokenizers` refuses with a bare TypeError."""
+        check_text(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
