@@ -138,7 +138,10 @@ def _decode_infinity(value: Any) -> Any:
     """config.json may spell infinity as the JSON extension `Infinity` or as {"__float__": "Infinity"}."""
     if isinstance(value, dict):
         if set(value) == {"__float__"}:
-            return float(value["__float__"])
+            try:
+                return float(value["__float__"])
+            except (TypeError, ValueError):
+                raise CheckpointError(f"unreadable number {value!r}") from None
         return {k: _decode_infinity(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_decode_infinity(v) for v in value]
@@ -146,14 +149,38 @@ def _decode_infinity(value: Any) -> Any:
 
 
 def read_json(path: str) -> dict[str, Any]:
+    """The JSON object in `path`; CheckpointError naming the file if it is missing, not UTF-8, not
+    JSON or not an object."""
     if not os.path.isfile(path):
         raise CheckpointError(f"missing file: {path}")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             # Python's json accepts the Infinity/NaN literals that hub files use.
-            return _decode_infinity(json.load(f))
+            value = _decode_infinity(json.load(f))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path} is not UTF-8 text: {e}") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    except (OSError, RecursionError) as e:
+        raise CheckpointError(f"{path} cannot be read: {e!r}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, found {_json_kind(value)}")
+    return value
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+# Typed getters: every value read from config.json goes through one of these, so that a wrong type
+# or an impossible value (hidden_size "abc", num_attention_heads 0, vocab_size -5, 80.5) is a
+# CheckpointError naming the key instead of a TypeError / ZeroDivisionError deep in the model.
+_REQUIRED = object()
 
 
 def _need(cfg: dict[str, Any], key: str, family: str) -> Any:
@@ -162,7 +189,102 @@ def _need(cfg: dict[str, Any], key: str, family: str) -> Any:
     return cfg[key]
 
 
-def _layer_types(raw: list[str], family: str) -> tuple[str, ...]:
+_MAX_SIZE = 2**31 - 1  # no real size comes near it; beyond it tensor shapes overflow
+
+
+def _int(cfg: dict[str, Any], key: str, family: str, default: Any = _REQUIRED, *, lo: int = 1) -> int:
+    """cfg[key] as an integer in [lo, 2**31) (an integral float such as 64.0 is accepted). A missing
+    or null key gives `default`; without one it is an error."""
+    value = cfg.get(key)
+    want = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+    if value is None:
+        if default is _REQUIRED:
+            _need(cfg, key, family)
+            raise CheckpointError(f"config.json: '{key}' must be {want}, got null")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and not value.is_integer()) or value < lo:
+        raise CheckpointError(f"config.json: '{key}' must be {want}, got {value!r}")
+    if value > _MAX_SIZE:
+        raise CheckpointError(f"config.json: '{key}' = {value!r} is implausibly large (more than {_MAX_SIZE})")
+    return int(value)
+
+
+def _float(cfg: dict[str, Any], key: str, default: float, *, positive: bool = False) -> float:
+    """cfg[key] as a finite float (> 0 if `positive`); missing or null gives `default`."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (positive and not value > 0):
+        what = "a finite number > 0" if positive else "a finite number"
+        raise CheckpointError(f"config.json: '{key}' must be {what}, got {value!r}")
+    return float(value)
+
+
+def _bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CheckpointError(f"config.json: '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _str(cfg: dict[str, Any], key: str, default: str, choices: tuple[str, ...] | None = None) -> str:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str) or (choices is not None and value not in choices):
+        want = f"one of {list(choices)}" if choices is not None else "a string"
+        raise CheckpointError(f"config.json: '{key}' must be {want}, got {value!r}")
+    return value
+
+
+def _dict(cfg: dict[str, Any], key: str) -> dict[str, Any]:
+    value = cfg.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"config.json: '{key}' must be an object, got {value!r}")
+    return value
+
+
+def _floats(cfg: dict[str, Any], key: str, count: int, default: tuple[float, ...]) -> tuple[float, ...]:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (list, tuple)) or len(value) != count \
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+        raise CheckpointError(f"config.json: '{key}' must be a list of {count} finite numbers, got {value!r}")
+    return tuple(float(v) for v in value)
+
+
+def _dt_limit(cfg: dict[str, Any], key: str) -> tuple[float, float]:
+    """(low, high) clamp of the Mamba dt: 0 <= low <= high, high may be infinite."""
+    value = cfg.get(key)
+    if value is None or (isinstance(value, (list, tuple)) and not value):  # null or [] (Falcon-H1): no clamp
+        return (0.0, math.inf)
+    if not isinstance(value, (list, tuple)) or len(value) != 2 \
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) for v in value) \
+            or not 0 <= value[0] <= value[1] or math.isinf(value[0]):
+        raise CheckpointError(f"config.json: '{key}' must be [low, high] with 0 <= low <= high, got {value!r}")
+    return (float(value[0]), float(value[1]))
+
+
+def _time_step_min(cfg: dict[str, Any]) -> float:
+    value = _float(cfg, "time_step_min", 0.001)
+    if value < 0:
+        raise CheckpointError(f"config.json: 'time_step_min' must be >= 0, got {value!r}")
+    return value
+
+
+_ACTIVATIONS = ("relu2", "silu", "gelu")
+
+
+def _layer_types(raw: Any, family: str) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
+        raise CheckpointError(f"config.json of a {family} model: layer types must be a list of strings, got {raw!r}")
     out = []
     for t in raw:
         if t not in _LAYER_TYPE_ALIASES:
@@ -174,40 +296,61 @@ def _layer_types(raw: list[str], family: str) -> tuple[str, ...]:
 def _eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise CheckpointError(f"eos_token_id must be a token id or a list of them, got {value!r}")
+    return tuple(values)
+
+
+def _token_id(value: Any, key: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CheckpointError(f"{key} must be a token id, got {value!r}")
+    return value
 
 
 def _rope(cfg: dict[str, Any], head_dim: int, default_partial: float) -> tuple[float, int]:
-    params = cfg.get("rope_parameters") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial))
-    rope_type = params.get("rope_type", cfg.get("rope_scaling", {}) and cfg["rope_scaling"].get("rope_type", "default"))
+    params = _dict(cfg, "rope_parameters")
+    scaling = _dict(cfg, "rope_scaling")
+    theta = _float(params, "rope_theta", _float(cfg, "rope_theta", 10000.0, positive=True), positive=True)
+    partial = _float(params, "partial_rotary_factor",
+                     _float(cfg, "partial_rotary_factor", default_partial, positive=True), positive=True)
+    if partial > 1.0:
+        raise CheckpointError(f"config.json: 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
+    # (older configs spell rope_scaling's type as "type": a linear or dynamic scaling is not ignored)
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")) if scaling else None)
     if rope_type not in (None, "default"):
         raise CheckpointError(f"unsupported rope_type '{rope_type}' (only the default RoPE is implemented)")
-    return float(theta), int(head_dim * partial)
+    return theta, int(head_dim * partial)
+
+
+def _check_divides(what: str, a: int, b: int, a_name: str, b_name: str) -> None:
+    if a % b:
+        raise CheckpointError(f"config.json: {a_name} ({a}) must be a multiple of {b_name} ({b}) ({what})")
 
 
 def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"config.json must hold a JSON object, found {_json_kind(cfg)}")
     family = cfg.get("model_type")
-    if family not in SUPPORTED_FAMILIES:
+    if not isinstance(family, str) or family not in SUPPORTED_FAMILIES:
         archs = cfg.get("architectures")
         raise CheckpointError(
             f"unknown model_type '{family}' (architectures {archs}); supported: {', '.join(SUPPORTED_FAMILIES)}"
         )
-    hidden = int(_need(cfg, "hidden_size", family))
-    n_heads = int(_need(cfg, "num_attention_heads", family))
-    n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+    hidden = _int(cfg, "hidden_size", family)
+    n_heads = _int(cfg, "num_attention_heads", family)
+    n_kv = _int(cfg, "num_key_value_heads", family, n_heads)
     gen = generation_config or {}
     eos = _eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id")))
     common = dict(
         family=family,
-        vocab_size=int(_need(cfg, "vocab_size", family)),
+        vocab_size=_int(cfg, "vocab_size", family),
         hidden_size=hidden,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", family, 4096),
         eos_token_ids=eos,
-        bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
+        bos_token_id=_token_id(gen.get("bos_token_id", cfg.get("bos_token_id")), "bos_token_id"),
         torch_dtype=str(cfg.get("dtype", cfg.get("torch_dtype", "float32"))),
         raw=cfg,
     )
@@ -217,64 +360,71 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
             layer_types = _layer_types(cfg["layers_block_type"], family)
         elif cfg.get("hybrid_override_pattern") is not None:
             pattern = cfg["hybrid_override_pattern"]
+            if not isinstance(pattern, str):
+                raise CheckpointError(f"config.json: 'hybrid_override_pattern' must be a string, got {pattern!r}")
             bad = set(pattern) - set(_NEMOTRON_PATTERN)
             if bad:
                 raise CheckpointError(f"hybrid_override_pattern has unknown layer letters {sorted(bad)}")
             layer_types = tuple(_NEMOTRON_PATTERN[c] for c in pattern)
         else:
             raise CheckpointError("config.json of a nemotron_h model has neither layers_block_type nor hybrid_override_pattern")
-        nh = int(_need(cfg, "mamba_num_heads", family))
+        if not layer_types:
+            raise CheckpointError("config.json of a nemotron_h model lists no layers")
+        nh = _int(cfg, "mamba_num_heads", family)
         mamba = MambaConfig(
             num_heads=nh,
-            head_dim=int(_need(cfg, "mamba_head_dim", family)),
-            n_groups=int(cfg.get("n_groups", cfg.get("mamba_n_groups", 8))),
-            state_size=int(cfg.get("ssm_state_size", 128)),
-            conv_kernel=int(cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4))),
-            chunk_size=int(cfg.get("chunk_size", cfg.get("mamba_chunk_size", 128))),
-            conv_bias=bool(cfg.get("use_conv_bias", True)),
-            proj_bias=bool(cfg.get("use_bias", False)),
-            norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            head_dim=_int(cfg, "mamba_head_dim", family),
+            n_groups=_int(cfg, "n_groups", family, _int(cfg, "mamba_n_groups", family, 8)),
+            state_size=_int(cfg, "ssm_state_size", family, 128),
+            conv_kernel=_int(cfg, "conv_kernel", family, _int(cfg, "mamba_d_conv", family, 4)),
+            chunk_size=_int(cfg, "chunk_size", family, _int(cfg, "mamba_chunk_size", family, 128)),
+            conv_bias=_bool(cfg, "use_conv_bias", True),
+            proj_bias=_bool(cfg, "use_bias", False),
+            norm_eps=_float(cfg, "layer_norm_epsilon", 1e-5, positive=True),
             # NemotronH ignores time_step_limit and clamps from time_step_min upwards.
-            dt_limit=(float(cfg.get("time_step_min", 0.001)), math.inf),
+            dt_limit=(_time_step_min(cfg), math.inf),
         )
-        head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+        head_dim = _int(cfg, "head_dim", family, 0, lo=0) or hidden // n_heads
         attention = AttentionConfig(n_heads, n_kv, head_dim, head_dim**-0.5, False, None, 0)
         moe = None
         if MOE in layer_types:
             moe = MoEConfig(
-                num_experts=int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 8))),
-                top_k=int(cfg.get("num_experts_per_tok", 2)),
-                intermediate_size=int(cfg.get("moe_intermediate_size", 7688)),
-                shared_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size", 7688)),
-                n_group=int(cfg.get("n_group", 1)),
-                topk_group=int(cfg.get("topk_group", 1)),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                num_experts=_int(cfg, "n_routed_experts", family, _int(cfg, "num_local_experts", family, 8)),
+                top_k=_int(cfg, "num_experts_per_tok", family, 2),
+                intermediate_size=_int(cfg, "moe_intermediate_size", family, 7688),
+                shared_intermediate_size=_int(cfg, "moe_shared_expert_intermediate_size", family, 7688),
+                n_group=_int(cfg, "n_group", family, 1),
+                topk_group=_int(cfg, "topk_group", family, 1),
+                norm_topk_prob=_bool(cfg, "norm_topk_prob", True),
+                routed_scaling_factor=_float(cfg, "routed_scaling_factor", 1.0),
             )
             if cfg.get("moe_latent_size") is not None:
                 raise CheckpointError("nemotron_h with moe_latent_size is not supported yet")
-        return ModelConfig(
+        return _checked(ModelConfig(
             layer_types=layer_types,
-            norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            norm_eps=_float(cfg, "layer_norm_epsilon", 1e-5, positive=True),
             mamba=mamba,
             attention=attention,
-            intermediate_size=int(cfg.get("intermediate_size", 21504)),
-            mlp_act=str(cfg.get("mlp_hidden_act", "relu2")),
+            intermediate_size=_int(cfg, "intermediate_size", family, 21504),
+            mlp_act=_str(cfg, "mlp_hidden_act", "relu2", _ACTIVATIONS),
             moe=moe,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
             **common,
-        )
+        ))
 
-    n_layers = int(_need(cfg, "num_hidden_layers", family))
+    n_layers = _int(cfg, "num_hidden_layers", family)
     if family == "falcon_h1":
-        return _parse_falcon_h1(cfg, common, hidden, n_heads, n_kv, n_layers)
+        return _checked(_parse_falcon_h1(cfg, common, hidden, n_heads, n_kv, n_layers))
 
     # Bamba and GraniteMoeHybrid share the Mamba keys.
     if family == "bamba":
         if cfg.get("layers_block_type") is not None:
             layer_types = _layer_types(cfg["layers_block_type"], family)
         else:
-            attn = set(cfg.get("attn_layer_indices") or [])
+            attn = cfg.get("attn_layer_indices") or []
+            if not isinstance(attn, list) or not all(isinstance(i, int) for i in attn):
+                raise CheckpointError(f"config.json: 'attn_layer_indices' must be a list of layer indices, got {attn!r}")
+            attn = set(attn)
             layer_types = tuple(ATTENTION if i in attn else MAMBA for i in range(n_layers))
     else:
         raw_types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n_layers
@@ -283,35 +433,36 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         raise CheckpointError(f"config.json lists {len(layer_types)} layer types for {n_layers} layers")
     if set(layer_types) - {MAMBA, ATTENTION}:
         raise CheckpointError(f"{family} layers must be mamba or attention, got {sorted(set(layer_types))}")
-    expand = int(cfg.get("mamba_expand", 2))
+    expand = _int(cfg, "mamba_expand", family, 2)
     mamba_inner = expand * hidden
-    nh = int(_need(cfg, "mamba_n_heads", family))
+    nh = _int(cfg, "mamba_n_heads", family)
     d_head = cfg.get("mamba_d_head", "auto")
-    d_head = mamba_inner // nh if d_head in (None, "auto") else int(d_head)
+    d_head = mamba_inner // nh if d_head in (None, "auto") else _int(cfg, "mamba_d_head", family)
     if d_head * nh != mamba_inner:
         raise CheckpointError(f"mamba_n_heads * mamba_d_head = {nh * d_head} != mamba_expand * hidden_size = {mamba_inner}")
-    limit = cfg.get("time_step_limit", (0.0, math.inf))
     mamba = MambaConfig(
         num_heads=nh,
         head_dim=d_head,
-        n_groups=int(cfg.get("mamba_n_groups", 1)),
-        state_size=int(cfg.get("mamba_d_state", 128)),
-        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
-        chunk_size=int(cfg.get("mamba_chunk_size", 256)),
-        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        dt_limit=(float(limit[0]), float(limit[1])),
+        n_groups=_int(cfg, "mamba_n_groups", family, 1),
+        state_size=_int(cfg, "mamba_d_state", family, 128),
+        conv_kernel=_int(cfg, "mamba_d_conv", family, 4),
+        chunk_size=_int(cfg, "mamba_chunk_size", family, 256),
+        conv_bias=_bool(cfg, "mamba_conv_bias", True),
+        proj_bias=_bool(cfg, "mamba_proj_bias", False),
+        norm_eps=_float(cfg, "rms_norm_eps", 1e-6, positive=True),
+        dt_limit=_dt_limit(cfg, "time_step_limit"),
     )
-    head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+    head_dim = _int(cfg, "head_dim", family, 0, lo=0) or hidden // n_heads
     if family == "bamba":
         theta, rotary_dim = _rope(cfg, head_dim, default_partial=0.5)
-        attention = AttentionConfig(n_heads, n_kv, head_dim, head_dim**-0.5, bool(cfg.get("attention_bias", False)), theta, rotary_dim)
-        return ModelConfig(
-            layer_types=layer_types, norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), mamba=mamba, attention=attention,
-            intermediate_size=int(_need(cfg, "intermediate_size", family)), mlp_act=str(cfg.get("hidden_act", "silu")),
-            moe=None, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), **common,
-        )
+        attention = AttentionConfig(n_heads, n_kv, head_dim, head_dim**-0.5, _bool(cfg, "attention_bias", False),
+                                    theta, rotary_dim)
+        return _checked(ModelConfig(
+            layer_types=layer_types, norm_eps=_float(cfg, "rms_norm_eps", 1e-5, positive=True), mamba=mamba,
+            attention=attention, intermediate_size=_int(cfg, "intermediate_size", family),
+            mlp_act=_str(cfg, "hidden_act", "silu", _ACTIVATIONS),
+            moe=None, tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False), **common,
+        ))
     # granitemoehybrid
     pos = cfg.get("position_embedding_type", "nope")
     if pos == "rope":
@@ -321,82 +472,108 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
     else:
         raise CheckpointError(f"unsupported position_embedding_type '{pos}'")
     attention = AttentionConfig(
-        n_heads, n_kv, head_dim, float(cfg.get("attention_multiplier", head_dim**-0.5)),
-        bool(cfg.get("attention_bias", False)), theta, rotary_dim,
+        n_heads, n_kv, head_dim, _float(cfg, "attention_multiplier", head_dim**-0.5, positive=True),
+        _bool(cfg, "attention_bias", False), theta, rotary_dim,
     )
-    n_experts = int(cfg.get("num_local_experts", 0))
+    n_experts = _int(cfg, "num_local_experts", family, 0, lo=0)
     moe = None
     if n_experts > 0:
         moe = MoEConfig(
-            num_experts=n_experts, top_k=int(cfg.get("num_experts_per_tok", 2)),
-            intermediate_size=int(_need(cfg, "intermediate_size", family)),
-            shared_intermediate_size=int(_need(cfg, "shared_intermediate_size", family)),
+            num_experts=n_experts, top_k=_int(cfg, "num_experts_per_tok", family, 2),
+            intermediate_size=_int(cfg, "intermediate_size", family),
+            shared_intermediate_size=_int(cfg, "shared_intermediate_size", family),
         )
-    return ModelConfig(
-        layer_types=layer_types, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), mamba=mamba, attention=attention,
-        intermediate_size=int(_need(cfg, "shared_intermediate_size", family)), mlp_act=str(cfg.get("hidden_act", "silu")),
-        moe=moe, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
-        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
-        logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+    return _checked(ModelConfig(
+        layer_types=layer_types, norm_eps=_float(cfg, "rms_norm_eps", 1e-6, positive=True), mamba=mamba,
+        attention=attention, intermediate_size=_int(cfg, "shared_intermediate_size", family),
+        mlp_act=_str(cfg, "hidden_act", "silu", _ACTIVATIONS),
+        moe=moe, tie_word_embeddings=_bool(cfg, "tie_word_embeddings", True),
+        embedding_multiplier=_float(cfg, "embedding_multiplier", 1.0),
+        residual_multiplier=_float(cfg, "residual_multiplier", 1.0),
+        logits_scaling=_float(cfg, "logits_scaling", 1.0),
         **common,
-    )
+    ))
+
+
+def _checked(cfg: ModelConfig) -> ModelConfig:
+    """Relations between sizes that the layers rely on (each size alone was checked when read)."""
+    if cfg.attention_layers:
+        a = cfg.attention
+        _check_divides("grouped-query attention", a.num_heads, a.num_kv_heads, "num_attention_heads",
+                       "num_key_value_heads")
+        if a.head_dim < 1:
+            raise CheckpointError(f"config.json: attention head_dim is {a.head_dim} "
+                                  f"(hidden_size {cfg.hidden_size} / num_attention_heads {a.num_heads})")
+    if cfg.mamba_layers:
+        m = cfg.mamba
+        _check_divides("Mamba2 groups", m.num_heads, m.n_groups, "the Mamba head count", "the Mamba group count")
+    if cfg.moe is not None and cfg.moe.top_k > cfg.moe.num_experts:
+        raise CheckpointError(f"config.json: num_experts_per_tok ({cfg.moe.top_k}) exceeds the number of experts "
+                              f"({cfg.moe.num_experts})")
+    if cfg.moe is not None and cfg.moe.n_group > 1:
+        _check_divides("grouped routing", cfg.moe.num_experts, cfg.moe.n_group, "the number of experts", "n_group")
+    return cfg
 
 
 def _parse_falcon_h1(cfg: dict[str, Any], common: dict[str, Any], hidden: int, n_heads: int, n_kv: int,
                      n_layers: int) -> ModelConfig:
     family = "falcon_h1"
-    inner = cfg.get("mamba_d_ssm")
-    inner = int(inner) if inner is not None else int(cfg.get("mamba_expand", 2)) * hidden
-    nh = int(_need(cfg, "mamba_n_heads", family))
+    inner = _int(cfg, "mamba_d_ssm", family, None)
+    inner = inner if inner is not None else _int(cfg, "mamba_expand", family, 2) * hidden
+    nh = _int(cfg, "mamba_n_heads", family)
     d_head = cfg.get("mamba_d_head", "auto")
-    d_head = inner // nh if d_head in (None, "auto") else int(d_head)
+    d_head = inner // nh if d_head in (None, "auto") else _int(cfg, "mamba_d_head", family)
     if d_head * nh != inner:
         raise CheckpointError(f"mamba_n_heads * mamba_d_head = {nh * d_head} != mamba_d_ssm = {inner}")
-    if not cfg.get("mamba_rms_norm", False):
+    if not _bool(cfg, "mamba_rms_norm", False):
         gate = GATE_ONLY
     else:
-        gate = NORM_THEN_GATE if cfg.get("mamba_norm_before_gate", True) else GATE_THEN_NORM
-    limit = cfg.get("time_step_limit") or (0.0, math.inf)
+        gate = NORM_THEN_GATE if _bool(cfg, "mamba_norm_before_gate", True) else GATE_THEN_NORM
     mamba = MambaConfig(
-        num_heads=nh, head_dim=d_head, n_groups=int(cfg.get("mamba_n_groups", 1)),
-        state_size=int(cfg.get("mamba_d_state", 256)), conv_kernel=int(cfg.get("mamba_d_conv", 4)),
-        chunk_size=int(cfg.get("mamba_chunk_size", 256)), conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        proj_bias=bool(cfg.get("mamba_proj_bias", False)), norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        dt_limit=(float(limit[0]), float(limit[1])), gate=gate,
+        num_heads=nh, head_dim=d_head, n_groups=_int(cfg, "mamba_n_groups", family, 1),
+        state_size=_int(cfg, "mamba_d_state", family, 256), conv_kernel=_int(cfg, "mamba_d_conv", family, 4),
+        chunk_size=_int(cfg, "mamba_chunk_size", family, 256), conv_bias=_bool(cfg, "mamba_conv_bias", True),
+        proj_bias=_bool(cfg, "mamba_proj_bias", False), norm_eps=_float(cfg, "rms_norm_eps", 1e-5, positive=True),
+        dt_limit=_dt_limit(cfg, "time_step_limit"), gate=gate,
     )
-    if bool(cfg.get("projectors_bias", False)) != mamba.proj_bias:
+    if _bool(cfg, "projectors_bias", False) != mamba.proj_bias:
         raise CheckpointError("falcon_h1 with projectors_bias != mamba_proj_bias is not supported")
-    head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+    head_dim = _int(cfg, "head_dim", family, 0, lo=0) or hidden // n_heads
     theta, rotary_dim = _rope(cfg, head_dim, default_partial=1.0)
-    attention = AttentionConfig(n_heads, n_kv, head_dim, head_dim**-0.5, bool(cfg.get("attention_bias", False)),
+    attention = AttentionConfig(n_heads, n_kv, head_dim, head_dim**-0.5, _bool(cfg, "attention_bias", False),
                                 theta, rotary_dim)
-    if bool(cfg.get("mlp_bias", False)):
+    if _bool(cfg, "mlp_bias", False):
         raise CheckpointError("falcon_h1 with mlp_bias is not supported")
-    zxbcdt = tuple(float(v) for v in (cfg.get("ssm_multipliers") or (1.0,) * 5))
-    mlp = tuple(float(v) for v in (cfg.get("mlp_multipliers") or (1.0, 1.0)))
-    if len(zxbcdt) != 5 or len(mlp) != 2:
-        raise CheckpointError("falcon_h1 ssm_multipliers needs 5 values and mlp_multipliers 2")
+    zxbcdt = _floats(cfg, "ssm_multipliers", 5, (1.0,) * 5)
+    mlp = _floats(cfg, "mlp_multipliers", 2, (1.0, 1.0))
     mup = FalconMultipliers(
-        ssm_in=float(cfg.get("ssm_in_multiplier", 1.0)), ssm_zxbcdt=zxbcdt,
-        ssm_out=float(cfg.get("ssm_out_multiplier", 1.0)),
-        attention_in=float(cfg.get("attention_in_multiplier", 1.0)), key=float(cfg.get("key_multiplier", 1.0)),
-        attention_out=float(cfg.get("attention_out_multiplier", 1.0)), mlp_gate=mlp[0], mlp_down=mlp[1],
+        ssm_in=_float(cfg, "ssm_in_multiplier", 1.0), ssm_zxbcdt=zxbcdt,
+        ssm_out=_float(cfg, "ssm_out_multiplier", 1.0),
+        attention_in=_float(cfg, "attention_in_multiplier", 1.0), key=_float(cfg, "key_multiplier", 1.0),
+        attention_out=_float(cfg, "attention_out_multiplier", 1.0), mlp_gate=mlp[0], mlp_down=mlp[1],
     )
     return ModelConfig(
-        layer_types=(PARALLEL,) * n_layers, norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), mamba=mamba,
-        attention=attention, intermediate_size=int(_need(cfg, "intermediate_size", family)),
-        mlp_act=str(cfg.get("hidden_act", "silu")), moe=None,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
-        lm_head_multiplier=float(cfg.get("lm_head_multiplier", 1.0)), mup=mup, **common,
+        layer_types=(PARALLEL,) * n_layers, norm_eps=_float(cfg, "rms_norm_eps", 1e-5, positive=True), mamba=mamba,
+        attention=attention, intermediate_size=_int(cfg, "intermediate_size", family),
+        mlp_act=_str(cfg, "hidden_act", "silu", _ACTIVATIONS), moe=None,
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
+        embedding_multiplier=_float(cfg, "embedding_multiplier", 1.0),
+        lm_head_multiplier=_float(cfg, "lm_head_multiplier", 1.0), mup=mup, **common,
     )
 
 
 def load_config(model_dir: str) -> ModelConfig:
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"checkpoint directory not found: {model_dir}")
-    cfg = read_json(os.path.join(model_dir, "config.json"))
+    path = os.path.join(model_dir, "config.json")
+    cfg = read_json(path)
     gen_path = os.path.join(model_dir, "generation_config.json")
     gen = read_json(gen_path) if os.path.isfile(gen_path) else None
-    return parse_config(cfg, gen)
+    try:
+        return parse_config(cfg, gen)
+    except CheckpointError as e:
+        msg = str(e)
+        raise CheckpointError(f"{path}: {msg.removeprefix('config.json: ')}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as e:
+        # a value of a shape no check above foresaw: still the checkpoint's fault, not a crash
+        raise CheckpointError(f"{path}: invalid configuration ({type(e).__name__}: {e})") from None

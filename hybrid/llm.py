@@ -61,6 +61,7 @@ class LLM:
         enable_prefix_caching: bool = False,  # prompts that start like an earlier one skip that prefill
         prefix_cache_entries: int | None = None,  # cached prefixes (each a Mamba slot); None: max_num_seqs
         prefix_cache_interval: int = 0,  # also cache every this many prompt tokens (0: each prompt's end only)
+        check_weights: bool = False,  # refuse a checkpoint whose weights hold NaN/Inf (see loader.load_model)
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR
         self.device = torch.device(device)
@@ -84,7 +85,8 @@ class LLM:
             self.tokenizer = Tokenizer(self.model_dir, cfg.eos_token_ids)
         eos = set(cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
 
-        self.model = load_model(self.model_dir, cfg, self.device, self.dtype, progress=self.device.type == "cuda")
+        self.model = load_model(self.model_dir, cfg, self.device, self.dtype, progress=self.device.type == "cuda",
+                                check_finite=check_weights)
         m = cfg.mamba
         shapes = StateShapes(len(cfg.mamba_layers), m.conv_dim, m.conv_kernel - 1, m.num_heads, m.head_dim, m.state_size)
         if fused_ops is None:  # on where the kernels compile; on CPU only through Triton's interpreter

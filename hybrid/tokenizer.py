@@ -1,9 +1,9 @@
 """Tokenizer over the `tokenizers` library: tokenizer.json plus tokenizer_config.json."""
 from __future__ import annotations
 
-import json
 import os
 
+from hybrid.config import read_json
 from hybrid.errors import CheckpointError, InvalidRequestError
 
 
@@ -19,6 +19,17 @@ def check_text(text: str, what: str = "prompt") -> None:
             "it is not valid Unicode text") from None
 
 
+def _chat_template(value, cfg_path: str) -> str | None:
+    """The chat template: a string, or (newer tokenizer_config.json files) a list of named templates,
+    of which the one named "default" is used."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
+        named = {t.get("name"): t["template"] for t in value}
+        return named.get("default")
+    raise CheckpointError(f"{cfg_path}: 'chat_template' must be a string or a list of named templates")
+
+
 class Tokenizer:
     def __init__(self, model_dir: str, eos_token_ids: tuple[int, ...] = ()) -> None:
         from tokenizers import Tokenizer as _Tokenizer
@@ -26,24 +37,26 @@ class Tokenizer:
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):
             raise CheckpointError(f"missing file: {path}")
-        self._tok = _Tokenizer.from_file(path)
+        try:
+            self._tok = _Tokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception for a corrupt file
+            raise CheckpointError(f"{path} is not a valid tokenizer file: {e}") from None
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
-        self.config: dict = {}
-        if os.path.isfile(cfg_path):
-            with open(cfg_path) as f:
-                self.config = json.load(f)
+        self.config: dict = read_json(cfg_path) if os.path.isfile(cfg_path) else {}
         self.eos_token_ids: set[int] = set(eos_token_ids)
-        eos = self._special(self.config.get("eos_token"))
+        eos = self._special(self.config.get("eos_token"), cfg_path, "eos_token")
         if eos is not None:
             self.eos_token_ids.add(eos)
-        self.bos_token_id = self._special(self.config.get("bos_token"))
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.bos_token_id = self._special(self.config.get("bos_token"), cfg_path, "bos_token")
+        self.chat_template: str | None = _chat_template(self.config.get("chat_template"), cfg_path)
 
-    def _special(self, token) -> int | None:
+    def _special(self, token, cfg_path: str, key: str) -> int | None:
         if isinstance(token, dict):
             token = token.get("content")
         if not token:
             return None
+        if not isinstance(token, str):
+            raise CheckpointError(f"{cfg_path}: '{key}' must be a token string, got {token!r}")
         return self._tok.token_to_id(token)
 
     @property
