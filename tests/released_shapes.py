@@ -1,0 +1,235 @@
+"""The released checkpoints' shapes (tests/data/released_configs.json) and few-layer versions of them.
+
+The table holds, per released checkpoint, the config.json keys that shape a kernel, where they were
+read, and what was assumed (see its "about"). This module turns an entry into
+
+* `few_layer_config(entry)`: the same config.json with 2-3 layers, at least one of each layer kind
+  the checkpoint has (every per-layer dim unchanged);
+* `build_checkpoint(entry, path)`: that few-layer model built with transformers' own classes,
+  weights re-drawn like tests/tiny_checkpoints.py does (no neutral defaults, unit-scale activations,
+  spread-out logits) and saved with `save_pretrained` in the real on-disk format, config.json
+  rewritten to the hub's spelling (NemotronH pattern string, Granite's legacy layer-type names).
+
+The saved checkpoints differ from the released ones only where no kernel is shaped:
+- vocab is cut to `GPU_VOCAB` (4096): it sizes the embedding and lm_head GEMMs only, not the Mamba
+  or attention kernels; bos / eos / pad become 1 / 2 / 0;
+- `time_step_limit` is (0, inf), and NemotronH dt is drawn well above `time_step_min`, so prefill
+  and decode compute one function (no dt clamp) and a teacher-forced check is well-posed;
+- Falcon-H1's muP multipliers are 1.0: they fold into the weights at load time, and with random
+  weights the real ones (lm_head 0.0078, attention_out 0.0375 ...) leave near-uniform logits.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "released_configs.json")
+GPU_VOCAB = 4096
+
+_FALCON_MULTIPLIERS = ("embedding_multiplier", "lm_head_multiplier", "key_multiplier", "attention_in_multiplier",
+                       "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier")
+
+
+def load_table(path: str = TABLE_PATH) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)  # Python's json reads the `Infinity` literal hub files use
+
+
+def entries() -> list[dict[str, Any]]:
+    return load_table()["entries"]
+
+
+def entry(name: str) -> dict[str, Any]:
+    for e in entries():
+        if e["name"] == name:
+            return e
+    raise KeyError(name)
+
+
+def names() -> list[str]:
+    return [e["name"] for e in entries()]
+
+
+# ----------------------------------------------------------------------------------------------
+# few-layer configs
+# ----------------------------------------------------------------------------------------------
+
+
+def _first_of_each(seq) -> list:
+    out = []
+    for x in seq:
+        if x not in out:
+            out.append(x)
+    return out
+
+
+def few_layer_config(e: dict[str, Any], *, vocab: int | None = None) -> dict[str, Any]:
+    """The entry's config.json with one layer of each kind it has, in the order the kinds first
+    appear (NemotronH: e.g. "M-*", "ME*"; Granite: mamba, attention; Bamba: mamba, attention;
+    Falcon-H1: two parallel layers). Every per-layer dim is the released one."""
+    cfg = copy.deepcopy(e["config"])
+    family = cfg["model_type"]
+    if family == "nemotron_h":
+        pattern = "".join(_first_of_each(cfg["hybrid_override_pattern"]))
+        cfg["hybrid_override_pattern"] = pattern
+        cfg["num_hidden_layers"] = len(pattern)
+    elif family == "granitemoehybrid":
+        cfg["layer_types"] = _first_of_each(cfg["layer_types"])
+        cfg["num_hidden_layers"] = len(cfg["layer_types"])
+    elif family == "bamba":
+        cfg["num_hidden_layers"] = 2
+        cfg["attn_layer_indices"] = [1]
+    elif family == "falcon_h1":
+        cfg["num_hidden_layers"] = 2
+    else:
+        raise ValueError(f"unknown family {family}")
+    if vocab is not None:
+        cfg["vocab_size"] = vocab
+        cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"] = 1, 2, 0
+    return cfg
+
+
+def gpu_config(e: dict[str, Any]) -> dict[str, Any]:
+    """few_layer_config with the GPU test's changes (module docstring): small vocab, no dt clamp,
+    Falcon-H1 multipliers at 1."""
+    cfg = few_layer_config(e, vocab=GPU_VOCAB)
+    cfg["time_step_limit"] = [0.0, math.inf]
+    if cfg["model_type"] == "falcon_h1":
+        for k in _FALCON_MULTIPLIERS:
+            cfg[k] = 1.0
+        cfg["mlp_multipliers"] = [1.0, 1.0]
+        cfg["ssm_multipliers"] = [1.0] * 5
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints in the real HF format
+# ----------------------------------------------------------------------------------------------
+
+
+def _inv_softplus(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.log(-torch.expm1(-x))
+
+
+# projections that write into the residual stream
+_BRANCH_OUT = {"out_proj", "o_proj", "down_proj", "output_linear"}
+
+
+@torch.no_grad()
+def redraw_weights(model: torch.nn.Module, seed: int, *, lm_head_std: float | None = None, embed_std: float = 1.0,
+                   branch_out_scale: float = 1.0, final_norm_scale: float = 1.0,
+                   dt_range: tuple[float, float] = (1e-3, 0.2)) -> None:
+    """tests/tiny_checkpoints._redraw_weights on the model's own device (a CUDA generator draws a
+    billion weights in milliseconds; the CPU one takes seconds per layer at released widths)."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float32, device=device)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g, dtype=torch.float32, device=device)
+
+    tensors = dict(model.named_parameters())
+    for name, buf in model.named_buffers():
+        tensors.setdefault(name, buf)
+    for name in sorted(tensors):
+        t = tensors[name]
+        leaf = name.rsplit(".", 1)[-1]
+        parent = name.split(".")[-2] if "." in name else ""
+        if not t.is_floating_point() or leaf == "inv_freq" or "rotary" in name:
+            continue
+        if leaf == "A_log":
+            t.copy_(torch.log(1.0 + 15.0 * rand(*t.shape)))  # A in [-16, -1]
+        elif leaf == "D":
+            t.copy_(0.5 + rand(*t.shape))
+        elif leaf == "dt_bias":
+            lo, hi = math.log(dt_range[0]), math.log(dt_range[1])
+            t.copy_(_inv_softplus(torch.exp(rand(*t.shape) * (hi - lo) + lo)))
+        elif leaf == "e_score_correction_bias":
+            t.copy_(0.3 * randn(*t.shape))
+        elif t.dim() == 1 and leaf == "weight":  # every RMSNorm (incl. the gated norm)
+            t.copy_(0.6 + 0.8 * rand(*t.shape))
+            if "layers." not in name:  # final norm: sets the logit scale
+                t.mul_(final_norm_scale)
+        elif t.dim() == 1 and leaf == "bias":
+            t.copy_(0.1 * randn(*t.shape))
+        elif "embed" in name:
+            t.copy_(embed_std * randn(*t.shape))
+        elif name.startswith("lm_head"):
+            std = lm_head_std if lm_head_std is not None else 4.0 / math.sqrt(t.shape[-1])
+            t.copy_(std * randn(*t.shape))
+        elif name.endswith("conv1d.weight"):
+            t.copy_(randn(*t.shape) / math.sqrt(t.shape[-1]))
+        elif t.dim() >= 2:  # Linear / stacked expert weights [.., out, in]; routers too
+            t.copy_(randn(*t.shape) / math.sqrt(t.shape[-1]))
+            if leaf in _BRANCH_OUT or parent in _BRANCH_OUT:
+                t.mul_(branch_out_scale)
+        else:
+            raise AssertionError(f"unhandled tensor {name} {tuple(t.shape)}")
+
+
+def _hubify(cfg: dict) -> None:
+    """transformers 5.x writes NemotronH's layers_block_type and Granite's new layer-type names; the
+    hub files spell them as the released checkpoints do (tests/tiny_checkpoints.hubify_*)."""
+    if cfg.get("model_type") == "nemotron_h" and "layers_block_type" in cfg:
+        rev = {"mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*", "full_attention": "*", "mlp": "-"}
+        types = cfg.pop("layers_block_type")
+        cfg["hybrid_override_pattern"] = "".join(rev[t] for t in types)
+        cfg["num_hidden_layers"] = len(types)
+        cfg.pop("mtp_layers_block_type", None)
+    elif cfg.get("model_type") == "granitemoehybrid":
+        legacy = {"linear_attention": "mamba", "full_attention": "attention"}
+        cfg["layer_types"] = [legacy.get(t, t) for t in cfg["layer_types"]]
+
+
+def _decode_float_tags(obj):
+    if set(obj) == {"__float__"}:
+        return float(obj["__float__"])
+    return obj
+
+
+def hf_config(cfg: dict[str, Any]):
+    """transformers' own config class for a config.json dict."""
+    import transformers
+
+    return transformers.AutoConfig.for_model(**copy.deepcopy(cfg))
+
+
+def build_checkpoint(e: dict[str, Any], path, *, device: str | torch.device = "cpu", seed: int = 0,
+                     dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Save the entry's few-layer model (gpu_config) with transformers' classes, random weights,
+    in `dtype` (the released checkpoints are bf16), to `path`."""
+    import transformers
+
+    cfg = gpu_config(e)
+    family = cfg["model_type"]
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg)).to(torch.float32).eval()
+    kw: dict[str, Any] = {}
+    if family == "nemotron_h":
+        # dt far above time_step_min: the NemotronH prefill clamp (time_step_min, inf) never bites
+        kw = dict(dt_range=(0.03, 0.3), lm_head_std=6.0 / math.sqrt(cfg["hidden_size"]))
+    elif family == "granitemoehybrid":
+        # embedding x12 and residual branches x0.22 (tests/tiny_checkpoints.build_granite_hybrid)
+        kw = dict(embed_std=0.03, branch_out_scale=60.0, final_norm_scale=60.0)
+    redraw_weights(model, seed, **kw)
+    if cfg.get("tie_word_embeddings"):
+        model.tie_weights()
+    model = model.to(dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    del model
+    cfg_path = path / "config.json"
+    saved = json.loads(cfg_path.read_text(), object_hook=_decode_float_tags)
+    _hubify(saved)
+    cfg_path.write_text(json.dumps(saved, indent=2))
+    return path
