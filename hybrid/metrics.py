@@ -23,8 +23,16 @@ class ServerMetrics:
 
         self.running = gauge("hybrid_num_requests_running", "Sequences running in the engine (holding a slot).")
         self.waiting = gauge("hybrid_num_requests_waiting", "Sequences waiting in the engine for a slot.")
-        self.inflight = gauge("hybrid_num_requests_inflight", "HTTP generation requests being served.")
-        self.slots_used = gauge("hybrid_state_slots_in_use", "Mamba state slots in use.")
+        self.inflight = gauge("hybrid_num_requests_inflight",
+                              "HTTP generation requests admitted and not yet answered in full.")
+        self.seqs_admitted = gauge("hybrid_num_sequences_admitted",
+                                   "Sequences (prompts x n) of the admitted HTTP requests; beyond max_num_seqs + "
+                                   "max_queued_requests new requests get 429.")
+        self.slots_used = gauge("hybrid_state_slots_in_use", "Mamba state slots in use (by anyone).")
+        self.slots_requests = gauge("hybrid_state_slots_requests", "Mamba state slots held by running sequences.")
+        self.slots_prefix = gauge("hybrid_state_slots_prefix_cache", "Mamba state slots held by the prefix cache.")
+        self.pages_prefix = gauge("hybrid_kv_pages_prefix_cache",
+                                  "KV pages the prefix cache holds a reference to (running sequences may share them).")
         self.slots_total = gauge("hybrid_state_slots_total", "Mamba state slots.")
         self.pages_used = gauge("hybrid_kv_pages_in_use", "KV cache pages in use.")
         self.pages_total = gauge("hybrid_kv_pages_total", "KV cache pages (without the reserved dummy page).")
@@ -46,15 +54,24 @@ class ServerMetrics:
         self.e2e = Histogram("hybrid_e2e_request_latency_seconds", "End-to-end request latency.", names,
                              buckets=_E2E_BUCKETS, registry=r).labels(**labels)
 
-    def bind(self, async_engine) -> None:
-        """Read the engine gauges from the worker's published snapshot at scrape time."""
+    def bind(self, async_engine, admitted_requests=None, admitted_seqs=None) -> None:
+        """Read the engine gauges from the worker's published snapshot at scrape time; who holds
+        the slots (running sequences vs the prefix cache) is read from the engine itself, read
+        only, so that slots held by neither (a leak, or a deferred free) show up as the rest of
+        hybrid_state_slots_in_use. admitted_*: the server's admission counters."""
         snap = lambda key: (lambda: async_engine.snapshot[key])  # noqa: E731
+        engine = async_engine.engine
         self.running.set_function(snap("running"))
         self.waiting.set_function(snap("waiting"))
         self.slots_used.set_function(snap("slots_used"))
         self.pages_used.set_function(snap("pages_used"))
         self.prefix_hit_tokens.set_function(snap("prefix_cache_hit_tokens"))
-        self.inflight.set_function(lambda: async_engine.num_inflight)
+        self.inflight.set_function(admitted_requests or (lambda: async_engine.num_inflight))
+        if admitted_seqs is not None:
+            self.seqs_admitted.set_function(admitted_seqs)
+        self.slots_requests.set_function(lambda: request_slots(engine))
+        self.slots_prefix.set_function(lambda: len(prefix_cache_slots(engine)))
+        self.pages_prefix.set_function(lambda: len(prefix_cache_pages(engine)))
         self.slots_total.set(async_engine._slots_total)
         self.pages_total.set(async_engine._pages_total)
 
@@ -82,3 +99,20 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# Read from the scrape thread while the engine worker runs: list() copies each container in one
+# step under the GIL, so a concurrent change can make a count a step old but never raises.
+def request_slots(engine) -> int:
+    """Mamba slots held by running sequences."""
+    return sum(1 for seq in list(engine.running) if seq.slot is not None)
+
+
+def prefix_cache_slots(engine) -> set[int]:
+    cache = getattr(engine, "prefix_cache", None)
+    return set() if cache is None else {e.slot for e in list(cache.entries.values())}
+
+
+def prefix_cache_pages(engine) -> set[int]:
+    cache = getattr(engine, "prefix_cache", None)
+    return set() if cache is None else {p for e in list(cache.entries.values()) for p in e.pages}

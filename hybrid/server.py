@@ -7,15 +7,20 @@ server-sent events, one token delta per event), GET /v1/models, GET /health, GET
     app = build_app(LLM("path/to/checkpoint"))        # or: hybrid serve --model path/to/checkpoint
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}} with status 400 for bad
-requests (invalid fields, a prompt longer than the context, an unknown model), 429 when more than
---max-queued-requests requests wait beyond the engine's max_num_seqs running ones.
+Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}: 400 for bad requests
+(invalid fields, a prompt or max_tokens beyond the context, a request larger than the server
+can ever admit), 404 for an unknown model, 413 for a body over --max-request-bytes, 429 when the admitted sequences would exceed
+max_num_seqs + --max-queued-requests, 500 (a generic message; details go to the log).
+
+Every check that can reject a request runs before its response starts, streamed or not: a
+stream that got its 200 fails in-band only for errors during generation.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -25,15 +30,22 @@ import uuid
 from typing import NamedTuple
 
 from fastapi import Request  # noqa: F401 - module level: FastAPI resolves the endpoints' annotations here
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from hybrid.async_engine import AsyncEngine, EngineDeadError, QueueFullError, TextDeltas
-from hybrid.errors import InvalidRequestError
+from hybrid.async_engine import AsyncEngine, EngineDeadError, TextDeltas
+from hybrid.errors import HybridError, InvalidRequestError
 from hybrid.sampling import SamplingParams
 
 logger = logging.getLogger("hybrid.server")
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's
+_PARSE_IN_THREAD_BYTES = 256 * 1024  # larger bodies are parsed off the event loop
+GENERIC_500 = "The server had an error while processing your request."
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -58,6 +70,18 @@ def _from_invalid(e: InvalidRequestError, default_param: str | None = None) -> A
     msg = str(e)
     m = _PARAM_RE.search(msg)
     return APIError(msg, 400, m.group(1) if m else default_param, "invalid_value")
+
+
+def _internal_error(where: str, e: BaseException) -> APIError:
+    """A 500 that says nothing about the internals; the traceback goes to the log under `ref`."""
+    ref = uuid.uuid4().hex[:12]
+    logger.error("%s failed (error id %s)", where, ref, exc_info=(type(e), e, e.__traceback__))
+    return APIError(f"{GENERIC_500} (error id {ref})", 500, None, None, type="server_error")
+
+
+def _engine_dead_error() -> APIError:
+    return APIError("The engine stopped after an unrecoverable error; see the server log.", 503, None,
+                    "engine_dead", type="server_error")
 
 
 # ---------------------------------------------------------------------------------- field parsing
@@ -137,12 +161,12 @@ def _sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> Sa
             raise _bad("logit_bias", "values must be numbers")
     try:
         return SamplingParams(
-            n=_int(body, "n", 1, lo=1, hi=128),
+            n=_int(body, "n", 1, lo=1, hi=MAX_N),
             max_tokens=max_tokens,
             temperature=_num(body, "temperature", 1.0, lo=0.0),
             top_p=_num(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
             top_k=top_k,
-            seed=_int(body, "seed", None),
+            seed=_int(body, "seed", None),  # any int: the engine reduces it into the generator's range
             stop=_stop(body),
             stop_token_ids=stop_token_ids,
             ignore_eos=_bool(body, "ignore_eos", False),
@@ -156,6 +180,66 @@ def _sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> Sa
         )
     except InvalidRequestError as e:
         raise _from_invalid(e) from None
+
+
+def _lone_surrogate_path(obj) -> str | None:
+    """The JSON path of the first string (or key) holding a lone UTF-16 surrogate, or None.
+    json.loads turns "\\ud800" into such a string; it is not Unicode text, the tokenizer cannot
+    take it, so the request is rejected (never silently altered)."""
+    stack: list[tuple[object, str]] = [(obj, "")]
+    while stack:
+        x, path = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                sub = f"{path}.{k}" if path else str(k)
+                stack.append((k, path or "body"))
+                stack.append((v, sub))
+        elif isinstance(x, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(x) if isinstance(v, (str, dict, list)))
+    return None
+
+
+def _parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", 400, None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", 400, None, "invalid_json")
+    bad = _lone_surrogate_path(body)
+    if bad is not None:
+        raise APIError(f"'{bad}': contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                       400, bad, "invalid_value")
+    return body
+
+
+def _prompt_inputs(body: dict) -> list[str | list[int]]:
+    """The completion prompts as sent (strings or token-id lists), shape-checked, not tokenized."""
+    p = body.get("prompt")
+    if p is None:
+        raise _bad("prompt", "is required")
+
+    def is_ids(x) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(p, str):
+        prompts: list = [p]
+    elif is_ids(p):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = list(p)
+    elif isinstance(p, list) and p and all(is_ids(x) for x in p):
+        prompts = list(p)
+    else:
+        raise _bad("prompt", "expected a string, a list of strings, a list of token ids or a list of lists of them")
+    if any(isinstance(x, str) and not x for x in prompts):
+        raise _bad("prompt", "empty prompt: at least one token is needed")
+    return prompts
 
 
 # ---------------------------------------------------------------------------------- chat template
@@ -196,6 +280,8 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}]", "each message needs a string 'role'")
+        if m["role"] not in CHAT_ROLES:
+            raise _bad(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {json.dumps(m['role'])}")
         content = m.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
             texts = []
@@ -212,9 +298,71 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
+def _chat_template(tokenizer) -> str:
+    if tokenizer is None:
+        raise APIError("this model has no tokenizer, so it cannot chat", 400, "messages", "invalid_value")
+    template = tokenizer.chat_template
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if not template:
+        raise APIError("this model has no chat template (tokenizer_config.json has no 'chat_template'); "
+                       "use /v1/completions", 400, "messages", "invalid_value")
+    return template
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Tokenize `text`; run it in a worker thread. The `tokenizers` library releases the GIL in
+    encode_batch but not in encode, so a long prompt tokenized with encode would stall the event
+    loop (and /health) even from a thread: go through encode_batch where we can."""
+    inner = getattr(tokenizer, "_tok", None)
+    if inner is not None and hasattr(inner, "encode_batch"):
+        return inner.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+# ---------------------------------------------------------------------------------- admission
+class _Admission:
+    """Sequences reserved for one HTTP request from its arrival until its response ends.
+    release() is idempotent: the handler and the streamed response may both call it."""
+    __slots__ = ("_server", "num_seqs")
+
+    def __init__(self, server: "_Server", num_seqs: int) -> None:
+        self._server = server
+        self.num_seqs = num_seqs
+
+    def release(self) -> None:
+        if self._server is not None:
+            self._server.reserved_seqs -= self.num_seqs
+            self._server.admitted_requests -= 1
+            self._server = None
+
+
+class _AdmittedStream(StreamingResponse):
+    """A streamed response that releases its request's admission when it ends, however it ends
+    (finished, failed, client gone before or during the stream)."""
+
+    def __init__(self, content, admission: _Admission, **kw) -> None:
+        super().__init__(content, **kw)
+        self.admission = admission
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.admission.release()
+
+
+class _Prompt(NamedTuple):
+    text: str | None  # None: sent as token ids
+    ids: list[int]
+    params: SamplingParams  # per prompt: a default max_tokens is fitted to each prompt's room
+
+
 # ---------------------------------------------------------------------------------- the app
 class _Server:
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int, metrics) -> None:
+    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int,
+                 max_num_seqs: int, max_queued_requests: int | None, metrics) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -222,13 +370,45 @@ class _Server:
         self.metrics = metrics
         self.created = int(time.time())
         self._token_str: dict[int, str] = {}
+        # Admission: sequences (prompts x n) of the requests being served. Checked and reserved in
+        # one synchronous step on the event loop when a request arrives, so concurrent requests
+        # (streamed ones included, whose engine work starts only with the response) cannot all
+        # slip past the limit. None: no limit.
+        self.max_admitted_seqs = None if max_queued_requests is None else max_num_seqs + max_queued_requests
+        self.max_num_seqs = max_num_seqs
+        self.max_queued_requests = max_queued_requests
+        self.reserved_seqs = 0
+        self.admitted_requests = 0
 
     # ---------------------------------------------------------------- helpers
     def check_model(self, body: dict) -> None:
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
-                           400, "model", "model_not_found")
+                           404, "model", "model_not_found")
+
+    def check_alive(self) -> None:
+        if getattr(self.engine, "dead", None) is not None:
+            raise _engine_dead_error()
+
+    def admit(self, num_seqs: int, param: str) -> _Admission:
+        """Reserve `num_seqs` sequences now, or raise: 400 if the request can never be admitted,
+        429 if it cannot be admitted now. No await in here: check and reservation are atomic."""
+        limit = self.max_admitted_seqs
+        if limit is not None:
+            if num_seqs > limit:
+                raise APIError(
+                    f"this request needs {num_seqs} sequences (prompts x n), more than this server ever admits "
+                    f"at once ({limit}: max_num_seqs {self.max_num_seqs} + max_queued_requests "
+                    f"{self.max_queued_requests}); send fewer prompts or a smaller n", 400, param, "request_too_large")
+            if self.reserved_seqs + num_seqs > limit:
+                raise APIError(
+                    f"the server is overloaded: {self.reserved_seqs} sequences admitted, {num_seqs} more requested, "
+                    f"at most {limit} ({self.max_num_seqs} running, {self.max_queued_requests} queued); retry later",
+                    429, None, "queue_full", type="rate_limit_error")
+        self.reserved_seqs += num_seqs
+        self.admitted_requests += 1
+        return _Admission(self, num_seqs)
 
     def token_str(self, tid: int) -> str:
         s = self._token_str.get(tid)
@@ -237,45 +417,60 @@ class _Server:
             self._token_str[tid] = s
         return s
 
-    def encode_prompts(self, body: dict) -> list[tuple[str | None, list[int]]]:
-        p = body.get("prompt")
-        if p is None:
-            raise _bad("prompt", "is required")
-        if isinstance(p, str):
-            prompts: list = [p]
-        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            prompts = [p]
-        elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-            prompts = list(p)
-        elif isinstance(p, list) and p and all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                                           for t in x) for x in p):
-            prompts = list(p)
-        else:
-            raise _bad("prompt", "expected a string, a list of strings, a list of token ids or a list of lists of them")
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        """Reject a prompt too long for the context as soon as its length is known (right after
+        tokenizing it, before anything else is done with it); the rest is checked in validate()."""
+        if len(ids) >= self.max_model_len:
+            raise APIError(f"prompt of {len(ids)} tokens is longer than the context: max_model_len is "
+                           f"{self.max_model_len} and at least one token must be generated", 400, param,
+                           "context_length_exceeded")
+
+    def fit_max_tokens(self, params: SamplingParams, ids: list[int], param: str | None) -> SamplingParams:
+        """prompt + max_tokens must fit in the context. An explicit max_tokens (param names it) that
+        does not fit is a 400, as vLLM answers; a default one is shortened to the room left."""
+        room = self.max_model_len - len(ids)
+        if params.max_tokens <= room:
+            return params
+        if param is not None:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
+                f"completion). Please reduce the length of the prompt or of '{param}'.", 400, param,
+                "context_length_exceeded")
+        try:
+            return dataclasses.replace(params, max_tokens=room)
+        except InvalidRequestError as e:  # e.g. min_tokens > the room left
+            raise _from_invalid(e) from None
+
+    def validate(self, prompts: list[_Prompt], param: str) -> None:
+        """Everything Engine.add_request would reject later, on the worker, where a streamed
+        request has its 200 already: run it now."""
+        for p in prompts:
+            try:  # AsyncEngine.validate: every check of Engine.add_request, the vocabulary's too
+                self.engine.validate(p.ids, p.params)
+            except InvalidRequestError as e:
+                raise _from_invalid(e, param) from None
+        self.check_alive()
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # off the event loop: a long prompt must not stall other requests and /health
+        return await asyncio.to_thread(_encode, self.tokenizer, text, add_special_tokens)
+
+    async def completion_prompts(self, inputs: list, params: SamplingParams,
+                                 explicit_max_tokens: bool) -> list[_Prompt]:
         out = []
-        for x in prompts:
+        for x in inputs:
             if isinstance(x, str):
                 if self.tokenizer is None:
                     raise _bad("prompt", "this model has no tokenizer: send token ids")
-                if not x:
-                    raise _bad("prompt", "empty prompt: at least one token is needed")
-                out.append((x, self.tokenizer.encode(x)))
+                ids = await self.encode(x, True)
+                text = x
             else:
-                out.append((None, list(x)))
+                ids, text = list(x), None
+            self.check_prompt(ids, "prompt")  # right away: before tokenizing the next prompt
+            fitted = self.fit_max_tokens(params, ids, "max_tokens" if explicit_max_tokens else None)
+            out.append(_Prompt(text, ids, fitted))
         return out
-
-    def validate_prompts(self, prompts, params: SamplingParams, param: str) -> None:
-        for _, ids in prompts:
-            try:
-                self.engine.validate(ids, params)
-            except InvalidRequestError as e:
-                raise _from_invalid(e, param) from None
-
-    def check_capacity(self, num: int) -> None:
-        try:
-            self.engine.check_capacity(num)
-        except QueueFullError as e:
-            raise APIError(str(e), 429, None, "queue_full", type="rate_limit_error") from None
 
     # ---------------------------------------------------------------- logprobs
     def completion_logprobs(self, lps: list[dict[int, float]], token_ids: list[int], k: int, offset0: int) -> dict:
@@ -304,10 +499,9 @@ class _Server:
         return {"content": content}
 
     # ---------------------------------------------------------------- running requests
-    async def _pump(self, idx: int, prompt, params: SamplingParams, rid: str, q: asyncio.Queue) -> None:
-        text, ids = prompt
+    async def _pump(self, idx: int, prompt: _Prompt, rid: str, q: asyncio.Queue) -> None:
         try:
-            async for out in self.engine.generate(ids, params, request_id=rid, prompt=text):
+            async for out in self.engine.generate(prompt.ids, prompt.params, request_id=rid, prompt=prompt.text):
                 q.put_nowait((idx, out))
         except asyncio.CancelledError:
             raise
@@ -316,10 +510,10 @@ class _Server:
             return
         q.put_nowait((idx, None))
 
-    async def run(self, prompts, params: SamplingParams, base_id: str):
+    async def run(self, prompts: list[_Prompt], base_id: str):
         """Yield (prompt index, RequestOutput) for every update of every prompt's request."""
         q: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(i, p, params, f"{base_id}-{i}", q)) for i, p in enumerate(prompts)]
+        tasks = [asyncio.create_task(self._pump(i, p, f"{base_id}-{i}", q)) for i, p in enumerate(prompts)]
         remaining = len(tasks)
         try:
             while remaining:
@@ -337,18 +531,18 @@ class _Server:
             # let the cancelled pumps run their finally (which queues the aborts) before we return
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def choice_updates(self, prompts, params: SamplingParams, base_id: str, want_logprobs: bool):
+    async def choice_updates(self, prompts: list[_Prompt], base_id: str, want_logprobs: bool):
         """Stream updates per choice, shared by completions and chat: yields _ChoiceUpdate with the
         text delta (stop strings and partial characters held back), the logprob rows whose text
         is now sent, and the finish reason once the choice ends."""
         states: dict[tuple[int, int], _ChoiceState] = {}
-        agen = self.run(prompts, params, base_id)
+        agen = self.run(prompts, base_id)
         try:
             async for pi, out in agen:
                 for c in out.outputs:
                     st = states.get((pi, c.index))
                     if st is None:
-                        st = states[(pi, c.index)] = _ChoiceState(params.stop)
+                        st = states[(pi, c.index)] = _ChoiceState(prompts[pi].params.stop)
                     if st.done:
                         continue
                     finished = c.finish_reason is not None
@@ -368,12 +562,12 @@ class _Server:
         finally:
             await agen.aclose()
 
-    async def collect(self, request, prompts, params: SamplingParams, base_id: str) -> list:
-        """Run to completion; abort everything if the client disconnects first."""
+    async def collect(self, request, prompts: list[_Prompt], base_id: str) -> list | None:
+        """Run to completion; abort everything if the client disconnects first (None)."""
         finals: list = [None] * len(prompts)
 
         async def consume():
-            agen = self.run(prompts, params, base_id)
+            agen = self.run(prompts, base_id)
             try:
                 async for idx, out in agen:
                     if out.finished:
@@ -396,10 +590,12 @@ class _Server:
             if not work.done():
                 work.cancel()
 
+    def stream(self, events, admission: _Admission) -> _AdmittedStream:
+        return _AdmittedStream(events, admission, media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     # ---------------------------------------------------------------- completions
     async def completions(self, request, body: dict):
-        from fastapi.responses import JSONResponse, StreamingResponse
-
         self.check_model(body)
         if _bool(body, "echo", False):
             raise _bad("echo", "is not supported")
@@ -407,148 +603,150 @@ class _Server:
             raise _bad("suffix", "is not supported")
         stream = _bool(body, "stream", False)
         include_usage = _include_usage(body, stream)
-        prompts = self.encode_prompts(body)
+        inputs = _prompt_inputs(body)
         k = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-        max_tokens = _int(body, "max_tokens", 16, lo=1)
-        params = _sampling_params(body, max_tokens=max_tokens, logprobs=k)
+        max_tokens = _int(body, "max_tokens", None, lo=1)
+        params = _sampling_params(body, max_tokens=max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, logprobs=k)
         best_of = _int(body, "best_of", None, lo=1)
         if best_of is not None and best_of != params.n:
             raise _bad("best_of", "is not supported (only best_of == n)")
-        self.validate_prompts(prompts, params, "prompt")
-        self.check_capacity(len(prompts))
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
         n = params.n
+        # before the (possibly long) tokenization
+        admission = self.admit(len(inputs) * n, "prompt" if len(inputs) > 1 else "n")
+        try:
+            prompts = await self.completion_prompts(inputs, params, max_tokens is not None)
+            self.validate(prompts, "prompt")
+            cid = f"cmpl-{uuid.uuid4().hex}"
+            created = int(time.time())
+            prompt_tokens = sum(len(p.ids) for p in prompts)
 
-        if not stream:
-            finals = await self.collect(request, prompts, params, cid)
-            if finals is None:
-                return JSONResponse({}, status_code=499)
-            choices, completion_tokens = [], 0
-            for pi, out in enumerate(finals):
-                for c in out.outputs:
-                    completion_tokens += len(c.token_ids)
-                    lp = None
-                    if k is not None and c.logprobs is not None:
-                        lp = self.completion_logprobs(c.logprobs, c.token_ids, k, 0)
-                    choices.append({"index": pi * n + c.index, "text": c.text, "logprobs": lp,
-                                    "finish_reason": _finish_reason(c.finish_reason)})
-            prompt_tokens = sum(len(ids) for _, ids in prompts)
-            return JSONResponse({
-                "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices,
-                "usage": _usage(prompt_tokens, completion_tokens),
-            })
+            if not stream:
+                finals = await self.collect(request, prompts, cid)
+                if finals is None:
+                    return JSONResponse({}, status_code=499)
+                choices, completion_tokens = [], 0
+                for pi, out in enumerate(finals):
+                    for c in out.outputs:
+                        completion_tokens += len(c.token_ids)
+                        lp = None
+                        if k is not None and c.logprobs is not None:
+                            lp = self.completion_logprobs(c.logprobs, c.token_ids, k, 0)
+                        choices.append({"index": pi * n + c.index, "text": c.text, "logprobs": lp,
+                                        "finish_reason": _finish_reason(c.finish_reason)})
+                return JSONResponse({
+                    "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": choices,
+                    "usage": _usage(prompt_tokens, completion_tokens),
+                })
 
-        chunk = _chunker("text_completion", cid, created, self.model_name, include_usage)
+            chunk = _chunker("text_completion", cid, created, self.model_name, include_usage)
 
-        async def events():
-            completion_tokens = 0
-            updates = self.choice_updates(prompts, params, cid, k is not None)
-            try:
-                async for u in updates:
-                    lp = self.completion_logprobs(*u.logprobs, k, u.text_offset) if u.logprobs else None
-                    if u.finish_reason is not None:
-                        completion_tokens += u.num_tokens
-                    if u.delta or u.finish_reason is not None or lp is not None:
-                        yield chunk([{"index": u.prompt_index * n + u.index, "text": u.delta, "logprobs": lp,
-                                      "finish_reason": _finish_reason(u.finish_reason)}])
-                if include_usage:
-                    pt = sum(len(ids) for _, ids in prompts)
-                    yield chunk([], _usage(pt, completion_tokens))
-            except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
-                yield _sse(_stream_error(e))
-            finally:
-                await updates.aclose()
-            yield "data: [DONE]\n\n"
+            async def events():
+                completion_tokens = 0
+                updates = self.choice_updates(prompts, cid, k is not None)
+                try:
+                    async for u in updates:
+                        lp = self.completion_logprobs(*u.logprobs, k, u.text_offset) if u.logprobs else None
+                        if u.finish_reason is not None:
+                            completion_tokens += u.num_tokens
+                        if u.delta or u.finish_reason is not None or lp is not None:
+                            yield chunk([{"index": u.prompt_index * n + u.index, "text": u.delta, "logprobs": lp,
+                                          "finish_reason": _finish_reason(u.finish_reason)}])
+                    if include_usage:
+                        yield chunk([], _usage(prompt_tokens, completion_tokens))
+                except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
+                    yield _sse(_stream_error(e))
+                finally:
+                    await updates.aclose()
+                yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            response, admission = self.stream(events(), admission), None  # the response releases it
+            return response
+        finally:
+            if admission is not None:
+                admission.release()
 
     # ---------------------------------------------------------------- chat completions
     async def chat(self, request, body: dict):
-        from fastapi.responses import JSONResponse, StreamingResponse
-
         self.check_model(body)
         stream = _bool(body, "stream", False)
         include_usage = _include_usage(body, stream)
         messages = _messages(body)
-        if self.tokenizer is None:
-            raise APIError("this model has no tokenizer, so it cannot chat", 400, "messages", "invalid_value")
-        template = self.tokenizer.chat_template
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default") or next(iter(named.values()), None)
-        if not template:
-            raise APIError("this model has no chat template (tokenizer_config.json has no 'chat_template'); "
-                           "use /v1/completions", 400, "messages", "invalid_value")
+        template = _chat_template(self.tokenizer)
         add_gen = _bool(body, "add_generation_prompt", True)
         tools = body.get("tools")
-        text = _render_chat(template, messages, self.tokenizer, add_gen,
-                            {"tools": tools} if tools else None)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
         want_lp = _bool(body, "logprobs", False)
         top = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
         if top is not None and not want_lp:
             raise _bad("top_logprobs", "needs 'logprobs': true")
         k = (top or 0) if want_lp else None
-        max_tokens = _int(body, "max_completion_tokens", None, lo=1)
+        max_tokens, max_tokens_param = _int(body, "max_completion_tokens", None, lo=1), "max_completion_tokens"
         if max_tokens is None:
-            max_tokens = _int(body, "max_tokens", None, lo=1)
+            max_tokens, max_tokens_param = _int(body, "max_tokens", None, lo=1), "max_tokens"
         if max_tokens is None:
-            max_tokens = max(self.max_model_len - len(ids), 1)
-        params = _sampling_params(body, max_tokens=max_tokens, logprobs=k)
-        prompts = [(text, ids)]
-        self.validate_prompts(prompts, params, "messages")
-        self.check_capacity(1)
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
+            max_tokens_param = None  # default: the rest of the context
+        params = _sampling_params(body, max_tokens=max_tokens or self.max_model_len, logprobs=k)
+        admission = self.admit(params.n, "n")  # before rendering and tokenizing
+        try:
+            # off the event loop: rendering and tokenizing a long conversation takes a while
+            text = await asyncio.to_thread(_render_chat, template, messages, self.tokenizer, add_gen,
+                                           {"tools": tools} if tools else None)
+            ids = await self.encode(text, False)
+            self.check_prompt(ids, "messages")
+            prompts = [_Prompt(text, ids, self.fit_max_tokens(params, ids, max_tokens_param))]
+            self.validate(prompts, "messages")
+            cid = f"chatcmpl-{uuid.uuid4().hex}"
+            created = int(time.time())
 
-        if not stream:
-            finals = await self.collect(request, prompts, params, cid)
-            if finals is None:
-                return JSONResponse({}, status_code=499)
-            out = finals[0]
-            choices, completion_tokens = [], 0
-            for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                lp = self.chat_logprobs(c.logprobs, c.token_ids, k) if (k is not None and c.logprobs is not None) else None
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": lp, "finish_reason": _finish_reason(c.finish_reason)})
-            return JSONResponse({
-                "id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": choices,
-                "usage": _usage(len(ids), completion_tokens),
-            })
+            if not stream:
+                finals = await self.collect(request, prompts, cid)
+                if finals is None:
+                    return JSONResponse({}, status_code=499)
+                out = finals[0]
+                choices, completion_tokens = [], 0
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    lp = (self.chat_logprobs(c.logprobs, c.token_ids, k)
+                          if (k is not None and c.logprobs is not None) else None)
+                    choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": lp, "finish_reason": _finish_reason(c.finish_reason)})
+                return JSONResponse({
+                    "id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
+                    "choices": choices,
+                    "usage": _usage(len(ids), completion_tokens),
+                })
 
-        chunk = _chunker("chat.completion.chunk", cid, created, self.model_name, include_usage)
+            chunk = _chunker("chat.completion.chunk", cid, created, self.model_name, include_usage)
 
-        async def events():
-            completion_tokens = 0
-            updates = self.choice_updates(prompts, params, cid, k is not None)
-            try:
-                for i in range(params.n):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
-                async for u in updates:
-                    lp = self.chat_logprobs(*u.logprobs, k) if u.logprobs else None
-                    if u.delta or lp is not None:
-                        yield chunk([{"index": u.index, "delta": {"content": u.delta}, "logprobs": lp,
+            async def events():
+                completion_tokens = 0
+                updates = self.choice_updates(prompts, cid, k is not None)
+                try:
+                    for i in range(params.n):
+                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                       "finish_reason": None}])
-                    if u.finish_reason is not None:
-                        completion_tokens += u.num_tokens
-                        yield chunk([{"index": u.index, "delta": {}, "logprobs": None,
-                                      "finish_reason": _finish_reason(u.finish_reason)}])
-                if include_usage:
-                    yield chunk([], _usage(len(ids), completion_tokens))
-            except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
-                yield _sse(_stream_error(e))
-            finally:
-                await updates.aclose()
-            yield "data: [DONE]\n\n"
+                    async for u in updates:
+                        lp = self.chat_logprobs(*u.logprobs, k) if u.logprobs else None
+                        if u.delta or lp is not None:
+                            yield chunk([{"index": u.index, "delta": {"content": u.delta}, "logprobs": lp,
+                                          "finish_reason": None}])
+                        if u.finish_reason is not None:
+                            completion_tokens += u.num_tokens
+                            yield chunk([{"index": u.index, "delta": {}, "logprobs": None,
+                                          "finish_reason": _finish_reason(u.finish_reason)}])
+                    if include_usage:
+                        yield chunk([], _usage(len(ids), completion_tokens))
+                except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
+                    yield _sse(_stream_error(e))
+                finally:
+                    await updates.aclose()
+                yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            response, admission = self.stream(events(), admission), None  # the response releases it
+            return response
+        finally:
+            if admission is not None:
+                admission.release()
 
 
 class _ChoiceUpdate(NamedTuple):
@@ -608,13 +806,24 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _stream_error(e: BaseException) -> dict:
+def _error_for(e: BaseException, where: str) -> APIError:
+    """The APIError a client sees for `e`: our own errors as they are, the engine's deliberate
+    errors (HybridError: written for users) with their message, anything else generic."""
     if isinstance(e, APIError):
-        return e.body()
+        return e
     if isinstance(e, InvalidRequestError):
-        return _from_invalid(e).body()
-    logger.error("stream failed: %r", e)
-    return APIError(f"internal error: {e!r}", 500, None, None, type="server_error").body()
+        return _from_invalid(e)
+    if isinstance(e, EngineDeadError):  # its message carries the failed step's repr: log it only
+        logger.error("%s: %s", where, e)
+        return _engine_dead_error()
+    if isinstance(e, HybridError):
+        logger.error("%s: %s", where, e)
+        return APIError(str(e), 500, None, None, type="server_error")
+    return _internal_error(where, e)
+
+
+def _stream_error(e: BaseException) -> dict:
+    return _error_for(e, "stream").body()
 
 
 async def _wait_disconnect(request) -> None:
@@ -625,7 +834,7 @@ async def _wait_disconnect(request) -> None:
 
 
 def _unwrap(llm_or_engine):
-    """(Engine, tokenizer, model_dir) from an LLM, an Engine or an AsyncEngine."""
+    """(AsyncEngine or None, Engine, tokenizer, model_dir) from an LLM, an Engine or an AsyncEngine."""
     if isinstance(llm_or_engine, AsyncEngine):
         eng = llm_or_engine.engine
         return llm_or_engine, eng, llm_or_engine.tokenizer, None
@@ -643,20 +852,47 @@ def default_model_name(model_dir: str | None) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(model_dir))) or "hybrid"
 
 
+async def _read_json(request, max_bytes: int) -> dict:
+    """The request's JSON object: at most max_bytes read (413 past it, before reading more),
+    parsed off the event loop when large."""
+    too_large = APIError(f"the request body is larger than the limit of {max_bytes} bytes (--max-request-bytes)",
+                         413, None, "request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise APIError("invalid Content-Length header", 400, None, "invalid_request")
+        if int(length) > max_bytes:
+            raise too_large
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if len(raw) > _PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(_parse_body, raw)
+    return _parse_body(raw)
+
+
+# ---------------------------------------------------------------------------------- the app factory
 def build_app(llm_or_engine, served_model_name: str | None = None,
-              max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS):
+              max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS, *,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
     """A FastAPI app serving `llm_or_engine` (an LLM, an Engine or an AsyncEngine).
 
     The engine worker thread starts with the app (lifespan) and stops with it.
-    max_queued_requests: how many requests may wait beyond the engine's max_num_seqs running
-    ones before new requests get 429 (None: no limit)."""
+    max_queued_requests: how many sequences may wait beyond the engine's max_num_seqs running
+    ones before new requests get 429 (None: no limit). max_request_bytes: the largest request
+    body accepted (413 past it)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from hybrid.metrics import ServerMetrics
 
+    if max_request_bytes < 1:
+        raise ValueError("max_request_bytes must be >= 1")
     async_engine, engine, tokenizer, model_dir = _unwrap(llm_or_engine)
     name = served_model_name or default_model_name(model_dir)
     metrics = ServerMetrics(name)
@@ -665,8 +901,10 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     else:
         async_engine.metrics = metrics
         async_engine.max_queued_requests = max_queued_requests
-    metrics.bind(async_engine)
-    srv = _Server(async_engine, tokenizer, name, engine.max_model_len, metrics)
+    srv = _Server(async_engine, tokenizer, name, engine.max_model_len, engine.max_num_seqs,
+                  max_queued_requests, metrics)
+    metrics.bind(async_engine, admitted_requests=lambda: srv.admitted_requests,
+                 admitted_seqs=lambda: srv.reserved_seqs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -681,6 +919,7 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     app.state.engine = engine
     app.state.served_model_name = name
     app.state.metrics = metrics
+    app.state.server = srv
 
     def error_response(e: APIError) -> JSONResponse:
         if e.status >= 400:
@@ -704,44 +943,36 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return JSONResponse(APIError(str(e.detail), e.status_code, None, code).body(), status_code=e.status_code)
 
-    @app.exception_handler(EngineDeadError)
-    async def _dead(request: Request, e: EngineDeadError):
-        return JSONResponse(APIError(str(e), 503, None, "engine_dead", type="server_error").body(), status_code=503)
+    @app.exception_handler(HybridError)
+    async def _hybrid(request: Request, e: HybridError):  # EngineDeadError, a failed request, ...
+        return error_response(_error_for(e, f"{request.method} {request.url.path}"))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
-        logger.exception("request failed")
-        return JSONResponse(APIError(f"internal error: {e!r}", 500, None, None, type="server_error").body(),
-                            status_code=500)
-
-    async def read_body(request: Request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise APIError(f"the request body is not valid JSON: {e}", 400, None, "invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object", 400, None, "invalid_json")
-        return body
+        return error_response(_internal_error(f"{request.method} {request.url.path}", e))
 
     @app.get("/health")
     async def health():
         if async_engine.dead is not None:
-            return JSONResponse({"status": "error", "error": repr(async_engine.dead)}, status_code=503)
+            why = f"the engine stopped ({type(async_engine.dead).__name__}); see the server log"
+            return JSONResponse({"status": "error", "error": why}, status_code=503)
         return {"status": "ok"}
+
+    def model_card() -> dict:
+        # root: the served name, never the checkpoint's path on this machine
+        return {"id": name, "object": "model", "created": srv.created, "owned_by": "hybrid", "root": name,
+                "parent": None, "max_model_len": engine.max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": srv.created, "owned_by": "hybrid",
-            "root": model_dir, "max_model_len": engine.max_model_len,
-        }]}
+        return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != name:
-            raise APIError(f"The model '{model_id}' does not exist", 404, "model", "model_not_found")
-        return {"id": name, "object": "model", "created": srv.created, "owned_by": "hybrid"}
+            raise APIError(f"The model '{model_id}' does not exist; this server serves '{name}'.", 404, "model",
+                           "model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics_endpoint():
@@ -749,11 +980,11 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await srv.completions(request, await read_body(request))
+        return await srv.completions(request, await _read_json(request, max_request_bytes))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await srv.chat(request, await read_body(request))
+        return await srv.chat(request, await _read_json(request, max_request_bytes))
 
     return app
 
@@ -767,11 +998,23 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="model name clients pass (default: the checkpoint directory's name)")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
-                   help="requests allowed to wait beyond --max-num-seqs running ones; more get 429 "
+                   help="sequences allowed to wait beyond --max-num-seqs running ones; more get 429 "
                         f"(default {DEFAULT_MAX_QUEUED_REQUESTS}; -1: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_serve)
     return p
+
+
+def serve_options(args: argparse.Namespace) -> dict:
+    """build_app's keyword arguments from `hybrid serve`'s flags."""
+    limit = args.max_queued_requests
+    if limit is not None and limit < 0:
+        limit = None
+    if args.max_request_bytes < 1:
+        raise ValueError("--max-request-bytes must be >= 1")
+    return {"max_queued_requests": limit, "max_request_bytes": args.max_request_bytes}
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -781,17 +1024,20 @@ def _serve(args: argparse.Namespace) -> int:
 
     from hybrid import LLM
     from hybrid.cli import engine_kwargs
-    from hybrid.errors import HybridError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = serve_options(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         llm = LLM(**engine_kwargs(args))
     except HybridError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or default_model_name(llm.model_dir)
-    limit = None if args.max_queued_requests is not None and args.max_queued_requests < 0 else args.max_queued_requests
-    app = build_app(llm, served_model_name=name, max_queued_requests=limit)
+    app = build_app(llm, served_model_name=name, **options)
     logger.info("serving '%s' on http://%s:%d/v1", name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -71,3 +71,26 @@ def wait_until(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+_CKPT_CACHE: dict[str, Path] = {}
+
+
+def shared_tiny_chat_checkpoint(tmp_path_factory) -> Path:
+    """build_tiny_chat_checkpoint once per test session, for the server test modules that share it."""
+    if "ckpt" not in _CKPT_CACHE:
+        _CKPT_CACHE["ckpt"] = build_tiny_chat_checkpoint(tmp_path_factory.mktemp("shared_server_ckpt") / "tiny-chat")
+    return _CKPT_CACHE["ckpt"]
+
+
+def metric(base_url: str, name: str, **headers) -> float:
+    """One sample of the server's /metrics (0.0 if absent)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", headers=headers).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                return s.value
+    return 0.0
