@@ -9,7 +9,9 @@ server-sent events, one token delta per event), GET /v1/models, GET /health, GET
 
 Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}: 400 for bad requests
 (invalid fields, a prompt or max_tokens beyond the context, a request larger than the server
-can ever admit), 404 for an unknown model, 413 for a body over --max-request-bytes, 429 when the admitted sequences would exceed
+can ever admit), 401 without the API key (--api-key), 403 for a browser request from an origin
+not in --allowed-origins, 404 for an unknown model, 413 for a body over --max-request-bytes, 415
+for a body that is not application/json, 429 when the admitted sequences would exceed
 max_num_seqs + --max-queued-requests, 500 (a generic message; details go to the log).
 
 Every check that can reject a request runs before its response starts, streamed or not: a
@@ -21,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import os
@@ -30,6 +33,7 @@ import uuid
 from typing import NamedTuple
 
 from fastapi import Request  # noqa: F401 - module level: FastAPI resolves the endpoints' annotations here
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybrid.async_engine import AsyncEngine, EngineDeadError, TextDeltas
@@ -852,9 +856,90 @@ def default_model_name(model_dir: str | None) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(model_dir))) or "hybrid"
 
 
+# ---------------------------------------------------------------------------------- origin and key
+def _with_headers(send, extra: dict[str, str]):
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+
+    async def wrapped(message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *raw]}
+        await send(message)
+
+    return wrapped
+
+
+class _Guard:
+    """ASGI middleware in front of every route (pure ASGI, so streams pass through untouched).
+
+    Cross-origin: a browser request carries an Origin header; one from an origin not in
+    `allowed_origins` is refused (403), so no web page can drive the server, and allowed ones get
+    CORS headers (preflights answered here). Clients outside a browser send no Origin.
+    API key: with `api_key` set, every /v1 route needs `Authorization: Bearer <key>` (401
+    otherwise); /health and /metrics stay open."""
+
+    def __init__(self, app, *, api_key: str | None, allowed_origins: list[str] | None, metrics) -> None:
+        self.app = app
+        self.api_key = api_key.encode("utf-8") if api_key else None
+        origins = [o.strip().rstrip("/").lower() for o in (allowed_origins or []) if o.strip()]
+        self.any_origin = "*" in origins
+        self.allowed_origins = frozenset(origins)
+        self.metrics = metrics
+
+    def origin_allowed(self, origin: str) -> bool:
+        return self.any_origin or origin.rstrip("/").lower() in self.allowed_origins
+
+    def authorized(self, header: str | None) -> bool:
+        if not header:
+            return False
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(token.strip().encode("utf-8"), self.api_key)
+
+    async def reject(self, scope, receive, send, e: APIError, headers: dict[str, str]) -> None:
+        self.metrics.on_reject(e.status)
+        await JSONResponse(e.body(), status_code=e.status, headers=headers)(scope, receive, send)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        cors: dict[str, str] = {}
+        origin = headers.get("origin")
+        if origin is not None:
+            if not self.origin_allowed(origin):
+                await self.reject(scope, receive, send, APIError(
+                    f"cross-origin requests from {origin!r} are not allowed (see --allowed-origins)", 403, None,
+                    "origin_not_allowed", type="permission_error"), {"Vary": "Origin"})
+                return
+            cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+            if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+                # a preflight: answered here, without the key (browsers never send it on one)
+                await Response(status_code=204, headers={
+                    **cors, "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    "Access-Control-Allow-Headers": headers.get("access-control-request-headers")
+                    or "Authorization, Content-Type",
+                    "Access-Control-Max-Age": "600"})(scope, receive, send)
+                return
+        path = scope["path"]
+        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+            if not self.authorized(headers.get("authorization")):
+                await self.reject(scope, receive, send, APIError(
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401, None,
+                    "invalid_api_key"), {**cors, "WWW-Authenticate": "Bearer"})
+                return
+        await self.app(scope, receive, _with_headers(send, cors) if cors else send)
+
+
 async def _read_json(request, max_bytes: int) -> dict:
-    """The request's JSON object: at most max_bytes read (413 past it, before reading more),
-    parsed off the event loop when large."""
+    """The request's JSON object: application/json only (a cross-site form or text/plain POST is
+    refused), at most max_bytes read (413 past it, before reading more), parsed off the event
+    loop when large."""
+    ctype = request.headers.get("content-type")
+    if (ctype or "").split(";")[0].strip().lower() != "application/json":
+        raise APIError(f"the request body must be 'application/json', got {ctype!r}", 415, None,
+                       "unsupported_media_type")
     too_large = APIError(f"the request body is larger than the limit of {max_bytes} bytes (--max-request-bytes)",
                          413, None, "request_too_large")
     length = request.headers.get("content-length")
@@ -878,13 +963,15 @@ async def _read_json(request, max_bytes: int) -> dict:
 # ---------------------------------------------------------------------------------- the app factory
 def build_app(llm_or_engine, served_model_name: str | None = None,
               max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS, *,
+              api_key: str | None = None, allowed_origins: list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
     """A FastAPI app serving `llm_or_engine` (an LLM, an Engine or an AsyncEngine).
 
     The engine worker thread starts with the app (lifespan) and stops with it.
     max_queued_requests: how many sequences may wait beyond the engine's max_num_seqs running
-    ones before new requests get 429 (None: no limit). max_request_bytes: the largest request
-    body accepted (413 past it)."""
+    ones before new requests get 429 (None: no limit). api_key: required as a Bearer token on
+    /v1/* (None: open). allowed_origins: origins whose browser requests are served ("*": any;
+    default none). max_request_bytes: the largest request body accepted (413 past it)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -920,6 +1007,7 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     app.state.served_model_name = name
     app.state.metrics = metrics
     app.state.server = srv
+    app.add_middleware(_Guard, api_key=api_key, allowed_origins=allowed_origins, metrics=metrics)
 
     def error_response(e: APIError) -> JSONResponse:
         if e.status >= 400:
@@ -1000,6 +1088,11 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help="sequences allowed to wait beyond --max-num-seqs running ones; more get 429 "
                         f"(default {DEFAULT_MAX_QUEUED_REQUESTS}; -1: no limit)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: env HYBRID_API_KEY; unset: open)")
+    p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                   help="comma-separated origins (e.g. http://localhost:3000) whose browser requests are served, "
+                        "'*' for any; repeatable (default: none, cross-origin browser requests get 403)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -1007,14 +1100,16 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
     return p
 
 
-def serve_options(args: argparse.Namespace) -> dict:
-    """build_app's keyword arguments from `hybrid serve`'s flags."""
+def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
+    """build_app's keyword arguments from `hybrid serve`'s flags (and HYBRID_API_KEY)."""
     limit = args.max_queued_requests
     if limit is not None and limit < 0:
         limit = None
+    origins = [o for flag in (args.allowed_origins or []) for o in flag.split(",") if o.strip()]
     if args.max_request_bytes < 1:
         raise ValueError("--max-request-bytes must be >= 1")
-    return {"max_queued_requests": limit, "max_request_bytes": args.max_request_bytes}
+    return {"max_queued_requests": limit, "api_key": args.api_key or environ.get("HYBRID_API_KEY") or None,
+            "allowed_origins": origins, "max_request_bytes": args.max_request_bytes}
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -1038,6 +1133,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     name = args.served_model_name or default_model_name(llm.model_dir)
     app = build_app(llm, served_model_name=name, **options)
-    logger.info("serving '%s' on http://%s:%d/v1", name, args.host, args.port)
+    logger.info("serving '%s' on http://%s:%d/v1%s", name, args.host, args.port,
+                " (API key required)" if options["api_key"] else "")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -1,6 +1,6 @@
 """Hardening of the HTTP server (issue 12): admission under concurrent load, big requests, bad
 input (seeds, surrogates, roles, max_tokens, unknown models), validation before a stream's 200,
-no internals in responses, and who holds the state slots.
+the API key, cross-site requests, no internals in responses, and who holds the state slots.
 Every test runs the real app on a loopback port."""
 from __future__ import annotations
 
@@ -326,6 +326,96 @@ def test_roles_max_tokens_and_unknown_models(served):
             call()
         assert ei.value.code == "model_not_found"
     assert _no_leaks(served)
+
+
+# ------------------------------------------------------------------------- 13, 14: key and origin
+def test_api_key(ckpt, monkeypatch):
+    llm, app, thread = _serve(ckpt, api_key="s3cret-key")
+    with thread as srv:
+        ok = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="s3cret-key", max_retries=0)
+        assert [m.id for m in ok.models.list().data] == [MODEL]
+        out = ok.completions.create(model=MODEL, prompt="key", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens >= 1
+        chunks = list(ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=3, stream=True))
+        assert chunks
+        bad = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="wrong", max_retries=0)
+        for call in (lambda: bad.models.list(), lambda: bad.completions.create(model=MODEL, prompt="a"),
+                     lambda: bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}])):
+            with pytest.raises(openai.AuthenticationError) as ei:
+                call()
+            assert ei.value.code == "invalid_api_key"
+        for headers in ({}, {"authorization": "s3cret-key"}, {"authorization": "Basic s3cret-key"},
+                        {"authorization": "Bearer s3cret-ke"}, {"authorization": "Bearer s3cret-key2"}):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/nothing-here")):
+                r = httpx.request(method, srv.base_url + path, headers=headers, json={"model": MODEL, "prompt": "a"})
+                _err(r, 401, "invalid_api_key")
+                assert r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(srv.base_url + "/v1/models", headers={"authorization": "bearer s3cret-key"}).status_code == 200
+        # /health and /metrics stay open
+        assert httpx.get(srv.base_url + "/health").json() == {"status": "ok"}
+        assert httpx.get(srv.base_url + "/metrics").status_code == 200
+        assert metric(srv.base_url, "hybrid_request_rejected_total") >= 1
+    # the CLI: --api-key, else HYBRID_API_KEY
+    import argparse
+
+    from hybrid.cli import _add_engine_args
+    from hybrid.server import add_serve_parser, serve_options
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(), _add_engine_args)
+    args = parser.parse_args(["serve"])
+    assert serve_options(args, {})["api_key"] is None
+    assert serve_options(args, {"HYBRID_API_KEY": "from-env"})["api_key"] == "from-env"
+    args = parser.parse_args(["serve", "--api-key", "flag", "--allowed-origins", "http://a:1,http://b:2",
+                              "--allowed-origins", "http://c:3", "--max-request-bytes", "1000",
+                              "--max-queued-requests", "-1"])
+    opts = serve_options(args, {"HYBRID_API_KEY": "from-env"})
+    assert opts == {"api_key": "flag", "allowed_origins": ["http://a:1", "http://b:2", "http://c:3"],
+                    "max_request_bytes": 1000, "max_queued_requests": None}
+
+
+def test_cross_site_requests(ckpt):
+    llm, app, thread = _serve(ckpt, allowed_origins=["http://localhost:3000"], api_key="k")
+    auth = {"authorization": "Bearer k"}
+    body = json.dumps(_greedy(prompt="csrf", max_tokens=2))
+    with thread as srv:
+        url = srv.base_url + "/v1/completions"
+        tokens0 = metric(srv.base_url, "hybrid_generation_tokens_total")
+        # a page elsewhere: a "simple" text/plain POST, a form, a JSON one -> refused before running
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", "application/json"):
+            r = httpx.post(url, content=body, headers={**auth, "content-type": ctype, "origin": "https://evil.example"})
+            err = _err(r, 403, "origin_not_allowed")
+            assert "access-control-allow-origin" not in r.headers and err["type"] == "permission_error"
+        r = httpx.options(url, headers={"origin": "https://evil.example", "access-control-request-method": "POST"})
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+        # no Origin (curl, SDKs) but not JSON: 415
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+            headers = {**auth, **({"content-type": ctype} if ctype else {})}
+            _err(httpx.post(url, content=body, headers=headers), 415, "unsupported_media_type")
+        r = httpx.post(srv.base_url + "/v1/chat/completions", content=body,
+                       headers={**auth, "content-type": "text/plain"})
+        _err(r, 415, "unsupported_media_type")
+        assert metric(srv.base_url, "hybrid_generation_tokens_total") == tokens0  # nothing ran
+        # JSON with a charset parameter is JSON
+        r = httpx.post(url, content=body, headers={**auth, "content-type": "application/json; charset=utf-8"})
+        assert r.status_code == 200, r.text
+        # the allowed origin: preflight without the key, then the request with CORS headers
+        origin = {"origin": "http://localhost:3000"}
+        r = httpx.options(url, headers={**origin, "access-control-request-method": "POST",
+                                        "access-control-request-headers": "authorization, content-type"})
+        assert r.status_code == 204, r.text
+        assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = httpx.post(url, content=body, headers={**auth, **origin, "content-type": "application/json"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        r = httpx.post(url, content=body, headers={**origin, "content-type": "application/json"})  # no key
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        with httpx.stream("POST", url, content=json.dumps(_greedy(prompt="csrf", max_tokens=2, stream=True)),
+                          headers={**auth, **origin, "content-type": "application/json"}) as r:
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+            assert "data: [DONE]" in r.read().decode()
 
 
 # ------------------------------------------------------------------------- 15: no internals
