@@ -405,17 +405,18 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--level-timeout", type=float, default=600)
     ap.add_argument("--offline-timeout", type=float, default=900)
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds for the whole run: the offline process gets what is left of it (minus 15 s)")
     ap.add_argument("--out-dir", default=None, help="logs, JSON and plot (default: a new temp dir)")
     ap.add_argument("--json", default=None, help="default <out-dir>/serving.json")
     ap.add_argument("--plot", default=None, help="default <out-dir>/serving_throughput.png")
     args = ap.parse_args(argv)
     if args.model and args.shape:
         raise SystemExit("--model or --shape, not both")
-    args.max_num_seqs = max(args.concurrency)
+    t_start = time.perf_counter()
+    args.max_num_seqs = max(args.concurrency)  # --max-num-seqs is the largest concurrency, for both runs
     args.out_dir = args.out_dir or tempfile.mkdtemp(prefix="bench_serving_")
     os.makedirs(args.out_dir, exist_ok=True)
-    # SIGTERM (e.g. from `timeout`) must run the finally blocks that stop the server
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     model_dir, build_s = args.model, 0.0
     if args.shape:  # in a subprocess: this process never touches the GPU
@@ -436,6 +437,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         + int(args.output_len * (1 + args.range_ratio)) + 2
 
     server = run_server(args, model_dir, max_len, vocab)
+    with open(os.path.join(args.out_dir, "server.json"), "w") as fh:  # kept if the offline part is cut short
+        json.dump(server, fh, indent=1)
+    if args.time_budget:
+        left = args.time_budget - (time.perf_counter() - t_start) - 15
+        args.offline_timeout = max(30.0, min(args.offline_timeout, left))
     offline = None if args.no_offline else run_offline(args, model_dir, max_len, vocab)
     levels = []
     for c, n in levels_of(args):
@@ -475,4 +481,6 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
+    # SIGTERM (e.g. from `timeout`) must run the finally blocks that stop the server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

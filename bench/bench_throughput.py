@@ -37,6 +37,7 @@ Startup (LLM construction: load, kernels, memory planning, graph capture) is tim
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -151,6 +152,7 @@ def build_shape_checkpoint(name: str, out_dir: str, device: str, seed: int = 0,
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True, max_shard_size="5GB")
     del model
+    gc.collect()  # module reference cycles: free the 16 GB before the LLM plans its memory
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     cfg_path = os.path.join(path, "config.json")

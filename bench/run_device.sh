@@ -47,4 +47,33 @@ if [[ $what == moe-profile ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile \
       --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_profile.log" || rc=1
 fi
+# throughput  bench_throughput.py: offline LLM.generate throughput of a checkpoint saved from the shape
+#            ${2:-nemotron-h-8b} with transformers (built on the GPU, saved sharded to /tmp, reused while the
+#            machine stays warm), 256 x (1024 in, 257 out), max_num_seqs 256, 8192 batched tokens, bf16 SSM
+#            state, greedy, the same batch twice (first after startup vs second); startup and the
+#            prefill / decode / host split in the JSON. `throughput nemotron-nano-9b-v2` for the Nano shape
+#            (64 x (1024, 129), as in issue 15). ~4-6 minutes on a fresh machine (most of it JIT at startup)
+if [[ $what == throughput ]]; then
+  shape=${2:-nemotron-h-8b}
+  if [[ $shape == nemotron-nano-9b-v2 ]]; then n=64; olen=129; else n=256; olen=257; fi
+  timeout 570 python3 bench/bench_throughput.py --shape "$shape" --num-prompts $n --input-len 1024 --output-len $olen \
+      --max-num-seqs 256 --max-num-batched-tokens 8192 --mamba-ssm-dtype bfloat16 --repeat 2 \
+      --json "$OUT/throughput_$shape.json" 2>&1 | tee "$OUT/throughput_$shape.log" || rc=1
+fi
+# serving  bench_serving.py: `hybrid serve` on 127.0.0.1 driven by the openai client (streamed completions,
+#            1024 in / 256 out) at concurrency 1, 8, 64, 256, then the offline LLM.generate figure per level in
+#            a second process; JSON, server log and serving_throughput.png (matplotlib is on the device image)
+#            in $OUT/serving. The device image has no openai / fastapi / uvicorn: carry their wheels in
+#            .whl/serve (made on the dev machine, ~6 MB, see BENCHMARKS.md), installed here into /tmp/serve_site.
+#            ~5-8 minutes on a fresh machine (two startups)
+if [[ $what == serving ]]; then
+  shape=${2:-nemotron-h-8b}
+  if ! python3 -c "import openai, fastapi, uvicorn" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serve_site \
+        .whl/serve/*.whl && export PYTHONPATH=/tmp/serve_site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  timeout 580 python3 bench/bench_serving.py --shape "$shape" --concurrency 1 8 64 256 --input-len 1024 \
+      --output-len 256 --max-num-batched-tokens 8192 --mamba-ssm-dtype bfloat16 --startup-timeout 300 \
+      --level-timeout 150 --time-budget 560 --out-dir "$OUT/serving" 2>&1 | tee "$OUT/serving.log" || rc=1
+fi
 exit $rc

@@ -1,0 +1,73 @@
+"""The benchmark tools (bench/bench_throughput.py, bench/bench_serving.py) on a tiny checkpoint, on
+CPU, for a few requests: they run end to end and write JSON with the fields the device runs read."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import bench_serving, bench_throughput  # noqa: E402
+
+RUN_FIELDS = {"num_requests", "prompt_tokens", "output_tokens", "elapsed_s", "requests_per_s",
+              "total_tokens_per_s", "output_tokens_per_s", "split"}
+SPLIT_FIELDS = {"prefill_s", "decode_s", "host_s", "prefill_steps", "decode_steps", "mixed_steps"}
+
+
+def test_throughput_json(tiny_ckpt, tmp_path):
+    out = tmp_path / "tp.json"
+    bench_throughput.main(["--model", tiny_ckpt("nemotron_h"), "--device", "cpu", "--num-prompts", "4",
+                           "--input-len", "12", "--output-len", "6", "--max-num-seqs", "2",
+                           "--max-num-batched-tokens", "32", "--repeat", "2", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert {"startup_s", "runs", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+            "first_over_second_elapsed"} <= set(r)
+    assert len(r["runs"]) == 2
+    for run in r["runs"]:
+        assert RUN_FIELDS <= set(run) and SPLIT_FIELDS <= set(run["split"])
+        assert run["output_tokens"] == 4 * 6 and run["prompt_tokens"] == 4 * 12  # ignore_eos: exact lengths
+        assert run["split"]["prefill_steps"] >= 1 and run["split"]["decode_steps"] >= 5
+
+
+def test_throughput_shape_saved_with_transformers(tmp_path):
+    """--shape: a released shape (cut down by --shape-override) saved with save_pretrained, then loaded."""
+    pytest.importorskip("transformers")
+    tiny = {"hidden_size": 64, "num_hidden_layers": 3, "hybrid_override_pattern": "M*-", "intermediate_size": 64,
+            "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300}
+    out = tmp_path / "tp.json"
+    args = ["--shape", "nemotron-nano-9b-v2", "--shape-dir", str(tmp_path / "shapes"), "--shape-override",
+            json.dumps(tiny), "--device", "cpu", "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+            "--max-num-batched-tokens", "32", "--json", str(out)]
+    bench_throughput.main(args)
+    ckpt = tmp_path / "shapes" / "nemotron-nano-9b-v2"
+    assert (ckpt / "tokenizer.json").is_file() and (ckpt / ".complete").is_file()
+    assert json.loads((ckpt / "config.json").read_text())["hybrid_override_pattern"] == "M*-"
+    assert json.loads(out.read_text())["runs"][0]["output_tokens"] == 8
+    bench_throughput.main(args)  # the second run reuses the saved checkpoint
+    assert json.loads(out.read_text())["checkpoint_build_s"] == 0.0
+
+
+def test_serving_json(tiny_ckpt, tmp_path):
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    r = bench_serving.main(["--model", tiny_ckpt("nemotron_h"), "--device", "cpu", "--concurrency", "1", "2",
+                            "--num-prompts", "2", "--input-len", "12", "--output-len", "6", "--warmup", "1",
+                            "--max-num-batched-tokens", "32", "--cpu-threads", "1", "--out-dir", str(tmp_path),
+                            "--startup-timeout", "120", "--offline-timeout", "120"])
+    saved = json.loads((tmp_path / "serving.json").read_text())
+    assert saved["levels"] == json.loads(json.dumps(r["levels"]))
+    assert [row["concurrency"] for row in saved["levels"]] == [1, 2]
+    for row in saved["levels"]:
+        s = row["server"]
+        assert s["completed"] == 2 and s["failed"] == 0 and s["output_tokens"] == 2 * 6
+        for k in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert set(s[k]) == {"mean", "p50", "p99"} and s[k]["p50"] > 0
+        assert row["offline"]["output_tokens"] == 2 * 6 and row["server_over_offline"] > 0
+    assert saved["server_startup_s"] > 0 and saved["offline_error"] is None
+    if saved["plot"] is not None:
+        assert os.path.getsize(saved["plot"]) > 0
