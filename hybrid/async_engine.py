@@ -22,15 +22,14 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from hybrid.errors import HybridError
+from hybrid.errors import EngineDeadError, HybridError, RequestFailedError
 from hybrid.outputs import RequestOutput
 from hybrid.sampling import SamplingParams
 
 logger = logging.getLogger("hybrid.async_engine")
 
 
-class EngineDeadError(HybridError):
-    """The engine worker stopped (a step raised); the server can no longer generate."""
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedError", "TextDeltas"]
 
 
 class QueueFullError(HybridError):
@@ -105,6 +104,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # EngineDeadError once the engine stopped for good (read by /health; see dead_reason)
         self.dead: BaseException | None = None
         # A snapshot of the engine's state, published by the worker after each step.
         self.snapshot = {"running": 0, "waiting": 0, "slots_used": 0, "pages_used": 0, "prefix_cache_hit_tokens": 0}
@@ -127,6 +127,12 @@ class AsyncEngine:
             self._thread = None
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped for good (None while it serves): for /health. Only an unrecoverable
+        device error stops it; a failed step fails just its own requests (RequestFailedError)."""
+        return str(self.dead) if self.dead is not None else None
+
+    @property
     def num_inflight(self) -> int:
         return len(self._inflight)
 
@@ -143,27 +149,36 @@ class AsyncEngine:
             pass
         while not self._stop.is_set():
             self._drain_commands()
-            if not self.engine.has_unfinished_requests():
+            if self.dead is not None or not self.engine.has_unfinished_requests():
+                # (once dead the worker stays, only to refuse the requests still arriving)
                 self._publish()
                 self._wakeup.wait(self.idle_wait_s)
                 self._wakeup.clear()
                 continue
             try:
                 outputs = self.engine.step()
-            except BaseException as e:  # the engine is unusable: fail every request, stop
-                logger.exception("engine step failed")
-                self.dead = e
+            except BaseException as e:
+                # EngineDeadError: the device is lost. Anything else escaping step() (which fails the
+                # requests of a failed step itself) means its bookkeeping cannot be trusted. Either way
+                # every request fails and the engine takes no more work.
+                logger.exception("engine stopped")
+                self.dead = e if isinstance(e, EngineDeadError) else EngineDeadError(f"engine step failed: {e!r}")
                 for tr in list(self._tracked.values()):
-                    self._deliver(tr, EngineDeadError(f"engine step failed: {e!r}"))
+                    self._deliver(tr, EngineDeadError(str(self.dead)))
                 self._tracked.clear()
-                return
+                self._publish()
+                continue
             now = time.monotonic()
             for out in outputs:
                 tr = self._tracked.get(out.request_id)
                 if tr is None:
                     continue
                 self._observe(tr, out, now)
-                self._deliver(tr, out)
+                if out.error is not None:  # failed in the engine (the others carry on): its stream ends with the error
+                    self._deliver(tr, RequestFailedError(f"request {out.request_id} failed: {out.error}",
+                                                         failed={out.request_id: out.error}))
+                else:
+                    self._deliver(tr, out)
                 if out.finished:
                     self._tracked.pop(out.request_id, None)
             self._publish()
@@ -177,6 +192,9 @@ class AsyncEngine:
             kind = cmd[0]
             if kind == "add":
                 tr, prompt_ids, prompt = cmd[1], cmd[2], cmd[3]
+                if self.dead is not None:
+                    self._deliver(tr, EngineDeadError(str(self.dead)))
+                    continue
                 try:
                     # deltas: the per-step cost stays flat however long the output grows; generate()
                     # turns them back into running totals on the caller's side
@@ -250,9 +268,11 @@ class AsyncEngine:
         finished=True. Each output holds everything so far (text, token_ids, logprobs); the token_ids
         and logprobs lists are this iteration's running totals, extended in place when the next
         output arrives (copy them to keep a snapshot). Leaving the iteration early (client gone, task
-        cancelled) aborts the request."""
+        cancelled) aborts the request. A request that fails inside the engine raises
+        RequestFailedError here (its slot and pages are already freed; other requests carry on);
+        EngineDeadError if the engine stopped for good."""
         if self.dead is not None:
-            raise EngineDeadError(f"the engine stopped: {self.dead!r}")
+            raise EngineDeadError(str(self.dead))
         self.validate(prompt_token_ids, params)
         rid = request_id or self.new_request_id()
         loop = asyncio.get_running_loop()

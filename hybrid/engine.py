@@ -9,11 +9,21 @@ ever writes into state it does not own. On readmission only the prompt is prefil
 had generated are then replayed through the decode recurrence as "replay" chunks (as many tokens
 per step as the budget and the free pages allow; see hybrid/batch.py), so its rebuilt Mamba state
 is the one its decodes built.
+
+A step that fails does not stop the engine. An exception raised while a step is scheduled,
+launched or finished fails the requests in that step (finish_reason "error", RequestOutput.error
+set; every request if the scheduler itself raised, as which ones it touched is unknown), waits for
+the device, frees their slots and pages, and the engine serves the others. A row whose logits are
+not finite (checked on every step, see sample_tokens) fails only its own request. Only an
+unrecoverable device error (an illegal memory access, a device-side assert: the CUDA context is
+lost) stops the engine: `Engine.dead` then holds an EngineDeadError saying why, every request
+fails, and step() / add_request() raise it.
 """
 from __future__ import annotations
 
 import enum
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -22,7 +32,7 @@ import torch
 
 from attention.kv_cache import DUMMY_PAGE, PagedKVCache
 from hybrid.batch import StepBatch, to_device
-from hybrid.errors import InvalidRequestError, StateCorruptionError
+from hybrid.errors import EngineDeadError, InvalidRequestError, NonFiniteLogitsError, StateCorruptionError
 from hybrid.outputs import CompletionOutput, RequestOutput
 from hybrid.prefix_cache import PrefixCache
 from hybrid.sampling import (SamplingParams, generator_seed, logprob_dict, logprob_rows, process_logits,
@@ -30,6 +40,22 @@ from hybrid.sampling import (SamplingParams, generator_seed, logprob_dict, logpr
 from hybrid.spec_decode import NgramProposer, SpeculativeConfig
 from state_pool.pool import PAD_SLOT_ID, MambaStatePool
 from state_pool.sanitizer import RowOwner, check_batch
+
+logger = logging.getLogger("hybrid.engine")
+
+# Messages of device errors after which the CUDA context is unusable (every later call fails too).
+_FATAL_DEVICE_ERRORS = (
+    "illegal memory access", "device-side assert", "unspecified launch failure", "illegal instruction",
+    "misaligned address", "launch timed out", "uncorrectable ECC", "hardware stack error", "illegal address",
+)
+
+
+def is_fatal_device_error(error: BaseException) -> bool:
+    """Whether `error` means the device can no longer be used (out of memory is recoverable)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    msg = str(error)
+    return any(marker in msg for marker in _FATAL_DEVICE_ERRORS)
 
 
 class Status(enum.Enum):
@@ -102,6 +128,7 @@ class Request:
     # then fork from it (copy of its slot, its prompt pages shared by refcount)
     forked: bool = False
     output_kind: str = "cumulative"  # see OUTPUT_KINDS
+    error: str | None = None  # why the request failed inside the engine ("Type: message")
 
     @property
     def finished(self) -> bool:
@@ -123,7 +150,7 @@ class Request:
             if delta:
                 s.num_sent = len(s.output_token_ids)
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             outputs=outputs, finished=self.finished)
+                             outputs=outputs, finished=self.finished, error=self.error)
 
 
 # What Engine.step() returns for a request (Engine.add_request(output_kind=...)):
@@ -159,7 +186,7 @@ class LaunchedStep:
     batch: StepBatch  # kept until the step is finished (the sanitizer tests inspect what is in flight)
     logits: torch.Tensor  # [R, V] fp32, read back only by verify rows and forks (never overlapped)
     tokens: torch.Tensor  # [R] int64 on the device: the next decode step reads pending tokens here
-    host: dict[str, torch.Tensor]  # tokens (and logprobs, NaN flags) on their way to the host
+    host: dict[str, torch.Tensor]  # tokens, finite flags (and logprobs, state NaN flags) on their way to the host
     done: torch.cuda.Event | None  # recorded after the copies to `host`; None on CPU
     overlappable: bool  # the next step may be launched before this one is finished
 
@@ -226,6 +253,8 @@ class Engine:
         # Prefix caching (hybrid/prefix_cache.py): its entries hold state-pool slots beyond max_num_seqs
         self.prefix_cache = (PrefixCache(self.page_size, prefix_cache_entries, prefix_cache_interval)
                              if prefix_cache_entries else None)
+        # Set by an unrecoverable device error (see _die): the engine then refuses all work.
+        self.dead: EngineDeadError | None = None
 
     def spec_acceptance_rate(self) -> float | None:
         """Accepted / proposed draft tokens so far (None before any draft was verified)."""
@@ -265,6 +294,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, output_kind: str = "cumulative") -> None:
+        self._check_alive()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         if output_kind not in OUTPUT_KINDS:
@@ -295,6 +325,9 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is None:
+            return
+        if self.dead is not None:  # (every request is already finished; the pools are unusable)
+            self.requests.pop(request_id, None)
             return
         for seq in req.seqs:
             if seq.status != Status.FINISHED:
@@ -577,7 +610,10 @@ class Engine:
         """Run one forward pass; return the outputs of the requests it changed (as their output_kind says).
 
         With async scheduling the step launched here is finished (its tokens read back) by the next
-        call, so outputs lag one call behind the device; the tokens and their order are the same."""
+        call, so outputs lag one call behind the device; the tokens and their order are the same.
+        A failure fails only the requests it concerns (their outputs come back finished, with
+        `error` set); EngineDeadError only for an unrecoverable device error (see the module doc)."""
+        self._check_alive()
         prev = self._in_flight
         changed: dict[str, Request] = {}
         if prev is not None and self._decode_pages_needed() > self.kv_cache.allocator.num_free:
@@ -585,19 +621,28 @@ class Engine:
             # flight), so each victim would bring down the next. Finish that step first; this step's
             # schedule then sees every page that came back, as a synchronous engine does.
             self._in_flight = None
-            changed.update(self._finish_step(prev))
+            self._finish_guarded(prev, changed)
             prev = None
-        chunks = self._schedule()
-        launched = self._launch(chunks) if chunks else None
+        try:
+            chunks = self._schedule()
+        except Exception as e:  # which requests it touched is unknown: all of them fail
+            self._fail_step(e, list(self.requests), changed, "scheduling")
+            chunks = []
+        launched = None
+        if chunks:
+            try:
+                launched = self._launch(chunks)
+            except Exception as e:
+                self._fail_step(e, [c.seq.request_id for c in chunks], changed, "launch")
         self._in_flight = None
         if prev is not None:
-            changed.update(self._finish_step(prev))
+            self._finish_guarded(prev, changed)
         if launched is not None:
             if launched.overlappable:
                 self._in_flight = launched
                 self.stats["overlapped_steps"] += 1
             else:
-                changed.update(self._finish_step(launched))
+                self._finish_guarded(launched, changed)
         outputs = []
         for req in changed.values():
             if req.output_kind != "final" or req.finished:
@@ -605,6 +650,71 @@ class Engine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    # ------------------------------------------------------------------ failures
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
+
+    def _finish_guarded(self, step: LaunchedStep, changed: dict[str, Request]) -> None:
+        try:
+            changed.update(self._finish_step(step))
+        except Exception as e:
+            self._fail_step(e, [c.seq.request_id for c in step.chunks], changed, "finish")
+
+    def _fail_step(self, error: Exception, request_ids: list[str], changed: dict[str, Request], phase: str) -> None:
+        """A step raised `error`: fail its requests and free what they hold, or stop the engine if the
+        device is lost. The requests go into `changed`, so that their outputs (with the error) go out."""
+        if is_fatal_device_error(error):
+            self._die(error)
+        logger.error("engine step failed while %s (%d requests fail): %r", phase, len(set(request_ids)), error,
+                     exc_info=error)
+        # Whatever the failed step queued on the device may still run: wait for it before its slots and
+        # pages are reused. The device has then finished every launched step, so nothing stays deferred.
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as sync_error:  # the device cannot even synchronise: it is lost
+            self._die(sync_error)
+        self._synced = self._launched
+        self._free_deferred()
+        reason = f"{type(error).__name__}: {error}"
+        for rid in dict.fromkeys(request_ids):
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # aborted meanwhile
+            self._fail_request(req, reason)
+            changed[rid] = req
+
+    def _fail_request(self, req: Request, reason: str) -> None:
+        """Finish every unfinished branch of `req` with finish_reason "error" (its slots and pages freed
+        as an abort frees them), and forget the prefixes cached from its prompt: their state came from
+        the failed request's steps."""
+        req.error = req.error or reason
+        for seq in req.seqs:
+            if seq.status != Status.FINISHED:
+                self._finish(seq, "error")
+        if self.prefix_cache is not None:
+            for entry in self.prefix_cache.remove_prefixes_of(req.prompt_token_ids):
+                self._free(entry.slot, entry.pages)
+
+    def _die(self, error: BaseException) -> None:
+        """An unrecoverable device error: record why, fail every request and raise EngineDeadError.
+        Nothing is given back to the pools: the device they live on can no longer be used."""
+        self.dead = EngineDeadError(f"the engine stopped after an unrecoverable device error: "
+                                    f"{type(error).__name__}: {error}")
+        logger.critical("%s", self.dead, exc_info=error)
+        for req in self.requests.values():
+            req.error = req.error or str(self.dead)
+            for seq in req.seqs:
+                if seq.status != Status.FINISHED:
+                    seq.status, seq.finish_reason = Status.FINISHED, "error"
+                seq.slot, seq.pages = None, []
+        self.waiting.clear()
+        self.running.clear()
+        self._in_flight = None
+        self._deferred.clear()
+        raise EngineDeadError(str(self.dead)) from error
 
     def _decode_pages_needed(self) -> int:
         """New pages the decoding sequences need for their next token."""
@@ -615,11 +725,13 @@ class Engine:
         """Queue the forward pass and the sampling of `chunks` on the device, and the copy of the
         sampled tokens to the host; advance each sequence past the tokens the step consumes."""
         batch = self._build_batch(chunks)
+        state_nan = None
         if self.check_state:
             self.check_batch(batch, chunks)
             padded = self.runner.padded_batch(batch)  # padding rows the runner adds: checked as well
             if padded is not None:
                 self.check_batch(padded, chunks)
+            state_nan = self._state_nan(batch) & batch.has_initial_state  # read by the rows: before the forward
         logits = self.runner.execute(batch)
         if self.prefix_cache is not None:
             for c in chunks:
@@ -638,14 +750,19 @@ class Engine:
                 if c.seq.params.logprobs is not None:
                     lp_rows.append(c.logits_row)
                     lp_ks.append(c.seq.params.logprobs)
-        tokens = sample_tokens(self._processed(logits, chunks), row_params, row_generators)
-        device_out = {"tokens": tokens}  # logprobs below: of the model's own distribution (raw logits)
+        tokens, finite = sample_tokens(self._processed(logits, chunks), row_params, row_generators)
+        if self.check_state:  # the sanitizer looks at every raw logit, not just each row's maximum
+            finite = finite & torch.isfinite(logits).all(dim=-1)
+        # finite: one flag per logits row, read with the tokens; a row that is not finite fails its request
+        device_out = {"tokens": tokens, "finite": finite}  # logprobs: of the model's own distribution (raw logits)
+        if state_nan is not None:  # NaN in a row's state before the forward: it read poisoned state;
+            # NaN only after it: this forward made it (rows that sample nothing are caught here too)
+            device_out["state_nan"] = state_nan
+            device_out["state_nan_after"] = self._state_nan(batch)
         if lp_rows:
             index = to_device(lp_rows, torch.long, logits.device)
             device_out["lp_token"], device_out["lp_values"], device_out["lp_ids"] = \
                 logprob_rows(logits[index], tokens[index], lp_ks)
-        if self.check_state:
-            device_out["nan"] = torch.isnan(logits).any(dim=-1)
         overlappable = self.async_scheduling
         for c in chunks:
             seq = c.seq
@@ -698,11 +815,11 @@ class Engine:
         Returns the requests it changed."""
         if step.done is not None:
             step.done.synchronize()
-        self._synced = step.index
+        self._synced = max(self._synced, step.index)  # (a failed step may have synced past this one)
         self._free_deferred()
         host = step.host
-        if "nan" in host and bool(host["nan"].any()):
-            self._raise_nan(host["nan"], step.chunks)
+        bad = None if bool(host["finite"].all()) else (~host["finite"]).tolist()
+        made_nan = host["state_nan_after"].tolist() if "state_nan_after" in host else None  # (sanitizer)
         tokens = host["tokens"].tolist()
         lp = {}
         if "lp_token" in host:
@@ -711,21 +828,27 @@ class Engine:
             token_lp, values, ids = host["lp_token"].tolist(), host["lp_values"].tolist(), host["lp_ids"].tolist()
             lp = {r: (token_lp[j], values[j], ids[j]) for j, r in enumerate(rows)}
         changed: dict[str, Request] = {}
-        for c in step.chunks:
+        for row, c in enumerate(step.chunks):
             seq = c.seq
-            if c.draft:
-                self._finish_verify(c, step.logits, tokens, c.logits_row)
-                changed[seq.request_id] = self.requests[seq.request_id]
-                continue
             if not c.is_decode:
                 self.stats["prompt_tokens"] += c.num_tokens
+            if c.samples and not c.draft:
+                seq.pending -= 1
+            if seq.status == Status.FINISHED:
+                continue  # it stopped (or was aborted, or failed) while this step ran: the token is dropped
+            req = self.requests[seq.request_id]
+            if (c.samples and bad is not None and any(bad[c.logits_row:c.logits_row + (c.num_tokens if c.draft else 1)])) \
+                    or (made_nan is not None and made_nan[row]):
+                self._fail_request(req, self._nonfinite_reason(c, row, host.get("state_nan")))
+                changed[seq.request_id] = req
+                continue
             if not c.samples:
                 continue  # a prefill chunk that does not reach the end samples nothing
-            seq.pending -= 1
-            if seq.status == Status.FINISHED:
-                continue  # it stopped (or was aborted) while this step ran: the token is dropped
+            if c.draft:
+                self._finish_verify(c, step.logits, tokens, c.logits_row)
+                changed[seq.request_id] = req
+                continue
             token = tokens[c.logits_row]
-            req = self.requests[seq.request_id]
             if self._forks_from(seq):
                 self._fork(req, step.logits[c.logits_row], token)  # before branch 0 may finish and free its slot
             logprobs = None
@@ -894,16 +1017,32 @@ class Engine:
                            list(c.seq.pages)) for c in chunks]
         check_batch(batch, self.state_pool, self.kv_cache.allocator, self.page_size, owners, DUMMY_PAGE)
 
-    def _raise_nan(self, bad: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
-        """NaN logits (flags per logits row) mean a row read poisoned (freed) state: name the culprit."""
-        for c in chunks:
-            if c.samples:
-                n = c.num_tokens if c.draft else 1
-                if bool(bad[c.logits_row:c.logits_row + n].any()):
-                    raise StateCorruptionError(
-                        f"{self._owner_name(c.seq)} (Mamba slot {c.seq.slot}) produced NaN logits: it read "
-                        f"poisoned (freed) state")
-        raise StateCorruptionError("NaN logits: a step read poisoned (freed) state")
+    def _state_nan(self, batch: StepBatch) -> torch.Tensor:
+        """Per batch row (sanitizer): whether the Mamba state in the row's slot holds NaN now (in stream
+        order: before or after the forward, depending on where it is queued). One NaN-propagating max
+        over the pool per slot: a read of the pool, no copy of it."""
+        pool = self.state_pool
+        if pool.conv_state.shape[0] == 0:  # no Mamba layers
+            return torch.zeros(batch.state_slot.shape[0], dtype=torch.bool, device=batch.state_slot.device)
+        per_slot = pool.conv_state.amax(dim=(0, 2, 3)).isnan() | pool.ssm_state.amax(dim=(0, 2, 3, 4)).isnan()
+        return per_slot[batch.state_slot.clamp(min=0)]
+
+    def _nonfinite_reason(self, c: ScheduledChunk, row: int, state_nan: torch.Tensor | None) -> str:
+        """Why a row's logits are not finite, as far as is known."""
+        who = f"{self._owner_name(c.seq)} (Mamba slot {c.seq.slot})"
+        if state_nan is not None and bool(state_nan[row]):
+            # the sanitizer fails a request at the step that makes its state NaN, so NaN found before a
+            # step was not made by this request: a freed (poisoned) slot was read, or NaN state copied in
+            return (f"{StateCorruptionError.__name__}: {who} produced NaN logits: its Mamba state held NaN before "
+                    f"the step, so it read poisoned (freed) state (or a copy of a failed request's state)")
+        if state_nan is not None:
+            known = ("its Mamba state was finite before the step, so this is not a read of freed state; "
+                     "the forward made them, ")
+        else:
+            known = "check_state=True tells this apart from a read of freed state; "
+        return (f"{NonFiniteLogitsError.__name__}: {who} produced non-finite values (NaN or Inf) in this step's "
+                f"forward pass ({known}e.g. from non-finite weights, which LLM(check_weights=True) checks at "
+                f"load, or an overflow)")
 
     def _update_text(self, seq: Sequence) -> None:
         """Extend seq.text with the new tokens' text, decoding only a short window of tokens (the

@@ -12,7 +12,7 @@ from attention.kv_cache import PagedKVCache
 from graphs.runner import ModelRunner
 from hybrid.config import load_config
 from hybrid.engine import Engine
-from hybrid.errors import CapacityError, InvalidRequestError
+from hybrid.errors import CapacityError, InvalidRequestError, RequestFailedError
 from hybrid.layers import use_fused_ops
 from hybrid.loader import load_model
 from hybrid.model import ForwardContext
@@ -191,7 +191,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Every prompt and every parameter (vocabulary-
         dependent ones too) is validated before anything is queued: an InvalidRequestError leaves
-        nothing behind."""
+        nothing behind. If some requests fail inside the engine (an exception in their step,
+        non-finite logits), the others still run to the end and then RequestFailedError is raised:
+        its `failed` maps prompt indexes to the errors, its `outputs` holds every output (the failed
+        ones finished with finish_reason "error" and `error` set). EngineDeadError if the device is
+        lost (the LLM can then no longer generate)."""
         prompts = self._prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
         prepared = []
@@ -234,4 +238,11 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [results[rid] for rid in order]
+        outputs = [results[rid] for rid in order]
+        failed = {i: out.error for i, out in enumerate(outputs) if out.error is not None}
+        if failed:  # the others completed: they come with the error, in e.outputs
+            first = next(iter(failed))
+            raise RequestFailedError(
+                f"{len(failed)} of {len(outputs)} requests failed; prompt {first}: {failed[first]}",
+                failed=failed, outputs=outputs)
+        return outputs

@@ -9,7 +9,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -25,3 +25,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # Set when the request failed inside the engine ("ExceptionType: message"); it is then finished
+    # and its unfinished completions have finish_reason "error".
+    error: str | None = None

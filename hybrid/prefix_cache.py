@@ -103,6 +103,17 @@ class PrefixCache:
     def is_full(self) -> bool:
         return len(self.entries) >= self.max_entries
 
+    def remove_prefixes_of(self, prompt: list[int]) -> list[CachedPrefix]:
+        """Remove and return every cached prefix of `prompt` (their slots and pages go back to the
+        caller): after a request failed, a prefix cached from its steps may hold its bad state."""
+        n = len(prompt) // self.page_size
+        out = []
+        for i, h in enumerate(self.page_hashes(prompt, n)):
+            entry = self.entries.get(h)
+            if entry is not None and entry.tokens == tuple(prompt[:(i + 1) * self.page_size]):
+                out.append(self.entries.pop(h))
+        return out
+
     def pop_lru(self) -> CachedPrefix | None:
         """Remove and return the least recently used entry (its slot and pages go back to the caller)."""
         if not self.entries:

@@ -110,19 +110,25 @@ class SamplingParams:
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Next token for one request from its fp32 logits row [V] (syncs: for the rare per-row paths)."""
-    return int(sample_tokens(logits[None], [params], [generator])[0])
+    return int(sample_tokens(logits[None], [params], [generator])[0][0])
 
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams | None],
-                  generators: list[torch.Generator | None]) -> torch.Tensor:
+                  generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token of every logits row [R, V] (fp32), on the device and without a host sync, so that a
     step can be launched before the previous one's tokens reach the host (Engine async scheduling).
     Row i follows params[i] (None: argmax) and draws its noise from generators[i]: the same math and
-    the same generator draws as sample_row, so a row's token does not depend on the other rows."""
+    the same generator draws as sample_row, so a row's token does not depend on the other rows.
+
+    Also returns `finite` [R] (bool): whether the row's maximum is finite. It costs a gather of R
+    values on top of the argmax every row needs anyway: argmax propagates NaN (a NaN anywhere in a
+    row is its "maximum"), so a row with a NaN or a +Inf is flagged. (-Inf entries are legitimate:
+    masked tokens.)"""
     tokens = logits.argmax(dim=-1)
+    finite = torch.isfinite(logits.gather(1, tokens[:, None])[:, 0])
     rows = [i for i, p in enumerate(params) if p is not None and not p.greedy]
     if not rows:
-        return tokens
+        return tokens, finite
     dev = logits.device
     index = to_device(rows, torch.long, dev)
     temps = to_device([params[i].temperature for i in rows], logits.dtype, dev)
@@ -156,7 +162,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams | None],
     for j, i in enumerate(rows):  # each row from its own generator (as many draws as sample_row makes)
         noise[j].exponential_(1.0, generator=generators[i])
     tokens[index] = torch.argmax(probs / noise, dim=-1)
-    return tokens
+    return tokens, finite
 
 
 def process_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generated: list[int],

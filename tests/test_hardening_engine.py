@@ -137,3 +137,363 @@ def test_async_validate_checks_vocabulary_dependent_params(default_llm):
     ae = AsyncEngine(default_llm.engine)
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         ae.validate([5, 6], SamplingParams(max_tokens=2, logit_bias={99999: 5.0}))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. a failed step fails its requests only; the engine keeps serving
+# ---------------------------------------------------------------------------------------------
+
+PROMPTS = {"a": [5, 6, 7, 8, 9, 10, 11], "b": [12, 13], "x": [20, 21, 22, 23, 24, 25, 26, 27, 28, 29],
+           "c": [30, 31, 32, 33], "d": [40, 41, 42, 43, 44, 45]}
+
+
+def _params(rid):
+    if rid == "c":  # one seeded sampled request: its tokens do not depend on the batch either
+        return SamplingParams(temperature=0.9, max_tokens=10, seed=11, ignore_eos=True)
+    return SamplingParams(max_tokens=10, **GREEDY)
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_ckpt):
+    """Each prompt's tokens when it runs alone."""
+    from hybrid import LLM
+
+    llm = LLM(tiny_ckpt("nemotron_h"), device="cpu", dtype="float32", max_num_seqs=2)
+    return {rid: llm.generate([p], _params(rid), use_tqdm=False)[0].outputs[0].token_ids for rid, p in PROMPTS.items()}
+
+
+def _inject(monkeypatch, eng, rid, at=1, error=None):
+    """Make the runner raise once, in the `at`-th step whose batch holds request `rid`; returns the
+    request ids that were in that step."""
+    real = eng.runner.execute
+    seen = {"n": 0, "in_step": None}
+
+    def execute(batch):
+        req = eng.requests.get(rid)
+        slot = req.seqs[0].slot if req is not None else None
+        if seen["in_step"] is None and slot is not None and slot in batch.state_slot_cpu:
+            seen["n"] += 1
+            if seen["n"] == at:
+                seen["in_step"] = sorted({s.request_id for s in eng.running if s.slot in batch.state_slot_cpu})
+                raise error or RuntimeError("injected fault")
+        return real(batch)
+
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    return seen
+
+
+def _run(eng, rids):
+    outs = {}
+    for rid in rids:
+        eng.add_request(rid, PROMPTS[rid], _params(rid))
+    for _ in range(500):
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        if not eng.has_unfinished_requests():
+            break
+    return outs
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("max_num_seqs,at,num_kv_pages", [(1, 1, None), (1, 4, None), (3, 1, None), (3, 5, None),
+                                                         (3, 6, 10)])  # (scarce pages: preemptions too)
+def test_failed_step_fails_only_its_requests(async_scheduling, max_num_seqs, at, num_kv_pages, solo, tiny_ckpt,
+                                             make_llm, monkeypatch):
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=max_num_seqs, page_size=4, max_model_len=24,
+                   max_num_batched_tokens=8, async_scheduling=async_scheduling, num_kv_pages=num_kv_pages)
+    eng = llm.engine
+    slots0, pages0 = llm.state_pool.num_free, llm.kv_cache.allocator.num_free
+    seen = _inject(monkeypatch, eng, "x", at=at)
+    outs = _run(eng, ["a", "b", "x", "c", "d"])
+    failed = seen["in_step"]
+    assert failed and "x" in failed
+    assert set(outs) == set(PROMPTS)
+    for rid, out in outs.items():
+        if rid in failed:
+            assert out.error is not None and "RuntimeError: injected fault" in out.error
+            assert out.outputs[0].finish_reason == "error"
+        else:  # untouched by the failure: exactly its solo tokens
+            assert out.error is None and out.outputs[0].token_ids == solo[rid], rid
+    assert len(failed) < len(PROMPTS)  # somebody survived
+    assert llm.state_pool.num_free == slots0 and llm.kv_cache.allocator.num_free == pages0
+    assert not eng._deferred and not eng.requests
+    # the engine keeps serving: the failed prompts now run to their solo tokens
+    again = _run(eng, failed)
+    assert all(again[r].error is None and again[r].outputs[0].token_ids == solo[r] for r in failed)
+    assert llm.state_pool.num_free == slots0 and llm.kv_cache.allocator.num_free == pages0
+
+
+@pytest.mark.parametrize("async_scheduling,speculation", [(False, True), (True, False)])
+def test_failed_step_with_prefix_caching_and_speculation(async_scheduling, speculation, solo, tiny_ckpt, make_llm,
+                                                         monkeypatch):
+    """The failed requests' cached prefixes are dropped, nothing else leaks (the cache keeps only
+    what it holds), and the others still match their solo runs."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2} if speculation else None
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=3, page_size=4, max_num_batched_tokens=8,
+                   async_scheduling=async_scheduling, enable_prefix_caching=True, speculative_config=spec)
+    eng = llm.engine
+    slots0, pages0 = llm.state_pool.num_free, llm.kv_cache.allocator.num_free
+    seen = _inject(monkeypatch, eng, "x", at=4)
+    outs = _run(eng, ["x", "a", "b", "c", "d"])
+    failed = seen["in_step"]
+    assert "x" in failed and len(failed) < len(PROMPTS)
+    for rid, out in outs.items():
+        assert (out.error is not None) == (rid in failed)
+        if rid not in failed:
+            assert out.outputs[0].token_ids == solo[rid], rid
+    cache = eng.prefix_cache
+    assert not any(PROMPTS[r][:len(e.tokens)] == list(e.tokens) for r in failed for e in cache.entries.values())
+    held_pages = {p for e in cache.entries.values() for p in e.pages}
+    assert llm.state_pool.num_free + len(cache) == slots0
+    assert llm.kv_cache.allocator.num_free + len(held_pages) == pages0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_failure_while_finishing_a_step(async_scheduling, solo, tiny_ckpt, make_llm, monkeypatch):
+    """An exception while a step's tokens are applied (here: x's 3rd token) fails the requests of
+    that step; with async scheduling the step launched meanwhile is finished without them."""
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=1, page_size=4, async_scheduling=async_scheduling)
+    eng = llm.engine
+    slots0, pages0 = llm.state_pool.num_free, llm.kv_cache.allocator.num_free
+    real = eng._append_token
+
+    def append(seq, token, logprobs):
+        if seq.request_id == "x" and len(seq.output_token_ids) == 2:
+            raise ValueError("bad token bookkeeping")
+        real(seq, token, logprobs)
+
+    monkeypatch.setattr(eng, "_append_token", append)
+    outs = _run(eng, ["a", "x", "b"])
+    assert "ValueError: bad token bookkeeping" in outs["x"].error and outs["x"].outputs[0].token_ids == solo["x"][:2]
+    assert outs["a"].outputs[0].token_ids == solo["a"] and outs["b"].outputs[0].token_ids == solo["b"]
+    assert llm.state_pool.num_free == slots0 and llm.kv_cache.allocator.num_free == pages0
+
+
+def test_scheduler_failure_fails_every_request_and_the_engine_recovers(solo, tiny_ckpt, make_llm, monkeypatch):
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=2, page_size=4)
+    eng = llm.engine
+    slots0, pages0 = llm.state_pool.num_free, llm.kv_cache.allocator.num_free
+    real = eng._schedule
+    calls = {"n": 0}
+
+    def schedule():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyError("scheduler bug")
+        return real()
+
+    monkeypatch.setattr(eng, "_schedule", schedule)
+    outs = _run(eng, ["a", "b", "c"])
+    assert all("KeyError" in o.error for o in outs.values())
+    assert llm.state_pool.num_free == slots0 and llm.kv_cache.allocator.num_free == pages0
+    assert _run(eng, ["d"])["d"].outputs[0].token_ids == solo["d"]
+
+
+def test_generate_raises_naming_the_failed_prompts_and_keeps_the_others(solo, tiny_ckpt, make_llm, monkeypatch):
+    from hybrid.errors import RequestFailedError
+
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=1, page_size=4)
+    rids = ["a", "x", "b"]
+    real = llm.runner.execute
+    fired = []
+
+    def execute(batch):
+        if not fired and any(s.prompt_token_ids == PROMPTS["x"] for s in llm.engine.running):
+            fired.append(1)
+            raise RuntimeError("injected fault")
+        return real(batch)
+
+    monkeypatch.setattr(llm.runner, "execute", execute)
+    with pytest.raises(RequestFailedError, match=r"1 of 3 requests failed; prompt 1: RuntimeError: injected") as e:
+        llm.generate([PROMPTS[r] for r in rids], [_params(r) for r in rids], use_tqdm=False)
+    assert list(e.value.failed) == [1] and isinstance(e.value, HybridError)
+    outs = e.value.outputs
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert outs[0].outputs[0].token_ids == solo["a"] and outs[2].outputs[0].token_ids == solo["b"]
+    # nothing left behind: the next call is clean
+    assert llm.generate([PROMPTS["x"]], _params("x"), use_tqdm=False)[0].outputs[0].token_ids == solo["x"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. an unrecoverable device error stops the engine, and says why
+# ---------------------------------------------------------------------------------------------
+
+FATAL = "CUDA error: an illegal memory access was encountered"
+
+
+def test_fatal_device_error_stops_the_engine(tiny_ckpt, make_llm, monkeypatch):
+    from hybrid.errors import EngineDeadError
+
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=2, page_size=4)
+    eng = llm.engine
+    _inject(monkeypatch, eng, "x", at=2, error=RuntimeError(FATAL))
+    for rid in ("a", "x"):
+        eng.add_request(rid, PROMPTS[rid], _params(rid))
+    with pytest.raises(EngineDeadError, match="illegal memory access"):
+        for _ in range(20):
+            eng.step()
+    assert eng.dead is not None and "illegal memory access" in str(eng.dead)
+    assert not eng.has_unfinished_requests()
+    with pytest.raises(EngineDeadError):
+        eng.step()
+    with pytest.raises(EngineDeadError):
+        eng.add_request("z", [5, 6], _params("z"))
+    eng.abort_request("a")  # harmless
+    with pytest.raises(EngineDeadError, match="illegal memory access"):
+        llm.generate([[5, 6]], _params("z"), use_tqdm=False)
+
+
+@pytest.mark.parametrize("message,fatal", [
+    (FATAL, True), ("CUDA error: device-side assert triggered", True),
+    ("Triton Error [CUDA]: unspecified launch failure", True), ("CUDA error: misaligned address", True),
+    ("shape mismatch", False), ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+])
+def test_which_device_errors_are_fatal(message, fatal):
+    from hybrid.engine import is_fatal_device_error
+
+    assert is_fatal_device_error(RuntimeError(message)) is fatal
+    assert not is_fatal_device_error(torch.OutOfMemoryError(FATAL))  # out of memory is recoverable
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. AsyncEngine: the failed request's stream ends with an error, the others complete
+# ---------------------------------------------------------------------------------------------
+
+async def _collect(ae, rid):
+    out = None
+    async for out in ae.generate(PROMPTS[rid], _params(rid), request_id=rid):
+        pass
+    return out
+
+
+def test_async_engine_survives_a_failed_step(solo, tiny_ckpt, make_llm, monkeypatch):
+    import asyncio
+
+    from hybrid.async_engine import AsyncEngine
+    from hybrid.errors import RequestFailedError
+
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=1, page_size=4)
+    seen = _inject(monkeypatch, llm.engine, "x", at=2)
+    ae = AsyncEngine(llm.engine, idle_wait_s=0.01)
+    ae.start()
+    try:
+        async def main():
+            return await asyncio.gather(*[_collect(ae, r) for r in ("a", "x", "b")], return_exceptions=True)
+
+        a, x, b = asyncio.run(main())
+        assert seen["in_step"] == ["x"]
+        assert isinstance(x, RequestFailedError) and "injected fault" in str(x)
+        assert a.outputs[0].token_ids == solo["a"] and b.outputs[0].token_ids == solo["b"]
+        assert ae.dead is None and ae.dead_reason is None
+        later = asyncio.run(_collect(ae, "x"))  # still serving
+        assert later.outputs[0].token_ids == solo["x"]
+    finally:
+        ae.shutdown()
+    assert llm.state_pool.num_free == 1
+
+
+def test_async_engine_reports_a_dead_engine(tiny_ckpt, make_llm, monkeypatch):
+    import asyncio
+
+    from hybrid.async_engine import AsyncEngine
+    from hybrid.errors import EngineDeadError
+
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=2, page_size=4)
+    _inject(monkeypatch, llm.engine, "x", at=2, error=RuntimeError(FATAL))
+    ae = AsyncEngine(llm.engine, idle_wait_s=0.01)
+    ae.start()
+    try:
+        async def main():
+            return await asyncio.gather(*[_collect(ae, r) for r in ("a", "x")], return_exceptions=True)
+
+        results = asyncio.run(main())
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert isinstance(ae.dead, EngineDeadError) and "illegal memory access" in ae.dead_reason
+        with pytest.raises(EngineDeadError, match="illegal memory access"):
+            asyncio.run(_collect(ae, "b"))
+    finally:
+        ae.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. non-finite logits fail the affected request with a clear error
+# ---------------------------------------------------------------------------------------------
+
+NAN_TOKEN = 50
+
+
+@pytest.fixture(scope="module")
+def nan_ckpt(tiny_ckpt, tmp_path_factory):
+    """nemotron_h (untied embeddings) whose embedding row NAN_TOKEN is NaN: only prompts holding that
+    token see NaN, the others run as usual."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    p = tmp_path_factory.mktemp("nan") / "ckpt"
+    shutil.copytree(tiny_ckpt("nemotron_h"), p)
+    f = str(p / "model.safetensors")
+    t = load_file(f)
+    t["backbone.embeddings.weight"][NAN_TOKEN] = float("nan")
+    save_file(t, f, metadata={"format": "pt"})
+    return p
+
+
+@pytest.mark.parametrize("check_state", [False, True])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_nan_weight_fails_only_the_affected_request(check_state, async_scheduling, nan_ckpt, make_llm):
+    from hybrid.errors import RequestFailedError
+
+    prompts = [[5, 6, 7, 8], [9, 10, NAN_TOKEN, 11, 12, 13, 14, 15, 16, 17, 18], [19, 20, 21]]
+    sps = [_params("a"), SamplingParams(max_tokens=10, logprobs=2, **GREEDY), _params("c")]
+    ref = make_llm(nan_ckpt, max_num_seqs=1)
+    solo = [ref.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts[::2], sps[::2])]
+    llm = make_llm(nan_ckpt, max_num_seqs=3, page_size=4, max_num_batched_tokens=6, check_state=check_state,
+                   async_scheduling=async_scheduling)
+    slots0, pages0 = llm.state_pool.num_free, llm.kv_cache.allocator.num_free
+    with pytest.raises(RequestFailedError, match="prompt 1: NonFiniteLogitsError") as e:
+        llm.generate(prompts, sps, use_tqdm=False)
+    outs = e.value.outputs
+    assert list(e.value.failed) == [1]
+    err = outs[1].error
+    assert "request 'gen-1'" in err and "non-finite" in err and "poisoned" not in err, err
+    if check_state:  # the sanitizer tells a NaN made by the forward from a read of freed state
+        assert "finite before the step" in err and "not a read of freed state" in err, err
+    assert outs[1].outputs[0].token_ids == [] and outs[1].outputs[0].finish_reason == "error"
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == solo
+    assert llm.state_pool.num_free == slots0 and llm.kv_cache.allocator.num_free == pages0
+
+
+def test_nan_weight_everywhere_is_a_clear_error_not_garbage(tiny_ckpt, tmp_path, make_llm):
+    """A NaN in a weight every request uses: every request fails, none returns all-zero tokens or NaN
+    logprobs (which a JSON encoder would then choke on)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hybrid.errors import RequestFailedError
+
+    p = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt("granite_dense"), p)
+    t = load_file(str(p / "model.safetensors"))
+    t["model.layers.0.mamba.out_proj.weight"][0, 0] = float("inf")  # inf * 0 ... -> NaN downstream
+    t["model.layers.1.self_attn.o_proj.weight"][2, 3] = float("nan")
+    save_file(t, str(p / "model.safetensors"), metadata={"format": "pt"})
+    llm = make_llm(p, max_num_seqs=2)
+    with pytest.raises(RequestFailedError, match="2 of 2 requests failed.*non-finite") as e:
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, logprobs=3, **GREEDY), use_tqdm=False)
+    assert all(o.outputs[0].token_ids == [] for o in e.value.outputs)
+    assert llm.state_pool.num_free == 2 and not llm.engine.has_unfinished_requests()
+
+
+def test_sanitizer_catches_nan_in_a_chunk_that_samples_nothing(nan_ckpt, make_llm):
+    """Under check_state the state is checked after every chunk: a long prompt's first chunk (no logits
+    sampled) that makes NaN fails at once, blamed on the forward, not on a freed slot."""
+    llm = make_llm(nan_ckpt, max_num_seqs=2, page_size=4, max_num_batched_tokens=4, check_state=True)
+    eng = llm.engine
+    eng.add_request("n", [NAN_TOKEN, 5, 6, 7, 8, 9, 10, 11, 12, 13], _params("a"))
+    out = eng.step()
+    assert len(out) == 1 and out[0].error is not None, out
+    assert out[0].error.startswith("NonFiniteLogitsError") and "not a read of freed state" in out[0].error
+    assert eng.stats["prompt_tokens"] == 4 and llm.state_pool.num_free == 2

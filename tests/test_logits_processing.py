@@ -56,7 +56,7 @@ def test_min_p_keeps_only_tokens_near_the_top():
     seen = set()
     for seed in range(200):
         gen = torch.Generator().manual_seed(seed)
-        seen.add(int(sample_tokens(logits, [SamplingParams(min_p=0.4)], [gen])[0]))
+        seen.add(int(sample_tokens(logits, [SamplingParams(min_p=0.4)], [gen])[0][0]))
     assert seen == {0, 1}  # 0.15 and 0.05 are below 0.4 * 0.5
 
 

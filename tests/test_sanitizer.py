@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
 from hybrid import SamplingParams
-from hybrid.errors import HybridError, StateCorruptionError
+from hybrid.errors import RequestFailedError, StateCorruptionError
 
 torch.set_num_threads(1)  # 2 cores shared by several people: 2 threads here run ~20x slower
 
@@ -23,6 +24,19 @@ def _engine_with_freed_slot(make_llm, path, **kw):
     eng.step()  # both prefill; 'a' finishes at once and frees slot 0
     assert [s.slot for s in eng.running] == [1]
     return llm, eng
+
+
+def _step_error(eng, pattern: str, steps: int = 1) -> str:
+    """Step (up to `steps` times) until a request fails; its error must be a StateCorruptionError
+    matching `pattern`. The failure is the request's alone: the engine keeps running."""
+    for _ in range(steps):
+        failed = [o for o in eng.step() if o.error is not None]
+        if failed:
+            err = failed[0].error
+            assert err.startswith("StateCorruptionError: ") and re.search(pattern, err), err
+            assert failed[0].finished and all(c.finish_reason == "error" for c in failed[0].outputs)
+            return err
+    raise AssertionError("no request failed")
 
 
 def _patch_batch(monkeypatch, eng, edit):
@@ -42,10 +56,9 @@ def test_row_pointing_at_freed_slot(tiny_ckpt, make_llm, monkeypatch):
     llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
     assert torch.isnan(llm.state_pool.ssm_state[:, 0]).all()  # freed slots are poisoned
     _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0]))
-    with pytest.raises(StateCorruptionError, match=r"request 'b'.*slot 0") as e:
-        eng.step()
-    assert isinstance(e.value, HybridError)
-    assert "freed" in str(e.value) or "owns slot 1" in str(e.value)
+    err = _step_error(eng, r"request 'b'.*slot 0")
+    assert "freed" in err or "owns slot 1" in err
+    assert not eng.has_unfinished_requests() and llm.state_pool.num_free == 2  # 'b' failed, its slot is back
 
 
 def test_padding_row_pointing_at_live_slot(tiny_ckpt, make_llm, monkeypatch):
@@ -66,8 +79,7 @@ def test_padding_row_pointing_at_live_slot(tiny_ckpt, make_llm, monkeypatch):
         )
 
     _patch_batch(monkeypatch, eng, pad)
-    with pytest.raises(StateCorruptionError, match=r"padding row 1 .*slot 1 \(live\)"):
-        eng.step()
+    _step_error(eng, r"padding row 1 .*slot 1 \(live\)")
 
 
 def test_two_rows_one_slot_and_foreign_slot(tiny_ckpt, make_llm, monkeypatch):
@@ -78,8 +90,7 @@ def test_two_rows_one_slot_and_foreign_slot(tiny_ckpt, make_llm, monkeypatch):
     eng.add_request("y", [8, 9], SamplingParams(max_tokens=5, **GREEDY))
     eng.step()
     _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0, 0]))
-    with pytest.raises(StateCorruptionError, match=r"request 'y' \(branch 0\) \(row 1\).*slot 0 but owns slot 1"):
-        eng.step()
+    _step_error(eng, r"request 'y' \(branch 0\) \(row 1\).*slot 0 but owns slot 1")
 
 
 def test_write_into_shared_prompt_page(tiny_ckpt, make_llm, monkeypatch):
@@ -93,8 +104,7 @@ def test_write_into_shared_prompt_page(tiny_ckpt, make_llm, monkeypatch):
     alloc.release([child.pages[1]])  # simulate a missing CoW: child shares the parent's partial page
     child.pages[1] = parent.pages[1]
     alloc.share([parent.pages[1]])
-    with pytest.raises(StateCorruptionError, match=r"request 'f' \(branch [01]\).*KV page .* refcount 2 \(shared"):
-        eng.step()
+    _step_error(eng, r"request 'f' \(branch [01]\).*KV page .* refcount 2 \(shared")
 
 
 def test_poisoned_read_shows_up_as_nan(tiny_ckpt, make_llm, monkeypatch):
@@ -102,8 +112,7 @@ def test_poisoned_read_shows_up_as_nan(tiny_ckpt, make_llm, monkeypatch):
     llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
     monkeypatch.setattr(eng, "check_batch", lambda batch, chunks: None)
     _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0]))
-    with pytest.raises(StateCorruptionError, match=r"request 'b'.*NaN"):
-        eng.step()
+    _step_error(eng, r"request 'b'.*NaN.*held NaN before the step.*poisoned \(freed\) state")
 
 
 def test_off_by_default_costs_nothing(tiny_ckpt, make_llm, monkeypatch):
@@ -169,8 +178,9 @@ def test_padding_rows_added_by_the_runner_are_checked(tiny_ckpt, make_llm, monke
         return dataclasses.replace(padded, state_slot_cpu=slots, state_slot=torch.tensor(slots))
 
     monkeypatch.setattr(runner_module, "pad_decode_batch", pad_onto_a_live_slot)
-    with pytest.raises(StateCorruptionError, match="padding row 3 points at Mamba slot"):
+    with pytest.raises(RequestFailedError, match="StateCorruptionError: .*padding row 3 points at Mamba slot") as e:
         llm.generate(prompts, sp, use_tqdm=False)
+    assert sorted(e.value.failed) == [0, 1, 2]  # all three were in the refused step
 
 
 def test_poisoned_read_is_reported_under_async_scheduling(tiny_ckpt, make_llm, monkeypatch):
@@ -184,6 +194,4 @@ def test_poisoned_read_is_reported_under_async_scheduling(tiny_ckpt, make_llm, m
     assert torch.isnan(llm.state_pool.ssm_state[:, 0]).all() and [s.slot for s in eng.running] == [1]
     monkeypatch.setattr(eng, "check_batch", lambda batch, chunks: None)
     _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0]))
-    with pytest.raises(StateCorruptionError, match=r"request 'b'.*NaN"):
-        for _ in range(2):
-            eng.step()
+    _step_error(eng, r"request 'b'.*NaN.*held NaN before the step", steps=2)
