@@ -244,7 +244,9 @@ async def drive(url: str, reqs: list, concurrency: int, request_timeout: float, 
     """Send reqs with at most `concurrency` in flight; summary of the level."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=request_timeout)
+    # the server asks for a key only if HYBRID_API_KEY is set (it inherits this environment)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ.get("HYBRID_API_KEY") or "unused",
+                                max_retries=0, timeout=request_timeout)
     sem = asyncio.Semaphore(concurrency)
 
     async def limited(req):
@@ -252,11 +254,21 @@ async def drive(url: str, reqs: list, concurrency: int, request_timeout: float, 
             return await one_request(client, req, request_timeout)
 
     t0 = time.perf_counter()
+    tasks = [asyncio.create_task(limited(r)) for r in reqs]
     try:
-        results = await asyncio.wait_for(asyncio.gather(*(limited(r) for r in reqs)), level_timeout)
+        done, pending = await asyncio.wait(tasks, timeout=level_timeout)
+        for t in pending:  # past the level's time limit: cancelled (the server aborts them) and counted as failed
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
     finally:
         await client.close()
-    return summarize(results, time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    results = [t.result() for t in tasks if t in done]
+    results += [RequestResult(ok=False, prompt_tokens=0, error=f"not done within --level-timeout {level_timeout:.0f} s")
+                for t in tasks if t not in done]
+    out = summarize(results, wall)
+    out["timed_out"] = bool(pending)
+    return out
 
 
 def run_server(args: argparse.Namespace, model_dir: str, max_len: int, vocab: int) -> dict:
