@@ -31,7 +31,8 @@ and `llm.engine._launch` (step end: forward, sampling and the token copy queued)
 scheduling keeps overlapping, but an event interval also counts device idle gaps inside a step
 (an eager prefill whose kernel launches outrun the GPU). `--split sync` synchronises the device
 around each step instead (strict device time, but it serialises host and device: the wall time
-then includes what async scheduling normally hides); `--split off` installs nothing.
+then includes what async scheduling normally hides); `--split off` installs nothing. Compilation
+inside a step (Triton / FlashInfer JIT in a first batch) counts in that step's interval.
 Startup (LLM construction: load, kernels, memory planning, graph capture) is timed separately.
 """
 from __future__ import annotations

@@ -56,7 +56,7 @@ fi
 if [[ $what == throughput ]]; then
   shape=${2:-nemotron-h-8b}
   if [[ $shape == nemotron-nano-9b-v2 ]]; then n=64; olen=129; else n=256; olen=257; fi
-  timeout 570 python3 bench/bench_throughput.py --shape "$shape" --num-prompts $n --input-len 1024 --output-len $olen \
+  timeout 550 python3 bench/bench_throughput.py --shape "$shape" --num-prompts $n --input-len 1024 --output-len $olen \
       --max-num-seqs 256 --max-num-batched-tokens 8192 --mamba-ssm-dtype bfloat16 --repeat 2 \
       --json "$OUT/throughput_$shape.json" 2>&1 | tee "$OUT/throughput_$shape.log" || rc=1
 fi
@@ -72,8 +72,8 @@ if [[ $what == serving ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serve_site \
         .whl/serve/*.whl && export PYTHONPATH=/tmp/serve_site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  timeout 580 python3 bench/bench_serving.py --shape "$shape" --concurrency 1 8 64 256 --input-len 1024 \
+  timeout 555 python3 bench/bench_serving.py --shape "$shape" --concurrency 1 8 64 256 --input-len 1024 \
       --output-len 256 --max-num-batched-tokens 8192 --mamba-ssm-dtype bfloat16 --startup-timeout 300 \
-      --level-timeout 150 --time-budget 560 --out-dir "$OUT/serving" 2>&1 | tee "$OUT/serving.log" || rc=1
+      --level-timeout 150 --time-budget 540 --out-dir "$OUT/serving" 2>&1 | tee "$OUT/serving.log" || rc=1
 fi
 exit $rc
