@@ -13,6 +13,10 @@ class InvalidRequestError(HybridError, ValueError):
     """A request (prompt or sampling parameters) is invalid; other requests are unaffected."""
 
 
+class ConfigurationError(HybridError, ValueError):
+    """An engine argument is invalid (an unknown dtype or device, a size below 1, ...)."""
+
+
 class CapacityError(HybridError, ValueError):
     """The configured engine does not fit (e.g. more sequences than memory allows)."""
 

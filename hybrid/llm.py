@@ -12,7 +12,7 @@ from attention.kv_cache import PagedKVCache
 from graphs.runner import ModelRunner
 from hybrid.config import load_config
 from hybrid.engine import Engine
-from hybrid.errors import CapacityError, InvalidRequestError, RequestFailedError
+from hybrid.errors import CapacityError, ConfigurationError, InvalidRequestError, RequestFailedError
 from hybrid.layers import use_fused_ops
 from hybrid.loader import load_model
 from hybrid.model import ForwardContext
@@ -33,8 +33,27 @@ def _dtype(name: str | torch.dtype, what: str) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in _DTYPES:
-        raise ValueError(f"unknown {what} '{name}'; choose one of {sorted(_DTYPES)}")
+        raise ConfigurationError(f"unknown {what} '{name}'; choose one of {sorted(_DTYPES)}")
     return _DTYPES[name]
+
+
+def _device(name: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigurationError(f"unknown device {name!r}: {e}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigurationError(f"device {name!r}: only cpu and cuda are supported")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigurationError(f"device {name!r}: CUDA is not available on this machine")
+    return device
+
+
+def _check_int(name: str, value, lo: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ConfigurationError(f"{name} must be an integer >= {lo}, got {value!r}")
 
 
 class LLM:
@@ -64,17 +83,33 @@ class LLM:
         check_weights: bool = False,  # refuse a checkpoint whose weights hold NaN/Inf (see loader.load_model)
     ) -> None:
         self.model_dir = model or DEFAULT_MODEL_DIR
-        self.device = torch.device(device)
+        # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
+        for name, value in (("max_num_seqs", max_num_seqs), ("page_size", page_size),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            _check_int(name, value, 1)
+        _check_int("max_model_len", max_model_len, 2, optional=True)  # a prompt token and a generated one
+        _check_int("num_kv_pages", num_kv_pages, 2, optional=True)  # page 0 is the reserved dummy page
+        _check_int("prefix_cache_entries", prefix_cache_entries, 0, optional=True)
+        _check_int("prefix_cache_interval", prefix_cache_interval, 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):  # any int (reduced as sampling seeds are)
+            raise ConfigurationError(f"seed must be an integer, got {seed!r}")
+        if not isinstance(gpu_memory_utilization, (int, float)) or not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if mamba_decode_kernels not in ("triton", "library"):
+            raise ConfigurationError(f"mamba_decode_kernels must be 'triton' or 'library', got {mamba_decode_kernels!r}")
+        try:
+            SpeculativeConfig.from_dict(speculative_config)
+        except ValueError as e:
+            raise ConfigurationError(str(e)) from None
+        self.device = _device(device)
         if dtype == "auto":  # bf16 end to end on GPU, fp32 on CPU
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _dtype(dtype, "dtype")
         ssm_dtype = _dtype(mamba_ssm_dtype, "mamba_ssm_dtype")
-        if max_num_seqs < 1 or page_size < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs, page_size and max_num_batched_tokens must be >= 1")
         cache_entries = (max_num_seqs if prefix_cache_entries is None else prefix_cache_entries) \
             if enable_prefix_caching else 0
         if enable_prefix_caching and cache_entries < 1:
-            raise ValueError("prefix_cache_entries must be >= 1 with enable_prefix_caching")
+            raise ConfigurationError("prefix_cache_entries must be >= 1 with enable_prefix_caching")
         self.config = cfg = load_config(self.model_dir)
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
 
@@ -96,7 +131,7 @@ class LLM:
         if fused_ops:
             use_fused_ops(self.model)
         backend = select_backend(self.device)
-        spec = SpeculativeConfig.from_dict(speculative_config)
+        spec = SpeculativeConfig.from_dict(speculative_config)  # (checked above)
         self.memory_plan = None
         if self.device.type == "cuda":
             from graphs.memory import plan_memory

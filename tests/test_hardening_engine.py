@@ -497,3 +497,37 @@ def test_sanitizer_catches_nan_in_a_chunk_that_samples_nothing(nan_ckpt, make_ll
     assert len(out) == 1 and out[0].error is not None, out
     assert out[0].error.startswith("NonFiniteLogitsError") and "not a read of freed state" in out[0].error
     assert eng.stats["prompt_tokens"] == 4 and llm.state_pool.num_free == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# bad engine arguments: ConfigurationError (a ValueError and a HybridError: the CLI's `error: ...`)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"dtype": "float8"}, "dtype"), ({"mamba_ssm_dtype": "int8"}, "mamba_ssm_dtype"),
+    ({"device": "gpu"}, "device"), ({"device": "tpu:0"}, "device"),
+    ({"max_num_seqs": 0}, "max_num_seqs"), ({"max_num_seqs": 2.5}, "max_num_seqs"),
+    ({"page_size": 0}, "page_size"), ({"max_num_batched_tokens": -1}, "max_num_batched_tokens"),
+    ({"max_model_len": 0}, "max_model_len"), ({"max_model_len": 1}, "max_model_len"),
+    ({"num_kv_pages": 1}, "num_kv_pages"), ({"seed": "x"}, "seed"), ({"seed": True}, "seed"),
+    ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"), ({"mamba_decode_kernels": "cuda"}, "mamba_decode"),
+    ({"prefix_cache_interval": -4}, "prefix_cache_interval"),
+    ({"enable_prefix_caching": True, "prefix_cache_entries": 0}, "prefix_cache_entries"),
+    ({"speculative_config": {"method": "eagle"}}, "method"),
+])
+def test_bad_engine_arguments(kwargs, match, tiny_ckpt):
+    from hybrid import LLM
+    from hybrid.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=match) as e:
+        LLM(tiny_ckpt("nemotron_h"), **{"device": "cpu", **kwargs})
+    assert isinstance(e.value, ValueError) and isinstance(e.value, HybridError)
+
+
+def test_cli_reports_bad_engine_arguments(capsys):
+    from hybrid.cli import main
+
+    assert main(["generate", "--prompt", "x", "--device", "cpu", "--max-num-seqs", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: max_num_seqs")
+    assert main(["generate", "--prompt", "x", "--device", "cpu", "--dtype", "float8"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown dtype")
