@@ -423,26 +423,28 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"startup (LLM construction) {startup:.1f} s; model {model_dir}", flush=True)
     timer = StepTimer(llm, args.split)
     timer.install()
-    runs = []
+    runs: list[dict] = []
+    result: dict = {}
     for i in range(args.repeat):
         row = run_once(llm, reqs, args, timer)
         runs.append(row)
         print(describe(i + 1, row), flush=True)
-    result = {
-        "benchmark": "throughput", "model": model_dir, "shape": args.shape, "device": str(llm.device),
-        "device_name": torch.cuda.get_device_name(0) if llm.device.type == "cuda" else "cpu",
-        "num_prompts": len(reqs), "input_len": args.input_len, "output_len": args.output_len,
-        "dataset": args.dataset, "temperature": args.temperature, "top_p": args.top_p, "split_mode": args.split,
-        "llm_kwargs": {k: v for k, v in llm_kwargs(args, model_dir, max_len).items() if k != "model"},
-        "checkpoint_build_s": build_s, "startup_s": startup, "runs": runs,
-        # the headline figures: the last run (steady state when --repeat > 1)
-        **{k: runs[-1][k] for k in ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s", "elapsed_s")},
-    }
-    if len(runs) > 1:
-        result["first_over_second_elapsed"] = runs[0]["elapsed_s"] / runs[1]["elapsed_s"]
+        result = {
+            "benchmark": "throughput", "model": model_dir, "shape": args.shape, "device": str(llm.device),
+            "device_name": torch.cuda.get_device_name(0) if llm.device.type == "cuda" else "cpu",
+            "num_prompts": len(reqs), "input_len": args.input_len, "output_len": args.output_len,
+            "dataset": args.dataset, "temperature": args.temperature, "top_p": args.top_p, "split_mode": args.split,
+            "llm_kwargs": {k: v for k, v in llm_kwargs(args, model_dir, max_len).items() if k != "model"},
+            "checkpoint_build_s": build_s, "startup_s": startup, "runs": runs,
+            # the headline figures: the last run (steady state when --repeat > 1)
+            **{k: runs[-1][k] for k in ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s", "elapsed_s")},
+        }
+        if len(runs) > 1:
+            result["first_over_second_elapsed"] = runs[0]["elapsed_s"] / runs[1]["elapsed_s"]
+        if args.json:  # after every run: a time limit that cuts the next one keeps this one
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
         print(f"wrote {args.json}")
     return result
 
