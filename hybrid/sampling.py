@@ -21,6 +21,10 @@ from hybrid.errors import InvalidRequestError
 GENERATOR_SEED_RANGE = 2**64
 
 
+# Temperatures below this sample greedily (see SamplingParams.greedy).
+GREEDY_TEMPERATURE = 1e-5
+
+
 def generator_seed(value: int) -> int:
     """`value` reduced into the generator's seed range [0, 2**64), deterministically. For every value
     torch already accepted (-2**63 .. 2**64 - 1) the generator's stream is unchanged."""
@@ -96,7 +100,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below GREEDY_TEMPERATURE, logits / temperature overflow fp32 (1e-40: inf - inf = NaN in the
+        # softmax, a garbage token); such a temperature means argmax anyway (vLLM uses the same 1e-5).
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def penalised(self) -> bool:

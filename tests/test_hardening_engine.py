@@ -531,3 +531,15 @@ def test_cli_reports_bad_engine_arguments(capsys):
     assert capsys.readouterr().err.startswith("error: max_num_seqs")
     assert main(["generate", "--prompt", "x", "--device", "cpu", "--dtype", "float8"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown dtype")
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-20, 1e-40, 5e-324])
+def test_tiny_temperatures_sample_the_argmax(temperature):
+    """logits / 1e-40 overflows to inf and the softmax to NaN: a tiny temperature is greedy instead."""
+    from hybrid.sampling import sample_tokens
+
+    logits = torch.tensor([[1.0, 5.0, 3.0, -2.0], [0.5, -1.0, 0.2, 7.0]])
+    sp = SamplingParams(temperature=temperature)
+    assert sp.greedy
+    tokens, finite = sample_tokens(logits, [sp, sp], [torch.Generator().manual_seed(0)] * 2)
+    assert tokens.tolist() == [1, 3] and finite.all()
