@@ -21,12 +21,12 @@ def check_text(text: str, what: str = "prompt") -> None:
 
 def _chat_template(value, cfg_path: str) -> str | None:
     """The chat template: a string, or (newer tokenizer_config.json files) a list of named templates,
-    of which the one named "default" is used."""
+    of which the one named "default" (else the first) is used."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
         named = {t.get("name"): t["template"] for t in value}
-        return named.get("default")
+        return named.get("default") or next(iter(named.values()), None)
     raise CheckpointError(f"{cfg_path}: 'chat_template' must be a string or a list of named templates")
 
 
