@@ -37,7 +37,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybrid.async_engine import AsyncEngine, EngineDeadError, TextDeltas
-from hybrid.errors import HybridError, InvalidRequestError
+from hybrid.errors import HybridError, InvalidRequestError, NonFiniteLogitsError, RequestFailedError
 from hybrid.sampling import SamplingParams
 
 logger = logging.getLogger("hybrid.server")
@@ -84,8 +84,23 @@ def _internal_error(where: str, e: BaseException) -> APIError:
 
 
 def _engine_dead_error() -> APIError:
-    return APIError("The engine stopped after an unrecoverable error; see the server log.", 503, None,
+    return APIError("The engine stopped after an unrecoverable error; see /health and the server log.", 503, None,
                     "engine_dead", type="server_error")
+
+
+def _request_failed_error(e: RequestFailedError, where: str) -> APIError:
+    """A request that failed inside the engine (the engine and the other requests carried on).
+    The engine's reason starts with the error's class name; only the non-finite logits case is
+    told to the client (it is about the model, not the code); any other cause stays in the log."""
+    ref = uuid.uuid4().hex[:12]
+    logger.error("%s: %s (error id %s)", where, e, ref)
+    reasons = [str(r) for r in e.failed.values()]
+    if reasons and all(r.startswith(NonFiniteLogitsError.__name__) for r in reasons):
+        why = "the model produced non-finite logits (NaN or Inf) for it"
+    else:
+        why = "an error in its engine step"
+    return APIError(f"The request failed inside the engine ({why}); other requests are unaffected. "
+                    f"(error id {ref})", 500, None, "request_failed", type="server_error")
 
 
 # ---------------------------------------------------------------------------------- field parsing
@@ -820,6 +835,8 @@ def _error_for(e: BaseException, where: str) -> APIError:
     if isinstance(e, EngineDeadError):  # its message carries the failed step's repr: log it only
         logger.error("%s: %s", where, e)
         return _engine_dead_error()
+    if isinstance(e, RequestFailedError):
+        return _request_failed_error(e, where)
     if isinstance(e, HybridError):
         logger.error("%s: %s", where, e)
         return APIError(str(e), 500, None, None, type="server_error")
@@ -1041,8 +1058,12 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
 
     @app.get("/health")
     async def health():
-        if async_engine.dead is not None:
-            why = f"the engine stopped ({type(async_engine.dead).__name__}); see the server log"
+        dead = async_engine.dead
+        if dead is not None:
+            # EngineDeadError's message is the engine's own account ("... unrecoverable device error:
+            # ..."): say what is known; anything else only by its kind (details in the log)
+            why = str(dead) if isinstance(dead, EngineDeadError) else \
+                f"the engine stopped ({type(dead).__name__}); see the server log"
             return JSONResponse({"status": "error", "error": why}, status_code=503)
         return {"status": "ok"}
 

@@ -452,18 +452,67 @@ def test_no_internals_in_responses(ckpt):
         assert '"server_error"' in text and "secret" not in text and text.rstrip().endswith("data: [DONE]")
         del app.state.async_engine.generate
 
-        # the engine stopped: 503 before any 200, and /health says so without the exception's text
-        app.state.async_engine.dead = RuntimeError(f"secret detail {ckpt}")
+        # the engine stopped: 503 before any 200; /health gives the engine's own account of a device
+        # error (EngineDeadError), and of anything else only its kind
+        from hybrid.async_engine import EngineDeadError
+
         try:
+            app.state.async_engine.dead = RuntimeError(f"secret detail {ckpt}")
             for stream in (False, True):
                 r = _post(srv, "/v1/completions", _greedy(prompt="a", max_tokens=2, stream=stream))
                 _err(r, 503, "engine_dead")
                 assert "secret" not in r.text
             r = httpx.get(srv.base_url + "/health")
             assert r.status_code == 503 and "secret" not in r.text and r.json()["status"] == "error"
+            app.state.async_engine.dead = EngineDeadError("the engine stopped after an unrecoverable device error: "
+                                                          "AcceleratorError: illegal memory access")
+            r = httpx.get(srv.base_url + "/health")
+            assert r.status_code == 503 and "unrecoverable device error" in r.json()["error"]
         finally:
             app.state.async_engine.dead = None
         assert _post(srv, "/v1/completions", _greedy(prompt="a", max_tokens=2)).status_code == 200
+
+
+def test_failed_step_fails_only_its_request(ckpt):
+    """A step that raises (or yields NaN logits) fails the request in it with a 500 that names no
+    internals (in-band for a stream), frees what it held, and the server serves on (issue 12 item 3
+    through the HTTP server)."""
+    import torch
+
+    llm, app, thread = _serve(ckpt)
+    runner = llm.engine.runner
+    real_execute = runner.execute
+    fault: dict = {"mode": None}
+
+    def execute(batch):
+        mode, fault["mode"] = fault["mode"], None
+        if mode == "raise":
+            raise RuntimeError(f"secret detail {ckpt}")
+        logits = real_execute(batch)
+        return torch.full_like(logits, float("nan")) if mode == "nan" else logits
+
+    runner.execute = execute
+    initial = _free(llm)
+    with thread as srv:
+        body = _greedy(prompt="fail me", max_tokens=8)
+        fault["mode"] = "raise"
+        r = _post(srv, "/v1/completions", body)
+        err = _err(r, 500, "request_failed")
+        assert "secret" not in r.text and str(ckpt) not in r.text and err["type"] == "server_error"
+        fault["mode"] = "nan"
+        err = _err(_post(srv, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "x"}]}),
+                   500, "request_failed")
+        assert "non-finite" in err["message"]
+        fault["mode"] = "raise"
+        text = httpx.post(srv.base_url + "/v1/completions", json={**body, "stream": True}, timeout=30).text
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "request_failed" and "secret" not in text
+        assert text.rstrip().endswith("data: [DONE]")
+        # the engine carries on, and nothing is held
+        assert httpx.get(srv.base_url + "/health").json() == {"status": "ok"}
+        r = _post(srv, "/v1/completions", body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert wait_until(lambda: _free(llm) == initial and app.state.server.reserved_seqs == 0)
 
 
 # ------------------------------------------------------------------------- 16: slot holders
