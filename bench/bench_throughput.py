@@ -99,17 +99,6 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
         p.copy_(t.to(p.dtype))
 
 
-def _hubify(cfg: dict) -> None:
-    """transformers 5.x writes NemotronH's layers_block_type; hub files (and this project's loader
-    tests) spell it as hybrid_override_pattern (tests/released_shapes._hubify)."""
-    if cfg.get("model_type") == "nemotron_h" and "layers_block_type" in cfg:
-        rev = {"mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*", "full_attention": "*", "mlp": "-"}
-        types = cfg.pop("layers_block_type")
-        cfg["hybrid_override_pattern"] = "".join(rev[t] for t in types)
-        cfg["num_hidden_layers"] = len(types)
-        cfg.pop("mtp_layers_block_type", None)
-
-
 def write_wordlevel_tokenizer(path: str, vocab_size: int) -> None:
     """A tokenizer.json with one word per id ("w123"), so random ids decode to text and every
     streamed token is a non-empty delta (the server sends no event for a token without text)."""
@@ -159,7 +148,9 @@ def build_shape_checkpoint(name: str, out_dir: str, device: str, seed: int = 0,
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         saved = json.load(f)
-    _hubify(saved)
+    from tests.released_shapes import hubify  # the hub spelling of layer types, one copy
+
+    hubify(saved)
     with open(cfg_path, "w") as f:
         json.dump(saved, f, indent=2)
     write_wordlevel_tokenizer(path, int(saved["vocab_size"]))

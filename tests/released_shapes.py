@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from tests.tiny_checkpoints import _decode_float_tags as decode_float_tags
+
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "released_configs.json")
 GPU_VOCAB = 4096
 
@@ -175,9 +177,10 @@ def redraw_weights(model: torch.nn.Module, seed: int, *, lm_head_std: float | No
             raise AssertionError(f"unhandled tensor {name} {tuple(t.shape)}")
 
 
-def _hubify(cfg: dict) -> None:
+def hubify(cfg: dict) -> None:
     """transformers 5.x writes NemotronH's layers_block_type and Granite's new layer-type names; the
-    hub files spell them as the released checkpoints do (tests/tiny_checkpoints.hubify_*)."""
+    hub files spell them as the released checkpoints do (tests/tiny_checkpoints.hubify_*). Also used
+    by bench/bench_throughput.py for the shapes it saves."""
     if cfg.get("model_type") == "nemotron_h" and "layers_block_type" in cfg:
         rev = {"mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*", "full_attention": "*", "mlp": "-"}
         types = cfg.pop("layers_block_type")
@@ -187,12 +190,6 @@ def _hubify(cfg: dict) -> None:
     elif cfg.get("model_type") == "granitemoehybrid":
         legacy = {"linear_attention": "mamba", "full_attention": "attention"}
         cfg["layer_types"] = [legacy.get(t, t) for t in cfg["layer_types"]]
-
-
-def _decode_float_tags(obj):
-    if set(obj) == {"__float__"}:
-        return float(obj["__float__"])
-    return obj
 
 
 def hf_config(cfg: dict[str, Any]):
@@ -229,7 +226,7 @@ def build_checkpoint(e: dict[str, Any], path, *, device: str | torch.device = "c
     model.save_pretrained(str(path), safe_serialization=True)
     del model
     cfg_path = path / "config.json"
-    saved = json.loads(cfg_path.read_text(), object_hook=_decode_float_tags)
-    _hubify(saved)
+    saved = json.loads(cfg_path.read_text(), object_hook=decode_float_tags)
+    hubify(saved)
     cfg_path.write_text(json.dumps(saved, indent=2))
     return path

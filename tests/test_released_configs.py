@@ -139,8 +139,8 @@ def test_gpu_checkpoint_config_round_trips_through_transformers(e, tmp_path):
     hf_cfg.save_pretrained(str(tmp_path))
     import json
 
-    saved = json.loads((tmp_path / "config.json").read_text(), object_hook=released_shapes._decode_float_tags)
-    released_shapes._hubify(saved)
+    saved = json.loads((tmp_path / "config.json").read_text(), object_hook=released_shapes.decode_float_tags)
+    released_shapes.hubify(saved)
     (tmp_path / "config.json").write_text(json.dumps(saved))
     back = load_config(str(tmp_path))
     assert back.layer_types == ours.layer_types
