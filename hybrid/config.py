@@ -13,10 +13,11 @@ from typing import Any
 
 from hybrid.errors import CheckpointError
 
-SUPPORTED_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1")
+SUPPORTED_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamba2")
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
 PARALLEL = "parallel"  # Falcon-H1: a Mamba2 mixer and attention side by side on the same input, then an MLP
+HYBRID = "hybrid"  # Zamba2: a shared attention + MLP block (own KV cache) feeding a Mamba2 layer
 
 # Where the Mamba gate silu(z) meets the grouped RMSNorm of the SSM output y.
 GATE_THEN_NORM = "gate_then_norm"  # norm(y * silu(z)) (NemotronH, Bamba, Granite; Falcon-H1 option)
@@ -96,6 +97,16 @@ class FalconMultipliers:
 
 
 @dataclass(frozen=True)
+class SharedBlockConfig:
+    """Zamba2's shared transformer blocks: hybrid layer j runs block j % num_mem_blocks (weights stored
+    once) with its own low-rank adapters on the MLP's gate|up and, optionally, on q, k and v."""
+
+    num_mem_blocks: int
+    adapter_rank: int
+    attention_adapters: bool  # use_shared_attention_adapter
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -119,6 +130,7 @@ class ModelConfig:
     # Falcon-H1: logits times this; its other muP multipliers scale weights (folded in at load time)
     lm_head_multiplier: float = 1.0
     mup: FalconMultipliers | None = None
+    shared_blocks: SharedBlockConfig | None = None  # Zamba2
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -127,11 +139,11 @@ class ModelConfig:
 
     @property
     def mamba_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t in (MAMBA, PARALLEL)]
+        return [i for i, t in enumerate(self.layer_types) if t in (MAMBA, PARALLEL, HYBRID)]
 
     @property
     def attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t in (ATTENTION, PARALLEL)]
+        return [i for i, t in enumerate(self.layer_types) if t in (ATTENTION, PARALLEL, HYBRID)]
 
 
 def _decode_infinity(value: Any) -> Any:
@@ -412,6 +424,8 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
             **common,
         ))
 
+    if family == "zamba2":
+        return _checked(_parse_zamba2(cfg, common, hidden, n_heads, n_kv))
     n_layers = _int(cfg, "num_hidden_layers", family)
     if family == "falcon_h1":
         return _checked(_parse_falcon_h1(cfg, common, hidden, n_heads, n_kv, n_layers))
@@ -559,6 +573,62 @@ def _parse_falcon_h1(cfg: dict[str, Any], common: dict[str, Any], hidden: int, n
         tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
         embedding_multiplier=_float(cfg, "embedding_multiplier", 1.0),
         lm_head_multiplier=_float(cfg, "lm_head_multiplier", 1.0), mup=mup, **common,
+    )
+
+
+# Zamba2 layer names: transformers' current ones and the legacy "mamba" that hub configs use
+_ZAMBA2_LAYER_TYPES = {"mamba": MAMBA, "linear_attention": MAMBA, "hybrid": HYBRID}
+
+
+def _parse_zamba2(cfg: dict[str, Any], common: dict[str, Any], hidden: int, n_heads: int,
+                  n_kv: int) -> ModelConfig:
+    family = "zamba2"
+    raw = _need(cfg, "layers_block_type", family)
+    if not isinstance(raw, list) or not raw or not all(isinstance(t, str) for t in raw):
+        raise CheckpointError(f"config.json: 'layers_block_type' must be a non-empty list of strings, got {raw!r}")
+    bad = sorted(set(raw) - set(_ZAMBA2_LAYER_TYPES))
+    if bad:
+        raise CheckpointError(f"config.json of a zamba2 model has unknown layer types {bad} (mamba or hybrid)")
+    layer_types = tuple(_ZAMBA2_LAYER_TYPES[t] for t in raw)
+    n_layers = _int(cfg, "num_hidden_layers", family, len(layer_types))
+    if n_layers != len(layer_types):
+        raise CheckpointError(f"config.json lists {len(layer_types)} layer types for {n_layers} layers")
+    inner = _int(cfg, "mamba_expand", family, 2) * hidden
+    nh = _int(cfg, "n_mamba_heads", family, 8)
+    _check_divides("Mamba2 head dim", inner, nh, "mamba_expand * hidden_size", "n_mamba_heads")
+    mamba = MambaConfig(
+        num_heads=nh, head_dim=inner // nh, n_groups=_int(cfg, "mamba_ngroups", family, 1),
+        state_size=_int(cfg, "mamba_d_state", family, 64), conv_kernel=_int(cfg, "mamba_d_conv", family, 4),
+        chunk_size=_int(cfg, "chunk_size", family, 256),
+        conv_bias=True,  # transformers' Zamba2 conv1d always has a bias (use_conv_bias is not read)
+        proj_bias=_bool(cfg, "add_bias_linear", False),
+        norm_eps=1e-5,  # the gated norm's eps is fixed, not rms_norm_eps
+        # like NemotronH: time_step_limit is ignored, prefill clamps from time_step_min upwards
+        dt_limit=(_time_step_min(cfg), math.inf),
+    )
+    # attention runs on cat(h, embeddings): 2H wide, head dim 2H / heads, scale (head_dim / 2)^-0.5
+    _check_divides("attention head dim", 2 * hidden, n_heads, "2 * hidden_size", "num_attention_heads")
+    head_dim = 2 * hidden // n_heads
+    theta, rotary_dim = None, 0
+    if _bool(cfg, "use_mem_rope", False):
+        theta, _ = _rope(cfg, head_dim, default_partial=1.0)
+        rotary_dim = head_dim  # transformers' Zamba2 rotates whole heads (partial_rotary_factor is not read)
+    attention = AttentionConfig(n_heads, n_kv, head_dim, (head_dim / 2) ** -0.5, False, theta, rotary_dim)
+    shared = SharedBlockConfig(
+        num_mem_blocks=_int(cfg, "num_mem_blocks", family, 1), adapter_rank=_int(cfg, "adapter_rank", family, 128),
+        attention_adapters=_bool(cfg, "use_shared_attention_adapter", False),
+    )
+    if shared.attention_adapters and n_kv != n_heads:
+        # the adapters output 2H columns, the k / v projections n_kv * head_dim (transformers fails too)
+        raise CheckpointError("config.json: zamba2 with use_shared_attention_adapter needs num_key_value_heads "
+                              f"({n_kv}) == num_attention_heads ({n_heads})")
+    if _bool(cfg, "use_long_context", False):
+        common = dict(common, max_position_embeddings=16384)  # what transformers sets (RoPE unchanged)
+    return ModelConfig(
+        layer_types=layer_types, norm_eps=_float(cfg, "rms_norm_eps", 1e-5, positive=True), mamba=mamba,
+        attention=attention, intermediate_size=_int(cfg, "intermediate_size", family, 4 * hidden),
+        mlp_act=_str(cfg, "hidden_act", "gelu", _ACTIVATIONS), moe=None,
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", True), shared_blocks=shared, **common,
     )
 
 

@@ -221,15 +221,37 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class LowRankAdapter(nn.Module):
+    """Zamba2's per-use adapters of a shared projection (LoRA-shaped): for each of `parts` output
+    sections of `part_size` columns, up_p(down_p(x)); the down projections run as one GEMM. Added to the
+    shared projection's output at run time, so the shared weights stay stored once."""
+
+    def __init__(self, in_features: int, rank: int, parts: int, part_size: int) -> None:
+        super().__init__()
+        self.parts, self.rank = parts, rank
+        self.down = _param(parts * rank, in_features)  # [down_0 | down_1 | ...] rows
+        self.up = _param(parts, part_size, rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.down)
+        if self.parts == 1:
+            return F.linear(h, self.up[0])
+        h = h.view(x.shape[0], self.parts, self.rank).transpose(0, 1)  # [parts, T, rank]
+        return torch.bmm(h, self.up.transpose(1, 2)).transpose(0, 1).reshape(x.shape[0], -1)
+
+
 class Attention(nn.Module):
-    def __init__(self, hidden_size: int, cfg: AttentionConfig, layer_index: int) -> None:
+    def __init__(self, hidden_size: int, cfg: AttentionConfig, layer_index: int,
+                 out_features: int | None = None) -> None:
+        """`out_features`: the o_proj width if not `hidden_size` (Zamba2 attends over 2H-wide inputs and
+        writes H)."""
         super().__init__()
         self.cfg = cfg
         self.layer_index = layer_index  # index among attention layers: the row of the KV cache
         hd = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, cfg.bias)  # [q | k | v] rows
-        self.o_proj = Linear(cfg.num_heads * hd, hidden_size, cfg.bias)
+        self.o_proj = Linear(cfg.num_heads * hd, out_features or hidden_size, cfg.bias)
         if cfg.rope_theta is not None:
             dim = cfg.rotary_dim
             inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
@@ -250,10 +272,15 @@ class Attention(nn.Module):
 
         return apply(q), apply(k)
 
-    def forward(self, hidden: torch.Tensor, batch: StepBatch, kv_layer: torch.Tensor, backend) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, batch: StepBatch, kv_layer: torch.Tensor, backend,
+                adapter: LowRankAdapter | None = None) -> torch.Tensor:
+        """`adapter`: added to the [q | k | v] projection (Zamba2's per-layer adapters of a shared block)."""
         cfg = self.cfg
         n = hidden.shape[0]
-        q, k, v = torch.split(self.qkv_proj(hidden), [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if adapter is not None:
+            qkv = qkv + adapter(hidden)
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, cfg.num_heads, cfg.head_dim)
         k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -290,8 +317,11 @@ class GatedMLP(nn.Module):
         self.fused = False  # silu(gate) * up as one Triton launch (see use_fused_ops)
         self.can_fuse = act == "silu"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapter: LowRankAdapter | None = None) -> torch.Tensor:
+        """`adapter`: added to the [gate | up] projection (Zamba2's per-layer adapter of a shared MLP)."""
         gate_up = self.gate_up_proj(x)
+        if adapter is not None:
+            gate_up = gate_up + adapter(x)
         if self.fused:
             return self.down_proj(triton_act.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from hybrid.config import ATTENTION, GATE_ONLY, MAMBA, MLP, MOE, ModelConfig, read_json
+from hybrid.config import ATTENTION, GATE_ONLY, HYBRID, MAMBA, MLP, MOE, ModelConfig, read_json
 from hybrid.errors import CheckpointError
 from hybrid.model import HybridModel
 
@@ -69,6 +69,8 @@ def tensor_plan(cfg: ModelConfig) -> dict[str, Source]:
     plan: dict[str, Source] = {}
     if cfg.family == "falcon_h1":
         return _falcon_h1_plan(cfg)
+    if cfg.family == "zamba2":
+        return _zamba2_plan(cfg)
     if cfg.family == "nemotron_h":
         plan["embed"] = Source(["backbone.embeddings.weight"], "whole")
         plan["final_norm.weight"] = Source(["backbone.norm_f.weight"], "whole")
@@ -154,6 +156,48 @@ def _falcon_h1_plan(cfg: ModelConfig) -> dict[str, Source]:
                 src = plan.get(f"{p}{name}.{leaf}")
                 if src is not None and any(v != 1.0 for _, v in runs):
                     src.row_scale = tuple(runs)
+    if not cfg.tie_word_embeddings:
+        plan["lm_head.weight"] = Source(["lm_head.weight"], "whole")
+    return plan
+
+
+def _zamba2_plan(cfg: ModelConfig) -> dict[str, Source]:
+    """Zamba2. Shared block k is stored once, under the k-th hybrid layer
+    (`model.layers.{hybrid[k]}.shared_transformer.*`; the later layers' copies are tied to it and not
+    saved). The adapters of hybrid layer j live inside the block it uses, at index j of its adapter
+    lists (`...linear_q_adapter_list.{j}.{0: down, 1: up}`, `...gate_up_proj_adapter_list.{j}.*`)."""
+    hybrid = [i for i, kind in enumerate(cfg.layer_types) if kind == HYBRID]
+    n_shared = min(cfg.shared_blocks.num_mem_blocks, len(hybrid))
+    bias = ["weight", "bias"] if cfg.mamba.proj_bias else ["weight"]  # add_bias_linear: the MLP too
+    plan = {"embed": Source(["model.embed_tokens.weight"], "whole"),
+            "final_norm.weight": Source(["model.final_layernorm.weight"], "whole")}
+    for k in range(n_shared):
+        p, d = f"shared_blocks.{k}.", f"model.layers.{hybrid[k]}.shared_transformer."
+        plan[f"{p}input_norm.weight"] = Source([f"{d}input_layernorm.weight"], "whole")
+        plan[f"{p}ffn_norm.weight"] = Source([f"{d}pre_ff_layernorm.weight"], "whole")
+        plan.update(_attention_sources(f"{p}attn.", f"{d}self_attn.", cfg))
+        for leaf in bias:
+            for n in ("gate_up_proj", "down_proj"):
+                plan[f"{p}mlp.{n}.{leaf}"] = Source([f"{d}feed_forward.{n}.{leaf}"], "whole")
+    j = 0
+    for i, kind in enumerate(cfg.layer_types):
+        p, d = f"layers.{i}.", f"model.layers.{i}."
+        if kind == MAMBA:
+            plan[f"{p}norm.weight"] = Source([f"{d}input_layernorm.weight"], "whole")
+            plan.update(_mamba_sources(f"{p}mixer.", f"{d}mamba.", cfg))
+            continue
+        plan[f"{p}norm.weight"] = Source([f"{d}mamba_decoder.input_layernorm.weight"], "whole")
+        plan.update(_mamba_sources(f"{p}mixer.", f"{d}mamba_decoder.mamba.", cfg))
+        plan[f"{p}linear.weight"] = Source([f"{d}linear.weight"], "whole")
+        src = f"model.layers.{hybrid[j % n_shared]}.shared_transformer."
+        if cfg.shared_blocks.attention_adapters:
+            lists = [f"{src}self_attn.linear_{n}_adapter_list.{j}" for n in "qkv"]
+            plan[f"{p}qkv_adapter.down"] = Source([f"{a}.0.weight" for a in lists], "concat")
+            plan[f"{p}qkv_adapter.up"] = Source([f"{a}.1.weight" for a in lists], "stack")
+        mlp = f"{src}feed_forward.gate_up_proj_adapter_list.{j}"
+        plan[f"{p}mlp_adapter.down"] = Source([f"{mlp}.0.weight"], "whole")
+        plan[f"{p}mlp_adapter.up"] = Source([f"{mlp}.1.weight"], "stack")
+        j += 1
     if not cfg.tie_word_embeddings:
         plan["lm_head.weight"] = Source(["lm_head.weight"], "whole")
     return plan

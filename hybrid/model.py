@@ -6,9 +6,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
-from hybrid.config import ATTENTION, MAMBA, MLP, PARALLEL, ModelConfig
+from hybrid.config import ATTENTION, HYBRID, MAMBA, MLP, PARALLEL, ModelConfig
 from hybrid.layers import (
-    Attention, DenseMLP, GatedMLP, GraniteMoE, Linear, Mamba2Mixer, NemotronMoE, RMSNorm, _param,
+    Attention, DenseMLP, GatedMLP, GraniteMoE, Linear, LowRankAdapter, Mamba2Mixer, NemotronMoE, RMSNorm, _param,
 )
 
 
@@ -96,7 +96,65 @@ class ParallelBlock(nn.Module):
         return self.mlp(x), residual
 
 
-_BLOCKS = {"nemotron_h": NemotronHBlock, "falcon_h1": ParallelBlock}
+class SharedTransformerBlock(nn.Module):
+    """Zamba2's shared block: t = mlp(ffn_norm(attn(input_norm(cat(h, embeddings))))), no residual
+    inside. Run by several hybrid layers (weights stored once); each caller passes its own KV layer
+    and adapters."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_norm = RMSNorm(2 * h, cfg.norm_eps, weight_in_fp32=False)
+        self.attn = Attention(2 * h, cfg.attention, -1, out_features=h)  # KV layer: the caller's
+        self.ffn_norm = RMSNorm(h, cfg.norm_eps, weight_in_fp32=False)
+        self.mlp = GatedMLP(h, cfg.intermediate_size, cfg.mlp_act, bias=cfg.mamba.proj_bias)  # add_bias_linear
+
+    def forward(self, h: torch.Tensor, embeddings: torch.Tensor, batch: StepBatch, kv_layer: torch.Tensor,
+                backend, qkv_adapter: LowRankAdapter | None, mlp_adapter: LowRankAdapter) -> torch.Tensor:
+        x = self.input_norm(torch.cat([h, embeddings], dim=-1))
+        a = self.attn(x, batch, kv_layer, backend, adapter=qkv_adapter)
+        return self.mlp(self.ffn_norm(a), adapter=mlp_adapter)
+
+
+class Zamba2Block(nn.Module):
+    """Zamba2 layer. mamba: h += mamba(norm(h)). hybrid (the j-th): t = linear(shared_j(h, embeddings))
+    with shared_j = shared block j % num_mem_blocks and this layer's adapters, then
+    h += mamba(norm(h + t)): t feeds the Mamba input but not the stream. Takes and returns (x, residual)
+    like NemotronHBlock, plus the embeddings (the model's input, kept apart from the stream)."""
+
+    residual_multiplier = 1.0
+    takes_embeddings = True
+
+    def __init__(self, cfg: ModelConfig, kind: str, mamba_index: int, attn_index: int,
+                 shared: SharedTransformerBlock | None = None) -> None:
+        super().__init__()
+        self.kind = kind
+        h = cfg.hidden_size
+        self.norm = RMSNorm(h, cfg.norm_eps, weight_in_fp32=False)
+        self.mixer = Mamba2Mixer(h, cfg.mamba, mamba_index)
+        if kind == HYBRID:
+            sb, a = cfg.shared_blocks, cfg.attention
+            self.attn_index = attn_index  # this layer's own KV cache row (the attention weights are shared)
+            self.linear = Linear(h, h, bias=False)
+            self.qkv_adapter = (LowRankAdapter(2 * h, sb.adapter_rank, 3, a.num_heads * a.head_dim)
+                                if sb.attention_adapters else None)
+            self.mlp_adapter = LowRankAdapter(h, sb.adapter_rank, 1, 2 * cfg.intermediate_size)
+            # a tuple, so the shared block is not registered (and its weights not named) under each
+            # layer: the model owns it once, as shared_blocks.k
+            self._shared = (shared,)
+
+    def forward(self, x, residual, batch, ctx, embeddings):
+        if self.kind == MAMBA:
+            x, residual = self.norm.add_norm(x, residual)
+        else:
+            residual = x if residual is None else residual + x
+            t = self._shared[0](residual, embeddings, batch, ctx.kv_layer(self.attn_index), ctx.attention_backend,
+                                self.qkv_adapter, self.mlp_adapter)
+            x = self.norm(residual + self.linear(t))
+        return self.mixer(x, batch, *ctx.mamba_state(self.mixer.layer_index)), residual
+
+
+_BLOCKS = {"nemotron_h": NemotronHBlock, "falcon_h1": ParallelBlock, "zamba2": Zamba2Block}
 
 
 class HybridModel(nn.Module):
@@ -107,11 +165,21 @@ class HybridModel(nn.Module):
         blocks = []
         mamba_index = attn_index = 0
         block_cls = _BLOCKS.get(cfg.family, TwoStageBlock)
+        # Zamba2: the shared blocks, one per distinct use (at most num_mem_blocks)
+        n_hybrid = cfg.layer_types.count(HYBRID)
+        self.shared_blocks = nn.ModuleList(
+            SharedTransformerBlock(cfg) for _ in range(min(cfg.shared_blocks.num_mem_blocks, n_hybrid))
+        ) if n_hybrid else None
         for kind in cfg.layer_types:
-            blocks.append(block_cls(cfg, kind, mamba_index, attn_index))
-            mamba_index += kind in (MAMBA, PARALLEL)
-            attn_index += kind in (ATTENTION, PARALLEL)
+            if kind == HYBRID:
+                shared = self.shared_blocks[attn_index % len(self.shared_blocks)]
+                blocks.append(block_cls(cfg, kind, mamba_index, attn_index, shared))
+            else:
+                blocks.append(block_cls(cfg, kind, mamba_index, attn_index))
+            mamba_index += kind in (MAMBA, PARALLEL, HYBRID)
+            attn_index += kind in (ATTENTION, PARALLEL, HYBRID)
         self.layers = nn.ModuleList(blocks)
+        self.takes_embeddings = getattr(block_cls, "takes_embeddings", False)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=cfg.family == "nemotron_h")
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -125,8 +193,15 @@ class HybridModel(nn.Module):
         if self.cfg.embedding_multiplier != 1.0:
             h = h * self.cfg.embedding_multiplier
         x, residual = h, None
-        for block in self.layers:
-            x, residual = block(x, residual, batch, ctx)
+        if self.takes_embeddings:
+            # Zamba2 reads the embeddings at every hybrid layer: a copy, as the fused add_norm updates
+            # the stream (which starts as x) in place
+            embeddings = h.clone()
+            for block in self.layers:
+                x, residual = block(x, residual, batch, ctx, embeddings)
+        else:
+            for block in self.layers:
+                x, residual = block(x, residual, batch, ctx)
         # the last block's output joins the stream only on the rows that produce logits
         rows = batch.logits_indices
         h, _ = self.final_norm.add_norm(x[rows], residual[rows], self.layers[-1].residual_multiplier)

@@ -293,6 +293,53 @@ def build_falcon_h1(path, *, vocab_size: int = 208, seed: int = 6, num_layers: i
     return _finish(model, path)
 
 
+def build_zamba2(path, *, vocab_size: int = 176, seed: int = 8,
+                 layers=("hybrid", "mamba", "hybrid", "mamba", "mamba", "hybrid"), num_mem_blocks: int = 2,
+                 attention_adapters: bool = True, mem_rope: bool = False, n_kv_heads: int = N_HEADS,
+                 dt_floor_heads: bool = False, dt_range=(1e-3, 0.2), query_scale: float = 0.4) -> Path:
+    """Zamba2: Mamba2 layers; each "hybrid" layer first runs a shared attention + gelu MLP block on
+    cat(h, embeddings) (block j % num_mem_blocks, weights stored once) with its own LoRA adapters
+    (gate|up always, q/k/v optionally) and its own linear, whose output joins the Mamba input only."""
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    cfg = Zamba2Config(
+        vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=len(layers), layers_block_type=list(layers),
+        mamba_d_state=SSM_STATE, mamba_d_conv=CONV_K, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=MAMBA_HEADS,
+        chunk_size=CHUNK, intermediate_size=96, hidden_act="gelu", num_attention_heads=N_HEADS,
+        num_key_value_heads=n_kv_heads, num_mem_blocks=num_mem_blocks,
+        use_shared_attention_adapter=attention_adapters, adapter_rank=8, use_mem_rope=mem_rope,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=MAX_POS,
+        rms_norm_eps=1e-5, time_step_min=1e-3, tie_word_embeddings=True,
+        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    )
+    torch.manual_seed(seed)
+    model = Zamba2ForCausalLM(cfg).to(torch.float32).eval()
+    # the residual branches are scaled up so that they are not drowned by the (unit-scale) embedding,
+    # which would make the model repeat one token; tied logits are kept from over-sharpening by a
+    # smaller final-norm weight
+    _redraw_weights(model, seed, dt_floor_heads=dt_floor_heads, dt_range=dt_range, branch_out_scale=2.5,
+                    final_norm_scale=0.5)
+    with torch.no_grad():
+        # the attention scale (head_dim / 2)^-0.5 and the q adapters make the scores large (near-one-hot
+        # softmax, which amplifies fp32 noise past the logprob tolerance): queries scaled down
+        for name, t in model.named_parameters():
+            if "q_proj" in name or ("linear_q_adapter_list" in name and name.endswith(".1.weight")):
+                t.mul_(query_scale)
+    model.tie_weights()
+    return _finish(model, path)
+
+
+def hubify_zamba2(cfg: dict) -> None:
+    # Hub Zamba2 configs use the legacy "mamba" name for Mamba layers.
+    cfg["layers_block_type"] = ["mamba" if t == "linear_attention" else t for t in cfg["layers_block_type"]]
+
+
+def build_zamba2_hub_config(path, **kwargs) -> Path:
+    p = build_zamba2(path, **kwargs)
+    rewrite_config(p, hubify_zamba2)
+    return p
+
+
 # ----------------------------------------------------------------------------------------
 # tokenizer
 # ----------------------------------------------------------------------------------------
@@ -423,6 +470,15 @@ BUILDERS = {
     # a second NemotronH with another pattern (attention first, then MoE), saved in
     # ~9 shards with model.safetensors.index.json; dt kept well above time_step_min so the
     # NemotronH prefill clamp never bites (separates clamp bugs from loading bugs)
+    # Zamba2: 3 hybrid layers over 2 shared blocks, q/k/v and gate|up adapters, NoPE; a few dt far
+    # below time_step_min (the prefill clamp bites, decode does not clamp)
+    "zamba2": (build_zamba2, {"seed": 8, "dt_floor_heads": True}),
+    # ... one shared block used 3 times, RoPE, grouped-query attention (no q/k/v adapters), dt well
+    # above the clamp, hub-style legacy "mamba" layer names
+    "zamba2_rope": (build_zamba2_hub_config, {"seed": 13, "layers": ("mamba", "hybrid", "hybrid", "mamba", "hybrid"),
+                                              "num_mem_blocks": 1, "attention_adapters": False,
+                                              "mem_rope": True, "n_kv_heads": N_KV_HEADS,
+                                              "dt_range": (0.03, 0.3)}),
     "nemotron_h_sharded": (build_nemotron_h, {"pattern": "*EM-M", "vocab_size": 128, "seed": 5,
                                                 "max_shard_size": "60KB",
                                                 "dt_floor_heads": False, "dt_range": (0.03, 0.3)}),
