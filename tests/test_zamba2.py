@@ -57,6 +57,7 @@ def test_rope_variant_config(tiny_ckpt):
     cfg = load_config(path)
     assert cfg.attention.rotary_dim == cfg.attention.head_dim and cfg.attention.num_kv_heads == 2
     assert cfg.shared_blocks.num_mem_blocks == 1 and not cfg.shared_blocks.attention_adapters
+    assert raw["add_bias_linear"] and cfg.mamba.proj_bias  # also the shared MLP's biases (see the loader)
 
 
 def test_prefill_and_decode_agree_after_recycling(tiny_ckpt, prompts_for, make_llm):

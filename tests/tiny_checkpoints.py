@@ -296,7 +296,8 @@ def build_falcon_h1(path, *, vocab_size: int = 208, seed: int = 6, num_layers: i
 def build_zamba2(path, *, vocab_size: int = 176, seed: int = 8,
                  layers=("hybrid", "mamba", "hybrid", "mamba", "mamba", "hybrid"), num_mem_blocks: int = 2,
                  attention_adapters: bool = True, mem_rope: bool = False, n_kv_heads: int = N_HEADS,
-                 dt_floor_heads: bool = False, dt_range=(1e-3, 0.2), query_scale: float = 0.4) -> Path:
+                 dt_floor_heads: bool = False, dt_range=(1e-3, 0.2), query_scale: float = 0.4,
+                 bias: bool = False) -> Path:
     """Zamba2: Mamba2 layers; each "hybrid" layer first runs a shared attention + gelu MLP block on
     cat(h, embeddings) (block j % num_mem_blocks, weights stored once) with its own LoRA adapters
     (gate|up always, q/k/v optionally) and its own linear, whose output joins the Mamba input only."""
@@ -309,7 +310,7 @@ def build_zamba2(path, *, vocab_size: int = 176, seed: int = 8,
         num_key_value_heads=n_kv_heads, num_mem_blocks=num_mem_blocks,
         use_shared_attention_adapter=attention_adapters, adapter_rank=8, use_mem_rope=mem_rope,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=MAX_POS,
-        rms_norm_eps=1e-5, time_step_min=1e-3, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, time_step_min=1e-3, tie_word_embeddings=True, add_bias_linear=bias,
         pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
     )
     torch.manual_seed(seed)
@@ -473,11 +474,12 @@ BUILDERS = {
     # Zamba2: 3 hybrid layers over 2 shared blocks, q/k/v and gate|up adapters, NoPE; a few dt far
     # below time_step_min (the prefill clamp bites, decode does not clamp)
     "zamba2": (build_zamba2, {"seed": 8, "dt_floor_heads": True}),
-    # ... one shared block used 3 times, RoPE, grouped-query attention (no q/k/v adapters), dt well
-    # above the clamp, hub-style legacy "mamba" layer names
+    # ... one shared block used 3 times, RoPE, grouped-query attention (no q/k/v adapters), biases
+    # (add_bias_linear: Mamba in/out and MLP projections), dt well above the clamp, hub-style legacy
+    # "mamba" layer names
     "zamba2_rope": (build_zamba2_hub_config, {"seed": 13, "layers": ("mamba", "hybrid", "hybrid", "mamba", "hybrid"),
                                               "num_mem_blocks": 1, "attention_adapters": False,
-                                              "mem_rope": True, "n_kv_heads": N_KV_HEADS,
+                                              "mem_rope": True, "n_kv_heads": N_KV_HEADS, "bias": True,
                                               "dt_range": (0.03, 0.3)}),
     "nemotron_h_sharded": (build_nemotron_h, {"pattern": "*EM-M", "vocab_size": 128, "seed": 5,
                                                 "max_shard_size": "60KB",
