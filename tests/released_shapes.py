@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tests.tiny_checkpoints import _decode_float_tags as decode_float_tags
+from tests.tiny_checkpoints import _redraw_weights
 
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "released_configs.json")
 GPU_VOCAB = 4096
@@ -115,66 +116,8 @@ def gpu_config(e: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _inv_softplus(x: torch.Tensor) -> torch.Tensor:
-    return x + torch.log(-torch.expm1(-x))
-
-
-# projections that write into the residual stream
-_BRANCH_OUT = {"out_proj", "o_proj", "down_proj", "output_linear"}
-
-
-@torch.no_grad()
-def redraw_weights(model: torch.nn.Module, seed: int, *, lm_head_std: float | None = None, embed_std: float = 1.0,
-                   branch_out_scale: float = 1.0, final_norm_scale: float = 1.0,
-                   dt_range: tuple[float, float] = (1e-3, 0.2)) -> None:
-    """tests/tiny_checkpoints._redraw_weights on the model's own device (a CUDA generator draws a
-    billion weights in milliseconds; the CPU one takes seconds per layer at released widths)."""
-    device = next(model.parameters()).device
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float32, device=device)
-
-    def rand(*shape):
-        return torch.rand(*shape, generator=g, dtype=torch.float32, device=device)
-
-    tensors = dict(model.named_parameters())
-    for name, buf in model.named_buffers():
-        tensors.setdefault(name, buf)
-    for name in sorted(tensors):
-        t = tensors[name]
-        leaf = name.rsplit(".", 1)[-1]
-        parent = name.split(".")[-2] if "." in name else ""
-        if not t.is_floating_point() or leaf == "inv_freq" or "rotary" in name:
-            continue
-        if leaf == "A_log":
-            t.copy_(torch.log(1.0 + 15.0 * rand(*t.shape)))  # A in [-16, -1]
-        elif leaf == "D":
-            t.copy_(0.5 + rand(*t.shape))
-        elif leaf == "dt_bias":
-            lo, hi = math.log(dt_range[0]), math.log(dt_range[1])
-            t.copy_(_inv_softplus(torch.exp(rand(*t.shape) * (hi - lo) + lo)))
-        elif leaf == "e_score_correction_bias":
-            t.copy_(0.3 * randn(*t.shape))
-        elif t.dim() == 1 and leaf == "weight":  # every RMSNorm (incl. the gated norm)
-            t.copy_(0.6 + 0.8 * rand(*t.shape))
-            if "layers." not in name:  # final norm: sets the logit scale
-                t.mul_(final_norm_scale)
-        elif t.dim() == 1 and leaf == "bias":
-            t.copy_(0.1 * randn(*t.shape))
-        elif "embed" in name:
-            t.copy_(embed_std * randn(*t.shape))
-        elif name.startswith("lm_head"):
-            std = lm_head_std if lm_head_std is not None else 4.0 / math.sqrt(t.shape[-1])
-            t.copy_(std * randn(*t.shape))
-        elif name.endswith("conv1d.weight"):
-            t.copy_(randn(*t.shape) / math.sqrt(t.shape[-1]))
-        elif t.dim() >= 2:  # Linear / stacked expert weights [.., out, in]; routers too
-            t.copy_(randn(*t.shape) / math.sqrt(t.shape[-1]))
-            if leaf in _BRANCH_OUT or parent in _BRANCH_OUT:
-                t.mul_(branch_out_scale)
-        else:
-            raise AssertionError(f"unhandled tensor {name} {tuple(t.shape)}")
+# the weights are drawn as the tiny checkpoints' are, on the model's device
+redraw_weights = _redraw_weights
 
 
 def hubify(cfg: dict) -> None:

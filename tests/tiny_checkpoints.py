@@ -58,14 +58,17 @@ def _redraw_weights(model: torch.nn.Module, seed: int, *, lm_head_std: float | N
                     branch_out_scale: float = 1.0, final_norm_scale: float = 1.0,
                     dt_range: tuple[float, float] = (1e-3, 0.2),
                     zero_logit_ids: tuple[int, ...] = ()) -> None:
-    """Overwrite every parameter / persistent buffer with a well-conditioned random draw."""
-    g = torch.Generator().manual_seed(seed)
+    """Overwrite every parameter / persistent buffer with a well-conditioned random draw, on the
+    model's own device (a CUDA generator draws a released-width model's weights in milliseconds;
+    on CPU the draws are those of the CPU generator, as they always were)."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float32)
+        return torch.randn(*shape, generator=g, dtype=torch.float32, device=device)
 
     def rand(*shape):
-        return torch.rand(*shape, generator=g, dtype=torch.float32)
+        return torch.rand(*shape, generator=g, dtype=torch.float32, device=device)
 
     tensors = dict(model.named_parameters())
     for name, buf in model.named_buffers():
