@@ -660,26 +660,21 @@ class _Server:
 
             chunk = _chunker("text_completion", cid, created, self.model_name, include_usage)
 
+            updates = self.choice_updates(prompts, cid, k is not None)
+
             async def events():
                 completion_tokens = 0
-                updates = self.choice_updates(prompts, cid, k is not None)
-                try:
-                    async for u in updates:
-                        lp = self.completion_logprobs(*u.logprobs, k, u.text_offset) if u.logprobs else None
-                        if u.finish_reason is not None:
-                            completion_tokens += u.num_tokens
-                        if u.delta or u.finish_reason is not None or lp is not None:
-                            yield chunk([{"index": u.prompt_index * n + u.index, "text": u.delta, "logprobs": lp,
-                                          "finish_reason": _finish_reason(u.finish_reason)}])
-                    if include_usage:
-                        yield chunk([], _usage(prompt_tokens, completion_tokens))
-                except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
-                    yield _sse(_stream_error(e))
-                finally:
-                    await updates.aclose()
-                yield "data: [DONE]\n\n"
+                async for u in updates:
+                    lp = self.completion_logprobs(*u.logprobs, k, u.text_offset) if u.logprobs else None
+                    if u.finish_reason is not None:
+                        completion_tokens += u.num_tokens
+                    if u.delta or u.finish_reason is not None or lp is not None:
+                        yield chunk([{"index": u.prompt_index * n + u.index, "text": u.delta, "logprobs": lp,
+                                      "finish_reason": _finish_reason(u.finish_reason)}])
+                if include_usage:
+                    yield chunk([], _usage(prompt_tokens, completion_tokens))
 
-            response, admission = self.stream(events(), admission), None  # the response releases it
+            response, admission = self.stream(_sse_events(events(), updates), admission), None  # it releases it
             return response
         finally:
             if admission is not None:
@@ -737,31 +732,26 @@ class _Server:
 
             chunk = _chunker("chat.completion.chunk", cid, created, self.model_name, include_usage)
 
+            updates = self.choice_updates(prompts, cid, k is not None)
+
             async def events():
                 completion_tokens = 0
-                updates = self.choice_updates(prompts, cid, k is not None)
-                try:
-                    for i in range(params.n):
-                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                for i in range(params.n):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+                async for u in updates:
+                    lp = self.chat_logprobs(*u.logprobs, k) if u.logprobs else None
+                    if u.delta or lp is not None:
+                        yield chunk([{"index": u.index, "delta": {"content": u.delta}, "logprobs": lp,
                                       "finish_reason": None}])
-                    async for u in updates:
-                        lp = self.chat_logprobs(*u.logprobs, k) if u.logprobs else None
-                        if u.delta or lp is not None:
-                            yield chunk([{"index": u.index, "delta": {"content": u.delta}, "logprobs": lp,
-                                          "finish_reason": None}])
-                        if u.finish_reason is not None:
-                            completion_tokens += u.num_tokens
-                            yield chunk([{"index": u.index, "delta": {}, "logprobs": None,
-                                          "finish_reason": _finish_reason(u.finish_reason)}])
-                    if include_usage:
-                        yield chunk([], _usage(len(ids), completion_tokens))
-                except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
-                    yield _sse(_stream_error(e))
-                finally:
-                    await updates.aclose()
-                yield "data: [DONE]\n\n"
+                    if u.finish_reason is not None:
+                        completion_tokens += u.num_tokens
+                        yield chunk([{"index": u.index, "delta": {}, "logprobs": None,
+                                      "finish_reason": _finish_reason(u.finish_reason)}])
+                if include_usage:
+                    yield chunk([], _usage(len(ids), completion_tokens))
 
-            response, admission = self.stream(events(), admission), None  # the response releases it
+            response, admission = self.stream(_sse_events(events(), updates), admission), None  # it releases it
             return response
         finally:
             if admission is not None:
@@ -819,6 +809,20 @@ def _include_usage(body: dict, stream: bool) -> bool:
     if not stream:
         raise _bad("stream_options", "is only allowed with 'stream': true")
     return _bool(so, "include_usage", False)
+
+
+async def _sse_events(body, updates):
+    """A streamed response's SSE body, for both endpoints: `body`'s events, an in-band error event if
+    it fails (the status line is already sent), then [DONE]; the engine updates closed either way
+    (also when the client goes away mid-stream)."""
+    try:
+        async for event in body:
+            yield event
+    except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
+        yield _sse(_stream_error(e))
+    finally:
+        await updates.aclose()
+    yield "data: [DONE]\n\n"
 
 
 def _sse(obj: dict) -> str:
