@@ -54,7 +54,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hybrid import __version__
+
     parser = argparse.ArgumentParser(prog="hybrid", description="Serve hybrid Mamba2/attention language models.")
+    parser.add_argument("--version", action="version", version=f"hybrid {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -71,13 +74,30 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         from hybrid.server import add_serve_parser  # needs the [serve] extra
-    except ImportError:
-        add_serve_parser = None
-    if add_serve_parser is not None:
-        add_serve_parser(sub, _add_engine_args)
+    except ImportError as e:
+        # `serve` is still a command: it says what is missing instead of "invalid choice"
+        missing = getattr(e, "name", None) or str(e)
+        serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (needs the [serve] extra)")
+        serve.add_argument("rest", nargs=argparse.REMAINDER)
+        serve.set_defaults(func=lambda args: _serve_unavailable(missing))
+    else:
+        serve = add_serve_parser(sub, _add_engine_args)
+        # `hybrid serve MODEL`, as `vllm serve MODEL` (or --model MODEL)
+        serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                           help="checkpoint directory (same as --model)")
 
     args = parser.parse_args(argv)
+    if getattr(args, "model_path", None) is not None:
+        if args.model is not None and args.model != args.model_path:
+            parser.error(f"two models given: {args.model_path!r} and --model {args.model!r}")
+        args.model = args.model_path
     return args.func(args)
+
+
+def _serve_unavailable(missing: str) -> int:
+    print(f"error: `hybrid serve` needs the HTTP server packages ({missing} is not importable): "
+          "pip install 'hybrid[serve]' (FastAPI, uvicorn, prometheus-client)", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

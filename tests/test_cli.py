@@ -51,3 +51,35 @@ def test_async_scheduling_flag():
     _add_engine_args(p)
     assert engine_kwargs(p.parse_args(["--device", "cpu"]))["async_scheduling"] is None  # LLM's default
     assert engine_kwargs(p.parse_args(["--device", "cpu", "--no-async-scheduling"]))["async_scheduling"] is False
+
+
+def test_version(capsys):
+    import hybrid
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"hybrid {hybrid.__version__}"
+
+
+def test_serve_takes_the_model_as_a_positional_argument(monkeypatch, capsys, tmp_path):
+    import pytest
+
+    import hybrid.server
+
+    seen = []
+    monkeypatch.setattr(hybrid.server, "_serve", lambda args: seen.append(args.model) or 0)
+    assert main(["serve", str(tmp_path), "--port", "0"]) == 0  # as `vllm serve MODEL`
+    assert main(["serve", "--model", str(tmp_path)]) == 0
+    assert main(["serve", str(tmp_path), "--model", str(tmp_path)]) == 0
+    assert seen == [str(tmp_path)] * 3
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(tmp_path), "--model", str(tmp_path / "other")])
+    assert e.value.code == 2 and "two models given" in capsys.readouterr().err
+
+
+def test_serve_without_the_server_packages_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "hybrid.server", None)  # as if FastAPI / uvicorn were missing
+    assert main(["serve", "some/model"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'hybrid[serve]'" in err and "invalid choice" not in err
