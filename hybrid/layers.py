@@ -354,8 +354,8 @@ class Experts(nn.Module):
         up = shared.gate_up_proj if self.gated else shared.up_proj
         if isinstance(shared, GatedMLP) != self.gated or up.bias is not None or shared.down_proj.bias is not None:
             return 0
-        return triton_moe.num_shared_pseudo_experts(shared.down_proj.weight, self.down.shape[2]) \
-            if shared.down_proj.weight.shape[1] % self.down.shape[2] == 0 else 0
+        width, inter = shared.down_proj.weight.shape[1], self.down.shape[2]
+        return width // inter if width % inter == 0 else 0
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
                 add: torch.Tensor | None = None, shared: nn.Module | None = None) -> torch.Tensor:
@@ -450,9 +450,9 @@ class GraniteMoE(nn.Module):
             top_idx, top_w = triton_moe.route(logits, self.cfg.top_k, sigmoid=False, num_shared=slices)
             if slices:
                 return self.experts(x, top_idx, top_w, shared=shared)
-            return self.experts(x, top_idx, top_w, add=shared(x) if shared is not None else None)
-        top_logits, top_idx = logits.float().topk(self.cfg.top_k, dim=-1)
-        top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        else:
+            top_logits, top_idx = logits.float().topk(self.cfg.top_k, dim=-1)
+            top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
         return self.experts(x, top_idx, top_w, add=shared(x) if shared is not None else None)
 
 
