@@ -67,7 +67,7 @@ def make_llm(args, enforce_eager, **llm_kwargs):
 
     cfg = parse_config(CONFIG)
     L.load_config = lambda d: cfg
-    L.load_model = lambda d, c, device, dtype, progress=False: random_model(c, device, dtype)
+    L.load_model = lambda d, c, device, dtype, **_: random_model(c, device, dtype)
     return L.LLM("/nonexistent-random-model", device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                  max_model_len=max(args.prompt, args.ctx) + 64, max_num_batched_tokens=args.prompt,
                  enforce_eager=enforce_eager, cuda_graph_sizes=sorted(set(args.batches)),

@@ -246,7 +246,7 @@ def make_llm(cfg_dict: dict, args, dev: torch.device, max_num_seqs: int, graph_s
 
     cfg = parse_config(cfg_dict)
     L.load_config = lambda d: cfg
-    L.load_model = lambda d, c, device, dtype, progress=False: random_moe_model(c, device, dtype)
+    L.load_model = lambda d, c, device, dtype, **_: random_moe_model(c, device, dtype)
     return L.LLM("/nonexistent-random-model", device=dev.type, dtype="bfloat16" if dev.type == "cuda" else "float32",
                  max_num_seqs=max_num_seqs, max_model_len=max(args.prompt, args.ctx) + 64,
                  max_num_batched_tokens=args.prompt, enforce_eager=False, cuda_graph_sizes=graph_sizes,

@@ -400,11 +400,11 @@ class NemotronMoE(nn.Module):
         """(top_idx, top_w) [T, k + num_shared]: the routed experts, then the shared expert's slices
         (ids E.., weight 1; see Experts.shared_slices)."""
         cfg = self.cfg
+        if self.experts.fused and cfg.topk_group == cfg.n_group:  # no group masking: Triton launches
+            return triton_moe.route_hidden(x, self.router_weight, cfg.top_k, logits_dtype=torch.float32,
+                                           sigmoid=True, bias=self.router_bias, normalize=cfg.norm_topk_prob,
+                                           scale=cfg.routed_scaling_factor, num_shared=num_shared)
         logits = F.linear(x.float(), self.router_weight.float())
-        if self.experts.fused and cfg.topk_group == cfg.n_group:  # no group masking: one Triton launch
-            return triton_moe.route(logits, cfg.top_k, sigmoid=True, bias=self.router_bias,
-                                    normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor,
-                                    num_shared=num_shared)
         scores = logits.sigmoid()
         choice = scores + self.router_bias.float()
         n = x.shape[0]
@@ -444,13 +444,14 @@ class GraniteMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, shared: nn.Module | None = None) -> torch.Tensor:
         """The routed experts' output plus the block's shared MLP `shared` (if any)."""
-        logits = F.linear(x, self.router_weight)
-        if self.experts.fused:  # one routing launch; the shared MLP inside the expert launches if it fits
+        if self.experts.fused:  # Triton routing; the shared MLP inside the expert launches if it fits
             slices = self.experts.shared_slices(shared, x.shape[0])
-            top_idx, top_w = triton_moe.route(logits, self.cfg.top_k, sigmoid=False, num_shared=slices)
+            top_idx, top_w = triton_moe.route_hidden(x, self.router_weight, self.cfg.top_k, logits_dtype=x.dtype,
+                                                     sigmoid=False, num_shared=slices)
             if slices:
                 return self.experts(x, top_idx, top_w, shared=shared)
         else:
+            logits = F.linear(x, self.router_weight)
             top_logits, top_idx = logits.float().topk(self.cfg.top_k, dim=-1)
             top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
         return self.experts(x, top_idx, top_w, add=shared(x) if shared is not None else None)

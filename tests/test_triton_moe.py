@@ -97,3 +97,24 @@ def test_route_kernel_matches_torch(top_k, num_experts):
     top, ref_idx = logits.topk(top_k, dim=-1)
     assert torch.equal(idx.long(), ref_idx)
     torch.testing.assert_close(w, torch.softmax(top, dim=-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 5, tmoe.ROUTER_FUSED_MAX_TOKENS, tmoe.ROUTER_FUSED_MAX_TOKENS + 1])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_route_hidden_matches_router_gemm(T, logits_dtype):
+    """The router logits computed in split-K partials and summed by the routing launch (few tokens),
+    or by a GEMM (more): the same choice and weights as the reference's GEMM in logits_dtype (fp32
+    for NemotronH, the model dtype for Granite: one rounding of the fp32 sum), then route()."""
+    g = torch.Generator().manual_seed(T)
+    H, n_exp, top_k = 300, 20, 3  # H: several K splits, the last one partial
+    x = torch.randn(T, H, generator=g).to(logits_dtype)
+    weight = (torch.randn(n_exp, H, generator=g) * H ** -0.5).to(logits_dtype)
+    bias = torch.randn(n_exp, generator=g) * 0.1
+    logits = torch.nn.functional.linear(x.float(), weight.float()).to(logits_dtype)
+    for sigmoid, kw in ((True, dict(bias=bias, normalize=True, scale=2.0)), (False, {})):
+        ref_idx, ref_w = tmoe.route(logits, top_k, sigmoid=sigmoid, num_shared=2, **kw)
+        idx, w = tmoe.route_hidden(x, weight, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, num_shared=2, **kw)
+        assert torch.equal(idx, ref_idx)
+        # bf16: the fp32 sums differ in order, so a logit may round one bf16 step the other way
+        tol = dict(rtol=1e-5, atol=1e-6) if logits_dtype == torch.float32 else dict(rtol=0, atol=1e-2)
+        torch.testing.assert_close(w, ref_w, **tol)

@@ -198,16 +198,48 @@ if HAS_TRITON:
 if HAS_TRITON:
 
     @triton.jit
-    def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, scale, TOP_K: tl.constexpr,
+    def _router_partial_kernel(x_ptr, w_ptr, out_ptr, T, E, K, s_x, s_w, k_per_split,
+                               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        # partial[s, t, e] = sum over split s's slice of K of x[t, k] * w[e, k], in fp32. A step of few
+        # tokens reads the router weight from many programs at once (a [T, E] GEMM has too few output
+        # tiles to fill the GPU); _route_kernel adds the splits in a fixed order (no atomics).
+        t = tl.program_id(0).to(tl.int64)
+        offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+        split = tl.program_id(2)
+        e_ok = offs_e < E
+        k_begin = split * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, K)
+        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_end
+            xv = tl.load(x_ptr + t * s_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * s_w + offs_k[None, :],
+                         mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(wv * xv[None, :], axis=1)
+        tl.store(out_ptr + (split * T + t) * E + offs_e, acc, mask=e_ok)
+
+    @triton.jit
+    def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, s_split, scale, TOP_K: tl.constexpr,
                       KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr):
+                      NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr):
         # One token per program: the k best experts by repeated argmax over the row (E <= a few
         # hundred); KP, EP, SP: k, E and NUM_SHARED padded to powers of two for the register tiles.
+        # The logits are the sum of NUM_SPLITS partial rows s_split apart (1: the logits themselves),
+        # rounded to bf16 (ROUND 1) or fp16 (2) first where the reference router computes in that dtype.
         # Output row: the k routed (id, weight), then the shared pseudo-experts (E + s, 1.0).
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, EP)
         ok = e < E
-        logits = tl.load(logits_ptr + t * s_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+        logits = tl.load(logits_ptr + t * s_l + e, mask=ok, other=0.0).to(tl.float32)
+        for s in tl.static_range(1, NUM_SPLITS):
+            logits += tl.load(logits_ptr + s * s_split + t * s_l + e, mask=ok, other=0.0)
+        if ROUND == 1:
+            logits = logits.to(tl.bfloat16).to(tl.float32)
+        if ROUND == 2:
+            logits = logits.to(tl.float16).to(tl.float32)
+        logits = tl.where(ok, logits, float("-inf"))
         if SIGMOID:
             scores = 1.0 / (1.0 + tl.exp(-logits))
         else:
@@ -256,11 +288,56 @@ def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor
     idx = torch.empty(T, width, dtype=torch.int32, device=logits.device)
     w = torch.empty(T, width, dtype=torch.float32, device=logits.device)
     if T:
-        _route_kernel[(T,)](logits, bias if bias is not None else logits, idx, w, E, logits.stride(0), scale,
-                            TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
-                            SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize,
-                            NUM_SHARED=num_shared, SP=triton.next_power_of_2(max(num_shared, 1)),
-                            num_warps=1 if E <= 256 else 4)
+        _launch_route(logits, logits.stride(0), 0, 1, 0, T, E, top_k, idx, w, sigmoid=sigmoid, bias=bias,
+                      normalize=normalize, scale=scale, num_shared=num_shared)
+    return idx, w
+
+
+def _launch_route(logits, s_l, s_split, num_splits, round_to, T, E, top_k, idx, w, *, sigmoid, bias,
+                  normalize, scale, num_shared) -> None:
+    _route_kernel[(T,)](logits, bias if bias is not None else logits, idx, w, E, s_l, s_split, scale,
+                        TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
+                        SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize,
+                        NUM_SHARED=num_shared, SP=triton.next_power_of_2(max(num_shared, 1)),
+                        NUM_SPLITS=num_splits, ROUND=round_to, num_warps=1 if E <= 256 else 4)
+
+
+# Steps of at most this many tokens compute the router logits with _router_partial_kernel (split over
+# the hidden size, so that even one token reads the router weight from many SMs), which the routing
+# launch then sums: two launches in place of the GEMM (and for NemotronH's fp32 router, the cast of x)
+# plus the routing one. Past it a [T, E] GEMM has tiles enough of its own.
+ROUTER_FUSED_MAX_TOKENS = 16
+_ROUTER_BLOCK_E, _ROUTER_BLOCK_K, _ROUTER_SPLITS = 32, 128, 8
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def route_hidden(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_dtype: torch.dtype, sigmoid: bool,
+                 bias: torch.Tensor | None = None, normalize: bool = False, scale: float = 1.0,
+                 num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` of the router logits x [T, H] @ weight [E, H].T computed as the reference does in
+    `logits_dtype` (NemotronH: fp32 from fp32 x and weight; Granite: the model dtype, i.e. an fp32
+    sum rounded once): for few tokens in two launches (see ROUTER_FUSED_MAX_TOKENS), else a GEMM
+    and the routing launch."""
+    require(__name__)
+    T, H = x.shape
+    E = weight.shape[0]
+    if T > ROUTER_FUSED_MAX_TOKENS or T == 0:
+        logits = torch.nn.functional.linear(x.to(logits_dtype), weight.to(logits_dtype))
+        return route(logits, top_k, sigmoid=sigmoid, bias=bias, normalize=normalize, scale=scale,
+                     num_shared=num_shared)
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and top_k <= E
+    k_blocks = triton.cdiv(H, _ROUTER_BLOCK_K)
+    k_per_split = triton.cdiv(k_blocks, _ROUTER_SPLITS) * _ROUTER_BLOCK_K
+    splits = triton.cdiv(H, k_per_split)
+    partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
+    _router_partial_kernel[(T, triton.cdiv(E, _ROUTER_BLOCK_E), splits)](
+        x, weight, partial, T, E, H, x.stride(0), weight.stride(0), k_per_split,
+        BLOCK_E=_ROUTER_BLOCK_E, BLOCK_K=_ROUTER_BLOCK_K, num_warps=4)
+    width = top_k + num_shared
+    idx = torch.empty(T, width, dtype=torch.int32, device=x.device)
+    w = torch.empty(T, width, dtype=torch.float32, device=x.device)
+    _launch_route(partial, E, T * E, splits, _ROUND[logits_dtype], T, E, top_k, idx, w, sigmoid=sigmoid,
+                  bias=bias, normalize=normalize, scale=scale, num_shared=num_shared)
     return idx, w
 
 

@@ -117,6 +117,36 @@ def test_route_kernel_vs_torch(E, top_k):
     torch.testing.assert_close(w, torch.softmax(top, dim=-1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("H,E,top_k,dtype", [(2688, 128, 6, torch.float32), (1536, 64, 6, torch.bfloat16),
+                                               (4096, 72, 10, torch.bfloat16)])
+@pytest.mark.parametrize("T", [1, 3, 16, 64])
+def test_route_hidden_vs_router_gemm(H, E, top_k, dtype, T):
+    """Router logits from split-K partials (T <= 16) or a GEMM, then routing: NemotronH's fp32 router
+    picks exactly what the fp32 GEMM does; with bf16 logits (Granite) a choice may differ only where
+    two logits are within a bf16 rounding step, and the weights by that much."""
+    from hybrid.ops import triton_moe
+
+    g = torch.Generator(device="cuda").manual_seed(T * E)
+    x = torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(E, H, generator=g, device="cuda") * H ** -0.5).to(dtype)
+    bias = torch.randn(E, generator=g, device="cuda") * 0.1
+    sigmoid = dtype == torch.float32
+    kw = dict(bias=bias, normalize=True, scale=2.5) if sigmoid else {}
+    logits = torch.nn.functional.linear(x.to(dtype), weight)
+    ref_idx, ref_w = triton_moe.route(logits, top_k, sigmoid=sigmoid, num_shared=2, **kw)
+    idx, w = triton_moe.route_hidden(x, weight, top_k, logits_dtype=dtype, sigmoid=sigmoid, num_shared=2, **kw)
+    if sigmoid:
+        assert torch.equal(idx, ref_idx)
+        torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+        return
+    exact = torch.nn.functional.linear(x.float(), weight.float())
+    kth = exact.topk(top_k, dim=-1)[0][:, -1:]
+    chosen = exact.gather(1, idx[:, :top_k].long())
+    assert bool((chosen >= kth - 2e-2 * kth.abs().clamp(min=1)).all()), "a choice beyond a rounding step"
+    same = (idx == ref_idx).all(-1)
+    torch.testing.assert_close(w[same], ref_w[same], rtol=0, atol=1e-2)
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("T", [1, 4, 64, 1500])
 def test_shared_expert_folded_in(shape, T):
