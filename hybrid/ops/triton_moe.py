@@ -383,6 +383,7 @@ def align(flat_ids: torch.Tensor, num_experts: int, block_m: int, method: str | 
 
 
 _sm_count: dict = {}
+_SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (the H100/H200 limit is 227 KiB)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -398,6 +399,13 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
     or None. `narrow`: halve BLOCK_N (down to 16) while the launch has under two programs per SM,
     so that a decode step with few pairs still streams the weights from every SM."""
     bm, bn, bk, gm, warps, stages = cfg
+    # fp32 operands (tests, fp32 models) take twice the shared memory of the bf16 tiles the configs
+    # were tuned for: fewer pipeline stages, then shorter K steps, until the buffers fit
+    tile_bytes = lambda: stages * (bm * bk + (2 if act == ACT_SILU_MUL else 1) * bk * bn) * a.element_size()
+    while stages > 2 and tile_bytes() > _SMEM_BUDGET:
+        stages -= 1
+    while bk > 32 and tile_bytes() > _SMEM_BUDGET:
+        bk //= 2
     n_out = out.shape[1]
     nb = block_expert.shape[0]
     if narrow:  # (32: the narrowest tile measured on the H200, bench/bench_moe_kernels.py)

@@ -24,7 +24,7 @@ def model_8b(monkeypatch):
 
     cfg = parse_config(NEMOTRON_H_8B)
 
-    def load(model_dir, c, device, dtype, progress=False):
+    def load(model_dir, c, device, dtype, **_):
         model = HybridModel(c)
         for name, p in list(model.named_parameters()):
             mod_path, _, attr = name.rpartition(".")
