@@ -2,7 +2,9 @@
 
 A backend writes the step's new K/V into the cache and computes attention of the new queries
 against each request's whole KV sequence (causal within the new tokens). The torch backend is
-the CPU reference; the trtllm backend (FlashInfer) plugs into the same interface on CUDA.
+the CPU reference (attention/reference.py); the trtllm backend (FlashInfer, attention/trtllm.py)
+plugs into the same interface on CUDA. The trtllm backend takes its fallback from
+attention/reference.py, not from here, so the lazy import of it below closes no import loop.
 """
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from attention.reference import TorchAttentionBackend, gather_kv, write_kv
+
 if TYPE_CHECKING:
-    from hybrid.batch import StepBatch
+    from hybrid_core.batch import StepBatch
+
+__all__ = ["AttentionBackend", "TorchAttentionBackend", "select_backend", "write_kv", "gather_kv"]
 
 
 class AttentionBackend(Protocol):
@@ -27,55 +33,6 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         ...
-
-
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_write_loc: torch.Tensor) -> None:
-    """Scatter the new tokens' K and V into their pages."""
-    page_size = kv_layer.shape[3]
-    page = kv_write_loc // page_size
-    offset = kv_write_loc % page_size
-    kv_layer[page, 0, :, offset, :] = k.to(kv_layer.dtype)
-    kv_layer[page, 1, :, offset, :] = v.to(kv_layer.dtype)
-
-
-def gather_kv(kv_layer: torch.Tensor, pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's K and V as [num_kv_heads, seq_len, head_dim]."""
-    blocks = kv_layer[pages]  # [n, 2, kvh, page_size, hd]
-    n, _, kvh, ps, hd = blocks.shape
-    k = blocks[:, 0].permute(1, 0, 2, 3).reshape(kvh, n * ps, hd)[:, :seq_len]
-    v = blocks[:, 1].permute(1, 0, 2, 3).reshape(kvh, n * ps, hd)[:, :seq_len]
-    return k, v
-
-
-class TorchAttentionBackend:
-    """Plain-torch reference: loops over requests, softmax in fp32 like eager attention."""
-
-    name = "torch"
-
-    def forward(self, q, k, v, kv_layer, batch, scale):
-        write_kv(kv_layer, k, v, batch.kv_write_loc)
-        num_tokens, num_heads, head_dim = q.shape
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
-        page_size = kv_layer.shape[3]
-        start = 0
-        for i, (q_len, seq_len) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu)):
-            end = start + q_len
-            n_pages = -(-seq_len // page_size)
-            keys, values = gather_kv(kv_layer, batch.page_table[i, :n_pages].long(), seq_len)
-            group = num_heads // keys.shape[0]
-            keys = keys.repeat_interleave(group, dim=0).to(q.dtype)
-            values = values.repeat_interleave(group, dim=0).to(q.dtype)
-            qi = q[start:end].transpose(0, 1)  # [heads, q_len, hd]
-            scores = torch.matmul(qi, keys.transpose(1, 2)) * scale
-            # query j sits at absolute position seq_len - q_len + j and sees keys up to it
-            context = seq_len - q_len
-            qpos = torch.arange(q_len, device=q.device)[:, None] + context
-            kpos = torch.arange(seq_len, device=q.device)[None, :]
-            scores = scores.masked_fill(kpos > qpos, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out[start:end] = torch.matmul(probs, values).transpose(0, 1)
-            start = end
-        return out.reshape(num_tokens, num_heads * head_dim)
 
 
 def select_backend(device: torch.device, name: str | None = None) -> AttentionBackend:

@@ -79,8 +79,10 @@ class PagedKVCache:
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * num_kv_heads * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+    def copy_page(self, src: int, dst: int) -> None:
+        """Make page `dst` an exact copy of page `src` in every layer (copy-on-write of a page that
+        forks would otherwise share while writing it differently)."""
+        self.kv[:, dst].copy_(self.kv[:, src])
 
     def layer(self, index: int) -> torch.Tensor:
         return self.kv[index]

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.backend import TorchAttentionBackend
+from attention.reference import TorchAttentionBackend
+from hybrid_core.utils import cdiv
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 _PREFILL_HEAD_DIMS = (64, 128, 256)
@@ -151,7 +152,7 @@ class TrtllmAttentionBackend:
         )
 
     def _paged_indices(self, batch, page_size: int, device):
-        n_pages = [-(-s // page_size) for s in batch.seq_lens_cpu]
+        n_pages = [cdiv(s, page_size) for s in batch.seq_lens_cpu]
         kv_indptr = [0]
         for n in n_pages:
             kv_indptr.append(kv_indptr[-1] + n)

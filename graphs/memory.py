@@ -29,8 +29,9 @@ import torch
 
 from attention.kv_cache import PagedKVCache
 from graphs.padding import default_capture_sizes, padding_batch
-from hybrid.batch import StepBatch  # only imported by hybrid.llm, after hybrid itself
-from hybrid.errors import CapacityError
+from hybrid_core.batch import StepBatch
+from hybrid_core.errors import CapacityError
+from hybrid_core.utils import cdiv
 from state_pool.pool import MambaStatePool, StateShapes
 
 logger = logging.getLogger("hybrid")
@@ -94,7 +95,7 @@ def split_budget(budget: int, *, slot_bytes: int, page_bytes: int, page_size: in
     num_kv_pages). CapacityError, naming what does not fit, when the slots, the scratch and one
     max_model_len sequence of KV do not all fit, or when a given num_kv_pages does not.
     `accounting` is appended to the messages (where the budget came from)."""
-    pages_per_seq = -(-max_model_len // page_size)
+    pages_per_seq = cdiv(max_model_len, page_size)
     # one slot per sequence, the extra ones (cached prefixes) and the scratch row
     state_bytes = (max_num_seqs + extra_state_slots + 1) * slot_bytes
     spec_bytes = spec_scratch_bytes(slot_bytes, max_num_seqs, num_speculative_tokens)
@@ -129,7 +130,7 @@ def _profile_batch(num_tokens: int, num_decodes: int, page_size: int, device) ->
     dev = device
     if num_decodes:
         return padding_batch(num_decodes, page_size, device)
-    pages = -(-num_tokens // page_size)
+    pages = cdiv(num_tokens, page_size)
     return StepBatch(
         input_ids=torch.zeros(num_tokens, dtype=torch.long, device=dev),
         positions=torch.arange(num_tokens, dtype=torch.long, device=dev),
@@ -178,7 +179,7 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
     base = torch.cuda.memory_allocated(device)
     chunk = max(1, min(max_num_batched_tokens, max_model_len))
     pool = MambaStatePool(shapes, 1, device, conv_dtype=conv_dtype, ssm_dtype=ssm_dtype) if shapes else None
-    kv = PagedKVCache(n_attn, -(-chunk // page_size) + 1, page_size, a.num_kv_heads if a else 1,
+    kv = PagedKVCache(n_attn, cdiv(chunk, page_size) + 1, page_size, a.num_kv_heads if a else 1,
                       a.head_dim if a else 1, device, kv_dtype)
     ctx = ForwardContext(pool, kv, attention_backend)
     scratch_bytes = torch.cuda.memory_allocated(device) - base

@@ -8,15 +8,12 @@ keeps `num_real_requests`, and only the real rows' logits are returned by the ru
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 
 from attention.kv_cache import DUMMY_PAGE
+from hybrid_core.batch import StepBatch
 from state_pool.pool import PAD_SLOT_ID
-
-if TYPE_CHECKING:  # hybrid/__init__ imports the runner: no runtime import of hybrid here
-    from hybrid.batch import StepBatch
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -54,8 +51,6 @@ def padding_row(page_size: int) -> dict[str, int | bool]:
 
 def padding_batch(n: int, page_size: int, device, pages_per_row: int = 1) -> StepBatch:
     """A decode batch of n padding rows only (graph capture shape, memory profiling)."""
-    from hybrid.batch import StepBatch
-
     pad = padding_row(page_size)
 
     def full(field: str, dtype: torch.dtype, *shape: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from graphs.padding import (
 )
 
 if TYPE_CHECKING:
-    from hybrid.batch import StepBatch
+    from hybrid_core.batch import StepBatch
 
 logger = logging.getLogger("hybrid")
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid_core.utils import cdiv
+
 
 @dataclass
 class CachedPrefix:
@@ -36,7 +38,7 @@ class PrefixCache:
         self.max_entries = max_entries
         # Besides its end, a prompt is cached every `interval` tokens (rounded up to whole pages), so
         # that prompts which share only a beginning (a system prompt) find it. 0: the end only.
-        self.interval = -(-interval // page_size) * page_size if interval else 0
+        self.interval = cdiv(interval, page_size) * page_size if interval else 0
         self.entries: dict[int, CachedPrefix] = {}  # chained hash of the prefix -> entry
         self._clock = 0
 

@@ -20,6 +20,7 @@ or without speculation (greedy: always).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,18 @@ class NgramProposer:
         return []
 
 
-def accept(target_tokens: list[int], drafts: list[int]) -> int:
-    """Number of accepted drafts given the target's tokens sampled at each verified position."""
-    a = 0
-    while a < len(drafts) and target_tokens[a] == drafts[a]:
-        a += 1
-    return a
+def verify_drafts(drafts: list[int], emit: Callable[[int], int], stopped: Callable[[], bool]) -> tuple[int, int]:
+    """The acceptance rule of a verify row: position j = 0..len(drafts) emits the token sampled from
+    the target there (`emit(j)`, which appends it to the sequence and returns it); the draft at j is
+    accepted iff it equals that token. Stops at the first mismatch, after the bonus position, or
+    when the emitted token ended the sequence (`stopped()`). Returns (emitted, accepted): inputs
+    0..emitted-1 (the last token and the accepted drafts) are then the ones in the cache."""
+    emitted = accepted = 0
+    for j in range(len(drafts) + 1):
+        token = emit(j)
+        emitted += 1
+        matched = j < len(drafts) and token == drafts[j]
+        accepted += matched
+        if stopped() or not matched:
+            break
+    return emitted, accepted

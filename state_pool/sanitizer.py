@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybrid.errors import StateCorruptionError
+from hybrid_core.errors import StateCorruptionError
+from hybrid_core.utils import cdiv
 from state_pool.pool import PAD_SLOT_ID
 
 
@@ -83,7 +84,7 @@ def check_batch(batch, pool, page_allocator, page_size: int, owners: list[RowOwn
                 raise StateCorruptionError(
                     f"{owner.name} (row {row}, Mamba slot {slot}) would write KV page {page} with refcount {rc} "
                     f"({'freed' if rc == 0 else 'shared: copy-on-write missing'})")
-        n_pages = -(-int(batch.seq_lens_cpu[row]) // ps)
+        n_pages = cdiv(int(batch.seq_lens_cpu[row]), ps)
         table = [int(p) for p in batch.page_table[row, :n_pages].tolist()]
         for p in table:
             if p == dummy_page or page_allocator.refcount(p) < 1 or p not in owned:

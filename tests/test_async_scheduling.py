@@ -122,7 +122,7 @@ def test_abort_and_arrivals_while_a_step_is_in_flight(tiny_ckpt, make_llm):
             break
     assert final == {"r0": ref[0], "r2": ref[2], "r3": ref[3]}
     assert llm.state_pool.num_free == 4 and eng.kv_cache.allocator.num_free == eng.kv_cache.num_pages - 1
-    assert eng.requests == {} and eng._deferred == []
+    assert eng.requests == {} and eng.resources.num_deferred == 0
 
 
 def test_speculation_runs_synchronously(tiny_ckpt, make_llm):

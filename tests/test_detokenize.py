@@ -5,16 +5,12 @@ from __future__ import annotations
 import os
 import random
 
-from hybrid.engine import Engine, Sequence
+from hybrid.output_processor import OutputProcessor
+from hybrid.request import Sequence
 from hybrid.sampling import SamplingParams
 from hybrid.tokenizer import Tokenizer
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hybrid", "default_model")
-
-
-class _TextOnly:  # just what Engine._update_text reads
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
 
 
 def _texts() -> list[str]:
@@ -26,12 +22,12 @@ def _texts() -> list[str]:
 
 def test_incremental_text_is_a_prefix_of_the_full_decode():
     tok = Tokenizer(DEFAULT_MODEL)
-    engine = _TextOnly(tok)
+    outputs = OutputProcessor(tok, eos_token_ids=set(), max_model_len=1 << 20, stats={})
     for text in _texts():
         seq = Sequence("r", 0, [1], SamplingParams(max_tokens=8), None, 0)
         for token in tok.encode(text):
             seq.output_token_ids.append(token)
-            Engine._update_text(engine, seq)
+            outputs.update_text(seq)
             full = tok.decode(seq.output_token_ids)
             assert full.startswith(seq.text)
             assert "\ufffd" not in seq.text or "\ufffd" in text

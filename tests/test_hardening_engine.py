@@ -217,7 +217,7 @@ def test_failed_step_fails_only_its_requests(async_scheduling, max_num_seqs, at,
             assert out.error is None and out.outputs[0].token_ids == solo[rid], rid
     assert len(failed) < len(PROMPTS)  # somebody survived
     assert llm.state_pool.num_free == slots0 and llm.kv_cache.allocator.num_free == pages0
-    assert not eng._deferred and not eng.requests
+    assert not eng.resources.num_deferred and not eng.requests
     # the engine keeps serving: the failed prompts now run to their solo tokens
     again = _run(eng, failed)
     assert all(again[r].error is None and again[r].outputs[0].token_ids == solo[r] for r in failed)

@@ -132,6 +132,6 @@ def test_colliding_prefix_keys_leak_nothing(tiny_ckpt, make_llm, monkeypatch):
     assert next(iter(eng.prefix_cache.entries.values())).tokens == tuple(other[:12])
     assert _tokens(llm, [BASE])[0] == first  # the key is taken by `other`: verified by tokens, no hit
     assert eng.stats["prefix_cache_hits"] == 0
-    while eng._evict_cached_prefix():
+    while eng.resources.evict_cached_prefix():
         pass
     assert pool.num_free == free_slots and pages.num_free == free_pages

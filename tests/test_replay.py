@@ -50,7 +50,7 @@ def _run(llm, sps, preempt_after: int | None = None) -> list[list[int]]:
         victim = seqs[1]
         if preempt_after is not None and not preempted and len(victim.output_token_ids) >= preempt_after:
             assert victim in eng.running
-            eng._preempt(victim)
+            eng.scheduler.preempt(victim)
             preempted = True
     assert preempt_after is None or preempted
     return [list(s.output_token_ids) for s in seqs]

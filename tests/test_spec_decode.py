@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybrid import SamplingParams
-from hybrid.spec_decode import NgramProposer, SpeculativeConfig
+from hybrid.spec_decode import NgramProposer, SpeculativeConfig, verify_drafts
 
 import tiny_checkpoints as tc
 
@@ -49,6 +49,25 @@ def repetitive_ckpt(tmp_path_factory):
 
 def _run(llm, prompts, sp):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("sampled, stop_at, expected", [
+    ([1, 2, 3, 4], None, (4, 3)),  # every draft accepted, then the bonus token
+    ([1, 9, 3, 4], None, (2, 1)),  # first mismatch at position 1: its sampled token is emitted
+    ([7, 2, 3, 4], None, (1, 0)),
+    ([1, 2, 3, 4], 1, (2, 2)),  # the token at position 1 ended the sequence (a stop token)
+])
+def test_verify_drafts_acceptance_rule(sampled, stop_at, expected):
+    """The rule the engine applies to a verify row (Engine._finish_verify): accept a draft iff it
+    equals the token sampled there; stop at the first mismatch or when the sequence ends."""
+    emitted = []
+
+    def emit(j):
+        emitted.append(j)
+        return sampled[j]
+
+    assert verify_drafts([1, 2, 3], emit, lambda: stop_at is not None and emitted[-1] == stop_at) == expected
+    assert emitted == list(range(expected[0]))
 
 
 def test_proposer():

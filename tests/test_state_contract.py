@@ -120,7 +120,7 @@ def _batch(kind, slots, q_lens, scratch=None, scratch_tensors=None):
     """A step of only verify rows or only replay rows (plus nothing else)."""
     n_tok, n = sum(q_lens), len(q_lens)
     z = torch.zeros(n_tok, dtype=torch.long)
-    extra = dict(num_verify=n, num_draft_tokens_cpu=[q - 1 for q in q_lens], scratch_index=torch.tensor(scratch),
+    extra = dict(num_verify=n, scratch_index=torch.tensor(scratch),
                  scratch_index_cpu=list(scratch), state_scratch=scratch_tensors) if kind == "verify" \
         else dict(num_replay=n)
     return StepBatch(

@@ -22,7 +22,7 @@ def _verify_batch(slots, q_lens, scratch, scratch_tensors):
         kv_write_loc=z, state_slot=torch.tensor(slots), has_initial_state=torch.ones(len(q_lens), dtype=torch.bool),
         logits_indices=torch.arange(n_tok), num_decodes=0, num_prefills=0, query_lens_cpu=list(q_lens),
         seq_lens_cpu=list(q_lens), state_slot_cpu=list(slots), has_initial_state_cpu=[True] * len(q_lens),
-        num_verify=len(q_lens), num_draft_tokens_cpu=[q - 1 for q in q_lens],
+        num_verify=len(q_lens),
         scratch_index=torch.tensor(scratch), scratch_index_cpu=list(scratch), state_scratch=scratch_tensors,
     )
 

@@ -1,0 +1,97 @@
+"""From sampled tokens to what users see: incremental detokenisation, stop checks, and the
+RequestOutput each request gets back after a step, as its output kind says.
+
+It decides whether a token ends its sequence; freeing what the sequence holds is the scheduler's
+job (Scheduler.finish), done by the engine with the decision returned here.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from hybrid.outputs import CompletionOutput, RequestOutput
+from hybrid.request import Request, Sequence
+
+# What Engine.step() returns for a request (Engine.add_request(output_kind=...)):
+# - "cumulative": after every step that changed it, everything so far (copies grow with the output);
+# - "delta": after every step that changed it, the new tokens and their logprobs (text stays the
+#   whole text so far: stop-string handling may still shorten it, and a str costs nothing to pass);
+# - "final": one output, when it finishes. LLM.generate uses "final", the server "delta": their
+#   per-step host time does not grow with the length of what was generated.
+OUTPUT_KINDS = ("cumulative", "delta", "final")
+
+# (finish_reason, stop_reason): how a token ended its sequence
+Stop = tuple[str, "int | str | None"]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, stats: dict[str, int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.stats = stats
+
+    def append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> Stop | None:
+        """Add a sampled token (and its logprobs) to the sequence and its text; return how it ends the
+        sequence, or None if the sequence goes on."""
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs)
+        seq.output_token_ids.append(token)
+        self.stats["generated_tokens"] += 1
+        return self._check_stop(seq, token)
+
+    def update_text(self, seq: Sequence) -> None:
+        """Extend seq.text with the new tokens' text, decoding only a short window of tokens (the
+        previous token(s) as context, then the new ones) instead of the whole output every step.
+        Text that ends in a partial UTF-8 character is held back until the next token completes it."""
+        ids = seq.output_token_ids
+        before = self.tokenizer.decode(ids[seq.detok_prefix:seq.detok_read])
+        after = self.tokenizer.decode(ids[seq.detok_prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            seq.text += after[len(before):]
+            seq.detok_prefix, seq.detok_read = seq.detok_read, len(ids)
+
+    def _check_stop(self, seq: Sequence, token: int) -> Stop | None:
+        p = seq.params
+        if self.tokenizer is not None:
+            self.update_text(seq)
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return self._final_text(seq, "stop", token)
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return self._final_text(seq, "stop", token)
+        if p.stop and self.tokenizer is not None:
+            for s in p.stop:
+                at = seq.text.find(s)
+                if at != -1:
+                    seq.text = seq.text[:at]
+                    return "stop", s
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._final_text(seq, "length")
+        return None
+
+    def _final_text(self, seq: Sequence, reason: str, stop_reason: int | None = None) -> Stop:
+        if self.tokenizer is not None:  # the final text is the plain decode of every output token
+            seq.text = self.tokenizer.decode(seq.output_token_ids)
+        return reason, stop_reason
+
+    def request_outputs(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """The outputs of requests a step changed, as their output kinds say ("final": only finished ones)."""
+        return [self.request_output(req) for req in requests if req.output_kind != "final" or req.finished]
+
+    @staticmethod
+    def request_output(req: Request) -> RequestOutput:
+        """The request's output now; "delta" outputs carry only the tokens (and their logprobs) that
+        no earlier output carried, and mark them as sent."""
+        delta = req.output_kind == "delta"
+        outputs = []
+        for s in req.seqs:
+            start = s.num_sent if delta else 0
+            outputs.append(CompletionOutput(
+                index=s.index, text=s.text, token_ids=s.output_token_ids[start:],
+                finish_reason=s.finish_reason,
+                logprobs=s.logprobs[start:] if s.logprobs is not None else None,
+                stop_reason=s.stop_reason,
+            ))
+            if delta:
+                s.num_sent = len(s.output_token_ids)
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                             outputs=outputs, finished=req.finished, error=req.error)

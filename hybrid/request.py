@@ -1,0 +1,153 @@
+"""Requests and their sequences as the engine tracks them, the chunk of a sequence that one step
+runs (ScheduledChunk), and the checks a new request passes.
+
+A request with n > 1 has n sequences (branches). Only branch 0 prefills the prompt; the other
+branches wait outside the waiting queue until it has, then fork from it (hybrid/engine.py).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from hybrid.errors import InvalidRequestError
+from hybrid.sampling import SamplingParams, generator_seed
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One generated continuation of a request (a request with n > 1 has n of them)."""
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival: int
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    status: Status = Status.WAITING
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV and state are in the cache
+    prefill_len: int = 0  # tokens processed as prefill since (re)admission
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    detok_prefix: int = 0  # incremental detokenization: output tokens decoded as context ...
+    detok_read: int = 0  # ... and the ones whose text is already in `text`
+    num_preemptions: int = 0
+    num_sent: int = 0  # output tokens already reported ("delta" outputs)
+    # Async scheduling: tokens sampled by launched steps, still on the device (1 while a step is in
+    # flight), and the row of the latest in that step's token tensor. num_computed already counts
+    # the tokens those steps consumed.
+    pending: int = 0
+    pending_row: int = -1
+    cache_at: int = 0  # prefix caching: a prefill chunk ends here and the prefix is cached (0: no more)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without concatenating the whole prompt and output (hot in every step)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status == Status.RUNNING and self.num_computed >= self.prefill_len
+
+    @property
+    def label(self) -> str:
+        """How errors name the sequence."""
+        return f"request '{self.request_id}' (branch {self.index})"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    # n > 1: branches 1..n-1 wait (outside the waiting queue) until branch 0 has prefilled the prompt,
+    # then fork from it (copy of its slot, its prompt pages shared by refcount)
+    forked: bool = False
+    output_kind: str = "cumulative"  # see hybrid.output_processor.OUTPUT_KINDS
+    error: str | None = None  # why the request failed inside the engine ("Type: message")
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status == Status.FINISHED for s in self.seqs)
+
+
+@dataclass
+class ScheduledChunk:
+    """What one sequence runs in a step: a decode token, a verify row (its last token and the
+    drafts), a replay of known generated tokens, or a prefill chunk."""
+
+    seq: Sequence
+    num_tokens: int
+    is_decode: bool
+    draft: list[int] = field(default_factory=list)  # speculative drafts: a verify chunk when non-empty
+    replay: bool = False  # known generated tokens replayed after a preemption (decode recurrence, in place)
+    scratch_index: int = -1  # verify chunks: row of the pool's verify scratch (set when the batch is built)
+    logits_row: int = -1  # first logits row of the chunk, -1 if it samples nothing (set when the batch is built)
+
+    @property
+    def samples(self) -> bool:
+        return self.logits_row >= 0
+
+
+def make_generator(params: SamplingParams, engine_seed: int, arrival: int, index: int,
+                   device: torch.device) -> torch.Generator | None:
+    """Branch `index`'s own generator (None for greedy requests): seeded from the request's seed, or
+    from the engine's seed and the request's arrival order."""
+    if params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    base = params.seed if params.seed is not None else engine_seed * 1_000_003 + arrival
+    g.manual_seed(generator_seed(base * 7919 + index))  # any int seed: reduced into the generator's range
+    return g
+
+
+def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise InvalidRequestError(f"a prompt must be a list of token ids, got {type(prompt_token_ids).__name__}")
+    if not prompt_token_ids:
+        raise InvalidRequestError("empty prompt: at least one token is needed")
+    for t in prompt_token_ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt of {len(prompt_token_ids)} tokens is longer than the context: max_model_len is "
+            f"{max_model_len} and at least one token must be generated"
+        )
+
+
+def validate_params(params: SamplingParams, vocab_size: int) -> None:
+    """Every check of the sampling parameters, including those that need the vocabulary."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()
+    bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"invalid sampling parameter logit_bias={{{bad[0]}: {params.logit_bias[bad[0]]}}}: "
+                                  f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,236 @@
+"""The one owner of Mamba state slots and KV pages: what each sequence holds, what forks share,
+what cached prefixes keep, and when released resources may be reused.
+
+A running sequence owns one state-pool slot and a list of KV pages; pages are refcounted, so a
+fork's prompt pages and a cached prefix's pages are shared rather than copied. A release while a
+launched step may still read or write the resources (async scheduling) is fenced: it is carried
+out once that step is known to be finished (`step_synced`), so nobody reuses them early.
+The scheduler decides who gets what; everything that touches the pools goes through here.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from attention.kv_cache import DUMMY_PAGE, PagedKVCache
+from hybrid.batch import StepBatch
+from hybrid.prefix_cache import PrefixCache
+from hybrid_core.utils import cdiv
+from state_pool.pool import PAD_SLOT_ID, MambaStatePool
+from state_pool.sanitizer import RowOwner, check_batch
+
+if TYPE_CHECKING:
+    from hybrid.request import ScheduledChunk, Sequence
+
+
+class ResourceManager:
+    def __init__(self, state_pool: MambaStatePool, kv_cache: PagedKVCache, stats: dict[str, int], *,
+                 prefix_cache_entries: int = 0, prefix_cache_interval: int = 0) -> None:
+        self.state_pool = state_pool
+        self.kv_cache = kv_cache
+        self.pages = kv_cache.allocator
+        self.page_size = kv_cache.page_size
+        self.stats = stats
+        # Prefix caching (hybrid/prefix_cache.py): its entries hold state-pool slots beyond max_num_seqs
+        self.prefix_cache = (PrefixCache(self.page_size, prefix_cache_entries, prefix_cache_interval)
+                             if prefix_cache_entries else None)
+        self.launched = 0  # steps launched so far
+        self.synced = 0  # steps whose device work is known to be complete
+        self._deferred: list[tuple[int, int | None, list[int]]] = []  # (fence step, slot, pages) to free
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pages.num_free
+
+    @property
+    def verify_scratch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The state pool's speculative verify scratch, which verify rows write (hybrid_core/batch.py)."""
+        return self.state_pool.spec_scratch
+
+    @property
+    def num_deferred(self) -> int:
+        """Releases waiting for a launched step to finish."""
+        return len(self._deferred)
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slot(self) -> int | None:
+        """A free (zeroed) slot, evicting one cached prefix if that frees one; None if none is free."""
+        slot = self.state_pool.allocate()
+        if slot is None and self.evict_cached_prefix():
+            slot = self.state_pool.allocate()
+        return slot
+
+    def grow_pages(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make sure the sequence has pages for `num_tokens` tokens in total (evicting cached
+        prefixes while pages are short); False if they cannot be had."""
+        need = cdiv(num_tokens, self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        pages = self.pages.allocate(need)
+        while pages is None and self.evict_cached_prefix():
+            pages = self.pages.allocate(need)
+        if pages is None:
+            return False
+        seq.pages.extend(pages)
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give `child` a copy of the parent's Mamba state and its full prompt pages, shared; the
+        partially filled last page, which the branches write differently, is copied. False (and
+        nothing taken) if no slot or page is free."""
+        n = parent.num_computed
+        full = n // self.page_size
+        new_pages: list[int] = []
+        if n % self.page_size:
+            got = self.pages.allocate(1)
+            if got is None:
+                return False
+            new_pages = got
+        slot = self.state_pool.fork(parent.slot)
+        if slot is None:
+            if new_pages:
+                self.pages.release(new_pages)
+            return False
+        if new_pages:
+            self.kv_cache.copy_page(parent.pages[full], new_pages[0])
+        shared = parent.pages[:full]
+        self.pages.share(shared)
+        child.slot = slot
+        child.pages = shared + new_pages
+        return True
+
+    def commit_verify(self, seq: Sequence, scratch_index: int, position: int) -> None:
+        """A verify row's accepted state (after its input `position`) into the sequence's slot."""
+        self.state_pool.commit_spec(seq.slot, scratch_index, position)
+
+    # ------------------------------------------------------------------ release
+    def release(self, seq: Sequence) -> None:
+        """Give back the sequence's slot and pages; while a launched step may still use them they are
+        freed only once that step is finished."""
+        if seq.slot is None and not seq.pages:
+            return
+        if self.launched > self.synced:
+            self._deferred.append((self.launched, seq.slot, seq.pages))
+        else:
+            self.free(seq.slot, seq.pages)
+        seq.slot = None
+        seq.pages = []
+
+    def release_unused(self, seq: Sequence) -> None:
+        """Give back what an admission took when nothing launched has used it yet: at once."""
+        self.free(seq.slot, seq.pages)
+        seq.slot, seq.pages = None, []
+
+    def free(self, slot: int | None, pages: list[int]) -> None:
+        if slot is not None:
+            self.state_pool.free(slot)
+        if pages:
+            self.pages.release(pages)
+
+    def step_launched(self) -> int:
+        """Count a launched step; returns its index (the fence of releases made while it may run)."""
+        self.launched += 1
+        return self.launched
+
+    def step_synced(self, index: int) -> None:
+        """Step `index` (and every one before it) is finished on the device: free what waited for it."""
+        self.synced = max(self.synced, index)  # (a failed step may have synced past this one)
+        self.free_deferred()
+
+    def all_synced(self) -> None:
+        """The device has finished every launched step (a failed step waited for it)."""
+        self.step_synced(self.launched)
+
+    def free_deferred(self) -> None:
+        keep = []
+        for fence, slot, pages in self._deferred:
+            if fence <= self.synced:
+                self.free(slot, pages)
+            else:
+                keep.append((fence, slot, pages))
+        self._deferred = keep
+
+    def abandon(self) -> None:
+        """The device is lost: forget every deferred release (nothing goes back to unusable pools)."""
+        self._deferred.clear()
+
+    # ------------------------------------------------------------------ prefix caching
+    def reuse_cached_prefix(self, seq: Sequence) -> int:
+        """On admission: start from the longest cached prefix of the prompt (its Mamba state copied
+        into the sequence's slot, its KV pages shared), and pick where the prompt is cached next.
+        Returns the number of prompt tokens reused (0 without prefix caching)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        entry = cache.lookup(seq.prompt_token_ids)
+        if entry is not None:
+            self.state_pool.copy_slot(entry.slot, seq.slot)
+            self.pages.share(entry.pages)
+            seq.pages = list(entry.pages)
+            seq.num_computed = len(entry.tokens)
+        seq.cache_at = cache.next_point(seq.prompt_token_ids, seq.num_computed)
+        return seq.num_computed
+
+    def cache_prefixes(self, chunks: list[ScheduledChunk]) -> None:
+        """Keep the prefixes whose prefill chunks (just queued) end at their caching points; called
+        right after the forward, so each copy is queued behind the forward that computed it."""
+        if self.prefix_cache is None:
+            return
+        for c in chunks:
+            if c.seq.cache_at and not c.is_decode and c.seq.num_computed + c.num_tokens == c.seq.cache_at:
+                self._cache_prefix(c.seq)
+
+    def _cache_prefix(self, seq: Sequence) -> None:
+        """Keep the prefix up to seq.cache_at: a copy of the slot and one more reference to its pages."""
+        tokens = seq.prompt_token_ids[:seq.cache_at]
+        cache = self.prefix_cache
+        seq.cache_at = cache.next_point(seq.prompt_token_ids, seq.cache_at)
+        if cache.contains(tokens):
+            return
+        if cache.is_full:
+            self.evict_cached_prefix()
+        slot = self.state_pool.allocate()
+        if slot is None:
+            return  # every slot runs a sequence: not cached
+        self.state_pool.copy_slot(seq.slot, slot)
+        pages = seq.pages[:len(tokens) // self.page_size]
+        self.pages.share(pages)
+        displaced = cache.insert(tokens, slot, pages)
+        if displaced is not None:  # a hash collision: the older prefix gives its slot and pages back
+            self.free(displaced.slot, displaced.pages)
+            self.stats["prefix_cache_evictions"] += 1
+
+    def evict_cached_prefix(self) -> bool:
+        """Drop the least recently used cached prefix (False: none). Freed at once even with steps in
+        flight: its slot and pages were only read by copies and shares queued before this point, and
+        whoever gets them next queues its work after."""
+        entry = self.prefix_cache.pop_lru() if self.prefix_cache is not None else None
+        if entry is None:
+            return False
+        self.free(entry.slot, entry.pages)
+        self.stats["prefix_cache_evictions"] += 1
+        return True
+
+    def forget_prefixes_of(self, prompt: list[int]) -> None:
+        """Drop the prefixes cached from a failed request's prompt: their state came from its steps."""
+        if self.prefix_cache is not None:
+            for entry in self.prefix_cache.remove_prefixes_of(prompt):
+                self.free(entry.slot, entry.pages)
+
+    # ------------------------------------------------------------------ sanitizer
+    def check_batch(self, batch: StepBatch, chunks: list[ScheduledChunk]) -> None:
+        """Raise StateCorruptionError if the batch would touch a slot or page its rows do not own."""
+        owners = [RowOwner(c.seq.label, c.seq.slot if c.seq.slot is not None else PAD_SLOT_ID, list(c.seq.pages))
+                  for c in chunks]
+        check_batch(batch, self.state_pool, self.pages, self.page_size, owners, DUMMY_PAGE)
+
+    def state_nan(self, batch: StepBatch) -> torch.Tensor:
+        """Per batch row: whether the Mamba state in the row's slot holds NaN now (in stream order:
+        before or after the forward, depending on where it is queued). One NaN-propagating max over
+        the pool per slot: a read of the pool, no copy of it."""
+        pool = self.state_pool
+        if pool.conv_state.shape[0] == 0:  # no Mamba layers
+            return torch.zeros(batch.state_slot.shape[0], dtype=torch.bool, device=batch.state_slot.device)
+        per_slot = pool.conv_state.amax(dim=(0, 2, 3)).isnan() | pool.ssm_state.amax(dim=(0, 2, 3, 4)).isnan()
+        return per_slot[batch.state_slot.clamp(min=0)]
