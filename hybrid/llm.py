@@ -1,6 +1,7 @@
 """The offline generation API, shaped like vLLM's `LLM`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -16,6 +17,7 @@ from hybrid.errors import CapacityError, ConfigurationError, InvalidRequestError
 from hybrid.layers import use_fused_ops
 from hybrid.loader import load_model
 from hybrid.model import ForwardContext
+from hybrid.model_source import DEFAULT_MODEL_DIR, resolve_model
 from hybrid.outputs import RequestOutput
 from hybrid.sampling import SamplingParams
 from hybrid.spec_decode import SpeculativeConfig
@@ -23,10 +25,19 @@ from state_pool.pool import MambaStatePool, StateShapes
 
 logger = logging.getLogger("hybrid")
 
-DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+__all__ = ["LLM", "DEFAULT_MODEL_DIR", "resolve_device", "default_sizes", "smaller_sizes", "fit_max_model_len",
+           "plan_cuda_sizes"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+
+# Defaults that suit the device (explicit arguments always win). CPU: a few sequences, small
+# steps, at most 4096 tokens of context. CUDA: as vLLM, 256 sequences and 8192-token steps (less
+# if the memory plan cannot hold them) and the checkpoint's whole context (max_position_embeddings),
+# capped by the KV cache that fits next to the Mamba state.
+CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_MODEL_LEN = 8, 256, 4096
+CUDA_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS = 256, 8192
+MIN_DEFAULT_BATCHED_TOKENS = 256  # CUDA: defaulted step sizes shrink no further when memory is short
 
 
 def _dtype(name: str | torch.dtype, what: str) -> torch.dtype:
@@ -49,6 +60,109 @@ def _device(name: str | torch.device) -> torch.device:
     return device
 
 
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """The device to run on: "auto" (or None) is CUDA when it is available, else the CPU; anything
+    else must name a cpu or cuda device (ConfigurationError otherwise, or if CUDA is missing)."""
+    if name is None or (isinstance(name, str) and name == "auto"):
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return _device(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSizes:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None  # None: from the checkpoint, capped by the memory plan (CUDA)
+
+
+def default_sizes(device_type: str, max_position_embeddings: int, *, max_num_seqs: int | None = None,
+                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None) -> EngineSizes:
+    """The engine sizes for a device: the given values, the device's defaults for the others."""
+    if device_type == "cuda":
+        return EngineSizes(CUDA_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs,
+                           CUDA_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens,
+                           max_model_len)
+    return EngineSizes(CPU_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs,
+                       CPU_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens,
+                       min(max_position_embeddings, CPU_MAX_MODEL_LEN) if max_model_len is None else max_model_len)
+
+
+def smaller_sizes(sizes: EngineSizes, *, max_num_seqs_given: bool,
+                  max_num_batched_tokens_given: bool) -> EngineSizes | None:
+    """The next sizes to try when the memory plan does not fit: max_num_seqs halved (if it was
+    defaulted) down to 1, then max_num_batched_tokens halved (if defaulted) down to
+    MIN_DEFAULT_BATCHED_TOKENS. None when nothing defaulted is left to shrink."""
+    if not max_num_seqs_given and sizes.max_num_seqs > 1:
+        return dataclasses.replace(sizes, max_num_seqs=sizes.max_num_seqs // 2)
+    if not max_num_batched_tokens_given and sizes.max_num_batched_tokens > MIN_DEFAULT_BATCHED_TOKENS:
+        return dataclasses.replace(
+            sizes, max_num_batched_tokens=max(MIN_DEFAULT_BATCHED_TOKENS, sizes.max_num_batched_tokens // 2))
+    return None
+
+
+def fit_max_model_len(*, budget_bytes: int, slot_bytes: int, page_bytes: int, page_size: int, max_num_seqs: int,
+                      extra_state_slots: int = 0, num_speculative_tokens: int = 0,
+                      num_kv_pages: int | None = None) -> int | None:
+    """The longest sequence whose KV pages fit: in what `budget_bytes` leaves after the Mamba slots
+    and the speculative scratch (graphs.memory.split_budget's order), or in `num_kv_pages` if given,
+    less the dummy page. None without attention layers (page_bytes 0): no KV, any length fits."""
+    from graphs.memory import spec_scratch_bytes
+
+    if not page_bytes:
+        return None
+    state = (max_num_seqs + extra_state_slots + 1) * slot_bytes
+    kv_budget = budget_bytes - state - spec_scratch_bytes(slot_bytes, max_num_seqs, num_speculative_tokens)
+    pages = kv_budget // page_bytes
+    if num_kv_pages is not None:
+        pages = min(pages, num_kv_pages)
+    return max(0, pages - 1) * page_size
+
+
+def plan_cuda_sizes(plan, sizes: EngineSizes, *, max_position_embeddings: int, page_size: int,
+                    num_kv_pages: int | None, max_num_seqs_given: bool, max_num_batched_tokens_given: bool,
+                    extra_state_slots=lambda seqs: 0, num_speculative_tokens: int = 0):
+    """The CUDA sizes and memory plan: `plan(sizes, max_model_len)` (graphs.memory.plan_memory)
+    is tried at `sizes`, and on CapacityError again at smaller_sizes (only what was defaulted
+    shrinks; the last error is raised when nothing is left). An unset max_model_len is planned at
+    one chunk (min(config, max(max_num_batched_tokens, page_size)): the profiling forward's size,
+    so the same activation peak), then set to max_position_embeddings capped by fit_max_model_len,
+    and the KV pages are split again for it. `extra_state_slots(max_num_seqs)`: the prefix
+    cache's slots. Returns (sizes with max_model_len set, plan, whether memory capped max_model_len)."""
+    from graphs.memory import split_budget
+
+    while True:
+        probe_len = sizes.max_model_len or min(max_position_embeddings, max(sizes.max_num_batched_tokens, page_size))
+        try:
+            memory_plan = plan(sizes, probe_len)
+            break
+        except CapacityError as e:
+            smaller = smaller_sizes(sizes, max_num_seqs_given=max_num_seqs_given,
+                                    max_num_batched_tokens_given=max_num_batched_tokens_given)
+            if smaller is None:
+                raise
+            logger.warning("memory plan: %s; trying the smaller default max_num_seqs=%d, max_num_batched_tokens=%d",
+                           e, smaller.max_num_seqs, smaller.max_num_batched_tokens)
+            sizes = smaller
+    if sizes.max_model_len is not None:
+        return sizes, memory_plan, False
+    extra = extra_state_slots(sizes.max_num_seqs)
+    fit = fit_max_model_len(budget_bytes=memory_plan.budget_bytes, slot_bytes=memory_plan.slot_bytes,
+                            page_bytes=memory_plan.page_bytes, page_size=page_size, max_num_seqs=sizes.max_num_seqs,
+                            extra_state_slots=extra, num_speculative_tokens=num_speculative_tokens,
+                            num_kv_pages=num_kv_pages)
+    length = max_position_embeddings if fit is None else min(max_position_embeddings, fit)
+    _, _, pages = split_budget(memory_plan.budget_bytes, slot_bytes=memory_plan.slot_bytes,
+                               page_bytes=memory_plan.page_bytes, page_size=page_size, max_num_seqs=sizes.max_num_seqs,
+                               max_model_len=length, extra_state_slots=extra,
+                               num_speculative_tokens=num_speculative_tokens, num_kv_pages=num_kv_pages)
+    memory_plan = dataclasses.replace(memory_plan, num_kv_pages=pages, max_tokens=(pages - 1) * page_size)
+    return dataclasses.replace(sizes, max_model_len=length), memory_plan, length < max_position_embeddings
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _check_int(name: str, value, lo: int, optional: bool = False) -> None:
     if value is None and optional:
         return
@@ -59,14 +173,14 @@ def _check_int(name: str, value, lo: int, optional: bool = False) -> None:
 class LLM:
     def __init__(
         self,
-        model: str | None = None,
-        device: str = "cpu",
+        model: str | None = None,  # a checkpoint directory, a cached hub repo id ("owner/name[@rev]"), None: bundled
+        device: str = "auto",  # "auto": cuda when available, else cpu
         dtype: str | torch.dtype = "auto",
-        max_num_seqs: int = 8,
+        max_num_seqs: int | None = None,  # None: 256 on CUDA (fewer if memory is short), 8 on CPU
         page_size: int = 16,
         seed: int = 0,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = 256,
+        max_model_len: int | None = None,  # None: the checkpoint's (CUDA: capped by memory; CPU: at most 4096)
+        max_num_batched_tokens: int | None = None,  # None: 8192 on CUDA (fewer if memory is short), 256 on CPU
         num_kv_pages: int | None = None,
         enforce_eager: bool = False,
         mamba_ssm_dtype: str | torch.dtype = "float32",
@@ -82,11 +196,10 @@ class LLM:
         prefix_cache_interval: int = 0,  # also cache every this many prompt tokens (0: each prompt's end only)
         check_weights: bool = False,  # refuse a checkpoint whose weights hold NaN/Inf (see loader.load_model)
     ) -> None:
-        self.model_dir = model or DEFAULT_MODEL_DIR
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
-        for name, value in (("max_num_seqs", max_num_seqs), ("page_size", page_size),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            _check_int(name, value, 1)
+        _check_int("page_size", page_size, 1)
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            _check_int(name, value, 1, optional=True)
         _check_int("max_model_len", max_model_len, 2, optional=True)  # a prompt token and a generated one
         _check_int("num_kv_pages", num_kv_pages, 2, optional=True)  # page 0 is the reserved dummy page
         _check_int("prefix_cache_entries", prefix_cache_entries, 0, optional=True)
@@ -101,17 +214,24 @@ class LLM:
             SpeculativeConfig.from_dict(speculative_config)
         except ValueError as e:
             raise ConfigurationError(str(e)) from None
-        self.device = _device(device)
+        self.device = resolve_device(device)
         if dtype == "auto":  # bf16 end to end on GPU, fp32 on CPU
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _dtype(dtype, "dtype")
-        ssm_dtype = _dtype(mamba_ssm_dtype, "mamba_ssm_dtype")
-        cache_entries = (max_num_seqs if prefix_cache_entries is None else prefix_cache_entries) \
-            if enable_prefix_caching else 0
-        if enable_prefix_caching and cache_entries < 1:
+        self.ssm_dtype = ssm_dtype = _dtype(mamba_ssm_dtype, "mamba_ssm_dtype")
+        if enable_prefix_caching and prefix_cache_entries is not None and prefix_cache_entries < 1:
             raise ConfigurationError("prefix_cache_entries must be >= 1 with enable_prefix_caching")
+        # a directory, or a hub repo id found in the local Hugging Face cache (never downloaded)
+        source = resolve_model(model)
+        self.model_dir, self.hf_repo_id = source.path, source.repo_id
         self.config = cfg = load_config(self.model_dir)
-        self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+        sizes = default_sizes(self.device.type, cfg.max_position_embeddings, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+
+        def cache_entries_for(seqs: int) -> int:
+            if not enable_prefix_caching:
+                return 0
+            return seqs if prefix_cache_entries is None else prefix_cache_entries
 
         from hybrid.tokenizer import Tokenizer
 
@@ -132,22 +252,44 @@ class LLM:
             use_fused_ops(self.model)
         backend = select_backend(self.device)
         spec = SpeculativeConfig.from_dict(speculative_config)  # (checked above)
+        num_spec = spec.num_speculative_tokens if spec else 0
         self.memory_plan = None
+        if max_model_len is not None:
+            max_len_note = "given"
+        elif self.device.type == "cuda" or cfg.max_position_embeddings <= CPU_MAX_MODEL_LEN:
+            max_len_note = f"config max_position_embeddings={cfg.max_position_embeddings}"
+        else:
+            max_len_note = f"the CPU default cap; config max_position_embeddings={cfg.max_position_embeddings}"
         if self.device.type == "cuda":
             from graphs.memory import plan_memory
             from hybrid.ops.mamba_cuda import attach_kernels
 
             if attach_kernels(self.model, mamba_decode_kernels) is None and cfg.mamba_layers:
                 logger.warning("mamba-ssm / causal-conv1d not importable: Mamba layers use the torch path")
-            self.memory_plan = plan_memory(
-                self.model, cfg, device=self.device, gpu_memory_utilization=gpu_memory_utilization,
-                max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-                max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, kv_dtype=self.dtype,
-                conv_dtype=self.dtype, ssm_dtype=ssm_dtype, attention_backend=backend, num_kv_pages=num_kv_pages,
-                use_graphs=not enforce_eager, extra_state_slots=cache_entries,
-                num_speculative_tokens=spec.num_speculative_tokens if spec else 0, cuda_graph_sizes=cuda_graph_sizes)
-            num_kv_pages = self.memory_plan.num_kv_pages
-            logger.info(self.memory_plan.summary(max_num_seqs, self.max_model_len, page_size))
+
+            def plan_fn(trial: EngineSizes, probe_len: int):
+                return plan_memory(
+                    self.model, cfg, device=self.device, gpu_memory_utilization=gpu_memory_utilization,
+                    max_num_seqs=trial.max_num_seqs, max_model_len=probe_len,
+                    max_num_batched_tokens=trial.max_num_batched_tokens, page_size=page_size, kv_dtype=self.dtype,
+                    conv_dtype=self.dtype, ssm_dtype=ssm_dtype, attention_backend=backend, num_kv_pages=num_kv_pages,
+                    use_graphs=not enforce_eager, extra_state_slots=cache_entries_for(trial.max_num_seqs),
+                    num_speculative_tokens=num_spec, cuda_graph_sizes=cuda_graph_sizes)
+
+            sizes, plan, capped = plan_cuda_sizes(
+                plan_fn, sizes, max_position_embeddings=cfg.max_position_embeddings, page_size=page_size,
+                num_kv_pages=num_kv_pages, max_num_seqs_given=max_num_seqs is not None,
+                max_num_batched_tokens_given=max_num_batched_tokens is not None,
+                extra_state_slots=cache_entries_for, num_speculative_tokens=num_spec)
+            if capped:
+                max_len_note += f", capped to what the KV cache holds next to {sizes.max_num_seqs} Mamba slots"
+            self.memory_plan = plan
+            num_kv_pages = plan.num_kv_pages
+            logger.info(plan.summary(sizes.max_num_seqs, sizes.max_model_len, page_size))
+        self.max_num_seqs = max_num_seqs = sizes.max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens = sizes.max_num_batched_tokens
+        self.max_model_len = sizes.max_model_len
+        cache_entries = cache_entries_for(max_num_seqs)
         self.state_pool = MambaStatePool(shapes, max_num_seqs + cache_entries, self.device, conv_dtype=self.dtype,
                                          ssm_dtype=ssm_dtype)
         if spec:  # the verify scratch, allocated where the memory plan budgets it: before the KV cache
@@ -163,6 +305,14 @@ class LLM:
         a = cfg.attention
         self.kv_cache = PagedKVCache(len(cfg.attention_layers), num_kv_pages, page_size, a.num_kv_heads, a.head_dim,
                                      self.device, self.dtype)
+        logger.info(
+            "LLM: %s on %s; weights %s, Mamba SSM state %s (conv state %s); max_model_len %d (%s); "
+            "max_num_seqs %d (Mamba state slots: %d%s); max_num_batched_tokens %d; KV cache %s",
+            self.hf_repo_id or self.model_dir, self.device, _name(self.dtype), _name(ssm_dtype), _name(self.dtype),
+            self.max_model_len, max_len_note, max_num_seqs, max_num_seqs + cache_entries,
+            f", {cache_entries} of them for cached prefixes" if cache_entries else "", max_num_batched_tokens,
+            f"{num_kv_pages - 1} pages x {page_size} tokens = {(num_kv_pages - 1) * page_size} tokens"
+            if cfg.attention_layers else "none (no attention layers)")
         ctx = ForwardContext(self.state_pool, self.kv_cache, backend)
         self.runner = ModelRunner(self.model, ctx, enforce_eager=enforce_eager or self.device.type != "cuda",
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, page_size=page_size,
@@ -241,6 +391,10 @@ class LLM:
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
             prepared.append((text, ids, params))
+        return self._run(prepared, use_tqdm)
+
+    def _run(self, prepared: list[tuple[str | None, list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+        """Queue the validated (text, ids, params) requests, step until all finish, in order."""
         order = []
         try:
             for text, ids, params in prepared:
@@ -252,6 +406,7 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         results: dict[str, RequestOutput] = {}
+        wanted = set(order)
         bar = None
         if use_tqdm and len(order) > 1:
             from tqdm import tqdm
@@ -260,7 +415,7 @@ class LLM:
         try:
             while len(results) < len(order):
                 for out in self.engine.step():
-                    if out.finished and out.request_id in order:
+                    if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
@@ -281,3 +436,54 @@ class LLM:
                 f"{len(failed)} of {len(outputs)} requests failed; prompt {first}: {failed[first]}",
                 failed=failed, outputs=outputs)
         return outputs
+
+    def get_tokenizer(self):
+        """The checkpoint's tokenizer (hybrid.tokenizer.Tokenizer: encode, decode,
+        apply_chat_template, eos_token_ids), or None if the checkpoint has no tokenizer.json."""
+        return self.tokenizer
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
+        of conversations, as vLLM's LLM.chat: each is rendered with the checkpoint's chat template
+        (or `chat_template`), with the generation prompt added, tokenized without special tokens
+        (the template writes those) and run through generate as one batch. One RequestOutput per
+        conversation, in order; its `prompt` is the rendered text. InvalidRequestError if there
+        is no tokenizer or chat template, a message is malformed or the template refuses it."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this checkpoint has no tokenizer.json, so it cannot chat")
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(c, (list, tuple)) for c in messages):
+            conversations = list(messages)
+        elif isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+            conversations = [messages]
+        else:
+            raise InvalidRequestError("messages must be a conversation (a non-empty list of {'role', 'content'} "
+                                      "dicts) or a list of conversations")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise InvalidRequestError("chat_template_kwargs must be a dict")
+        reserved = sorted(set(chat_template_kwargs or ()) & {"messages", "add_generation_prompt", "tokenize",
+                                                              "chat_template"})
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs: {', '.join(reserved)} are arguments of chat itself")
+        params_list = self._params_list(sampling_params, len(conversations))
+        prepared = []
+        for i, (conv, params) in enumerate(zip(conversations, params_list)):
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                    **(chat_template_kwargs or {}))
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if not ids:
+                    raise InvalidRequestError("the rendered conversation is empty: at least one token is needed")
+                self.engine.validate_request(ids, params)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
+            prepared.append((text, ids, params))
+        return self._run(prepared, use_tqdm)

@@ -29,15 +29,17 @@ import random
 import time
 
 EOS = "<|endoftext|>"
-# Plain-text chat template: "User: ...\nAssistant: ...<|endoftext|>\n".
+# Plain-text chat template: "User: ...\nAssistant:\n...<|endoftext|>\n". The reply starts on a new line,
+# as a verse does in the corpus: after "Assistant:" alone the model's next token is a space-led word,
+# so replies began with " ".
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
     "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
-    "{% else %}Assistant: {{ message['content'] }}" + EOS + "\n"
+    "{% else %}Assistant:\n{{ message['content'] }}" + EOS + "\n"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
+    "{% if add_generation_prompt %}Assistant:\n{% endif %}"
 )
 # Legacy layer-type names, as written in the ibm-granite hub checkpoints (transformers 5.x
 # remaps them to linear_attention / full_attention on load and would write those on save).

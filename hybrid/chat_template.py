@@ -1,0 +1,79 @@
+"""Chat templates: a conversation rendered to prompt text with the checkpoint's jinja2 template,
+as transformers' apply_chat_template renders it (a sandboxed environment with trim_blocks and
+lstrip_blocks, the loopcontrols extension, `tojson`, `raise_exception`, `strftime_now`, and the
+bos/eos tokens of tokenizer_config.json). Used by LLM.chat (and meant for the server's chat endpoint).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+from hybrid.errors import InvalidRequestError
+
+
+def _special(config: dict, name: str) -> str:
+    t = config.get(name)
+    return t.get("content") if isinstance(t, dict) else (t or "")
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    """The template compiled once (a large template takes milliseconds to parse)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+    return env.from_string(template)
+
+
+def render_chat(template: str, messages: list[dict], tokenizer_config: dict | None = None,
+                add_generation_prompt: bool = True, extra: dict | None = None) -> str:
+    """`messages` rendered with `template`. `tokenizer_config` (tokenizer_config.json) gives
+    bos_token / eos_token; `extra` more template variables (tools=..., chat_template_kwargs).
+    InvalidRequestError when the template does not compile or refuses the conversation
+    (raise_exception), e.g. roles out of order."""
+    import jinja2
+
+    cfg = tokenizer_config or {}
+    variables = dict(bos_token=_special(cfg, "bos_token"), eos_token=_special(cfg, "eos_token"), **(extra or {}))
+    variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
+    try:
+        return _compiled(template).render(**variables)
+    except jinja2.exceptions.TemplateError as e:
+        raise InvalidRequestError(f"the chat template could not be rendered: {e}") from None
+
+
+def normalize_messages(messages, what: str = "messages") -> list[dict]:
+    """A conversation checked and normalised for rendering: a non-empty list of dicts, each with a
+    string 'role'; 'content' a string, None (-> "") or a list of text parts ({"type": "text",
+    "text": ...}, joined). Other keys (name, tool_calls, ...) are kept. InvalidRequestError otherwise."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequestError(f"{what} must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError(f"{what}[{i}]: each message must be a dict with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequestError(f"{what}[{i}].content: only text content parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise InvalidRequestError(f"{what}[{i}].content must be a string or a list of text parts")
+        out.append({**m, "content": content})
+    return out
