@@ -490,6 +490,25 @@ BUILDERS = {
 }
 
 
+def build_every_expert(name: str, path) -> Path:
+    """The MoE checkpoint `name` with every routed expert chosen for every token (top-k = E): the
+    expert weights are then continuous in the router logits, so no rounding noise can flip a choice.
+    For the GPU state-integrity scenarios, whose reference runs other kernels: in a tiny random MoE
+    one flipped choice moves later logits by tenths of a nat, which would hide what they look for
+    (corrupted state) behind noise. The fused expert path, its grouping and graphs are all still used."""
+    p = build(name, path)
+
+    def every_expert(cfg: dict) -> None:
+        experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
+        assert experts, f"{name} has no routed experts"
+        cfg["num_experts_per_tok"] = experts
+        if "n_group" in cfg:
+            cfg["topk_group"] = cfg["n_group"]
+
+    rewrite_config(p, every_expert)
+    return p
+
+
 # every family variant the parity tests cover
 FAMILY_VARIANTS = list(BUILDERS)
 

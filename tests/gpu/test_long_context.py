@@ -22,8 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_util import GREEDY, assert_greedy_under_reference  # noqa: E402
 
 FAMILIES = ["bamba_unclamped", "granite_moe"]
-# granite_moe in fp32: see MOE_DTYPE in test_state_under_graphs.py (bf16 routing flips in a tiny MoE)
-MOE_DTYPE = os.environ.get("HYBRID_TEST_MOE_DTYPE", "float32")
+# granite_moe routes every token to every expert: see MOE_FAMILIES in test_state_under_graphs.py
 LONG = 8192
 MAX_LEN = 16384 + 256
 
@@ -33,11 +32,8 @@ def ckpt(tiny_ckpt, tmp_path_factory):
     import tiny_checkpoints
 
     unclamped = str(tiny_checkpoints.build_bamba(tmp_path_factory.mktemp("bamba_unclamped_long"), seed=3))
-    return lambda name: unclamped if name == "bamba_unclamped" else tiny_ckpt(name)
-
-
-def _dtype(path) -> dict:
-    return {"dtype": MOE_DTYPE} if "granite_moe" in str(path) else {}
+    moe = str(tiny_checkpoints.build_every_expert("granite_moe", tmp_path_factory.mktemp("granite_moe_long")))
+    return lambda name: {"bamba_unclamped": unclamped, "granite_moe": moe}.get(name) or tiny_ckpt(name)
 
 
 def prompt(n: int, seed: int, vocab: int = 100) -> list[int]:
@@ -50,12 +46,12 @@ def make(path, **kw) -> LLM:
     kw.setdefault("max_model_len", MAX_LEN)
     kw.setdefault("max_num_batched_tokens", 512)  # an 8K prompt takes 16 chunks
     kw.setdefault("check_state", True)
-    return LLM(path, device="cuda", gpu_memory_utilization=0.5, **_dtype(path), **kw)
+    return LLM(path, device="cuda", gpu_memory_utilization=0.5, **kw)
 
 
 def reference(path, **kw) -> LLM:
     return LLM(path, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8, max_model_len=MAX_LEN,
-               max_num_batched_tokens=16384, **_dtype(path), **kw)
+               max_num_batched_tokens=16384, **kw)
 
 
 def tokens(outs) -> list[list[int]]:

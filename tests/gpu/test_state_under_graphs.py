@@ -26,16 +26,10 @@ from gpu_util import GREEDY, assert_greedy_under_reference  # noqa: E402
 # (time_step_limit (0, inf)): with the tiny_ckpt bamba's finite limit, prefill clamps dt and decode
 # does not (as in transformers), so a teacher-forced prefix would not reproduce a decode.
 FAMILIES = ["bamba_unclamped", "granite_dense", "granite_moe", "nemotron_h_sharded"]
-# The MoE families run in fp32: in bf16 the reference's teacher-forced prefill and the decode / verify
-# steps round differently (other kernels and tiles), and in a tiny random MoE one routing choice
-# flipped by that noise moves the logits by tenths of a nat, past the near-tie margin. In fp32 the
-# noise is ~1e-6 and a flip is rare, so the margin again separates noise from corrupted state.
-MOE_DTYPE = os.environ.get("HYBRID_TEST_MOE_DTYPE", "float32")
-
-
-def dtype_of(name: str) -> dict:
-    return {"dtype": MOE_DTYPE} if name in ("granite_moe", "nemotron_h_sharded") else {}
-PROMPTS = [[7, 19, 33, 41, 5, 60, 12, 88, 9], [4], [100, 3, 57, 22, 61], [45], list(range(20, 60))]
+# The MoE families route every token to every expert (tiny_checkpoints.build_every_expert): in a tiny
+# random MoE one routing choice flipped by bf16 noise (the reference's teacher-forced prefill runs
+# other kernels than decode and verify) moves later logits past the near-tie margin.
+MOE_FAMILIES = ("granite_moe", "nemotron_h_sharded")
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +37,16 @@ def ckpt(tiny_ckpt, tmp_path_factory):
     import tiny_checkpoints
 
     unclamped = str(tiny_checkpoints.build_bamba(tmp_path_factory.mktemp("bamba_unclamped"), seed=3))
+    built: dict[str, str] = {}
 
     def get(name: str) -> str:
-        return unclamped if name == "bamba_unclamped" else tiny_ckpt(name)
+        if name == "bamba_unclamped":
+            return unclamped
+        if name in MOE_FAMILIES:
+            if name not in built:
+                built[name] = str(tiny_checkpoints.build_every_expert(name, tmp_path_factory.mktemp(name)))
+            return built[name]
+        return tiny_ckpt(name)
 
     return get
 
@@ -95,27 +96,27 @@ def test_forked_branches_under_graphs(name, ckpt):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_speculative_verify_under_graphs(name, ckpt):
-    path, dt = ckpt(name), dtype_of(name)
+    path = ckpt(name)
     sp = SamplingParams(max_tokens=24, **GREEDY)
-    plain = tokens(make(path, **dt).generate(PROMPTS[:4], sp, use_tqdm=False))
-    llm = make(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **dt)
+    plain = tokens(make(path).generate(PROMPTS[:4], sp, use_tqdm=False))
+    llm = make(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     spec = tokens(llm.generate(PROMPTS[:4], sp, use_tqdm=False))
     assert llm.engine.stats["spec_draft_tokens"] > 0
     assert [s[0] for s in spec] == [p[0] for p in plain]
-    assert_greedy_under_reference(make(path, **dt), PROMPTS[:4], spec)
+    assert_greedy_under_reference(make(path), PROMPTS[:4], spec)
     assert_clean(llm)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_preemption_under_graphs(name, ckpt):
-    path, dt = ckpt(name), dtype_of(name)
+    path = ckpt(name)
     sps = [SamplingParams(max_tokens=40, **GREEDY)] * 4
-    ref = tokens(make(path, **dt).generate(PROMPTS[:4], sps, use_tqdm=False))
-    llm = make(path, max_model_len=64, num_kv_pages=6, **dt)  # 5 pages of 16 tokens for 4 requests of ~50
+    ref = tokens(make(path).generate(PROMPTS[:4], sps, use_tqdm=False))
+    llm = make(path, max_model_len=64, num_kv_pages=6)  # 5 pages of 16 tokens for 4 requests of ~50
     got = tokens(llm.generate(PROMPTS[:4], sps, use_tqdm=False))
     assert llm.engine.stats["preemptions"] > 0
     assert [g[0] for g in got] == [r[0] for r in ref]
-    assert_greedy_under_reference(make(path, max_model_len=64, **dt), PROMPTS[:4], got)
+    assert_greedy_under_reference(make(path, max_model_len=64), PROMPTS[:4], got)
     assert_clean(llm)
 
 
