@@ -307,7 +307,10 @@ def _launch_route(logits, s_l, s_split, num_splits, round_to, T, E, top_k, idx, 
 # launch then sums: two launches in place of the GEMM (and for NemotronH's fp32 router, the cast of x)
 # plus the routing one. Past it a [T, E] GEMM has tiles enough of its own.
 ROUTER_FUSED_MAX_TOKENS = 16
-_ROUTER_BLOCK_E, _ROUTER_BLOCK_K, _ROUTER_SPLITS = 32, 128, 8
+# One [16, 64] weight tile per program (up to 64 K splits): the H200 profile of (32, 128, 8 splits)
+# showed 6.7 us a layer for NemotronH's 1.4 MB fp32 router (28 programs, each looping over three
+# tiles: latency-bound), no faster than the GEMM it replaced; bench/bench_router.py compares tilings.
+_ROUTER_BLOCK_E, _ROUTER_BLOCK_K, _ROUTER_SPLITS = 16, 64, 64
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
