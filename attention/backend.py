@@ -15,7 +15,7 @@ import torch
 from attention.reference import TorchAttentionBackend, gather_kv, write_kv
 
 if TYPE_CHECKING:
-    from hybrid_core.batch import StepBatch
+    from state_pool.step_batch import StepBatch
 
 __all__ = ["AttentionBackend", "TorchAttentionBackend", "select_backend", "write_kv", "gather_kv"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_core.utils import cdiv
+from state_pool.util import cdiv
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_write_loc: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from attention.reference import TorchAttentionBackend
-from hybrid_core.utils import cdiv
+from state_pool.util import cdiv
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 _PREFILL_HEAD_DIMS = (64, 128, 256)

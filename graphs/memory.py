@@ -29,10 +29,10 @@ import torch
 
 from attention.kv_cache import PagedKVCache
 from graphs.padding import default_capture_sizes, padding_batch
-from hybrid_core.batch import StepBatch
-from hybrid_core.errors import CapacityError
-from hybrid_core.utils import cdiv
+from state_pool.errors import CapacityError
 from state_pool.pool import MambaStatePool, StateShapes
+from state_pool.step_batch import StepBatch
+from state_pool.util import cdiv
 
 logger = logging.getLogger("hybrid")
 

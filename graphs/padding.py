@@ -12,8 +12,8 @@ import dataclasses
 import torch
 
 from attention.kv_cache import DUMMY_PAGE
-from hybrid_core.batch import StepBatch
 from state_pool.pool import PAD_SLOT_ID
+from state_pool.step_batch import StepBatch
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:

@@ -24,7 +24,7 @@ from graphs.padding import (
 )
 
 if TYPE_CHECKING:
-    from hybrid_core.batch import StepBatch
+    from state_pool.step_batch import StepBatch
 
 logger = logging.getLogger("hybrid")
 

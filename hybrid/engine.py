@@ -40,8 +40,8 @@ from hybrid.resources import ResourceManager
 from hybrid.sampling import SamplingParams
 from hybrid.scheduler import Scheduler, SchedulerOutput
 from hybrid.spec_decode import NgramProposer, SpeculativeConfig, verify_drafts
-from hybrid_core.utils import cdiv
 from state_pool.pool import MambaStatePool
+from state_pool.util import cdiv
 
 # Re-exported: the types other modules and tests know from here.
 __all__ = ["Engine", "Request", "Sequence", "Status", "ScheduledChunk", "SchedulerOutput", "LaunchedStep",

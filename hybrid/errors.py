@@ -1,6 +1,7 @@
-"""Errors that users of the runtime are expected to catch. They are defined in the leaf
-hybrid_core/errors.py, so that state_pool/ and attention/ can raise them without importing hybrid/."""
-from hybrid_core.errors import (
+"""Errors that users of the runtime are expected to catch: their public home. They are defined in
+state_pool/errors.py, at the bottom of the import graph, so that state_pool/, attention/ and graphs/
+can raise them without importing hybrid/."""
+from state_pool.errors import (
     CapacityError, CheckpointError, ConfigurationError, EngineDeadError, HybridError, InvalidRequestError,
     NonFiniteLogitsError, RequestFailedError, StateCorruptionError,
 )

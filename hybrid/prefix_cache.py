@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybrid_core.utils import cdiv
+from state_pool.util import cdiv
 
 
 @dataclass

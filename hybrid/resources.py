@@ -16,9 +16,9 @@ import torch
 from attention.kv_cache import DUMMY_PAGE, PagedKVCache
 from hybrid.batch import StepBatch
 from hybrid.prefix_cache import PrefixCache
-from hybrid_core.utils import cdiv
 from state_pool.pool import PAD_SLOT_ID, MambaStatePool
 from state_pool.sanitizer import RowOwner, check_batch
+from state_pool.util import cdiv
 
 if TYPE_CHECKING:
     from hybrid.request import ScheduledChunk, Sequence
@@ -45,7 +45,7 @@ class ResourceManager:
 
     @property
     def verify_scratch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The state pool's speculative verify scratch, which verify rows write (hybrid_core/batch.py)."""
+        """The state pool's speculative verify scratch, which verify rows write (state_pool/step_batch.py)."""
         return self.state_pool.spec_scratch
 
     @property

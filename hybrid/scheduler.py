@@ -8,7 +8,7 @@ pages run out, the newest running sequence is preempted and later recomputed fro
 (its outputs so far are kept), so no request ever writes into state it does not own. On
 readmission only the prompt is prefilled; the tokens it had generated are then replayed through
 the decode recurrence as "replay" chunks (as many tokens per step as the budget and the free
-pages allow; see hybrid_core/batch.py), so its rebuilt Mamba state is the one its decodes built.
+pages allow; see state_pool/step_batch.py), so its rebuilt Mamba state is the one its decodes built.
 With speculation, a decoding sequence with n-gram drafts becomes a verify chunk.
 """
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Errors that users of the runtime are expected to catch (re-exported by hybrid.errors, where users
-import them from). A leaf module: state_pool/, attention/ and graphs/ raise these without importing hybrid/."""
+"""Errors that users of the runtime are expected to catch. They live here, at the bottom of the
+import graph (this module imports nothing), so that the leaves (state_pool/, attention/, graphs/)
+can raise them without loading the runtime in hybrid/. Their public home is `hybrid.errors`, which
+re-exports them: users import them from there (or from `hybrid`)."""
 
 
 class HybridError(Exception):

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybrid_core.errors import StateCorruptionError
-from hybrid_core.utils import cdiv
+from state_pool.errors import StateCorruptionError
 from state_pool.pool import PAD_SLOT_ID
+from state_pool.util import cdiv
 
 
 @dataclass

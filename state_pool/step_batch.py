@@ -1,6 +1,7 @@
 """The step batch: everything one forward pass needs, built by the engine (hybrid/launcher.py)
-from the scheduler's output. It lives in this leaf (re-exported by hybrid.batch) because
-state_pool/, attention/ and graphs/ read it without importing the runtime.
+from the scheduler's output. It lives in state_pool/, the lowest package (it owns the slots and
+PAD_SLOT_ID, the core of this contract), and is re-exported by hybrid.batch, because state_pool/,
+attention/ and graphs/ read it without importing the runtime.
 
 Requests are ordered decodes first, then prefill chunks (verify and replay rows, below, sit
 between them), so that a decode-only step has exactly the shape the CUDA-graph wrapper captures.

@@ -1,4 +1,4 @@
-"""Small helpers shared by every package (a leaf: imports nothing)."""
+"""Small helpers shared by every package (at the bottom of the import graph: imports nothing)."""
 from __future__ import annotations
 
 

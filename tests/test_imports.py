@@ -1,6 +1,7 @@
 """Every module imports on its own, first, in a fresh process (no import loop depends on what
-happened to be imported before), and the layering holds: state_pool/, attention/ and hybrid_core/
-import nothing from hybrid/, and importing one module of hybrid/ does not load the whole runtime.
+happened to be imported before), and the layering holds: state_pool/ and attention/ import
+nothing from hybrid/ (and state_pool/, the lowest package, nothing from attention/ or graphs/
+either), and importing one module of hybrid/ does not load the whole runtime.
 
 A child process preloads the third-party libraries once (torch takes seconds to import and is
 not what is checked here), then forks one grandchild per module, which imports that module first
@@ -18,9 +19,11 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("hybrid_core", "state_pool", "attention", "graphs", "hybrid")
+PACKAGES = ("state_pool", "attention", "graphs", "hybrid")
 # must not load any hybrid module
-RUNTIME_FREE = ("hybrid_core", "state_pool", "attention")
+RUNTIME_FREE = ("state_pool", "attention")
+# package -> the project packages it must not load (state_pool/ is the bottom of the import graph)
+FORBIDDEN = {"state_pool": ("hybrid", "attention", "graphs"), "attention": ("hybrid", "graphs")}
 # extras that may be missing: flashinfer, triton, mamba_ssm, causal_conv1d ([gpu]); fastapi, ... ([serve])
 OPTIONAL = {"flashinfer", "triton", "mamba_ssm", "causal_conv1d", "fastapi", "starlette", "uvicorn",
             "prometheus_client"}
@@ -92,6 +95,9 @@ def test_module_imports_first_and_alone(name, imported):
     if name.split(".")[0] in RUNTIME_FREE:
         loaded = [m for m in r["modules"] if m == "hybrid" or m.startswith("hybrid.")]
         assert not loaded, f"importing {name} loads the runtime: {loaded}"
+    forbidden = FORBIDDEN.get(name.split(".")[0], ())
+    loaded = [m for m in r["modules"] if m.split(".")[0] in forbidden]
+    assert not loaded, f"importing {name} loads packages above it: {loaded}"
 
 
 def test_hybrid_batch_and_errors_do_not_load_the_runtime(imported):
@@ -132,6 +138,8 @@ def test_layering_and_no_import_loops():
     for name, deps in graph.items():
         if name.split(".")[0] in RUNTIME_FREE:
             assert not {d for d in deps if d.split(".")[0] == "hybrid"}, (name, sorted(deps))
+        forbidden = FORBIDDEN.get(name.split(".")[0], ())
+        assert not {d for d in deps if d.split(".")[0] in forbidden}, (name, sorted(deps))
     # strongly connected components (Tarjan): each one with more than one module is an import loop
     index, low, stack, on_stack, loops = {}, {}, [], set(), []
 
