@@ -24,12 +24,16 @@ flashinfer and triton are imported here only, and this module only on CUDA.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
 from attention.reference import TorchAttentionBackend
 from state_pool.util import cdiv
+
+log = logging.getLogger(__name__)
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 _PREFILL_HEAD_DIMS = (64, 128, 256)
@@ -111,6 +115,7 @@ class TrtllmAttentionBackend:
         self._plans: PrefillPlans | None = None
         self._reference = TorchAttentionBackend()
         self._sm = None
+        self._warned_head_dims: set[int] = set()
 
     def graph_safe(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.bfloat16, torch.float16)
@@ -136,7 +141,11 @@ class TrtllmAttentionBackend:
             out = self.context_sm100(q, kv_layer, batch, scale)
         elif head_dim in _PREFILL_HEAD_DIMS:
             out = self.prefill_sm90(q, kv_layer, batch, scale)
-        else:
+        else:  # e.g. Zamba2-2.7B / 7B (160 / 224): correct, but the torch path is slower
+            if head_dim not in self._warned_head_dims:
+                self._warned_head_dims.add(head_dim)
+                log.warning("attention head dim %d has no FlashInfer prefill kernel on sm_%d0: prefill "
+                            "attention runs the torch reference (decode still uses XQA)", head_dim, self._sm)
             return self._reference.forward(q, k, v, kv_layer, batch, scale)
         return out.reshape(num_tokens, num_heads * head_dim)
 

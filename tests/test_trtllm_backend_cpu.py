@@ -124,3 +124,18 @@ def test_prefill_plans_rotate_and_wait_for_their_previous_copies(backend):
     for n, i in enumerate(plans[2:], start=2):
         recorded = [e[1] for e in log[: plans[n - 2] + 2] if e[0] == "record"][-1]
         assert log[i - 1] == ("wait", recorded)
+
+
+def test_head_dim_without_prefill_kernel_falls_back_once_with_a_warning(backend, caplog):
+    """Zamba2's 160 / 224-wide heads have no FlashInfer prefill kernel: the prefill runs the torch
+    reference (same result as the CPU path), and the log says so once, not per layer or step."""
+    import logging
+
+    batch = _batch([5, 3], [5, 3])
+    with caplog.at_level(logging.WARNING, logger="attention.trtllm"):
+        out = _run(backend, batch, head_dim=160)
+        _run(backend, batch, head_dim=160)
+    warnings = [r for r in caplog.records if "head dim 160" in r.getMessage()]
+    assert len(warnings) == 1
+    assert out.shape == (batch.num_tokens, 4 * 160) and torch.isfinite(out).all()
+    assert not backend._plans or not any(w.plans for w in backend._plans._wrappers), "no FlashInfer prefill plan"
