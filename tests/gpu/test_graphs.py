@@ -51,7 +51,7 @@ def restore(llm, s):
     llm.kv_cache.kv.copy_(s[2])
 
 
-@pytest.fixture(scope="module", params=["bamba", "granite_dense", "nemotron_h", "granite_moe"])  # the last two: MoE
+@pytest.fixture(scope="module", params=["bamba", "granite_dense", "nemotron_h", "granite_moe", "zamba2"])  # MoE: nemotron_h, granite_moe
 def llm(request, tiny_ckpt):
     return LLM(tiny_ckpt(request.param), device="cuda", max_num_seqs=NUM_SLOTS, page_size=PAGE, max_model_len=64,
                cuda_graph_sizes=[1, 2, 4, 8], gpu_memory_utilization=0.5)

@@ -7,7 +7,8 @@ import torch
 from hybrid import LLM
 from hybrid.sampling import SamplingParams
 
-FAMILIES = ["nemotron_h", "bamba", "granite_dense", "granite_moe", "falcon_h1", "falcon_h1_norm"]  # MoE: nemotron_h, granite_moe
+FAMILIES = ["nemotron_h", "nemotron_h_sharded", "bamba", "granite_dense", "granite_moe", "falcon_h1", "falcon_h1_norm",
+            "zamba2", "zamba2_rope"]  # MoE: nemotron_h, nemotron_h_sharded, granite_moe; Zamba2: shared blocks
 def prompts_of(path):
     # (tests/conftest's prompts_for runs transformers, which on a machine with mamba-ssm and
     # causal-conv1d installed tries their CUDA kernels on CPU tensors: fixed random prompts instead)
