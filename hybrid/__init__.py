@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "LLM": "hybrid.llm",
     "SamplingParams": "hybrid.sampling",
+    "StructuredOutputsParams": "hybrid.structured_outputs",
     "RequestOutput": "hybrid.outputs",
     "CompletionOutput": "hybrid.outputs",
     **{name: "hybrid.errors" for name in ("HybridError", "CheckpointError", "InvalidRequestError",
                                           "ConfigurationError", "CapacityError", "RequestFailedError")},
 }
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "HybridError", "CheckpointError",
-           "InvalidRequestError", "ConfigurationError", "CapacityError", "RequestFailedError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "HybridError",
+           "CheckpointError", "InvalidRequestError", "ConfigurationError", "CapacityError", "RequestFailedError"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from hybrid.llm import LLM
     from hybrid.outputs import CompletionOutput, RequestOutput
     from hybrid.sampling import SamplingParams
+    from hybrid.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

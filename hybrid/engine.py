@@ -40,6 +40,7 @@ from hybrid.resources import ResourceManager
 from hybrid.sampling import SamplingParams
 from hybrid.scheduler import Scheduler, SchedulerOutput
 from hybrid.spec_decode import NgramProposer, SpeculativeConfig, verify_drafts
+from hybrid.structured_outputs import GrammarCompiler
 from state_pool.pool import MambaStatePool
 from state_pool.util import cdiv
 
@@ -124,9 +125,10 @@ class Engine:
         self.scheduler = Scheduler(self.resources, self.stats, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                    proposer=proposer)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids)  # structured outputs
         self.launcher = StepLauncher(self.resources, device=device, max_pages_per_seq=self.max_pages_per_seq,
                                      eos_token_ids=self.eos_token_ids, vocab_size=vocab_size,
-                                     check_state=self.check_state)
+                                     check_state=self.check_state, grammars=self.grammars)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, max_model_len, self.stats)
         # Set by an unrecoverable device error (see _die): the engine then refuses all work.
         self.dead: EngineDeadError | None = None
@@ -166,6 +168,10 @@ class Engine:
         only immutable settings, so another thread may call it while the engine runs."""
         validate_params(params, self.vocab_size)
         validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        if params.structured_outputs is not None:
+            if self.spec_config is not None:
+                raise InvalidRequestError("structured outputs with speculative decoding are not supported")
+            self.grammars.matchers(params.structured_outputs, 0)  # compiles (and caches) the grammar, or raises
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, output_kind: str = "cumulative") -> None:
@@ -176,10 +182,14 @@ class Engine:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
         self.validate_request(prompt_token_ids, params)
         prompt_token_ids = list(prompt_token_ids)
+        # structured outputs: a matcher per branch, all in the grammar's initial state (a fork happens
+        # before branch 0 accepts its first token, so each child starts from its parent's state)
+        grammars = (self.grammars.matchers(params.structured_outputs, params.n)
+                    if params.structured_outputs is not None else [None] * params.n)
         arrival = next(self._arrivals)
         seqs = [Sequence(request_id=request_id, index=i, prompt_token_ids=prompt_token_ids, params=params,
                          generator=make_generator(params, self.seed, arrival, i, self.device), arrival=arrival,
-                         logprobs=[] if params.logprobs is not None else None)
+                         logprobs=[] if params.logprobs is not None else None, grammar=grammars[i])
                 for i in range(params.n)]
         self.requests[request_id] = Request(request_id, prompt, prompt_token_ids, params, seqs,
                                             output_kind=output_kind)
@@ -273,8 +283,9 @@ class Engine:
         self.scheduler.advance(out)
         # Verify rows are accepted on the host, and a fork copies its parent's state before anything
         # else runs on it: the next schedule needs those outcomes, so such steps are not overlapped.
+        # Nor are steps that sample a constrained row: its next mask needs this token in its matcher.
         step.overlappable = self.async_scheduling and not any(
-            c.draft or (c.samples and self._forks_from(c.seq)) for c in out.chunks)
+            c.draft or (c.samples and (self._forks_from(c.seq) or c.seq.grammar is not None)) for c in out.chunks)
         return step
 
     def _finish_step(self, step: LaunchedStep) -> dict[str, Request]:
@@ -312,6 +323,10 @@ class Engine:
         return changed
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        if seq.grammar is not None and not seq.grammar.accept(token):  # (the mask allowed it: not expected)
+            self._fail_request(self.requests[seq.request_id],
+                               f"structured outputs: token {token} does not match the grammar: {seq.grammar.error()}")
+            return
         stop = self.outputs.append_token(seq, token, logprobs)
         if stop is not None:
             self.scheduler.finish(seq, *stop)

@@ -21,6 +21,7 @@ from hybrid.resources import ResourceManager
 from hybrid.sampling import (SamplingParams, logprob_dict, logprob_rows, process_logits, sample_row,
                              sample_tokens, top_logprobs)
 from hybrid.scheduler import SchedulerOutput
+from hybrid.structured_outputs import GrammarCompiler, apply_token_bitmask
 
 
 @dataclass
@@ -82,7 +83,8 @@ def nonfinite_reason(seq: Sequence, row: int, state_nan: torch.Tensor | None) ->
 
 class StepLauncher:
     def __init__(self, resources: ResourceManager, *, device: torch.device, max_pages_per_seq: int,
-                 eos_token_ids: set[int], vocab_size: int, check_state: bool) -> None:
+                 eos_token_ids: set[int], vocab_size: int, check_state: bool,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.resources = resources
         self.device = device
         self.max_pages_per_seq = max_pages_per_seq
@@ -90,6 +92,7 @@ class StepLauncher:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.check_state = check_state
+        self.grammars = grammars  # structured outputs: fills the token bitmasks of constrained rows
 
     # ------------------------------------------------------------------ batch building
     def build_batch(self, out: SchedulerOutput, in_flight: LaunchedStep | None) -> StepBatch:
@@ -187,6 +190,8 @@ class StepLauncher:
                     lp_rows.append(c.logits_row)
                     lp_ks.append(c.seq.params.logprobs)
         tokens, finite = sample_tokens(self._processed(logits, chunks, in_flight), row_params, row_generators)
+        if any(c.samples and c.seq.grammar is not None for c in chunks):  # masked rows: check the raw logits
+            finite = finite & torch.isfinite(logits.max(dim=-1).values)
         if self.check_state:  # the sanitizer looks at every raw logit, not just each row's maximum
             finite = finite & torch.isfinite(logits).all(dim=-1)
         # finite: one flag per logits row, read with the tokens; a row that is not finite fails its request
@@ -212,7 +217,16 @@ class StepLauncher:
     def _processed(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
                    in_flight: LaunchedStep | None) -> torch.Tensor:
         """The logits to sample from: min_tokens, logit bias and penalties applied on the rows whose
-        requests ask for them (the logits themselves when none does)."""
+        requests ask for them, then the structured-output masks (the logits themselves when none does)."""
+        out = self._penalised(logits, chunks, in_flight)
+        constrained = [c for c in chunks if c.samples and not c.draft and c.seq.grammar is not None]
+        if constrained:  # each row's allowed tokens, from its matcher on the host, applied on the device
+            masks = self.grammars.fill_bitmasks([c.seq.grammar for c in constrained], pin=logits.is_cuda)
+            out = apply_token_bitmask(out, [c.logits_row for c in constrained], masks)
+        return out
+
+    def _penalised(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
+                   in_flight: LaunchedStep | None) -> torch.Tensor:
         proc = [c for c in chunks if c.samples and not c.draft and c.seq.params.processes_logits]
         if not proc:
             return logits
@@ -229,6 +243,8 @@ class StepLauncher:
 
     def banned(self, seq: Sequence) -> list[int]:
         """Tokens that would end the output: masked while fewer than min_tokens are generated."""
+        if seq.grammar is not None and seq.grammar.finished:
+            return []  # the grammar allows nothing but EOS: min_tokens cannot hold it back
         ids = set(seq.params.stop_token_ids or ())
         if not seq.params.ignore_eos:
             ids |= self.eos_token_ids
@@ -245,6 +261,10 @@ class StepLauncher:
             greedy_token = int(seq_logits_p.argmax())
         else:
             seq_logits_p = seq_logits
+        if seq.grammar is not None:
+            masks = self.grammars.fill_bitmasks([seq.grammar], pin=False)
+            seq_logits_p = apply_token_bitmask(seq_logits_p[None], [0], masks)[0]
+            greedy_token = int(seq_logits_p.argmax())
         token = greedy_token if p.greedy else sample_row(seq_logits_p, p, seq.generator)
         logprobs = top_logprobs(seq_logits, token, seq.params.logprobs) if seq.logprobs is not None else None
         return token, logprobs

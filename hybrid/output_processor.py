@@ -64,6 +64,8 @@ class OutputProcessor:
                 if at != -1:
                     seq.text = seq.text[:at]
                     return "stop", s
+        if seq.grammar is not None and seq.grammar.finished:  # structured outputs: the grammar is complete
+            return self._final_text(seq, "stop")
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return self._final_text(seq, "length")
         return None

@@ -13,6 +13,7 @@ import torch
 
 from hybrid.errors import InvalidRequestError
 from hybrid.sampling import SamplingParams, generator_seed
+from hybrid.structured_outputs import SequenceGrammar
 
 
 class Status(enum.Enum):
@@ -51,6 +52,8 @@ class Sequence:
     pending: int = 0
     pending_row: int = -1
     cache_at: int = 0  # prefix caching: a prefill chunk ends here and the prefix is cached (0: no more)
+    # structured outputs: this branch's grammar matcher, advanced with every token it accepts (None: free)
+    grammar: SequenceGrammar | None = None
 
     @property
     def tokens(self) -> list[int]:

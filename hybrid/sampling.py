@@ -15,6 +15,7 @@ import torch
 
 from hybrid.batch import to_device
 from hybrid.errors import InvalidRequestError
+from hybrid.structured_outputs import StructuredOutputsParams  # re-exported: hybrid.sampling.StructuredOutputsParams
 
 # torch.Generator.manual_seed takes a 64-bit value (a negative one is read as its two's complement)
 # and raises OverflowError beyond that range.
@@ -49,6 +50,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # ... times the number of times it was generated
     repetition_penalty: float = 1.0  # logits of tokens in the prompt or output: / if > 0, * if < 0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # JSON schema / JSON object / regex / choice / grammar the output must match (hybrid/structured_outputs.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -93,6 +96,15 @@ class SamplingParams:
                 raise bad("logit_bias", "must map token ids to numbers") from None
             if any(not (-100.0 <= v <= 100.0) for v in self.logit_bias.values()):
                 raise bad("logit_bias", "values must be in [-100, 100]")
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise bad("structured_outputs", f"not a StructuredOutputsParams: {e}") from None
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
