@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.kv_cache import PagedKVCache  # noqa: E402
 from hybrid.engine import Engine  # noqa: E402
+from hybrid.engine_config import engine_config  # noqa: E402
 from hybrid.sampling import SamplingParams  # noqa: E402
 from state_pool.pool import MambaStatePool, StateShapes  # noqa: E402
 
@@ -45,8 +46,9 @@ def measure(batch_size: int, context: int, steps: int = 20, generated: int = 0,
     room = generated + steps + 40
     pool = MambaStatePool(StateShapes(1, 8, 3, 1, 1, 1), batch_size)
     kv = PagedKVCache(1, batch_size * (-(-(context + room) // page)) + 1, page, 1, 8)
-    eng = Engine(FixedLogits(), pool, kv, vocab_size=VOCAB, max_model_len=context + room, max_num_seqs=batch_size,
-                 max_num_batched_tokens=8192, eos_token_ids=set(), tokenizer=None)
+    config = engine_config(device="cpu", max_model_len=context + room, max_num_seqs=batch_size,
+                           max_num_batched_tokens=8192, page_size=page)
+    eng = Engine(FixedLogits(), pool, kv, config, vocab_size=VOCAB, eos_token_ids=set(), tokenizer=None)
     prompt = [1 + i % (VOCAB - 1) for i in range(context)]
     for i in range(batch_size):
         eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True),

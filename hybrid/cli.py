@@ -6,12 +6,22 @@ import sys
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    from hybrid.engine_config import (CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS,
+                                      CUDA_MAX_NUM_SEQS)
+
+    p.add_argument("--model", default=None,
+                   help="a checkpoint directory, or a Hugging Face repo id owner/name[@rev] already in the local "
+                        "Hugging Face cache (nothing is downloaded; default: the bundled model)")
+    p.add_argument("--device", default=None, help="auto | cpu | cuda[:N] (default auto: cuda if available)")
+    p.add_argument("--dtype", default=None,
+                   help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"sequences running at once (default: {CUDA_MAX_NUM_SEQS} on cuda, fewer if memory is "
+                        f"short; {CPU_MAX_NUM_SEQS} on cpu)")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"tokens per engine step (default: {CUDA_MAX_NUM_BATCHED_TOKENS} on cuda, fewer if memory "
+                        f"is short; {CPU_MAX_NUM_BATCHED_TOKENS} on cpu)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
@@ -22,25 +32,31 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    return dict(model=args.model, device=device, dtype=dtype, max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                page_size=args.page_size, seed=args.seed, enforce_eager=args.enforce_eager,
-                async_scheduling=False if args.no_async_scheduling else None,
+    """LLM's keyword arguments from the engine flags; what is not given is left to LLM's defaults
+    (device and dtype "auto", the device-suited sizes), resolved by engine_config as LLM does."""
+    return dict(model=args.model, device=args.device or "auto", dtype=args.dtype or "auto",
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
+                enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
                 enable_prefix_caching=args.enable_prefix_caching)
 
 
+def build_llm(args: argparse.Namespace):
+    """The LLM of the engine flags, through the EngineConfig LLM(...) builds (engine_config)."""
+    from hybrid.engine_config import engine_config
+    from hybrid.llm import LLM
+
+    return LLM.from_engine_config(engine_config(**engine_kwargs(args)))
+
+
 def _generate(args: argparse.Namespace) -> int:
-    from hybrid import LLM, SamplingParams
     from hybrid.errors import HybridError
+    from hybrid.sampling import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.sampling_seed, n=args.n, ignore_eos=args.ignore_eos)
-        llm = LLM(**engine_kwargs(args))
+        llm = build_llm(args)
         outs = llm.generate(args.prompt, params, use_tqdm=False)
     except HybridError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -82,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         serve.set_defaults(func=lambda args: _serve_unavailable(missing))
     else:
         serve = add_serve_parser(sub, _add_engine_args)
+        serve.set_defaults(func=_serve)
         # `hybrid serve MODEL`, as `vllm serve MODEL` (or --model MODEL)
         serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                           help="checkpoint directory (same as --model)")
+                           help="checkpoint directory or cached hub repo id owner/name[@rev] (same as --model)")
 
     args = parser.parse_args(argv)
     if getattr(args, "model_path", None) is not None:
@@ -92,6 +109,23 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"two models given: {args.model_path!r} and --model {args.model!r}")
         args.model = args.model_path
     return args.func(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from hybrid.errors import HybridError
+    from hybrid.server import run_server, serve_options
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = serve_options(args)
+        llm = build_llm(args)
+    except (ValueError, HybridError) as e:  # ConfigurationError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run_server(llm, args, options)
+    return 0
 
 
 def _serve_unavailable(missing: str) -> int:

@@ -29,6 +29,7 @@ import torch
 
 from attention.kv_cache import PagedKVCache
 from hybrid.batch import StepBatch
+from hybrid.engine_config import EngineConfig
 from hybrid.errors import EngineDeadError, InvalidRequestError
 from hybrid.launcher import LaunchedStep, StepLauncher
 from hybrid.output_processor import OUTPUT_KINDS, OutputProcessor
@@ -39,7 +40,7 @@ from hybrid.request import (Request, ScheduledChunk, Sequence, Status, make_gene
 from hybrid.resources import ResourceManager
 from hybrid.sampling import SamplingParams
 from hybrid.scheduler import Scheduler, SchedulerOutput
-from hybrid.spec_decode import NgramProposer, SpeculativeConfig, verify_drafts
+from hybrid.spec_decode import NgramProposer, verify_drafts
 from hybrid.structured_outputs import GrammarCompiler
 from state_pool.pool import MambaStatePool
 from state_pool.util import cdiv
@@ -71,34 +72,30 @@ class Engine:
         runner,
         state_pool: MambaStatePool,
         kv_cache: PagedKVCache,
+        config: EngineConfig,
         *,
         vocab_size: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
         eos_token_ids: set[int],
         tokenizer=None,
-        seed: int = 0,
-        device: torch.device = torch.device("cpu"),
-        check_state: bool = False,
-        speculative_config: dict | SpeculativeConfig | None = None,
-        async_scheduling: bool = False,
-        prefix_cache_entries: int = 0,
-        prefix_cache_interval: int = 0,
     ) -> None:
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        """`config`: the validated EngineConfig (hybrid/engine_config.py) with its sizes settled
+        (EngineConfig.with_sizes); its sizes, seed, device, sanitizer, speculation, async
+        scheduling and prefix caching configure the engine, the scheduler and the resources."""
+        if not config.sizes_known:
+            raise ValueError("the engine needs an EngineConfig with its sizes settled (EngineConfig.with_sizes): "
+                             f"max_num_seqs={config.max_num_seqs}, max_num_batched_tokens="
+                             f"{config.max_num_batched_tokens}, max_model_len={config.max_model_len}")
+        self.config = config
         self.runner = runner
         self.state_pool = state_pool
         self.kv_cache = kv_cache
         self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len = config.max_model_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
-        self.seed = seed
-        self.device = device
+        self.seed = config.seed
+        self.device = device = config.device
         self.page_size = kv_cache.page_size
         self.max_pages_per_seq = cdiv(max_model_len, self.page_size)
         self.requests: dict[str, Request] = {}
@@ -108,23 +105,20 @@ class Engine:
                       "prefix_cache_hits": 0, "prefix_cache_hit_tokens": 0, "prefix_cache_evictions": 0,
                       "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         # State sanitizer: poison freed slots, check every batch against live slots/pages.
-        self.check_state = bool(check_state)
+        self.check_state = config.check_state
         state_pool.poison_freed = self.check_state
-        self.spec_config = SpeculativeConfig.from_dict(speculative_config)
+        self.spec_config = config.speculative
         proposer = NgramProposer(self.spec_config) if self.spec_config is not None else None
         if self.spec_config is not None:
-            state_pool.enable_spec_scratch(max_num_seqs, self.spec_config.num_speculative_tokens + 1)
+            state_pool.enable_spec_scratch(config.max_num_seqs, self.spec_config.num_speculative_tokens + 1)
         # Async scheduling: step N+1 is scheduled and launched while step N still runs on the device
         # (its decode rows read N's sampled tokens on the device), then N's tokens are read back. The
         # host's scheduling, batch building and output work hide behind the device step. Drafts need
         # the latest tokens on the host, so speculation runs synchronously.
-        self.async_scheduling = bool(async_scheduling) and self.spec_config is None
+        self.async_scheduling = config.async_scheduling and self.spec_config is None
         self._in_flight: LaunchedStep | None = None
-        self.resources = ResourceManager(state_pool, kv_cache, self.stats, prefix_cache_entries=prefix_cache_entries,
-                                         prefix_cache_interval=prefix_cache_interval)
-        self.scheduler = Scheduler(self.resources, self.stats, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                   proposer=proposer)
+        self.resources = ResourceManager(state_pool, kv_cache, self.stats, config)
+        self.scheduler = Scheduler(self.resources, self.stats, config, proposer=proposer)
         self.grammars = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids)  # structured outputs
         self.launcher = StepLauncher(self.resources, device=device, max_pages_per_seq=self.max_pages_per_seq,
                                      eos_token_ids=self.eos_token_ids, vocab_size=vocab_size,
@@ -134,6 +128,16 @@ class Engine:
         self.dead: EngineDeadError | None = None
 
     # ------------------------------------------------------------------ state, as callers see it
+    @property
+    def max_num_seqs(self) -> int:
+        """The most sequences running at once: the scheduler's admission cap (at most the config's:
+        the state pool has that many slots; lowering it here takes effect at the next schedule)."""
+        return self.scheduler.max_num_seqs
+
+    @max_num_seqs.setter
+    def max_num_seqs(self, value: int) -> None:
+        self.scheduler.max_num_seqs = value
+
     @property
     def waiting(self) -> deque[Sequence]:
         return self.scheduler.waiting

@@ -1,7 +1,6 @@
 """The offline generation API, shaped like vLLM's `LLM`."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -13,161 +12,30 @@ from attention.kv_cache import PagedKVCache
 from graphs.runner import ModelRunner
 from hybrid.config import load_config
 from hybrid.engine import Engine
-from hybrid.errors import CapacityError, ConfigurationError, InvalidRequestError, RequestFailedError
+from hybrid.engine_config import (  # re-exported: the sizing API is known from here
+    CPU_MAX_MODEL_LEN, CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS,
+    MIN_DEFAULT_BATCHED_TOKENS, EngineConfig, EngineSizes, default_sizes, engine_config, fit_max_model_len,
+    plan_cuda_sizes, resolve_device, smaller_sizes,
+)
+from hybrid.errors import CapacityError, InvalidRequestError, RequestFailedError
 from hybrid.layers import use_fused_ops
 from hybrid.loader import load_model
 from hybrid.model import ForwardContext
 from hybrid.model_source import DEFAULT_MODEL_DIR, resolve_model
 from hybrid.outputs import RequestOutput
 from hybrid.sampling import SamplingParams
-from hybrid.spec_decode import SpeculativeConfig
 from state_pool.pool import MambaStatePool, StateShapes
 
 logger = logging.getLogger("hybrid")
 
-__all__ = ["LLM", "DEFAULT_MODEL_DIR", "resolve_device", "default_sizes", "smaller_sizes", "fit_max_model_len",
-           "plan_cuda_sizes"]
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-# Defaults that suit the device (explicit arguments always win). CPU: a few sequences, small
-# steps, at most 4096 tokens of context. CUDA: as vLLM, 256 sequences and 8192-token steps (less
-# if the memory plan cannot hold them) and the checkpoint's whole context (max_position_embeddings),
-# capped by the KV cache that fits next to the Mamba state.
-CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_MODEL_LEN = 8, 256, 4096
-CUDA_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS = 256, 8192
-MIN_DEFAULT_BATCHED_TOKENS = 256  # CUDA: defaulted step sizes shrink no further when memory is short
-
-
-def _dtype(name: str | torch.dtype, what: str) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in _DTYPES:
-        raise ConfigurationError(f"unknown {what} '{name}'; choose one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
-
-
-def _device(name: str | torch.device) -> torch.device:
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigurationError(f"unknown device {name!r}: {e}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigurationError(f"device {name!r}: only cpu and cuda are supported")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigurationError(f"device {name!r}: CUDA is not available on this machine")
-    return device
-
-
-def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
-    """The device to run on: "auto" (or None) is CUDA when it is available, else the CPU; anything
-    else must name a cpu or cuda device (ConfigurationError otherwise, or if CUDA is missing)."""
-    if name is None or (isinstance(name, str) and name == "auto"):
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return _device(name)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSizes:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int | None  # None: from the checkpoint, capped by the memory plan (CUDA)
-
-
-def default_sizes(device_type: str, max_position_embeddings: int, *, max_num_seqs: int | None = None,
-                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None) -> EngineSizes:
-    """The engine sizes for a device: the given values, the device's defaults for the others."""
-    if device_type == "cuda":
-        return EngineSizes(CUDA_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs,
-                           CUDA_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens,
-                           max_model_len)
-    return EngineSizes(CPU_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs,
-                       CPU_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens,
-                       min(max_position_embeddings, CPU_MAX_MODEL_LEN) if max_model_len is None else max_model_len)
-
-
-def smaller_sizes(sizes: EngineSizes, *, max_num_seqs_given: bool,
-                  max_num_batched_tokens_given: bool) -> EngineSizes | None:
-    """The next sizes to try when the memory plan does not fit: max_num_seqs halved (if it was
-    defaulted) down to 1, then max_num_batched_tokens halved (if defaulted) down to
-    MIN_DEFAULT_BATCHED_TOKENS. None when nothing defaulted is left to shrink."""
-    if not max_num_seqs_given and sizes.max_num_seqs > 1:
-        return dataclasses.replace(sizes, max_num_seqs=sizes.max_num_seqs // 2)
-    if not max_num_batched_tokens_given and sizes.max_num_batched_tokens > MIN_DEFAULT_BATCHED_TOKENS:
-        return dataclasses.replace(
-            sizes, max_num_batched_tokens=max(MIN_DEFAULT_BATCHED_TOKENS, sizes.max_num_batched_tokens // 2))
-    return None
-
-
-def fit_max_model_len(*, budget_bytes: int, slot_bytes: int, page_bytes: int, page_size: int, max_num_seqs: int,
-                      extra_state_slots: int = 0, num_speculative_tokens: int = 0,
-                      num_kv_pages: int | None = None) -> int | None:
-    """The longest sequence whose KV pages fit: in what `budget_bytes` leaves after the Mamba slots
-    and the speculative scratch (graphs.memory.split_budget's order), or in `num_kv_pages` if given,
-    less the dummy page. None without attention layers (page_bytes 0): no KV, any length fits."""
-    from graphs.memory import spec_scratch_bytes
-
-    if not page_bytes:
-        return None
-    state = (max_num_seqs + extra_state_slots + 1) * slot_bytes
-    kv_budget = budget_bytes - state - spec_scratch_bytes(slot_bytes, max_num_seqs, num_speculative_tokens)
-    pages = kv_budget // page_bytes
-    if num_kv_pages is not None:
-        pages = min(pages, num_kv_pages)
-    return max(0, pages - 1) * page_size
-
-
-def plan_cuda_sizes(plan, sizes: EngineSizes, *, max_position_embeddings: int, page_size: int,
-                    num_kv_pages: int | None, max_num_seqs_given: bool, max_num_batched_tokens_given: bool,
-                    extra_state_slots=lambda seqs: 0, num_speculative_tokens: int = 0):
-    """The CUDA sizes and memory plan: `plan(sizes, max_model_len)` (graphs.memory.plan_memory)
-    is tried at `sizes`, and on CapacityError again at smaller_sizes (only what was defaulted
-    shrinks; the last error is raised when nothing is left). An unset max_model_len is planned at
-    one chunk (min(config, max(max_num_batched_tokens, page_size)): the profiling forward's size,
-    so the same activation peak), then set to max_position_embeddings capped by fit_max_model_len,
-    and the KV pages are split again for it. `extra_state_slots(max_num_seqs)`: the prefix
-    cache's slots. Returns (sizes with max_model_len set, plan, whether memory capped max_model_len)."""
-    from graphs.memory import split_budget
-
-    while True:
-        probe_len = sizes.max_model_len or min(max_position_embeddings, max(sizes.max_num_batched_tokens, page_size))
-        try:
-            memory_plan = plan(sizes, probe_len)
-            break
-        except CapacityError as e:
-            smaller = smaller_sizes(sizes, max_num_seqs_given=max_num_seqs_given,
-                                    max_num_batched_tokens_given=max_num_batched_tokens_given)
-            if smaller is None:
-                raise
-            logger.warning("memory plan: %s; trying the smaller default max_num_seqs=%d, max_num_batched_tokens=%d",
-                           e, smaller.max_num_seqs, smaller.max_num_batched_tokens)
-            sizes = smaller
-    if sizes.max_model_len is not None:
-        return sizes, memory_plan, False
-    extra = extra_state_slots(sizes.max_num_seqs)
-    fit = fit_max_model_len(budget_bytes=memory_plan.budget_bytes, slot_bytes=memory_plan.slot_bytes,
-                            page_bytes=memory_plan.page_bytes, page_size=page_size, max_num_seqs=sizes.max_num_seqs,
-                            extra_state_slots=extra, num_speculative_tokens=num_speculative_tokens,
-                            num_kv_pages=num_kv_pages)
-    length = max_position_embeddings if fit is None else min(max_position_embeddings, fit)
-    _, _, pages = split_budget(memory_plan.budget_bytes, slot_bytes=memory_plan.slot_bytes,
-                               page_bytes=memory_plan.page_bytes, page_size=page_size, max_num_seqs=sizes.max_num_seqs,
-                               max_model_len=length, extra_state_slots=extra,
-                               num_speculative_tokens=num_speculative_tokens, num_kv_pages=num_kv_pages)
-    memory_plan = dataclasses.replace(memory_plan, num_kv_pages=pages, max_tokens=(pages - 1) * page_size)
-    return dataclasses.replace(sizes, max_model_len=length), memory_plan, length < max_position_embeddings
+__all__ = ["LLM", "DEFAULT_MODEL_DIR", "EngineConfig", "engine_config", "resolve_device", "EngineSizes",
+           "default_sizes", "smaller_sizes", "fit_max_model_len", "plan_cuda_sizes", "CPU_MAX_NUM_SEQS",
+           "CPU_MAX_NUM_BATCHED_TOKENS", "CPU_MAX_MODEL_LEN", "CUDA_MAX_NUM_SEQS", "CUDA_MAX_NUM_BATCHED_TOKENS",
+           "MIN_DEFAULT_BATCHED_TOKENS"]
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _check_int(name: str, value, lo: int, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ConfigurationError(f"{name} must be an integer >= {lo}, got {value!r}")
 
 
 class LLM:
@@ -197,41 +65,36 @@ class LLM:
         check_weights: bool = False,  # refuse a checkpoint whose weights hold NaN/Inf (see loader.load_model)
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
-        _check_int("page_size", page_size, 1)
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            _check_int(name, value, 1, optional=True)
-        _check_int("max_model_len", max_model_len, 2, optional=True)  # a prompt token and a generated one
-        _check_int("num_kv_pages", num_kv_pages, 2, optional=True)  # page 0 is the reserved dummy page
-        _check_int("prefix_cache_entries", prefix_cache_entries, 0, optional=True)
-        _check_int("prefix_cache_interval", prefix_cache_interval, 0)
-        if not isinstance(seed, int) or isinstance(seed, bool):  # any int (reduced as sampling seeds are)
-            raise ConfigurationError(f"seed must be an integer, got {seed!r}")
-        if not isinstance(gpu_memory_utilization, (int, float)) or not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        if mamba_decode_kernels not in ("triton", "library"):
-            raise ConfigurationError(f"mamba_decode_kernels must be 'triton' or 'library', got {mamba_decode_kernels!r}")
-        try:
-            SpeculativeConfig.from_dict(speculative_config)
-        except ValueError as e:
-            raise ConfigurationError(str(e)) from None
-        self.device = resolve_device(device)
-        if dtype == "auto":  # bf16 end to end on GPU, fp32 on CPU
-            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.dtype = _dtype(dtype, "dtype")
-        self.ssm_dtype = ssm_dtype = _dtype(mamba_ssm_dtype, "mamba_ssm_dtype")
-        if enable_prefix_caching and prefix_cache_entries is not None and prefix_cache_entries < 1:
-            raise ConfigurationError("prefix_cache_entries must be >= 1 with enable_prefix_caching")
+        # engine_config takes the same keywords: the one place they are checked and resolved.
+        self._start(engine_config(
+            model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, page_size=page_size, seed=seed,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=num_kv_pages,
+            enforce_eager=enforce_eager, mamba_ssm_dtype=mamba_ssm_dtype, speculative_config=speculative_config,
+            check_state=check_state, gpu_memory_utilization=gpu_memory_utilization,
+            cuda_graph_sizes=cuda_graph_sizes, mamba_decode_kernels=mamba_decode_kernels, fused_ops=fused_ops,
+            async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
+            prefix_cache_entries=prefix_cache_entries, prefix_cache_interval=prefix_cache_interval,
+            check_weights=check_weights))
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> "LLM":
+        """An LLM for an EngineConfig built by hybrid.engine_config.engine_config (as the CLI does)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        """Load the checkpoint, settle the sizes (device defaults; on CUDA the memory plan) and build
+        the state pool, the KV cache, the model runner and the engine."""
+        cache = config.cache
+        self.device, self.dtype, self.ssm_dtype = config.device, config.dtype, cache.mamba_ssm_dtype
         # a directory, or a hub repo id found in the local Hugging Face cache (never downloaded)
-        source = resolve_model(model)
+        source = resolve_model(config.model)
         self.model_dir, self.hf_repo_id = source.path, source.repo_id
         self.config = cfg = load_config(self.model_dir)
-        sizes = default_sizes(self.device.type, cfg.max_position_embeddings, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
-
-        def cache_entries_for(seqs: int) -> int:
-            if not enable_prefix_caching:
-                return 0
-            return seqs if prefix_cache_entries is None else prefix_cache_entries
+        sizes = default_sizes(self.device.type, cfg.max_position_embeddings, max_num_seqs=config.max_num_seqs,
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              max_model_len=config.max_model_len)
 
         from hybrid.tokenizer import Tokenizer
 
@@ -241,20 +104,15 @@ class LLM:
         eos = set(cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
 
         self.model = load_model(self.model_dir, cfg, self.device, self.dtype, progress=self.device.type == "cuda",
-                                check_finite=check_weights)
+                                check_finite=config.check_weights)
         m = cfg.mamba
         shapes = StateShapes(len(cfg.mamba_layers), m.conv_dim, m.conv_kernel - 1, m.num_heads, m.head_dim, m.state_size)
-        if fused_ops is None:  # on where the kernels compile; on CPU only through Triton's interpreter
-            from hybrid.ops import triton_act, triton_norm
-
-            fused_ops = self.device.type == "cuda" and triton_norm.is_available() and triton_act.is_available()
-        if fused_ops:
+        if config.fused_ops:
             use_fused_ops(self.model)
         backend = select_backend(self.device)
-        spec = SpeculativeConfig.from_dict(speculative_config)  # (checked above)
-        num_spec = spec.num_speculative_tokens if spec else 0
+        num_spec, page_size, num_kv_pages = config.num_speculative_tokens, cache.page_size, cache.num_kv_pages
         self.memory_plan = None
-        if max_model_len is not None:
+        if config.max_model_len is not None:
             max_len_note = "given"
         elif self.device.type == "cuda" or cfg.max_position_embeddings <= CPU_MAX_MODEL_LEN:
             max_len_note = f"config max_position_embeddings={cfg.max_position_embeddings}"
@@ -264,36 +122,37 @@ class LLM:
             from graphs.memory import plan_memory
             from hybrid.ops.mamba_cuda import attach_kernels
 
-            if attach_kernels(self.model, mamba_decode_kernels) is None and cfg.mamba_layers:
+            if attach_kernels(self.model, config.mamba_decode_kernels) is None and cfg.mamba_layers:
                 logger.warning("mamba-ssm / causal-conv1d not importable: Mamba layers use the torch path")
 
             def plan_fn(trial: EngineSizes, probe_len: int):
                 return plan_memory(
-                    self.model, cfg, device=self.device, gpu_memory_utilization=gpu_memory_utilization,
+                    self.model, cfg, device=self.device, gpu_memory_utilization=cache.gpu_memory_utilization,
                     max_num_seqs=trial.max_num_seqs, max_model_len=probe_len,
                     max_num_batched_tokens=trial.max_num_batched_tokens, page_size=page_size, kv_dtype=self.dtype,
-                    conv_dtype=self.dtype, ssm_dtype=ssm_dtype, attention_backend=backend, num_kv_pages=num_kv_pages,
-                    use_graphs=not enforce_eager, extra_state_slots=cache_entries_for(trial.max_num_seqs),
-                    num_speculative_tokens=num_spec, cuda_graph_sizes=cuda_graph_sizes)
+                    conv_dtype=self.dtype, ssm_dtype=self.ssm_dtype, attention_backend=backend,
+                    num_kv_pages=num_kv_pages, use_graphs=not config.enforce_eager,
+                    extra_state_slots=cache.prefix_cache_slots(trial.max_num_seqs), num_speculative_tokens=num_spec,
+                    cuda_graph_sizes=config.cuda_graph_sizes)
 
             sizes, plan, capped = plan_cuda_sizes(
                 plan_fn, sizes, max_position_embeddings=cfg.max_position_embeddings, page_size=page_size,
-                num_kv_pages=num_kv_pages, max_num_seqs_given=max_num_seqs is not None,
-                max_num_batched_tokens_given=max_num_batched_tokens is not None,
-                extra_state_slots=cache_entries_for, num_speculative_tokens=num_spec)
+                num_kv_pages=num_kv_pages, max_num_seqs_given=config.max_num_seqs is not None,
+                max_num_batched_tokens_given=config.max_num_batched_tokens is not None,
+                extra_state_slots=cache.prefix_cache_slots, num_speculative_tokens=num_spec)
             if capped:
                 max_len_note += f", capped to what the KV cache holds next to {sizes.max_num_seqs} Mamba slots"
             self.memory_plan = plan
             num_kv_pages = plan.num_kv_pages
             logger.info(plan.summary(sizes.max_num_seqs, sizes.max_model_len, page_size))
         self.max_num_seqs = max_num_seqs = sizes.max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens = sizes.max_num_batched_tokens
+        self.max_num_batched_tokens = sizes.max_num_batched_tokens
         self.max_model_len = sizes.max_model_len
-        cache_entries = cache_entries_for(max_num_seqs)
+        cache_entries = cache.prefix_cache_slots(max_num_seqs)
         self.state_pool = MambaStatePool(shapes, max_num_seqs + cache_entries, self.device, conv_dtype=self.dtype,
-                                         ssm_dtype=ssm_dtype)
-        if spec:  # the verify scratch, allocated where the memory plan budgets it: before the KV cache
-            self.state_pool.enable_spec_scratch(max_num_seqs, spec.num_speculative_tokens + 1)
+                                         ssm_dtype=self.ssm_dtype)
+        if num_spec:  # the verify scratch, allocated where the memory plan budgets it: before the KV cache
+            self.state_pool.enable_spec_scratch(max_num_seqs, num_spec + 1)
         pages_per_seq = -(-self.max_model_len // page_size)
         if num_kv_pages is None:
             num_kv_pages = max_num_seqs * pages_per_seq + 1
@@ -302,33 +161,27 @@ class LLM:
                 f"num_kv_pages={num_kv_pages} cannot hold one sequence of max_model_len={self.max_model_len} "
                 f"({pages_per_seq} pages of {page_size} tokens plus the dummy page)"
             )
+        # the config as the engine runs it: every size settled
+        self.engine_config = config = config.with_sizes(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, num_kv_pages=num_kv_pages)
         a = cfg.attention
         self.kv_cache = PagedKVCache(len(cfg.attention_layers), num_kv_pages, page_size, a.num_kv_heads, a.head_dim,
                                      self.device, self.dtype)
         logger.info(
             "LLM: %s on %s; weights %s, Mamba SSM state %s (conv state %s); max_model_len %d (%s); "
             "max_num_seqs %d (Mamba state slots: %d%s); max_num_batched_tokens %d; KV cache %s",
-            self.hf_repo_id or self.model_dir, self.device, _name(self.dtype), _name(ssm_dtype), _name(self.dtype),
+            self.hf_repo_id or self.model_dir, self.device, _name(self.dtype), _name(self.ssm_dtype), _name(self.dtype),
             self.max_model_len, max_len_note, max_num_seqs, max_num_seqs + cache_entries,
-            f", {cache_entries} of them for cached prefixes" if cache_entries else "", max_num_batched_tokens,
+            f", {cache_entries} of them for cached prefixes" if cache_entries else "", self.max_num_batched_tokens,
             f"{num_kv_pages - 1} pages x {page_size} tokens = {(num_kv_pages - 1) * page_size} tokens"
             if cfg.attention_layers else "none (no attention layers)")
         ctx = ForwardContext(self.state_pool, self.kv_cache, backend)
-        self.runner = ModelRunner(self.model, ctx, enforce_eager=enforce_eager or self.device.type != "cuda",
+        self.runner = ModelRunner(self.model, ctx, enforce_eager=config.enforce_eager or self.device.type != "cuda",
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, page_size=page_size,
-                                  cuda_graph_sizes=cuda_graph_sizes)
-        self.engine = Engine(
-            self.runner, self.state_pool, self.kv_cache,
-            vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=eos, tokenizer=self.tokenizer,
-            seed=seed, device=self.device,
-            check_state=check_state if check_state is not None else os.environ.get("HYBRID_CHECK_STATE", "0")
-            not in ("", "0", "false", "False"),
-            speculative_config=speculative_config,
-            # on CPU every op runs synchronously anyway: nothing to overlap
-            async_scheduling=self.device.type == "cuda" if async_scheduling is None else async_scheduling,
-            prefix_cache_entries=cache_entries, prefix_cache_interval=prefix_cache_interval,
-        )
+                                  cuda_graph_sizes=config.cuda_graph_sizes)
+        self.engine = Engine(self.runner, self.state_pool, self.kv_cache, config, vocab_size=cfg.vocab_size,
+                             eos_token_ids=eos, tokenizer=self.tokenizer)
         self._ids = itertools.count()
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -21,20 +21,22 @@ from state_pool.sanitizer import RowOwner, check_batch
 from state_pool.util import cdiv
 
 if TYPE_CHECKING:
+    from hybrid.engine_config import EngineConfig
     from hybrid.request import ScheduledChunk, Sequence
 
 
 class ResourceManager:
-    def __init__(self, state_pool: MambaStatePool, kv_cache: PagedKVCache, stats: dict[str, int], *,
-                 prefix_cache_entries: int = 0, prefix_cache_interval: int = 0) -> None:
+    def __init__(self, state_pool: MambaStatePool, kv_cache: PagedKVCache, stats: dict[str, int],
+                 config: EngineConfig) -> None:
         self.state_pool = state_pool
         self.kv_cache = kv_cache
         self.pages = kv_cache.allocator
         self.page_size = kv_cache.page_size
         self.stats = stats
         # Prefix caching (hybrid/prefix_cache.py): its entries hold state-pool slots beyond max_num_seqs
-        self.prefix_cache = (PrefixCache(self.page_size, prefix_cache_entries, prefix_cache_interval)
-                             if prefix_cache_entries else None)
+        entries = config.prefix_cache_slots
+        self.prefix_cache = (PrefixCache(self.page_size, entries, config.cache.prefix_cache_interval)
+                             if entries else None)
         self.launched = 0  # steps launched so far
         self.synced = 0  # steps whose device work is known to be complete
         self._deferred: list[tuple[int, int | None, list[int]]] = []  # (fence step, slot, pages) to free

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hybrid.request import ScheduledChunk, Sequence, Status
 from hybrid.resources import ResourceManager
 from hybrid.spec_decode import NgramProposer
+
+if TYPE_CHECKING:
+    from hybrid.engine_config import EngineConfig
 
 
 @dataclass
@@ -38,13 +42,14 @@ class SchedulerOutput:
 class Scheduler:
     """The waiting queue and the running set, and every decision that moves sequences between them."""
 
-    def __init__(self, resources: ResourceManager, stats: dict[str, int], *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, proposer: NgramProposer | None) -> None:
+    def __init__(self, resources: ResourceManager, stats: dict[str, int], config: EngineConfig, *,
+                 proposer: NgramProposer | None) -> None:
         self.resources = resources
         self.stats = stats
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
+        # the config's sizes (settled); max_num_seqs, the admission cap, may be lowered later (Engine.max_num_seqs)
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.proposer = proposer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

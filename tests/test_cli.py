@@ -65,10 +65,10 @@ def test_version(capsys):
 def test_serve_takes_the_model_as_a_positional_argument(monkeypatch, capsys, tmp_path):
     import pytest
 
-    import hybrid.server
+    import hybrid.cli
 
     seen = []
-    monkeypatch.setattr(hybrid.server, "_serve", lambda args: seen.append(args.model) or 0)
+    monkeypatch.setattr(hybrid.cli, "_serve", lambda args: seen.append(args.model) or 0)
     assert main(["serve", str(tmp_path), "--port", "0"]) == 0  # as `vllm serve MODEL`
     assert main(["serve", "--model", str(tmp_path)]) == 0
     assert main(["serve", str(tmp_path), "--model", str(tmp_path)]) == 0
@@ -83,3 +83,75 @@ def test_serve_without_the_server_packages_says_what_to_install(monkeypatch, cap
     assert main(["serve", "some/model"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'hybrid[serve]'" in err and "invalid choice" not in err
+
+
+# ------------------------------------------------------------------ issue 14 follow-ups: LLM's defaults apply
+def _engine_parser():
+    import argparse
+
+    from hybrid.cli import _add_engine_args
+
+    p = argparse.ArgumentParser()
+    _add_engine_args(p)
+    return p
+
+
+def test_unset_flags_leave_llm_its_defaults():
+    from hybrid.cli import engine_kwargs
+
+    kw = engine_kwargs(_engine_parser().parse_args([]))
+    assert kw["device"] == "auto" and kw["dtype"] == "auto"
+    assert kw["max_num_seqs"] is None and kw["max_num_batched_tokens"] is None and kw["max_model_len"] is None
+    kw = engine_kwargs(_engine_parser().parse_args(["--max-num-seqs", "3", "--max-num-batched-tokens", "64",
+                                                    "--device", "cpu", "--dtype", "bfloat16"]))
+    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["device"], kw["dtype"]) == (3, 64, "cpu", "bfloat16")
+
+
+def test_the_cli_builds_the_config_llm_builds(monkeypatch):
+    """build_llm goes through engine_config, as LLM(...) does: the same EngineConfig."""
+    import torch
+
+    from hybrid.cli import build_llm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    llm = build_llm(_engine_parser().parse_args([]))
+    assert llm.engine_config == LLM().engine_config
+    assert (llm.device.type, llm.dtype, llm.max_num_seqs, llm.max_num_batched_tokens) == ("cpu", torch.float32, 8, 256)
+
+
+_WITH_LOG = ("import logging, sys; logging.basicConfig(level=logging.INFO); from hybrid.cli import main; "
+             "sys.exit(main(sys.argv[1:]))")
+
+
+def test_generate_without_device_flags_takes_the_device_defaults():
+    """No --device / --dtype / --max-num-seqs / --max-num-batched-tokens: device "auto" (here the CPU:
+    CUDA hidden) and the CPU's 8 sequences and 256-token steps, as the startup log states."""
+    proc = subprocess.run([sys.executable, "-c", _WITH_LOG, "generate", "--prompt", "Blessed", "--max-tokens", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Blessed")
+    [line] = [ln for ln in proc.stderr.splitlines() if "max_num_seqs" in ln]
+    assert " on cpu; weights float32" in line and "max_num_seqs 8 (" in line and "max_num_batched_tokens 256;" in line
+    # explicit values still win
+    proc = subprocess.run([sys.executable, "-c", _WITH_LOG, "generate", "--prompt", "Blessed", "--max-tokens", "3",
+                           "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--device", "auto"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr
+    [line] = [ln for ln in proc.stderr.splitlines() if "max_num_seqs" in ln]
+    assert "max_num_seqs 2 (" in line and "max_num_batched_tokens 32;" in line
+
+
+def test_help_names_hub_repo_ids():
+    for command in (["generate"], ["serve"]):
+        proc = subprocess.run([sys.executable, "-m", "hybrid", *command, "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="200"))
+        assert proc.returncode == 0, proc.stderr
+        assert "owner/name[@rev]" in proc.stdout and "Hugging Face cache" in proc.stdout, proc.stdout
+
+
+def test_bad_device_is_a_clear_error():
+    proc = subprocess.run([sys.executable, "-m", "hybrid", "generate", "--prompt", "x", "--device", "tpu"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2 and "error: unknown device 'tpu'" in proc.stderr, proc.stderr

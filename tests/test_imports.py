@@ -27,8 +27,6 @@ FORBIDDEN = {"state_pool": ("hybrid", "attention", "graphs"), "attention": ("hyb
 # extras that may be missing: flashinfer, triton, mamba_ssm, causal_conv1d ([gpu]); fastapi, ... ([serve])
 OPTIONAL = {"flashinfer", "triton", "mamba_ssm", "causal_conv1d", "fastapi", "starlette", "uvicorn",
             "prometheus_client"}
-# import loops left for another change (issue 16): hybrid.cli <-> hybrid.server (both lazy)
-KNOWN_LOOPS = [{"hybrid.cli", "hybrid.server"}]
 
 _CHILD = r"""
 import importlib, json, os, sys
@@ -167,4 +165,4 @@ def test_layering_and_no_import_loops():
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    assert [c for c in loops if c not in KNOWN_LOOPS] == []
+    assert loops == []

@@ -1,0 +1,277 @@
+"""The FastAPI app: build_app(LLM(...)) serves the OpenAI-compatible endpoints over the
+AsyncEngine, behind one ASGI guard (origins, API key), with OpenAI-shaped errors everywhere.
+
+    app = build_app(LLM("path/to/checkpoint"))        # or: hybrid serve path/to/checkpoint
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import os
+
+from fastapi import Request  # noqa: F401 - module level: FastAPI resolves the endpoints' annotations here
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse, Response
+
+from hybrid.async_engine import AsyncEngine, EngineDeadError
+from hybrid.errors import HybridError, InvalidRequestError
+from hybrid.server.api_errors import APIError, error_for, from_invalid, internal_error
+from hybrid.server.handlers import Handlers
+from hybrid.server.protocol import parse_body
+
+DEFAULT_MAX_QUEUED_REQUESTS = 256
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+_PARSE_IN_THREAD_BYTES = 256 * 1024  # larger bodies are parsed off the event loop
+
+
+def _unwrap(llm_or_engine):
+    """(AsyncEngine or None, Engine, tokenizer, the LLM or None) from an LLM, an Engine or an AsyncEngine."""
+    if isinstance(llm_or_engine, AsyncEngine):
+        return llm_or_engine, llm_or_engine.engine, llm_or_engine.tokenizer, None
+    eng = getattr(llm_or_engine, "engine", None)
+    if eng is not None:  # an LLM
+        return None, eng, getattr(llm_or_engine, "tokenizer", None), llm_or_engine
+    return None, llm_or_engine, getattr(llm_or_engine, "tokenizer", None), None
+
+
+def default_model_name(model_dir: str | None) -> str:
+    """The name a checkpoint directory is served under: "hybrid-default" for the bundled model
+    (or none), else the directory's name."""
+    from hybrid.model_source import DEFAULT_MODEL_DIR
+
+    if not model_dir or os.path.normpath(os.path.abspath(model_dir)) == os.path.normpath(DEFAULT_MODEL_DIR):
+        return "hybrid-default"
+    return os.path.basename(os.path.normpath(os.path.abspath(model_dir))) or "hybrid"
+
+
+def model_name_of(llm) -> str:
+    """The name an LLM is served under: its Hugging Face repo id when it was named by one (as
+    vLLM serves a repo under its id), else default_model_name of its checkpoint directory."""
+    return getattr(llm, "hf_repo_id", None) or default_model_name(getattr(llm, "model_dir", None))
+
+
+# ---------------------------------------------------------------------------------- origin and key
+def _with_headers(send, extra: dict[str, str]):
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+
+    async def wrapped(message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *raw]}
+        await send(message)
+
+    return wrapped
+
+
+class _Guard:
+    """ASGI middleware in front of every route (pure ASGI, so streams pass through untouched).
+
+    Cross-origin: a browser request carries an Origin header; one from an origin not in
+    `allowed_origins` is refused (403), so no web page can drive the server, and allowed ones get
+    CORS headers (preflights answered here). Clients outside a browser send no Origin.
+    API key: with `api_key` set, every /v1 route needs `Authorization: Bearer <key>` (401
+    otherwise); /health and /metrics stay open."""
+
+    def __init__(self, app, *, api_key: str | None, allowed_origins: list[str] | None, metrics) -> None:
+        self.app = app
+        self.api_key = api_key.encode("utf-8") if api_key else None
+        origins = [o.strip().rstrip("/").lower() for o in (allowed_origins or []) if o.strip()]
+        self.any_origin = "*" in origins
+        self.allowed_origins = frozenset(origins)
+        self.metrics = metrics
+
+    def origin_allowed(self, origin: str) -> bool:
+        return self.any_origin or origin.rstrip("/").lower() in self.allowed_origins
+
+    def authorized(self, header: str | None) -> bool:
+        if not header:
+            return False
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(token.strip().encode("utf-8"), self.api_key)
+
+    async def reject(self, scope, receive, send, e: APIError, headers: dict[str, str]) -> None:
+        self.metrics.on_reject(e.status)
+        await JSONResponse(e.body(), status_code=e.status, headers=headers)(scope, receive, send)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        cors: dict[str, str] = {}
+        origin = headers.get("origin")
+        if origin is not None:
+            if not self.origin_allowed(origin):
+                await self.reject(scope, receive, send, APIError(
+                    f"cross-origin requests from {origin!r} are not allowed (see --allowed-origins)", 403, None,
+                    "origin_not_allowed", type="permission_error"), {"Vary": "Origin"})
+                return
+            cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+            if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+                # a preflight: answered here, without the key (browsers never send it on one)
+                await Response(status_code=204, headers={
+                    **cors, "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    "Access-Control-Allow-Headers": headers.get("access-control-request-headers")
+                    or "Authorization, Content-Type",
+                    "Access-Control-Max-Age": "600"})(scope, receive, send)
+                return
+        path = scope["path"]
+        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+            if not self.authorized(headers.get("authorization")):
+                await self.reject(scope, receive, send, APIError(
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401, None,
+                    "invalid_api_key"), {**cors, "WWW-Authenticate": "Bearer"})
+                return
+        await self.app(scope, receive, _with_headers(send, cors) if cors else send)
+
+
+async def _read_json(request, max_bytes: int) -> dict:
+    """The request's JSON object: application/json only (a cross-site form or text/plain POST is
+    refused), at most max_bytes read (413 past it, before reading more), parsed off the event
+    loop when large."""
+    ctype = request.headers.get("content-type")
+    if (ctype or "").split(";")[0].strip().lower() != "application/json":
+        raise APIError(f"the request body must be 'application/json', got {ctype!r}", 415, None,
+                       "unsupported_media_type")
+    too_large = APIError(f"the request body is larger than the limit of {max_bytes} bytes (--max-request-bytes)",
+                         413, None, "request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise APIError("invalid Content-Length header", 400, None, "invalid_request")
+        if int(length) > max_bytes:
+            raise too_large
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if len(raw) > _PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(parse_body, raw)
+    return parse_body(raw)
+
+
+# ---------------------------------------------------------------------------------- the app factory
+def build_app(llm_or_engine, served_model_name: str | None = None,
+              max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS, *,
+              api_key: str | None = None, allowed_origins: list[str] | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+    """A FastAPI app serving `llm_or_engine` (an LLM, an Engine or an AsyncEngine).
+
+    The engine worker thread starts with the app (lifespan) and stops with it.
+    max_queued_requests: how many sequences may wait beyond the engine's max_num_seqs running
+    ones before new requests get 429 (None: no limit). api_key: required as a Bearer token on
+    /v1/* (None: open). allowed_origins: origins whose browser requests are served ("*": any;
+    default none). max_request_bytes: the largest request body accepted (413 past it)."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from hybrid.metrics import ServerMetrics
+
+    if max_request_bytes < 1:
+        raise ValueError("max_request_bytes must be >= 1")
+    async_engine, engine, tokenizer, llm = _unwrap(llm_or_engine)
+    name = served_model_name or model_name_of(llm)
+    metrics = ServerMetrics(name)
+    if async_engine is None:
+        async_engine = AsyncEngine(engine, tokenizer, max_queued_requests=max_queued_requests, metrics=metrics)
+    else:
+        async_engine.metrics = metrics
+        async_engine.max_queued_requests = max_queued_requests
+    srv = Handlers(async_engine, tokenizer, name, engine.max_model_len, engine.max_num_seqs,
+                   max_queued_requests, metrics)
+    metrics.bind(async_engine, admitted_requests=lambda: srv.admitted_requests,
+                 admitted_seqs=lambda: srv.reserved_seqs)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="hybrid", version="0.1.0", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.engine = engine
+    app.state.served_model_name = name
+    app.state.metrics = metrics
+    app.state.server = srv
+    app.add_middleware(_Guard, api_key=api_key, allowed_origins=allowed_origins, metrics=metrics)
+
+    def error_response(e: APIError) -> JSONResponse:
+        if e.status >= 400:
+            metrics.on_reject(e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, e: InvalidRequestError):
+        return error_response(from_invalid(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        return error_response(APIError(str(e), 400, None, "invalid_value"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(APIError(str(e.detail), e.status_code, None, code).body(), status_code=e.status_code)
+
+    @app.exception_handler(HybridError)
+    async def _hybrid(request: Request, e: HybridError):  # EngineDeadError, a failed request, ...
+        return error_response(error_for(e, f"{request.method} {request.url.path}"))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        return error_response(internal_error(f"{request.method} {request.url.path}", e))
+
+    @app.get("/health")
+    async def health():
+        dead = async_engine.dead
+        if dead is not None:
+            # EngineDeadError's message is the engine's own account ("... unrecoverable device error:
+            # ..."): say what is known; anything else only by its kind (details in the log)
+            why = str(dead) if isinstance(dead, EngineDeadError) else \
+                f"the engine stopped ({type(dead).__name__}); see the server log"
+            return JSONResponse({"status": "error", "error": why}, status_code=503)
+        return {"status": "ok"}
+
+    def model_card() -> dict:
+        # root: the served name, never the checkpoint's path on this machine
+        return {"id": name, "object": "model", "created": srv.created, "owned_by": "hybrid", "root": name,
+                "parent": None, "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != name:
+            raise APIError(f"The model '{model_id}' does not exist; this server serves '{name}'.", 404, "model",
+                           "model_not_found")
+        return model_card()
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await srv.completions(request, await _read_json(request, max_request_bytes))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await srv.chat(request, await _read_json(request, max_request_bytes))
+
+    return app

@@ -1,0 +1,218 @@
+"""The two generation endpoints over the AsyncEngine: admission, tokenizing and chat rendering
+(off the event loop), the checks that need the model (context length, vocabulary), then the one
+response path of hybrid/server/streaming.py.
+
+Every check that can reject a request runs before its response starts, streamed or not.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+
+from hybrid.async_engine import AsyncEngine
+from hybrid.chat_template import render_chat
+from hybrid.errors import InvalidRequestError
+from hybrid.sampling import SamplingParams
+from hybrid.server.api_errors import APIError, bad, engine_dead_error, from_invalid
+from hybrid.server.protocol import parse_chat, parse_completion
+from hybrid.server.streaming import ChatFormat, CompletionFormat, Prompt, ResponseFormat, respond
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Tokenize `text`; run it in a worker thread. The `tokenizers` library releases the GIL in
+    encode_batch but not in encode, so a long prompt tokenized with encode would stall the event
+    loop (and /health) even from a thread: go through encode_batch where we can."""
+    inner = getattr(tokenizer, "_tok", None)
+    if inner is not None and hasattr(inner, "encode_batch"):
+        return inner.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+class Admission:
+    """Sequences reserved for one HTTP request from its arrival until its response ends. A context
+    manager: released on leaving the handler, unless a streamed response took it over
+    (streaming.AdmittedStream), which releases it when the stream ends. release() is idempotent."""
+    __slots__ = ("_server", "num_seqs", "streaming")
+
+    def __init__(self, server: "Handlers", num_seqs: int) -> None:
+        self._server = server
+        self.num_seqs = num_seqs
+        self.streaming = False
+
+    def release(self) -> None:
+        if self._server is not None:
+            self._server.reserved_seqs -= self.num_seqs
+            self._server.admitted_requests -= 1
+            self._server = None
+
+    def __enter__(self) -> "Admission":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.streaming:
+            self.release()
+
+
+class Handlers:
+    """/v1/completions and /v1/chat/completions (build_app routes them here; app.state.server)."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int,
+                 max_num_seqs: int, max_queued_requests: int | None, metrics) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.created = int(time.time())
+        self._token_str: dict[int, str] = {}
+        # Admission: sequences (prompts x n) of the requests being served. Checked and reserved in
+        # one synchronous step on the event loop when a request arrives, so concurrent requests
+        # (streamed ones included, whose engine work starts only with the response) cannot all
+        # slip past the limit. None: no limit.
+        self.max_admitted_seqs = None if max_queued_requests is None else max_num_seqs + max_queued_requests
+        self.max_num_seqs = max_num_seqs
+        self.max_queued_requests = max_queued_requests
+        self.reserved_seqs = 0
+        self.admitted_requests = 0
+
+    # ---------------------------------------------------------------- checks
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                           404, "model", "model_not_found")
+
+    def check_alive(self) -> None:
+        if getattr(self.engine, "dead", None) is not None:
+            raise engine_dead_error()
+
+    def admit(self, num_seqs: int, param: str) -> Admission:
+        """Reserve `num_seqs` sequences now, or raise: 400 if the request can never be admitted,
+        429 if it cannot be admitted now. No await in here: check and reservation are atomic."""
+        limit = self.max_admitted_seqs
+        if limit is not None:
+            if num_seqs > limit:
+                raise APIError(
+                    f"this request needs {num_seqs} sequences (prompts x n), more than this server ever admits "
+                    f"at once ({limit}: max_num_seqs {self.max_num_seqs} + max_queued_requests "
+                    f"{self.max_queued_requests}); send fewer prompts or a smaller n", 400, param, "request_too_large")
+            if self.reserved_seqs + num_seqs > limit:
+                raise APIError(
+                    f"the server is overloaded: {self.reserved_seqs} sequences admitted, {num_seqs} more requested, "
+                    f"at most {limit} ({self.max_num_seqs} running, {self.max_queued_requests} queued); retry later",
+                    429, None, "queue_full", type="rate_limit_error")
+        self.reserved_seqs += num_seqs
+        self.admitted_requests += 1
+        return Admission(self, num_seqs)
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        """Reject a prompt too long for the context as soon as its length is known (right after
+        tokenizing it, before anything else is done with it); the rest is checked in validate()."""
+        if len(ids) >= self.max_model_len:
+            raise APIError(f"prompt of {len(ids)} tokens is longer than the context: max_model_len is "
+                           f"{self.max_model_len} and at least one token must be generated", 400, param,
+                           "context_length_exceeded")
+
+    def fit_max_tokens(self, params: SamplingParams, ids: list[int], param: str | None) -> SamplingParams:
+        """prompt + max_tokens must fit in the context. An explicit max_tokens (param names it) that
+        does not fit is a 400, as vLLM answers; a default one is shortened to the room left."""
+        room = self.max_model_len - len(ids)
+        if params.max_tokens <= room:
+            return params
+        if param is not None:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
+                f"completion). Please reduce the length of the prompt or of '{param}'.", 400, param,
+                "context_length_exceeded")
+        try:
+            return dataclasses.replace(params, max_tokens=room)
+        except InvalidRequestError as e:  # e.g. min_tokens > the room left
+            raise from_invalid(e) from None
+
+    def validate(self, prompts: list[Prompt], param: str) -> None:
+        """Everything Engine.add_request would reject later, on the worker, where a streamed
+        request has its 200 already: run it now."""
+        for p in prompts:
+            try:  # AsyncEngine.validate: every check of Engine.add_request, the vocabulary's too
+                self.engine.validate(p.ids, p.params)
+            except InvalidRequestError as e:
+                raise from_invalid(e, param) from None
+        self.check_alive()
+
+    # ---------------------------------------------------------------- tokens and templates
+    def token_str(self, tid: int) -> str:
+        s = self._token_str.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid], skip_special_tokens=False) if self.tokenizer is not None else str(tid)
+            self._token_str[tid] = s
+        return s
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # off the event loop: a long prompt must not stall other requests and /health
+        return await asyncio.to_thread(_encode, self.tokenizer, text, add_special_tokens)
+
+    def chat_template(self) -> str:
+        """The checkpoint's chat template (hybrid.tokenizer.Tokenizer has picked one from a list)."""
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer, so it cannot chat", 400, "messages", "invalid_value")
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise APIError("this model has no chat template (tokenizer_config.json has no 'chat_template'); "
+                           "use /v1/completions", 400, "messages", "invalid_value")
+        return template
+
+    def render(self, template: str, messages: list[dict], add_generation_prompt: bool, tools) -> str:
+        try:
+            return render_chat(template, messages, getattr(self.tokenizer, "config", None), add_generation_prompt,
+                               {"tools": tools} if tools else None)
+        except InvalidRequestError as e:  # the template does not compile or refuses the conversation
+            raise APIError(str(e), 400, "messages", "invalid_value") from None
+
+    async def completion_prompts(self, inputs: list, params: SamplingParams,
+                                 max_tokens_param: str | None) -> list[Prompt]:
+        out = []
+        for x in inputs:
+            if isinstance(x, str):
+                if self.tokenizer is None:
+                    raise bad("prompt", "this model has no tokenizer: send token ids")
+                ids = await self.encode(x, True)
+                text = x
+            else:
+                ids, text = list(x), None
+            self.check_prompt(ids, "prompt")  # right away: before tokenizing the next prompt
+            out.append(Prompt(text, ids, self.fit_max_tokens(params, ids, max_tokens_param)))
+        return out
+
+    # ---------------------------------------------------------------- the endpoints
+    def _respond(self, request, prompts: list[Prompt], fmt: ResponseFormat, req, admission: Admission):
+        return respond(self.engine, request, prompts, fmt, model=self.model_name, stream=req.stream,
+                       include_usage=req.include_usage, admission=admission,
+                       request_id=f"{fmt.id_prefix}-{uuid.uuid4().hex}")
+
+    async def completions(self, request, body: dict):
+        self.check_model(body)
+        req = parse_completion(body)
+        n = req.params.n
+        # before the (possibly long) tokenization
+        with self.admit(len(req.inputs) * n, "prompt" if len(req.inputs) > 1 else "n") as admission:
+            prompts = await self.completion_prompts(req.inputs, req.params, req.max_tokens_param)
+            self.validate(prompts, "prompt")
+            fmt = CompletionFormat(n, req.logprobs, self.token_str)
+            return await self._respond(request, prompts, fmt, req, admission)
+
+    async def chat(self, request, body: dict):
+        self.check_model(body)
+        req = parse_chat(body, self.max_model_len)
+        template = self.chat_template()
+        with self.admit(req.params.n, "n") as admission:  # before rendering and tokenizing
+            # off the event loop: rendering and tokenizing a long conversation takes a while
+            text = await asyncio.to_thread(self.render, template, req.messages, req.add_generation_prompt, req.tools)
+            ids = await self.encode(text, False)
+            self.check_prompt(ids, "messages")
+            prompts = [Prompt(text, ids, self.fit_max_tokens(req.params, ids, req.max_tokens_param))]
+            self.validate(prompts, "messages")
+            fmt = ChatFormat(req.params.n, req.logprobs, self.token_str)
+            return await self._respond(request, prompts, fmt, req, admission)

@@ -1,0 +1,56 @@
+"""`hybrid serve`'s server flags (hybrid/cli.py adds the engine flags and runs the command), what
+they mean for build_app, and running the app under uvicorn."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from hybrid.server.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, build_app
+
+logger = logging.getLogger("hybrid.server")
+
+
+def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
+    """The `serve` subcommand: the engine flags (add_engine_args) and the server's."""
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients pass (default: the hub repo id owner/name of a cached model, "
+                        "else the checkpoint directory's name)")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                   help="sequences allowed to wait beyond --max-num-seqs running ones; more get 429 "
+                        f"(default {DEFAULT_MAX_QUEUED_REQUESTS}; -1: no limit)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: env HYBRID_API_KEY; unset: open)")
+    p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                   help="comma-separated origins (e.g. http://localhost:3000) whose browser requests are served, "
+                        "'*' for any; repeatable (default: none, cross-origin browser requests get 403)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
+    """build_app's keyword arguments from `hybrid serve`'s flags (and HYBRID_API_KEY)."""
+    limit = args.max_queued_requests
+    if limit is not None and limit < 0:
+        limit = None
+    origins = [o for flag in (args.allowed_origins or []) for o in flag.split(",") if o.strip()]
+    if args.max_request_bytes < 1:
+        raise ValueError("--max-request-bytes must be >= 1")
+    return {"max_queued_requests": limit, "api_key": args.api_key or environ.get("HYBRID_API_KEY") or None,
+            "allowed_origins": origins, "max_request_bytes": args.max_request_bytes}
+
+
+def run_server(llm, args: argparse.Namespace, options: dict) -> None:
+    """Serve `llm` with `hybrid serve`'s flags (`options`: serve_options(args)) until stopped."""
+    import uvicorn
+
+    app = build_app(llm, served_model_name=args.served_model_name, **options)
+    logger.info("serving '%s' on http://%s:%d/v1%s", app.state.served_model_name, args.host, args.port,
+                " (API key required)" if options["api_key"] else "")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,270 @@
+"""The request side of the OpenAI protocol, in one place: the JSON body, its fields, and the two
+requests (/v1/completions, /v1/chat/completions) parsed and checked into CompletionRequest and
+ChatRequest before anything runs. Every error is an APIError naming the field (400), so a
+streamed request is refused with its status, never a 200 and an error event.
+
+What needs the model (tokenizing, the context length, the vocabulary) is checked by the handlers
+(hybrid/server/handlers.py) right after, still before the response starts.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from hybrid.chat_template import normalize_messages
+from hybrid.errors import InvalidRequestError
+from hybrid.sampling import SamplingParams
+from hybrid.server.api_errors import APIError, bad, from_invalid
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's
+
+
+# ---------------------------------------------------------------------------------- the body
+def _lone_surrogate_path(obj) -> str | None:
+    """The JSON path of the first string (or key) holding a lone UTF-16 surrogate, or None.
+    json.loads turns "\\ud800" into such a string; it is not Unicode text, the tokenizer cannot
+    take it, so the request is rejected (never silently altered)."""
+    stack: list[tuple[object, str]] = [(obj, "")]
+    while stack:
+        x, path = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                sub = f"{path}.{k}" if path else str(k)
+                stack.append((k, path or "body"))
+                stack.append((v, sub))
+        elif isinstance(x, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(x) if isinstance(v, (str, dict, list)))
+    return None
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body: a JSON object of Unicode text (400 otherwise)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", 400, None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", 400, None, "invalid_json")
+    bad_path = _lone_surrogate_path(body)
+    if bad_path is not None:
+        raise APIError(f"'{bad_path}': contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                       400, bad_path, "invalid_value")
+    return body
+
+
+# ---------------------------------------------------------------------------------- fields
+def get_int(body: dict, name: str, default, *, lo: int | None = None, hi: int | None = None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise bad(name, f"expected an integer, got {json.dumps(v)}")
+    if lo is not None and v < lo:
+        raise bad(name, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise bad(name, f"must be <= {hi}, got {v}")
+    return v
+
+
+def get_num(body: dict, name: str, default, *, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
+        raise bad(name, f"expected a finite number, got {json.dumps(v)}")
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise bad(name, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise bad(name, f"must be <= {hi}, got {v}")
+    return float(v)
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"expected a boolean, got {json.dumps(v)}")
+    return v
+
+
+def _stop(body: dict) -> list[str] | None:
+    v = body.get("stop")
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad("stop", "expected a string or a list of strings")
+    v = [s for s in v if s]
+    return v or None
+
+
+def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The SamplingParams of a request's sampling fields (OpenAI's, and the extensions top_k,
+    min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids)."""
+    top_k = get_int(body, "top_k", -1)
+    if top_k == 0:
+        top_k = -1
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None and (not isinstance(stop_token_ids, list)
+                                       or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                  for t in stop_token_ids)):
+        raise bad("stop_token_ids", "expected a list of integers")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None:  # OpenAI spells the token ids as strings
+        if not isinstance(logit_bias, dict):
+            raise bad("logit_bias", "expected an object mapping token ids to numbers")
+        try:
+            logit_bias = {int(k): v for k, v in logit_bias.items()}
+        except ValueError:
+            raise bad("logit_bias", "keys must be token ids") from None
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logit_bias.values()):
+            raise bad("logit_bias", "values must be numbers")
+    try:
+        return SamplingParams(
+            n=get_int(body, "n", 1, lo=1, hi=MAX_N),
+            max_tokens=max_tokens,
+            temperature=get_num(body, "temperature", 1.0, lo=0.0),
+            top_p=get_num(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+            top_k=top_k,
+            seed=get_int(body, "seed", None),  # any int: the engine reduces it into the generator's range
+            stop=_stop(body),
+            stop_token_ids=stop_token_ids,
+            ignore_eos=get_bool(body, "ignore_eos", False),
+            logprobs=logprobs,
+            presence_penalty=get_num(body, "presence_penalty", 0.0),
+            frequency_penalty=get_num(body, "frequency_penalty", 0.0),
+            repetition_penalty=get_num(body, "repetition_penalty", 1.0),
+            min_p=get_num(body, "min_p", 0.0),
+            min_tokens=get_int(body, "min_tokens", 0, lo=0),
+            logit_bias=logit_bias or None,
+        )
+    except InvalidRequestError as e:
+        raise from_invalid(e) from None
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise bad("stream_options", "expected an object")
+    if not stream:
+        raise bad("stream_options", "is only allowed with 'stream': true")
+    return get_bool(so, "include_usage", False)
+
+
+def prompt_inputs(body: dict) -> list[str | list[int]]:
+    """The completion prompts as sent (strings or token-id lists), shape-checked, not tokenized."""
+    p = body.get("prompt")
+    if p is None:
+        raise bad("prompt", "is required")
+
+    def is_ids(x) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(p, str):
+        prompts: list = [p]
+    elif is_ids(p):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = list(p)
+    elif isinstance(p, list) and p and all(is_ids(x) for x in p):
+        prompts = list(p)
+    else:
+        raise bad("prompt", "expected a string, a list of strings, a list of token ids or a list of lists of them")
+    if any(isinstance(x, str) and not x for x in prompts):
+        raise bad("prompt", "empty prompt: at least one token is needed")
+    return prompts
+
+
+_MESSAGE_PATH = re.compile(r"^(messages(?:\[\d+\])?(?:\.content)?)(?=[:\s]|$)")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The conversation, normalised for the chat template (hybrid.chat_template.normalize_messages:
+    text content parts joined, None content -> ""), each role one of OpenAI's."""
+    try:
+        messages = normalize_messages(body.get("messages"))
+    except InvalidRequestError as e:
+        m = _MESSAGE_PATH.match(str(e))
+        raise APIError(str(e), 400, m.group(1) if m else "messages", "invalid_value") from None
+    for i, m in enumerate(messages):
+        if m["role"] not in CHAT_ROLES:
+            raise bad(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {json.dumps(m['role'])}")
+    return messages
+
+
+# ---------------------------------------------------------------------------------- the two requests
+@dataclass(frozen=True)
+class CompletionRequest:
+    inputs: list  # the prompts as sent: strings or token-id lists
+    params: SamplingParams  # max_tokens: as given, else DEFAULT_COMPLETION_MAX_TOKENS (fitted per prompt)
+    max_tokens_param: str | None  # the field that set max_tokens ("max_tokens"), None if defaulted
+    logprobs: int | None  # top logprobs per token, None: none
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict]
+    add_generation_prompt: bool
+    tools: list | None
+    params: SamplingParams  # max_tokens: as given, else the whole context (fitted to the prompt)
+    max_tokens_param: str | None  # "max_completion_tokens" or "max_tokens" if given, None if defaulted
+    logprobs: int | None  # top logprobs per token (0: the token's own only), None: none
+    stream: bool
+    include_usage: bool
+
+
+def parse_completion(body: dict) -> CompletionRequest:
+    if get_bool(body, "echo", False):
+        raise bad("echo", "is not supported")
+    if body.get("suffix"):
+        raise bad("suffix", "is not supported")
+    stream = get_bool(body, "stream", False)
+    include_usage = _include_usage(body, stream)
+    inputs = prompt_inputs(body)
+    k = get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    max_tokens = get_int(body, "max_tokens", None, lo=1)
+    params = sampling_params(body, max_tokens=max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, logprobs=k)
+    best_of = get_int(body, "best_of", None, lo=1)
+    if best_of is not None and best_of != params.n:
+        raise bad("best_of", "is not supported (only best_of == n)")
+    return CompletionRequest(inputs, params, "max_tokens" if max_tokens is not None else None, k, stream,
+                             include_usage)
+
+
+def parse_chat(body: dict, max_model_len: int) -> ChatRequest:
+    stream = get_bool(body, "stream", False)
+    include_usage = _include_usage(body, stream)
+    messages = chat_messages(body)
+    add_gen = get_bool(body, "add_generation_prompt", True)
+    tools = body.get("tools")
+    want_lp = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top is not None and not want_lp:
+        raise bad("top_logprobs", "needs 'logprobs': true")
+    k = (top or 0) if want_lp else None
+    max_tokens, param = get_int(body, "max_completion_tokens", None, lo=1), "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, param = get_int(body, "max_tokens", None, lo=1), "max_tokens"
+    if max_tokens is None:
+        param = None  # default: the rest of the context
+    params = sampling_params(body, max_tokens=max_tokens or max_model_len, logprobs=k)
+    return ChatRequest(messages, add_gen, tools or None, params, param, k, stream, include_usage)

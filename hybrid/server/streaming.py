@@ -1,0 +1,323 @@
+"""The response side, one path for both endpoints: running a request's prompts on the AsyncEngine,
+the per-choice updates (text deltas with stop strings and partial characters held back, and the
+logprob rows whose text is sent), and the response built from them: one JSON body, or a stream of
+server-sent events. What differs between /v1/completions and /v1/chat/completions is only how a
+choice is written (ResponseFormat: CompletionFormat, ChatFormat).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Callable, NamedTuple
+
+from starlette.responses import JSONResponse, StreamingResponse
+
+from hybrid.async_engine import TextDeltas
+from hybrid.sampling import SamplingParams
+from hybrid.server.api_errors import error_for
+
+
+class Prompt(NamedTuple):
+    text: str | None  # None: sent as token ids
+    ids: list[int]
+    params: SamplingParams  # per prompt: a default max_tokens is fitted to each prompt's room
+
+
+class ChoiceUpdate(NamedTuple):
+    prompt_index: int
+    index: int  # choice index within the prompt's request (0 .. n-1)
+    delta: str
+    logprobs: tuple[list[dict[int, float]], list[int]] | None  # (logprob rows, their token ids) now sent
+    text_offset: int  # characters of this choice sent before `delta`
+    finish_reason: str | None
+    num_tokens: int
+
+
+class _ChoiceState:
+    __slots__ = ("deltas", "lp_sent", "text_len", "done")
+
+    def __init__(self, stops) -> None:
+        self.deltas = TextDeltas(stops)
+        self.lp_sent = 0
+        self.text_len = 0
+        self.done = False
+
+
+# ---------------------------------------------------------------------------------- running prompts
+async def _pump(engine, idx: int, prompt: Prompt, rid: str, q: asyncio.Queue) -> None:
+    try:
+        async for out in engine.generate(prompt.ids, prompt.params, request_id=rid, prompt=prompt.text):
+            q.put_nowait((idx, out))
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:
+        q.put_nowait((idx, e))
+        return
+    q.put_nowait((idx, None))
+
+
+async def run(engine, prompts: list[Prompt], base_id: str):
+    """Yield (prompt index, RequestOutput) for every update of every prompt's request."""
+    q: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(engine, i, p, f"{base_id}-{i}", q)) for i, p in enumerate(prompts)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            idx, item = await q.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield idx, item
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        # let the cancelled pumps run their finally (which queues the aborts) before we return
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logprobs: bool):
+    """Updates per choice: ChoiceUpdate with the text delta (stop strings and partial characters
+    held back), the logprob rows whose text is now sent, and the finish reason once it ends."""
+    states: dict[tuple[int, int], _ChoiceState] = {}
+    agen = run(engine, prompts, base_id)
+    try:
+        async for pi, out in agen:
+            for c in out.outputs:
+                st = states.get((pi, c.index))
+                if st is None:
+                    st = states[(pi, c.index)] = _ChoiceState(prompts[pi].params.stop)
+                if st.done:
+                    continue
+                finished = c.finish_reason is not None
+                delta = st.deltas.update(c.text, finished)
+                rows = None
+                if want_logprobs and c.logprobs is not None:
+                    # logprobs of the tokens whose text is now (fully or partly) sent
+                    upto = len(c.token_ids) if (finished or delta) else st.lp_sent
+                    if upto > st.lp_sent:
+                        rows = (c.logprobs[st.lp_sent:upto], c.token_ids[st.lp_sent:upto])
+                        st.lp_sent = upto
+                update = ChoiceUpdate(pi, c.index, delta, rows, st.text_len,
+                                      c.finish_reason if finished else None, len(c.token_ids))
+                st.text_len += len(delta)
+                st.done = finished
+                yield update
+    finally:
+        await agen.aclose()
+
+
+async def _wait_disconnect(request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(engine, request, prompts: list[Prompt], base_id: str) -> list | None:
+    """Run to completion: the final RequestOutput of each prompt; everything is aborted if the
+    client disconnects first (None)."""
+    finals: list = [None] * len(prompts)
+
+    async def consume():
+        agen = run(engine, prompts, base_id)
+        try:
+            async for idx, out in agen:
+                if out.finished:
+                    finals[idx] = out
+        finally:
+            await agen.aclose()
+
+    work = asyncio.create_task(consume())
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return None
+        work.result()
+        return finals
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+
+
+# ---------------------------------------------------------------------------------- how a choice is written
+def finish_reason(reason: str | None) -> str | None:
+    return "stop" if reason == "abort" else reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ResponseFormat:
+    """How one endpoint writes its choices; `logprobs` is the number of top logprobs asked for
+    (None: no logprobs), `token_str` a token id's text."""
+    id_prefix = object_name = chunk_object_name = ""
+
+    def __init__(self, n: int, logprobs: int | None, token_str: Callable[[int], str]) -> None:
+        self.n = n
+        self.k = logprobs
+        self.token_str = token_str
+
+    def logprobs(self, lps: list[dict[int, float]], token_ids: list[int], text_offset: int) -> dict:
+        raise NotImplementedError
+
+    def choice(self, index: int, text: str, lp: dict | None, reason: str | None) -> dict:
+        """A choice of the non-streamed response."""
+        raise NotImplementedError
+
+    def opening(self) -> list[list[dict]]:
+        """The choices of the chunks a stream starts with."""
+        return []
+
+    def deltas(self, u: ChoiceUpdate, index: int, lp: dict | None) -> list[list[dict]]:
+        """The choices of the chunks an update streams."""
+        raise NotImplementedError
+
+
+class CompletionFormat(ResponseFormat):
+    id_prefix, object_name, chunk_object_name = "cmpl", "text_completion", "text_completion"
+
+    def logprobs(self, lps, token_ids, text_offset):
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = text_offset
+        for tid, d in zip(token_ids, lps):
+            s = self.token_str(tid)
+            tokens.append(s)
+            token_lps.append(d.get(tid))
+            top = sorted(d.items(), key=lambda kv: -kv[1])[:self.k] if self.k else [(tid, d.get(tid))]
+            tops.append({self.token_str(t): v for t, v in top})
+            offsets.append(off)
+            off += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def choice(self, index, text, lp, reason):
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+
+    def deltas(self, u, index, lp):
+        if u.delta or u.finish_reason is not None or lp is not None:
+            return [[self.choice(index, u.delta, lp, finish_reason(u.finish_reason))]]
+        return []
+
+
+class ChatFormat(ResponseFormat):
+    id_prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def _entry(self, tid: int, logprob: float | None) -> dict:
+        s = self.token_str(tid)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    def logprobs(self, lps, token_ids, text_offset):
+        content = []
+        for tid, d in zip(token_ids, lps):
+            top = sorted(d.items(), key=lambda kv: -kv[1])[:self.k] if self.k else []
+            content.append({**self._entry(tid, d.get(tid)), "top_logprobs": [self._entry(t, v) for t, v in top]})
+        return {"content": content}
+
+    def choice(self, index, text, lp, reason):
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                "finish_reason": reason}
+
+    def opening(self):
+        return [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+                for i in range(self.n)]
+
+    def deltas(self, u, index, lp):
+        chunks = []
+        if u.delta or lp is not None:
+            chunks.append([{"index": index, "delta": {"content": u.delta}, "logprobs": lp, "finish_reason": None}])
+        if u.finish_reason is not None:
+            chunks.append([{"index": index, "delta": {}, "logprobs": None,
+                            "finish_reason": finish_reason(u.finish_reason)}])
+        return chunks
+
+
+# ---------------------------------------------------------------------------------- the response
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def sse_events(body, updates):
+    """A streamed response's SSE body: `body`'s events, an in-band error event if it fails (the
+    status line is already sent), then [DONE]; the engine updates closed either way (also when
+    the client goes away mid-stream)."""
+    try:
+        async for event in body:
+            yield event
+    except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
+        yield sse(error_for(e, "stream").body())
+    finally:
+        await updates.aclose()
+    yield "data: [DONE]\n\n"
+
+
+class AdmittedStream(StreamingResponse):
+    """A streamed response that releases its request's admission when it ends, however it ends
+    (finished, failed, client gone before or during the stream). It takes the admission over
+    from the handler (admission.streaming)."""
+
+    def __init__(self, content, admission, **kw) -> None:
+        super().__init__(content, **kw)
+        self.admission = admission
+        admission.streaming = True
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.admission.release()
+
+
+async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *, model: str, stream: bool,
+                  include_usage: bool, admission, request_id: str):
+    """The response to validated prompts, for either endpoint: the whole JSON body once every
+    choice is done (499 if the client went away first), or the stream of SSE chunks."""
+    created = int(time.time())
+    n = fmt.n
+    prompt_tokens = sum(len(p.ids) for p in prompts)
+    if not stream:
+        finals = await collect(engine, request, prompts, request_id)
+        if finals is None:
+            return JSONResponse({}, status_code=499)
+        choices, completion_tokens = [], 0
+        for pi, out in enumerate(finals):
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                lp = fmt.logprobs(c.logprobs, c.token_ids, 0) if fmt.k is not None and c.logprobs is not None \
+                    else None
+                choices.append(fmt.choice(pi * n + c.index, c.text, lp, finish_reason(c.finish_reason)))
+        return JSONResponse({"id": request_id, "object": fmt.object_name, "created": created, "model": model,
+                             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
+
+    def chunk(choices: list, usage_: dict | None = None) -> str:
+        d = {"id": request_id, "object": fmt.chunk_object_name, "created": created, "model": model,
+             "choices": choices}
+        if usage_ is not None or include_usage:
+            d["usage"] = usage_
+        return sse(d)
+
+    updates = choice_updates(engine, prompts, request_id, fmt.k is not None)
+
+    async def events():
+        completion_tokens = 0
+        for choices in fmt.opening():
+            yield chunk(choices)
+        async for u in updates:
+            lp = fmt.logprobs(*u.logprobs, u.text_offset) if u.logprobs else None
+            if u.finish_reason is not None:
+                completion_tokens += u.num_tokens
+            for choices in fmt.deltas(u, u.prompt_index * n + u.index, lp):
+                yield chunk(choices)
+        if include_usage:
+            yield chunk([], usage(prompt_tokens, completion_tokens))
+
+    return AdmittedStream(sse_events(events(), updates), admission, media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
