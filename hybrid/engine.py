@@ -193,7 +193,8 @@ class Engine:
         arrival = next(self._arrivals)
         seqs = [Sequence(request_id=request_id, index=i, prompt_token_ids=prompt_token_ids, params=params,
                          generator=make_generator(params, self.seed, arrival, i, self.device), arrival=arrival,
-                         logprobs=[] if params.logprobs is not None else None, grammar=grammars[i])
+                         logprobs=[] if params.logprobs is not None else None, grammar=grammars[i],
+                         prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None)
                 for i in range(params.n)]
         self.requests[request_id] = Request(request_id, prompt, prompt_token_ids, params, seqs,
                                             output_kind=output_kind)
@@ -312,6 +313,8 @@ class Engine:
                 self._fail_request(req, reason)
                 changed[seq.request_id] = req
                 continue
+            if c.prompt_rows is not None:
+                self._append_prompt_logprobs(c, result)
             if not c.samples:
                 continue  # a prefill chunk that does not reach the end samples nothing
             if c.draft:
@@ -325,6 +328,18 @@ class Engine:
             changed[seq.request_id] = req
         self.resources.free_deferred()
         return changed
+
+    @staticmethod
+    def _append_prompt_logprobs(c: ScheduledChunk, result) -> None:
+        """The chunk's prompt logprobs, in prompt order; positions already filled (a chunk rebuilt
+        after a preemption) are not added twice."""
+        seq = c.seq
+        first_row, first_pos, count = c.prompt_rows
+        for j in range(count):
+            pos = first_pos + j  # scores prompt token pos + 1
+            if pos + 1 == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append(result.prompt_logprobs_at(first_row + j, seq.prompt_token_ids[pos + 1],
+                                                                     seq.params.prompt_logprobs))
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         if seq.grammar is not None and not seq.grammar.accept(token):  # (the mask allowed it: not expected)

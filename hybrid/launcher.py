@@ -46,6 +46,13 @@ class StepResult:
     made_nan: list[bool] | None  # sanitizer: per batch row, state NaN after the step
     state_nan: torch.Tensor | None  # sanitizer: per batch row, state NaN before the step
     logprobs: dict[int, tuple[float, list[float], list[int]]]  # logits row -> (token's, top values, top ids)
+    # prompt logprobs: (first prompt logits row, each row's prompt-token logprob, top values, top ids)
+    prompt_lp: tuple[int, list[float], list[list[float]], list[list[int]]] | None = None
+
+    def prompt_logprobs_at(self, row: int, token: int, k: int) -> dict[int, float]:
+        first, token_lp, values, ids = self.prompt_lp
+        j = row - first
+        return logprob_dict(token, token_lp[j], values[j][:k], ids[j][:k])
 
     def failure(self, c: ScheduledChunk, row: int) -> str | None:
         """Why batch row `row` (chunk `c`) fails its request, or None if it does not."""
@@ -106,6 +113,7 @@ class StepLauncher:
         ps = self.page_size
         scratch = []
         num_verify = 0
+        prompt_rows: list[int] = []  # token rows whose logits score the next prompt token (after logits_rows)
         for row, c in enumerate(chunks):
             seq = c.seq
             start, end = seq.num_computed, seq.num_computed + c.num_tokens
@@ -118,6 +126,12 @@ class StepLauncher:
                 logits_rows.extend(range(offset, offset + c.num_tokens - 1))
             else:
                 scratch.append(-1)
+                if seq.prompt_logprobs is not None:  # positions [lo, hi) score prompt tokens lo+1 .. hi
+                    lo = max(start, len(seq.prompt_logprobs) - 1)
+                    hi = min(end, len(seq.prompt_token_ids) - 1)
+                    if hi > lo:
+                        c.prompt_rows = (len(prompt_rows), lo, hi - lo)
+                        prompt_rows.extend(range(offset + lo - start, offset + hi - start))
                 known = min(end, seq.num_tokens)
                 input_ids.extend(seq.token_slice(start, known))
                 if end > known:  # the token sampled by the step in flight: filled in on the device
@@ -136,6 +150,11 @@ class StepLauncher:
             elif end == seq.num_tokens + seq.pending:  # chunk reaches the last token: sample from it
                 c.logits_row = len(logits_rows)
                 logits_rows.append(offset - 1)
+        if prompt_rows:  # after the sampled rows, whose indices stay as set above
+            for c in chunks:
+                if c.prompt_rows is not None:
+                    c.prompt_rows = (len(logits_rows) + c.prompt_rows[0],) + c.prompt_rows[1:]
+            logits_rows.extend(prompt_rows)
         dev = self.device
         qsl = [0] + list(itertools.accumulate(query_lens))
         # positions and KV rows of every token, vectorised (a Python loop over an 8K prompt costs ms)
@@ -203,6 +222,16 @@ class StepLauncher:
             rows = to_device(lp_rows, torch.long, logits.device)
             device_out["lp_token"], device_out["lp_values"], device_out["lp_ids"] = \
                 logprob_rows(logits[rows], tokens[rows], lp_ks)
+        scoring = [c for c in chunks if c.prompt_rows is not None]
+        if scoring:  # prompt logprobs: each row scores the prompt token after its position (raw logits)
+            first = min(c.prompt_rows[0] for c in scoring)
+            targets, ks = [], []
+            for c in sorted(scoring, key=lambda c: c.prompt_rows[0]):
+                _, lo, count = c.prompt_rows
+                targets.extend(c.seq.prompt_token_ids[lo + 1:lo + 1 + count])
+                ks.extend([c.seq.params.prompt_logprobs] * count)
+            device_out["plp_token"], device_out["plp_values"], device_out["plp_ids"] = \
+                logprob_rows(logits[first:], to_device(targets, torch.long, logits.device), ks)
         done = None
         if logits.is_cuda:
             host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in device_out.items()}
@@ -284,4 +313,8 @@ class StepLauncher:
                     if c.samples and not c.draft and c.seq.params.logprobs is not None]
             token_lp, values, ids = host["lp_token"].tolist(), host["lp_values"].tolist(), host["lp_ids"].tolist()
             lp = {r: (token_lp[j], values[j], ids[j]) for j, r in enumerate(rows)}
-        return StepResult(host["tokens"].tolist(), bad, made_nan, host.get("state_nan"), lp)
+        prompt_lp = None
+        if "plp_token" in host:
+            first = min(c.prompt_rows[0] for c in step.chunks if c.prompt_rows is not None)
+            prompt_lp = (first, host["plp_token"].tolist(), host["plp_values"].tolist(), host["plp_ids"].tolist())
+        return StepResult(host["tokens"].tolist(), bad, made_nan, host.get("state_nan"), lp, prompt_lp)

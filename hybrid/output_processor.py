@@ -95,5 +95,10 @@ class OutputProcessor:
             ))
             if delta:
                 s.num_sent = len(s.output_token_ids)
+        plp = req.seqs[0].prompt_logprobs
+        if plp is None or len(plp) < len(req.prompt_token_ids) or (delta and req.prompt_logprobs_sent):
+            plp = None
+        elif delta:
+            req.prompt_logprobs_sent = True
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=outputs, finished=req.finished, error=req.error)
+                             outputs=outputs, finished=req.finished, error=req.error, prompt_logprobs=plp)

@@ -28,3 +28,6 @@ class RequestOutput:
     # Set when the request failed inside the engine ("ExceptionType: message"); it is then finished
     # and its unfinished completions have finish_reason "error".
     error: str | None = None
+    # SamplingParams.prompt_logprobs: per prompt token {its id: logprob given the tokens before it,
+    # plus the top entries}, None for the first token (as vLLM returns them); set once the prompt is done
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -16,6 +16,11 @@ from hybrid.sampling import SamplingParams, generator_seed
 from hybrid.structured_outputs import SequenceGrammar
 
 
+# Prompt logprobs need the logits of every prompt position: at most this many such rows per step (the
+# [rows, vocab] fp32 logits of a whole 8K chunk would be gigabytes for a 131K vocabulary)
+PROMPT_LOGPROBS_ROWS_PER_STEP = 256
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -54,6 +59,9 @@ class Sequence:
     cache_at: int = 0  # prefix caching: a prefill chunk ends here and the prefix is cached (0: no more)
     # structured outputs: this branch's grammar matcher, advanced with every token it accepts (None: free)
     grammar: SequenceGrammar | None = None
+    # prompt logprobs (branch 0 of a request that asks for them): entry i for prompt token i, None for
+    # the first; filled as the prefill chunks run, never again after a preemption
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -94,6 +102,7 @@ class Request:
     forked: bool = False
     output_kind: str = "cumulative"  # see hybrid.output_processor.OUTPUT_KINDS
     error: str | None = None  # why the request failed inside the engine ("Type: message")
+    prompt_logprobs_sent: bool = False  # "delta" outputs carry the prompt logprobs once
 
     @property
     def finished(self) -> bool:
@@ -112,6 +121,8 @@ class ScheduledChunk:
     replay: bool = False  # known generated tokens replayed after a preemption (decode recurrence, in place)
     scratch_index: int = -1  # verify chunks: row of the pool's verify scratch (set when the batch is built)
     logits_row: int = -1  # first logits row of the chunk, -1 if it samples nothing (set when the batch is built)
+    # prompt logprobs: (first logits row, prompt position it scores, count) of this prefill chunk
+    prompt_rows: tuple[int, int, int] | None = None
 
     @property
     def samples(self) -> bool:

@@ -44,6 +44,9 @@ class SamplingParams:
     stop: list[str] | str | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities returned per generated token
+    # per prompt token (from the second on): its log-probability given the tokens before it, plus
+    # this many top entries (0: only the prompt token's); RequestOutput.prompt_logprobs
+    prompt_logprobs: int | None = None
     min_p: float = 0.0  # drop tokens whose probability is below min_p times the top one's
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
@@ -75,6 +78,9 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be an integer >= 0")
         if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of integers")
         if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p <= 1.0):

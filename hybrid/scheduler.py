@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hybrid.request import ScheduledChunk, Sequence, Status
+from hybrid.request import PROMPT_LOGPROBS_ROWS_PER_STEP, ScheduledChunk, Sequence, Status
 from hybrid.resources import ResourceManager
 from hybrid.spec_decode import NgramProposer
 
@@ -50,6 +50,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self._prompt_rows_left = PROMPT_LOGPROBS_ROWS_PER_STEP  # this step's logits rows for prompt logprobs
         self.proposer = proposer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -123,6 +124,7 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        self._prompt_rows_left = PROMPT_LOGPROBS_ROWS_PER_STEP
         decodes: list[ScheduledChunk] = []
         verifies: list[ScheduledChunk] = []
         replays: list[ScheduledChunk] = []
@@ -178,6 +180,7 @@ class Scheduler:
             if chunk:
                 prefills.append(ScheduledChunk(seq, chunk, False))
                 budget -= chunk
+                self._take_prompt_rows(seq, chunk)
 
         # 3. admit waiting sequences while there is budget, a slot and pages
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -207,6 +210,7 @@ class Scheduler:
             self.running.append(seq)
             prefills.append(ScheduledChunk(seq, chunk, False))
             budget -= chunk
+            self._take_prompt_rows(seq, chunk)
 
         if not decodes and not verifies and not replays and not prefills and self.running \
                 and not any(s.pending for s in self.running):
@@ -227,10 +231,20 @@ class Scheduler:
             return []
         return self.proposer.propose(seq.tokens, room)
 
+    @staticmethod
+    def _wants_prompt_rows(seq: Sequence) -> bool:
+        return seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids)
+
+    def _take_prompt_rows(self, seq: Sequence, chunk: int) -> None:
+        if self._wants_prompt_rows(seq):
+            self._prompt_rows_left -= chunk
+
     def _fit_chunk(self, seq: Sequence, budget: int, upto: int | None = None) -> int:
         """Largest chunk (<= budget, ending at or before token `upto`, default the prefill length)
         whose pages can be allocated now."""
         chunk = min((seq.prefill_len if upto is None else upto) - seq.num_computed, budget)
+        if self._wants_prompt_rows(seq):  # every position of the chunk is a logits row
+            chunk = min(chunk, self._prompt_rows_left)
         if seq.cache_at > seq.num_computed:  # end a chunk at the caching point: the state there is kept
             chunk = min(chunk, seq.cache_at - seq.num_computed)
         ps = self.resources.page_size
