@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
 from hybrid.config import GATE_ONLY, GATE_THEN_NORM, AttentionConfig, MambaConfig, MoEConfig
+from hybrid.mamba_metadata import step_metadata
 from hybrid.ops import mamba_torch, triton_act, triton_moe, triton_norm
 
 
@@ -125,20 +126,14 @@ class Mamba2Mixer(nn.Module):
 
         if nv:
             self._verify(xBC, dt, A, y, batch, conv_state, ssm_state)
-        nr = batch.num_replay
-        if nr:
+        if batch.num_replay:
             self._replay(xBC, dt, A, y, batch, conv_state, ssm_state)
 
-        starts = batch.query_lens_cpu
-        offset = nd + sum(starts[nd:nd + nv + nr])
-        for i in range(nd + nv + nr, batch.num_requests):
-            length = starts[i]
-            slot = batch.state_slot_cpu[i]
+        for row in step_metadata(batch).prefills:  # built once per step, shared by every layer
+            length, slot, has_init = row.length, row.slot, row.has_initial_state
             if slot < 0:  # padding row: touches no state
-                offset += length
                 continue
-            has_init = batch.has_initial_state_cpu[i]
-            rows = slice(offset, offset + length)
+            rows = slice(row.start, row.start + length)
             xbc = mamba_torch.conv_prefill(xBC[rows], conv_state, slot, has_init, self.conv_weight, self.conv_bias)
             x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
             init = ssm_state[slot] if has_init else None
@@ -148,7 +143,6 @@ class Mamba2Mixer(nn.Module):
             )
             ssm_state[slot] = final.to(ssm_state.dtype)
             y[rows] = out
-            offset += length
 
         out = self.gated_norm(y.reshape(-1, inner), z)
         return self.out_proj(out.to(hidden.dtype))
@@ -170,26 +164,17 @@ class Mamba2Mixer(nn.Module):
                 conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         """Speculative verify rows: the decode recurrence token by token (exactly the decode path's
         math), starting from each row's slot and keeping the state after every token in the verify
-        scratch; the slots themselves are not written (the engine commits the accepted position)."""
-        nd, nv = batch.num_decodes, batch.num_verify
+        scratch; the slots themselves are not written (the engine commits the accepted position).
+        The token positions (token rows, slots, flat scratch rows) come from the step's metadata."""
         conv_scr = batch.state_scratch[0][self.layer_index]  # [rows, K+1, C, W]
         ssm_scr = batch.state_scratch[1][self.layer_index]  # [rows, K+1, H, P, N]
-        width = conv_scr.shape[1]
         conv_flat = conv_scr.view(-1, *conv_scr.shape[2:])
         ssm_flat = ssm_scr.view(-1, *ssm_scr.shape[2:])
-        q_lens = batch.query_lens_cpu
-        tok_start = [nd + sum(q_lens[nd:i]) for i in range(nd, nd + nv)]
-        rows = list(range(nd, nd + nv))
-        dev = xBC.device
-        for j in range(max(q_lens[i] for i in rows)):
-            act = [k for k, i in enumerate(rows) if q_lens[i] > j]
-            tok = torch.tensor([tok_start[k] + j for k in act], dtype=torch.long, device=dev)
-            dst = torch.tensor([batch.scratch_index_cpu[rows[k]] * width + j for k in act], dtype=torch.long,
-                               device=dev)
+        for j, pos in enumerate(step_metadata(batch).verify_positions):
+            tok, dst = pos.tokens, pos.scratch
             if j == 0:
-                src = torch.tensor([batch.state_slot_cpu[rows[k]] for k in act], dtype=torch.long, device=dev)
-                conv_flat[dst] = conv_state[src]
-                ssm_flat[dst] = ssm_state[src]
+                conv_flat[dst] = conv_state[pos.slots]
+                ssm_flat[dst] = ssm_state[pos.slots]
             else:
                 conv_flat[dst] = conv_flat[dst - 1]
                 ssm_flat[dst] = ssm_flat[dst - 1]
@@ -199,21 +184,10 @@ class Mamba2Mixer(nn.Module):
                 conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         """Replay rows (a readmitted sequence's known generated tokens): the decode recurrence token by
         token on each row's own slot, in place, exactly the decode branch's math (no dt clamp), batched
-        across the rows still active at each token position."""
-        nd, nv, nr = batch.num_decodes, batch.num_verify, batch.num_replay
-        q_lens = batch.query_lens_cpu
-        rows = list(range(nd + nv, nd + nv + nr))
-        first = nd + sum(q_lens[nd:nd + nv])
-        tok_start = []
-        for i in rows:
-            tok_start.append(first)
-            first += q_lens[i]
-        dev = xBC.device
-        for j in range(max(q_lens[i] for i in rows)):
-            act = [k for k, i in enumerate(rows) if q_lens[i] > j]
-            tok = torch.tensor([tok_start[k] + j for k in act], dtype=torch.long, device=dev)
-            slots = torch.tensor([batch.state_slot_cpu[rows[k]] for k in act], dtype=torch.long, device=dev)
-            y[tok] = self._recurrence_step(xBC[tok], dt[tok], A, conv_state, ssm_state, slots)
+        across the rows still active at each token position (the step's metadata)."""
+        for pos in step_metadata(batch).replay_positions:
+            y[pos.tokens] = self._recurrence_step(xBC[pos.tokens], dt[pos.tokens], A, conv_state, ssm_state,
+                                                  pos.slots)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,8 @@ context. Padding never occurs in replay rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -86,6 +87,10 @@ class StepBatch:
     # Replay (see the module docstring): requests [num_decodes + num_verify, ... + num_replay)
     # rebuild a readmitted sequence's state from its known generated tokens, decode recurrence in place.
     num_replay: int = 0
+    # The Mamba layers' per-step index tensors (hybrid/mamba_metadata.py: verify / replay row groups,
+    # prefill rows), built once per batch on first use and read by every layer. Not an __init__
+    # argument, so dataclasses.replace (a padded batch) starts without it and builds its own.
+    mamba_metadata: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_requests(self) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.batch import to_device
+from hybrid.mamba_metadata import step_metadata
 
 _LOADED = None
 
@@ -124,16 +124,12 @@ class MambaCudaKernels:
         elif nr:
             self._library_replay(mixer, xBC, dt, p, y, batch, conv_state, ssm_state)
 
-        offset = nd + sum(batch.query_lens_cpu[nd:nd + nv + nr])
-        for i in range(nd + nv + nr, batch.num_requests):
-            length = batch.query_lens_cpu[i]
-            slot = batch.state_slot_cpu[i]
-            rows = slice(offset, offset + length)
-            offset += length
+        for row in step_metadata(batch).prefills:  # built once per step, shared by every layer
+            length, slot, has_init = row.length, row.slot, row.has_initial_state
+            rows = slice(row.start, row.start + length)
             if slot < 0:  # padding row: touches no state
                 y[rows].zero_()
                 continue
-            has_init = batch.has_initial_state_cpu[i]
             if self.decode_kernels == "triton":
                 # token-major causal conv over [slot history | chunk]: our Triton kernel, no transposes
                 xbc = self.triton.conv_prefill(xBC[rows], conv_state, slot, has_init, mixer.conv_weight,
@@ -176,11 +172,9 @@ class MambaCudaKernels:
                         batch, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         """Replay rows with the library decode kernels: one token position per call, batched across
         the rows still active there, in place on their slots (replay rows are never padding)."""
-        dev = xBC.device
-        for tok_list, slot_list in _replay_positions(batch):
-            tok = to_device(tok_list, torch.long, dev)
-            slots = to_device(slot_list, torch.long, dev)
-            y[tok] = self._library_step(mixer, p, xBC[tok], dt[tok], conv_state, ssm_state, slots).to(y.dtype)
+        for pos in step_metadata(batch).replay_positions:
+            tok = pos.tokens
+            y[tok] = self._library_step(mixer, p, xBC[tok], dt[tok], conv_state, ssm_state, pos.slots).to(y.dtype)
 
     def _library_step(self, mixer, p: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,
                       conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -221,50 +215,16 @@ def triton_recurrence(tm, mixer, params: dict[str, torch.Tensor], xBC: torch.Ten
     )
 
 
-def _replay_rows(batch) -> list[tuple[int, int, int]]:
-    """(first token row, token count, slot) of every replay row of the batch."""
-    nd, nv, nr = batch.num_decodes, batch.num_verify, batch.num_replay
-    q_lens = batch.query_lens_cpu
-    start = nd + sum(q_lens[nd:nd + nv])
-    rows = []
-    for i in range(nd + nv, nd + nv + nr):
-        rows.append((start, q_lens[i], batch.state_slot_cpu[i]))
-        start += q_lens[i]
-    return rows
-
-
-def _replay_positions(batch) -> list[tuple[list[int], list[int]]]:
-    """Token position by token position: (token rows, slots) of the replay rows active there."""
-    rows = _replay_rows(batch)
-    return [([first + j for first, T, _ in rows if T > j], [slot for _, T, slot in rows if T > j])
-            for j in range(max(T for _, T, _ in rows))]
-
-
-def _token_groups(batch, first: int, count: int) -> list[tuple[int, list[int], list[int]]]:
-    """Request rows [first, first + count) grouped by token count, one T-token launch per group:
-    [(T, each row's first token row, the request rows)]."""
-    q_lens = batch.query_lens_cpu
-    groups: dict[int, tuple[list[int], list[int]]] = {}
-    tok = sum(q_lens[:first])
-    for i in range(first, first + count):
-        toks, rows = groups.setdefault(q_lens[i], ([], []))
-        toks.append(tok)
-        rows.append(i)
-        tok += q_lens[i]
-    return [(T, toks, rows) for T, (toks, rows) in groups.items()]
-
-
 def triton_replay(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[str, torch.Tensor], y: torch.Tensor,
                   batch, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
     """Replay rows [num_decodes + num_verify, ... + num_replay) on our Triton decode kernels: the decode
     recurrence over each row's known tokens, in place on its slot (the slot ends with the state after the
     row's last token). Same math as Mamba2Mixer._replay. One T-token launch per token count: the kernels
-    round the state to its dtype after every token, so this equals T one-token decodes in any state dtype."""
-    dev = xBC.device
-    for T, toks, rows in _token_groups(batch, batch.num_decodes + batch.num_verify, batch.num_replay):
-        tok = to_device([[first + j for j in range(T)] for first in toks], torch.long, dev)  # [b, T]
-        slots = to_device([batch.state_slot_cpu[i] for i in rows], torch.long, dev)
-        y[tok] = triton_recurrence(tm, mixer, params, xBC[tok], dt[tok], conv_state, ssm_state, slots).to(y.dtype)
+    round the state to its dtype after every token, so this equals T one-token decodes in any state dtype.
+    The row groups (token rows [b, T], slots) come from the step's metadata (hybrid/mamba_metadata.py)."""
+    for g in step_metadata(batch).replay_groups:
+        tok = g.tokens  # [b, T]
+        y[tok] = triton_recurrence(tm, mixer, params, xBC[tok], dt[tok], conv_state, ssm_state, g.slots).to(y.dtype)
 
 
 def triton_verify(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[str, torch.Tensor], y: torch.Tensor,
@@ -273,16 +233,14 @@ def triton_verify(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[s
     recurrence over each row's 1 + drafts tokens, starting from its slot, with the state after every
     token written to the verify scratch (the slot itself is untouched; the engine commits the accepted
     position). Same math as Mamba2Mixer._verify, and bit for bit what T one-token decodes would store
-    (the kernels' state contract). One T-token launch per token count."""
+    (the kernels' state contract). One T-token launch per token count; the row groups (token rows,
+    slots, scratch rows) come from the step's metadata (hybrid/mamba_metadata.py)."""
     conv_scr = batch.state_scratch[0][mixer.layer_index]  # [rows, K+1, conv_dim, K-1]
     ssm_scr = batch.state_scratch[1][mixer.layer_index]  # [rows, K+1, H, P, N]
-    dev = xBC.device
-    for T, toks, rows in _token_groups(batch, batch.num_decodes, batch.num_verify):
-        tok = to_device([[first + j for j in range(T)] for first in toks], torch.long, dev)
-        slots = to_device([batch.state_slot_cpu[i] for i in rows], torch.long, dev)
-        scratch = to_device([batch.scratch_index_cpu[i] for i in rows], torch.long, dev)
-        y[tok] = triton_recurrence(tm, mixer, params, xBC[tok], dt[tok], conv_state, ssm_state, slots,
-                                   (conv_scr[:, :T], ssm_scr[:, :T]), scratch).to(y.dtype)
+    for g in step_metadata(batch).verify_groups:
+        T, tok = g.num_tokens, g.tokens  # tok [b, T]
+        y[tok] = triton_recurrence(tm, mixer, params, xBC[tok], dt[tok], conv_state, ssm_state, g.slots,
+                                   (conv_scr[:, :T], ssm_scr[:, :T]), g.scratch).to(y.dtype)
 
 
 def attach_kernels(model, decode_kernels: str = "triton") -> MambaCudaKernels | None:

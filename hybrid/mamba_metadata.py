@@ -1,0 +1,154 @@
+"""The Mamba layers' per-step metadata: which token rows, slots and verify-scratch rows each batched
+recurrence step of a StepBatch's verify and replay rows touches, and where its prefill chunks are.
+
+As vLLM's Mamba2 metadata builder does, it is built once per step and read by every Mamba layer:
+`step_metadata(batch)` builds it on first use (the first Mamba layer of the step) and caches it on
+the batch (`StepBatch.mamba_metadata`), so the host work and the upload are paid once per step, not
+once per layer; whoever builds a StepBatch (hybrid/launcher.py, graphs/padding.py, tests) needs to
+do nothing for it. Every index tensor is a view of one int64 block uploaded in a single
+non-blocking copy (`to_device`); nothing here waits for the device.
+
+The row groups are computed here only, for both Mamba paths:
+- `verify_groups` / `replay_groups`: rows of one kind with the same token count T, each group one
+  T-token launch of our Triton kernels (hybrid/ops/mamba_cuda.py);
+- `verify_positions` / `replay_positions`: token position j of every row still active at j, one
+  batched one-token recurrence step each (the torch path, Mamba2Mixer._verify / _replay, and the
+  library kernels' replay);
+- `prefills`: each prefill chunk's token rows, slot and has_initial_state (host values).
+A plain decode step (the shape the CUDA graphs capture) has none of these: its metadata is empty
+and costs no torch op. A batch derived with dataclasses.replace (e.g. padded) builds its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid.batch import StepBatch, to_device
+
+_ALIGN = 2  # int64 elements: every segment of the uploaded block starts 16-byte aligned (Triton pointer hints)
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Request rows of one kind with the same token count, run as one T-token launch."""
+    num_tokens: int  # T
+    tokens: torch.Tensor  # [b, T] int64: the token rows of each request's tokens, in order
+    slots: torch.Tensor  # [b] int64: each request's Mamba slot
+    scratch: torch.Tensor | None  # [b] int64: verify scratch rows (scratch_index); None for replay
+
+
+@dataclass(frozen=True)
+class TokenPosition:
+    """Token position j of every row still active there (q_len > j), as one one-token step."""
+    tokens: torch.Tensor  # [n] int64 token rows
+    slots: torch.Tensor  # [n] int64 Mamba slots (verify: read at j = 0 only)
+    scratch: torch.Tensor | None  # [n] verify: flat scratch row scratch_index * (K+1) + j; None for replay
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    start: int  # first token row
+    length: int  # tokens
+    slot: int  # PAD_SLOT_ID for a padding row (touches no state)
+    has_initial_state: bool
+
+
+@dataclass(frozen=True)
+class MambaStepMetadata:
+    verify_groups: tuple[RowGroup, ...] = ()
+    verify_positions: tuple[TokenPosition, ...] = ()
+    replay_groups: tuple[RowGroup, ...] = ()
+    replay_positions: tuple[TokenPosition, ...] = ()
+    prefills: tuple[PrefillRow, ...] = ()
+
+
+def step_metadata(batch: StepBatch) -> MambaStepMetadata:
+    """The batch's Mamba metadata, built (and uploaded) on the first call, cached on the batch."""
+    meta = batch.mamba_metadata
+    if meta is None:
+        meta = batch.mamba_metadata = build(batch)
+    return meta
+
+
+def _rows(batch: StepBatch, first: int, count: int) -> list[tuple[int, int, int, int]]:
+    """(first token row, token count, slot, scratch index) of request rows [first, first + count)."""
+    q_lens = batch.query_lens_cpu
+    scratch = batch.scratch_index_cpu
+    tok = sum(q_lens[:first])
+    rows = []
+    for i in range(first, first + count):
+        rows.append((tok, q_lens[i], batch.state_slot_cpu[i], scratch[i] if scratch is not None else -1))
+        tok += q_lens[i]
+    return rows
+
+
+class _Block:
+    """Host int64 segments that become views of one uploaded tensor: add() returns a handle,
+    upload() copies the whole block to the device at once, view(handle) is then that segment."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+        self.flat: torch.Tensor | None = None
+
+    def add(self, values: list[int], shape: tuple[int, ...] | None = None) -> tuple[int, int, tuple[int, ...]]:
+        start = len(self.values)
+        self.values.extend(values)
+        self.values.extend([0] * (-len(self.values) % _ALIGN))
+        return start, len(values), shape or (len(values),)
+
+    def upload(self, device: torch.device) -> None:
+        self.flat = to_device(self.values, torch.long, device)  # the step's one upload
+
+    def view(self, handle) -> torch.Tensor | None:
+        if handle is None:
+            return None
+        start, n, shape = handle
+        return self.flat[start:start + n].view(shape)
+
+
+def build(batch: StepBatch) -> MambaStepMetadata:
+    """Compute the row groups, positions and prefill rows of `batch` and upload their index tensors
+    in one copy (see the module docstring); use step_metadata(batch) to get the cached one."""
+    nd, nv, nr = batch.num_decodes, batch.num_verify, batch.num_replay
+    q_lens = batch.query_lens_cpu
+    start = nd + sum(q_lens[nd:nd + nv + nr])
+    prefills = []
+    for i in range(nd + nv + nr, batch.num_requests):
+        prefills.append(PrefillRow(start, q_lens[i], batch.state_slot_cpu[i], batch.has_initial_state_cpu[i]))
+        start += q_lens[i]
+    if not nv and not nr:  # decodes and prefills only (a captured decode step among them): no upload
+        return MambaStepMetadata(prefills=tuple(prefills))
+
+    block = _Block()
+    # verify rows: position j of scratch row r is r * width + j in the flat view of a layer's scratch
+    width = batch.state_scratch[0].shape[2] if nv else 0  # [layers, rows, K+1, ...]
+    planned = {}
+    for kind, first, count in (("verify", nd, nv), ("replay", nd + nv, nr)):
+        verify = kind == "verify"
+        rows = _rows(batch, first, count)
+        by_len: dict[int, list[tuple[int, int, int, int]]] = {}
+        for r in rows:
+            by_len.setdefault(r[1], []).append(r)
+        groups = [(T, block.add([tok + j for tok, _, _, _ in g for j in range(T)], (len(g), T)),
+                   block.add([slot for _, _, slot, _ in g]),
+                   block.add([scr for _, _, _, scr in g]) if verify else None)
+                  for T, g in by_len.items()]
+        positions = []
+        for j in range(max((T for _, T, _, _ in rows), default=0)):
+            act = [r for r in rows if r[1] > j]
+            positions.append((block.add([tok + j for tok, _, _, _ in act]),
+                              block.add([slot for _, _, slot, _ in act]),
+                              block.add([scr * width + j for _, _, _, scr in act]) if verify else None))
+        planned[kind] = (groups, positions)
+    block.upload(batch.state_slot.device)
+    v = block.view
+
+    def finish(kind):
+        groups, positions = planned[kind]
+        return (tuple(RowGroup(T, v(t), v(s), v(c)) for T, t, s, c in groups),
+                tuple(TokenPosition(v(t), v(s), v(c)) for t, s, c in positions))
+
+    verify_groups, verify_positions = finish("verify")
+    replay_groups, replay_positions = finish("replay")
+    return MambaStepMetadata(verify_groups, verify_positions, replay_groups, replay_positions, tuple(prefills))
