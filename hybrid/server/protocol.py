@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hybrid.chat_template import normalize_messages
 from hybrid.errors import InvalidRequestError
-from hybrid.sampling import SamplingParams
+from hybrid.sampling import SamplingParams, StructuredOutputsParams
 from hybrid.server.api_errors import APIError, bad, from_invalid
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -115,7 +115,9 @@ def _stop(body: dict) -> list[str] | None:
 
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The SamplingParams of a request's sampling fields (OpenAI's, and the extensions top_k,
-    min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids)."""
+    min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids), and its output constraint
+    (response_format, structured_outputs, guided_*: see structured_outputs)."""
+    constraint = structured_outputs(body)
     top_k = get_int(body, "top_k", -1)
     if top_k == 0:
         top_k = -1
@@ -152,9 +154,77 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> Sam
             min_p=get_num(body, "min_p", 0.0),
             min_tokens=get_int(body, "min_tokens", 0, lo=0),
             logit_bias=logit_bias or None,
+            structured_outputs=constraint,
         )
     except InvalidRequestError as e:
         raise from_invalid(e) from None
+
+
+# ---------------------------------------------------------------------------------- structured outputs
+# vLLM's structured_outputs fields, and its older guided_* spellings
+_SO_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+              "disable_additional_properties", "whitespace_pattern")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _response_format(body: dict) -> dict | None:
+    """StructuredOutputsParams fields of OpenAI's response_format (None: plain text)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise bad("response_format", "expected an object with a 'type'")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise bad("response_format.type", f"must be one of text, json_object, json_schema; got {json.dumps(kind)}")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("response_format.json_schema", "expected an object with 'name' and 'schema'")
+    if "name" in spec and not isinstance(spec["name"], str):
+        raise bad("response_format.json_schema.name", "expected a string")
+    if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
+        raise bad("response_format.json_schema.strict", "expected a boolean")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad("response_format.json_schema.schema", "is required: a JSON schema (an object)")
+    return {"json": schema}
+
+
+def structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """The request's output constraint, from OpenAI's `response_format` ({"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}), vLLM's `structured_outputs`
+    ({"json" | "regex" | "choice" | "grammar" | "json_object", and its options}) or vLLM's older
+    `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`: at most one of them. Shape
+    checks here (400 naming the field); the grammar itself is compiled by the engine's check."""
+    found: list[tuple[str, dict]] = []
+    rf = _response_format(body)
+    if rf is not None:
+        found.append(("response_format", rf))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("structured_outputs", "expected an object")
+        unknown = sorted(set(so) - set(_SO_FIELDS))
+        if unknown:
+            raise bad("structured_outputs", f"unknown field {json.dumps(unknown[0])}; the fields are "
+                                            + ", ".join(_SO_FIELDS))
+        found.append(("structured_outputs", {k: v for k, v in so.items() if v is not None}))
+    for name, field in _GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, {field: body[name]}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad(found[1][0], f"only one output constraint per request; {found[0][0]} is given too")
+    name, fields = found[0]
+    try:
+        return StructuredOutputsParams(**fields)
+    except InvalidRequestError as e:
+        raise bad(name, str(e)) from None
 
 
 def _include_usage(body: dict, stream: bool) -> bool:
