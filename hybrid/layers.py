@@ -328,6 +328,8 @@ class Experts(nn.Module):
         up = shared.gate_up_proj if self.gated else shared.up_proj
         if isinstance(shared, GatedMLP) != self.gated or up.bias is not None or shared.down_proj.bias is not None:
             return 0
+        if type(up) is not Linear or type(shared.down_proj) is not Linear:  # FP8 projections run on their own
+            return 0
         width, inter = shared.down_proj.weight.shape[1], self.down.shape[2]
         return width // inter if width % inter == 0 else 0
 

@@ -7,6 +7,7 @@ against that plan, so a missing, unexpected or mis-shaped tensor is reported by 
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -16,7 +17,13 @@ from safetensors import safe_open
 
 from hybrid.config import ATTENTION, GATE_ONLY, HYBRID, MAMBA, MLP, MOE, ModelConfig, read_json
 from hybrid.errors import CheckpointError
+from hybrid.layers import Linear
 from hybrid.model import HybridModel
+from hybrid.quantization import (
+    FP8_STORED, build_fp8_linear, check_scale, dequantize, plan_quantized, read_quant_config,
+)
+
+logger = logging.getLogger("hybrid")
 
 # Tensors some checkpoints carry that the runtime does not use.
 _IGNORED = [
@@ -33,6 +40,9 @@ class Source:
     # Per-row multipliers folded into the tensor (in fp32, before the cast to the model dtype):
     # Falcon-H1's muP multipliers of a projection's input or output sections
     row_scale: tuple[tuple[int, float], ...] | None = None  # (rows, multiplier) runs, in order
+    # of those, the one applied to the projection's input (an FP8 checkpoint's input scale was
+    # calibrated on the multiplied input; hybrid/quantization.py)
+    input_multiplier: float = 1.0
 
 
 def _mamba_sources(param_prefix: str, disk_prefix: str, cfg: ModelConfig) -> dict[str, Source]:
@@ -156,6 +166,8 @@ def _falcon_h1_plan(cfg: ModelConfig) -> dict[str, Source]:
                 src = plan.get(f"{p}{name}.{leaf}")
                 if src is not None and any(v != 1.0 for _, v in runs):
                     src.row_scale = tuple(runs)
+        plan[f"{p}mamba.in_proj.weight"].input_multiplier = mup.ssm_in
+        plan[f"{p}attn.qkv_proj.weight"].input_multiplier = mup.attention_in
     if not cfg.tie_word_embeddings:
         plan["lm_head.weight"] = Source(["lm_head.weight"], "whole")
     return plan
@@ -291,30 +303,13 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
     tensor on the load device; its startup cost on an 8B model was not measured here, having no GPU).
     Without it a non-finite weight is still caught when it reaches the logits (the engine fails
     the request; see Engine._finish_step)."""
+    quant = read_quant_config(model_dir, cfg.raw)  # None: not a quantized checkpoint
     model = HybridModel(cfg)
     plan = tensor_plan(cfg)
     params = dict(model.named_parameters())
     if set(plan) != set(params):  # a bug in the plan, not in the checkpoint
         raise AssertionError(f"tensor plan and model disagree: {sorted(set(plan) ^ set(params))}")
     files = weight_files(model_dir)
-    wanted = {n for src in plan.values() for n in src.disk_names}
-    if cfg.tie_word_embeddings:
-        wanted_optional = {"lm_head.weight"}  # some tied checkpoints still store it
-    else:
-        wanted_optional = set()
-    if cfg.family == "falcon_h1" and cfg.mamba.gate == GATE_ONLY:
-        # without mamba_rms_norm transformers makes the norm an identity and ignores a stored weight
-        wanted_optional |= {f"model.layers.{i}.mamba.norm.weight" for i in range(cfg.num_layers)}
-    unexpected = sorted(n for n in files if n not in wanted and n not in wanted_optional
-                        and not any(p.match(n) for p in _IGNORED))
-    if unexpected:
-        raise CheckpointError(f"unexpected tensor '{unexpected[0]}' in checkpoint"
-                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    missing = sorted(n for n in wanted if n not in files)
-    if missing:
-        raise CheckpointError(f"missing tensor '{missing[0]}' in checkpoint"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-
     handles: dict[str, object] = {}
 
     def handle(name: str):
@@ -323,11 +318,58 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
             handles[path] = _open(path, str(device))
         return handles[path]
 
+    def read(name: str) -> torch.Tensor:
+        try:
+            return handle(name).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{files[name]}: cannot read tensor '{name}': {e}") from None
+
+    def stored_dtype(name: str) -> str:
+        try:
+            return handle(name).get_slice(name).get_dtype()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{files[name]}: cannot read tensor '{name}': {e}") from None
+
+    qplan = None
+    if quant is not None:
+        linear = {f"{n}.weight" for n, m in model.named_modules() if type(m) is Linear and n != "lm_head"}
+        qplan = plan_quantized(quant, plan, linear, files, stored_dtype)
+        logger.info("%s", qplan.summary())
+    wanted = {n for src in plan.values() for n in src.disk_names}
+    if qplan is not None:
+        wanted |= qplan.required
+    if cfg.tie_word_embeddings:
+        wanted_optional = {"lm_head.weight"}  # some tied checkpoints still store it
+    else:
+        wanted_optional = set()
+    if cfg.family == "falcon_h1" and cfg.mamba.gate == GATE_ONLY:
+        # without mamba_rms_norm transformers makes the norm an identity and ignores a stored weight
+        wanted_optional |= {f"model.layers.{i}.mamba.norm.weight" for i in range(cfg.num_layers)}
+    if qplan is not None:
+        wanted_optional |= qplan.optional
+    unexpected = sorted(n for n in files if n not in wanted and n not in wanted_optional
+                        and not any(p.match(n) for p in _IGNORED))
+    if unexpected:
+        scales = quant is None and any(n.endswith((".weight_scale", ".input_scale")) for n in unexpected)
+        raise CheckpointError(f"unexpected tensor '{unexpected[0]}' in checkpoint"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                              + ("; it holds quantization scales, but the checkpoint declares no quantization config "
+                                 "(quantization_config in config.json, or hf_quant_config.json)" if scales else ""))
+    missing = sorted(n for n in wanted if n not in files)
+    if missing:
+        raise CheckpointError(f"missing tensor '{missing[0]}' in checkpoint"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
     items = list(plan.items())
     if progress:
         from tqdm import tqdm
 
         items = tqdm(items, desc="Loading weights", unit="tensor")
+    fp8_parts = []  # (param, source, fp8 parts) of the projections that become Fp8Linear
     for pname, src in items:
         target = params[pname]
         shapes = _disk_shapes(src.how, target.shape, len(src.disk_names), src.rows)
@@ -344,16 +386,26 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
             if found != shape:
                 raise CheckpointError(f"shape mismatch for tensor '{disk_name}' in {where}: expected {list(shape)}, "
                                       f"found {list(found)}")
-            if stored not in _FLOAT_DTYPES:
+            fp8 = stored == FP8_STORED and qplan is not None and (pname in qplan.linear or disk_name in qplan.dequant)
+            if stored not in _FLOAT_DTYPES and not fp8:
                 raise CheckpointError(f"tensor '{disk_name}' in {where} is stored as {stored}: weights must be "
-                                      f"floating point ({', '.join(_FLOAT_DTYPES)})")
-            try:
-                part = handle(disk_name).get_tensor(disk_name)
-            except Exception as e:
-                raise CheckpointError(f"{files[disk_name]}: cannot read tensor '{disk_name}': {e}") from None
-            if check_finite and not bool(torch.isfinite(part).all()):
+                                      f"floating point ({', '.join(_FLOAT_DTYPES)})"
+                                      + ("" if not stored.startswith("F8") else
+                                         " or FP8 with their scales in a quantized checkpoint (no quantization_config "
+                                         "in config.json, no hf_quant_config.json)" if qplan is None else
+                                         "; FP8 weights must be float8_e4m3fn (F8_E4M3)"))
+            part = read(disk_name)
+            if check_finite and not bool(torch.isfinite(part.float() if fp8 else part).all()):
                 raise CheckpointError(f"tensor '{disk_name}' in {where} holds non-finite values (NaN or Inf)")
+            if fp8 and disk_name in qplan.dequant:  # experts, routers, adapters, LM head: dequantized at load
+                q = qplan.dequant[disk_name]
+                experts = part.shape[0] if part.dim() == 3 else None
+                scale = check_scale(read(q.scale), q.scale, stored_dtype(q.scale), rows=part.shape[-2], experts=experts)
+                part = dequantize(part, scale)
             parts.append(part)
+        if qplan is not None and pname in qplan.linear:
+            fp8_parts.append((pname, src, parts))
+            continue
         if src.how == "whole":
             tensor = parts[0]
         elif src.how == "conv":
@@ -368,9 +420,29 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         want_dtype = torch.float32 if _FP32_PARAMS.search(pname) else dtype
         tensor = tensor.to(device=device, dtype=want_dtype).contiguous()
         _set_param(model, pname, tensor)
+    for pname, src, parts in fp8_parts:  # after the loop: their biases are loaded by now
+        _set_fp8_linear(model, qplan.linear[pname], src, parts, read, stored_dtype)
     handles.clear()
     _move_buffers(model, device)
     return model
+
+
+def _set_fp8_linear(model: torch.nn.Module, param, src: Source, weights: list[torch.Tensor], read,
+                    stored_dtype) -> None:
+    """Replace the Linear `param.module` by the Fp8Linear of its on-disk FP8 parts and their scales."""
+    scales, inputs = [], []
+    for part, w in zip(param.parts, weights):
+        scales.append(check_scale(read(part.scale), part.scale, stored_dtype(part.scale), rows=w.shape[0]))
+        inputs.append(check_scale(read(part.input_scale), part.input_scale, stored_dtype(part.input_scale))
+                      if part.input_scale else None)
+    row_scale = None
+    if src.row_scale is not None:
+        row_scale = torch.cat([torch.full((n,), v, dtype=torch.float32) for n, v in src.row_scale])
+    parent_name, _, attr = param.module.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, attr)
+    bias = old.bias.data if old.bias is not None else None
+    setattr(parent, attr, build_fp8_linear(param, weights, scales, inputs, bias, row_scale, src.input_multiplier))
 
 
 def _set_param(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -1,0 +1,568 @@
+"""FP8 (e4m3) checkpoints: the two common formats' configs, the load plan, and the FP8 linear layer.
+
+Formats (README "Quantized checkpoints" has the full notes, with where each fact comes from):
+
+* NVIDIA ModelOpt: `quantization_config` in config.json with `quant_method: "modelopt"` (the algo at
+  the top level, or nested under `quantization` as in hf_quant_config.json), or a separate
+  `hf_quant_config.json` `{"producer": ..., "quantization": {"quant_algo", "kv_cache_quant_algo",
+  "exclude_modules"}}`. `FP8`: per-tensor weight scale and a static per-tensor input scale;
+  `FP8_PER_CHANNEL_PER_TOKEN`: per-output-channel weight scale, activations quantized per token at
+  run time. `exclude_modules` are wildcards (fnmatch) over module names.
+* compressed-tensors (llm-compressor): `quant_method: "compressed-tensors"`, `format`
+  "float-quantized" / "naive-quantized", `config_groups` of {`targets`, `weights`,
+  `input_activations`}, an `ignore` list (names, or `re:` regexes matched from the start).
+
+Tensors of a quantized module `m`: `m.weight` float8_e4m3fn [out, in], `m.weight_scale` (one value,
+or one per output row: [out] or [out, 1]), `m.input_scale` (one value, static activations only).
+Attention modules may carry KV-cache scales (`k_scale`, `v_scale`, ...): read past, unused, the KV
+cache stays in the model dtype.
+
+What the runtime does with them: the projections that are `Linear` modules of the model become
+`Fp8Linear` (the fp8 weight stays resident, 1 byte a value); the other linear-shaped weights an FP8
+checkpoint may quantize (routed experts, routers, Zamba2's adapters, an untied LM head) are
+dequantized to the model dtype at load (FP8 experts inside the fused MoE kernel are later work).
+Embeddings, norms, conv1d, A_log / D / dt_bias and biases are never FP8: such a tensor stored in
+FP8 is a CheckpointError, as is an FP8 weight without its scale or one the config excludes.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.errors import CheckpointError
+
+logger = logging.getLogger("hybrid")
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# floor of a dynamic per-token scale (vLLM's per-token quantization uses the same floor), so an
+# all-zero row (a padding token) divides by a positive number
+MIN_DYNAMIC_SCALE = 1.0 / (FP8_MAX * 512.0)
+FP8_STORED = "F8_E4M3"  # the safetensors dtype name of float8_e4m3fn
+_SCALE_DTYPES = ("F32", "BF16", "F16", "F64")
+
+STATIC, DYNAMIC = "static", "dynamic"  # activation quantization: per-tensor input_scale | per token at run time
+TENSOR, CHANNEL = "tensor", "channel"  # weight scale granularity
+
+
+@dataclass(frozen=True)
+class Scheme:
+    weight: str  # TENSOR | CHANNEL (what the config says; the stored scale's shape decides per module)
+    activation: str | None  # STATIC | DYNAMIC | None (weights only)
+
+
+def _fail(where: str, msg: str) -> CheckpointError:
+    return CheckpointError(f"{where}: {msg}")
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization configs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantConfig:
+    method: str  # "modelopt" | "compressed-tensors"
+    where: str  # the file (and key) it was read from, for messages
+    algo: str  # "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "compressed-tensors float-quantized", ...
+    kv_cache: str | None = None  # declared KV-cache quantization (its scales are read past)
+    exclude: list[str] = field(default_factory=list)  # modelopt exclude_modules / compressed-tensors ignore
+    scheme: Scheme | None = None  # modelopt: one scheme for every module not excluded
+    groups: list[tuple[list[str], Scheme]] = field(default_factory=list)  # compressed-tensors (targets, scheme)
+
+    def describe(self) -> str:
+        return f"{self.method} {self.algo}" if self.method == "modelopt" else self.algo
+
+    def exclusion(self, module: str) -> str | None:
+        """The exclude / ignore entry that leaves `module` (an on-disk module name) unquantized."""
+        for pat in self.exclude:
+            if self.method == "modelopt":
+                # wildcards over module names (a trailing `name*` covers the module and its children);
+                # a plain name also matches as a dotted part of the module path (older ModelOpt
+                # exports list e.g. "lm_head" for "model.lm_head", as vLLM's loader accepts)
+                if fnmatch.fnmatchcase(module, pat) or module == pat:
+                    return pat
+                if not any(c in pat for c in "*?[") and (module.endswith("." + pat) or f".{pat}." in module
+                                                         or module.startswith(pat + ".")):
+                    return pat
+            elif _ct_match(module, pat):
+                return pat
+        return None
+
+    def scheme_for(self, module: str) -> Scheme | None:
+        """The scheme the config gives `module` (a linear-shaped on-disk module), None if it leaves it
+        unquantized."""
+        if self.exclusion(module) is not None:
+            return None
+        if self.method == "modelopt":
+            return self.scheme
+        for targets, scheme in self.groups:
+            for t in targets:
+                # a layer name, a `re:` regex, or a module class: every module this can hold in FP8
+                # is an nn.Linear in transformers (or a stack of them), so class targets are
+                # those "Linear" contains (matched like vLLM: case-insensitive substring)
+                if _ct_match(module, t) or (not t.startswith("re:") and t.lower() in "linear"):
+                    return scheme
+        return None
+
+
+def _ct_match(module: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return module == target
+
+
+def read_quant_config(model_dir: str, raw: dict[str, Any]) -> QuantConfig | None:
+    """The checkpoint's quantization config (config.json `quantization_config`, else
+    hf_quant_config.json), None for an unquantized checkpoint. CheckpointError for a format, algo or
+    scheme this runtime does not load, naming what was found."""
+    from hybrid.config import read_json
+
+    qc = raw.get("quantization_config")
+    where = os.path.join(model_dir, "config.json") + " quantization_config"
+    if qc is None:
+        path = os.path.join(model_dir, "hf_quant_config.json")
+        if not os.path.isfile(path):
+            return None
+        qc, where = read_json(path), path
+        if not isinstance(qc, dict):
+            raise _fail(where, "must hold a JSON object")
+        qc = dict(qc)
+        qc.setdefault("quant_method", "modelopt")  # the file is ModelOpt's own
+    if not isinstance(qc, dict):
+        raise _fail(where, f"must be a JSON object, found {qc!r}")
+    method = qc.get("quant_method")
+    if not isinstance(method, str):
+        raise _fail(where, f"has no quant_method (found {method!r}); supported: 'modelopt' (FP8, "
+                           "FP8_PER_CHANNEL_PER_TOKEN) and 'compressed-tensors' (FP8)")
+    if method.lower().startswith("modelopt"):
+        return _modelopt(qc, where)
+    if method.lower() == "compressed-tensors":
+        return _compressed_tensors(qc, where)
+    raise _fail(where, f"quant_method '{method}' is not supported; supported: 'modelopt' (FP8, "
+                       "FP8_PER_CHANNEL_PER_TOKEN) and 'compressed-tensors' (FP8 weights, float-quantized)")
+
+
+_MODELOPT_SCHEMES = {"FP8": Scheme(TENSOR, STATIC), "FP8_PER_CHANNEL_PER_TOKEN": Scheme(CHANNEL, DYNAMIC)}
+
+
+def _modelopt(qc: dict[str, Any], where: str) -> QuantConfig:
+    body = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+    algo = body.get("quant_algo")
+    if not isinstance(algo, str) or not algo:
+        raise _fail(where, f"ModelOpt config without quant_algo (found {algo!r})")
+    scheme = _MODELOPT_SCHEMES.get(algo.upper())
+    if scheme is None:
+        raise _fail(where, f"ModelOpt quant_algo '{algo}' is not supported; supported: "
+                           f"{', '.join(_MODELOPT_SCHEMES)} (block-wise FP8_PB_WO, NVFP4, MXFP8, INT4/INT8 "
+                           "and MIXED_PRECISION are not)")
+    if "exclude_modules" in body:
+        exclude = body["exclude_modules"]
+    else:  # the compressed-tensors-style spelling some exports put into config.json
+        exclude = body.get("ignore", [])
+    exclude = [] if exclude is None else exclude
+    if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
+        raise _fail(where, f"exclude_modules must be a list of strings, found {exclude!r}")
+    kv = body.get("kv_cache_quant_algo")
+    if kv is None and isinstance(body.get("kv_cache_scheme"), dict):
+        kv = _ct_kv_scheme(body["kv_cache_scheme"], where)
+    if kv is not None and (not isinstance(kv, str) or kv.upper() != "FP8"):
+        raise _fail(where, f"kv_cache_quant_algo '{kv}' is not supported (FP8 or none; the KV cache stays in "
+                           "the model dtype either way)")
+    return QuantConfig("modelopt", where, algo.upper(), kv_cache=kv.upper() if kv else None, exclude=list(exclude),
+                       scheme=scheme)
+
+
+_CT_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def _ct_kv_scheme(kv: Any, where: str) -> str | None:
+    if kv is None:
+        return None
+    if isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float":
+        return "FP8"
+    raise _fail(where, f"kv_cache_scheme {kv!r} is not supported (8-bit float or none)")
+
+
+def _ct_args(args: Any, what: str, group: str, where: str) -> dict[str, Any]:
+    if not isinstance(args, dict):
+        raise _fail(where, f"config_groups.{group}.{what} must be an object, found {args!r}")
+    bits, kind = args.get("num_bits"), args.get("type", "int")
+    if bits != 8 or kind != "float":
+        raise _fail(where, f"config_groups.{group}.{what} is num_bits={bits}, type={kind!r}: only 8-bit float "
+                           "(FP8 e4m3) is supported (int8, int4 / W4A16, NVFP4, MXFP4 are not)")
+    if args.get("symmetric", True) is not True:
+        raise _fail(where, f"config_groups.{group}.{what} is asymmetric (zero points): not supported")
+    return args
+
+
+def _compressed_tensors(qc: dict[str, Any], where: str) -> QuantConfig:
+    fmt = qc.get("format")
+    if fmt not in _CT_FORMATS:
+        raise _fail(where, f"compressed-tensors format {fmt!r} is not supported; supported: "
+                           f"{', '.join(_CT_FORMATS)} (FP8 weights stored as float8_e4m3fn)")
+    for key in ("sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise _fail(where, f"compressed-tensors {key} is not supported")
+    groups_raw = qc.get("config_groups")
+    if not isinstance(groups_raw, dict) or not groups_raw:
+        raise _fail(where, f"compressed-tensors config without config_groups (found {groups_raw!r})")
+    groups = []
+    for gname, g in groups_raw.items():
+        if not isinstance(g, dict):
+            raise _fail(where, f"config_groups.{gname} must be an object")
+        gfmt = g.get("format")
+        if gfmt is not None and gfmt not in _CT_FORMATS:
+            raise _fail(where, f"config_groups.{gname}.format {gfmt!r} is not supported ({', '.join(_CT_FORMATS)})")
+        targets = g.get("targets")
+        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+            raise _fail(where, f"config_groups.{gname}.targets must be a non-empty list of strings, found {targets!r}")
+        w = _ct_args(g.get("weights"), "weights", gname, where)
+        strategy = w.get("strategy", TENSOR)
+        if strategy not in (TENSOR, CHANNEL) or w.get("dynamic", False):
+            raise _fail(where, f"config_groups.{gname}.weights strategy {strategy!r}"
+                               f"{' (dynamic)' if w.get('dynamic') else ''} is not supported: static per-tensor "
+                               "or per-channel FP8 weights only (block-wise / group FP8 is not)")
+        act = None
+        a = g.get("input_activations")
+        if a is not None:
+            a = _ct_args(a, "input_activations", gname, where)
+            a_strategy, dynamic = a.get("strategy", TENSOR), a.get("dynamic", False)
+            if dynamic is True and a_strategy in (TENSOR, "token"):
+                act = DYNAMIC  # quantized per token at run time (vLLM does so for dynamic per-tensor too)
+            elif dynamic is False and a_strategy == TENSOR:
+                act = STATIC
+            else:
+                raise _fail(where, f"config_groups.{gname}.input_activations strategy {a_strategy!r} with "
+                                   f"dynamic={dynamic!r} is not supported (static per-tensor, or dynamic per token)")
+        if g.get("output_activations") is not None:
+            raise _fail(where, f"config_groups.{gname}.output_activations (quantized outputs) are not supported")
+        groups.append((list(targets), Scheme(strategy, act)))
+    ignore = qc.get("ignore", []) or []
+    if not isinstance(ignore, list) or not all(isinstance(e, str) for e in ignore):
+        raise _fail(where, f"ignore must be a list of strings, found {ignore!r}")
+    kv = _ct_kv_scheme(qc.get("kv_cache_scheme"), where)
+    return QuantConfig("compressed-tensors", where, f"compressed-tensors {fmt}", kv_cache=kv, exclude=list(ignore),
+                       groups=groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# the load plan
+# ---------------------------------------------------------------------------------------------
+
+# model parameters whose on-disk tensors are linear-shaped weights an FP8 checkpoint may quantize and
+# that the runtime dequantizes at load (all other non-Linear parameters are never FP8)
+_DEQUANT_PARAMS = re.compile(r"(experts\.(up|down)|router_weight|_adapter\.(down|up)|^lm_head\.weight)$")
+# KV-cache scales on an attention module (ModelOpt: k_proj.k_scale / v_proj.v_scale; compressed-tensors:
+# self_attn.k_scale / v_scale, older exports k_proj.output_scale / v_proj.output_scale)
+_KV_SCALE_LEAVES = ("k_scale", "v_scale", "q_scale", "kv_scale", "prob_scale",
+                    "k_proj.k_scale", "v_proj.v_scale", "k_proj.output_scale", "v_proj.output_scale",
+                    "q_proj.output_scale")
+
+
+@dataclass
+class Fp8Part:
+    weight: str  # on-disk name of the fp8 weight
+    scale: str  # ... of its weight_scale
+    input_scale: str | None  # ... of its input_scale (static activations), if present
+
+
+@dataclass
+class Fp8Param:
+    module: str  # the model's Linear module that becomes an Fp8Linear
+    parts: list[Fp8Part]
+    scheme: Scheme
+
+
+@dataclass
+class QuantPlan:
+    config: QuantConfig
+    linear: dict[str, Fp8Param] = field(default_factory=dict)  # model weight param -> its FP8 parts
+    dequant: dict[str, Fp8Part] = field(default_factory=dict)  # on-disk fp8 weight -> its scales (dequantized at load)
+    required: set[str] = field(default_factory=set)  # scale tensors the load reads
+    optional: set[str] = field(default_factory=set)  # tensors read past (KV scales, unused input scales)
+
+    def summary(self) -> str:
+        n = len(self.linear)
+        return (f"{self.config.describe()} checkpoint: {n} projection{'s' * (n != 1)} in FP8"
+                + (f", {len(self.dequant)} FP8 tensors (experts, routers, adapters, LM head) dequantized at load"
+                   if self.dequant else "")
+                + (f"; KV-cache quantization {self.config.kv_cache} declared, KV cache kept in the model dtype"
+                   if self.config.kv_cache else ""))
+
+
+def _module_of(disk_name: str, where: str) -> str:
+    if not disk_name.endswith(".weight"):
+        raise CheckpointError(f"tensor '{disk_name}' in {where} is stored as FP8 ({FP8_STORED}), but only "
+                              "'<module>.weight' tensors of linear projections can be")
+    return disk_name[: -len(".weight")]
+
+
+def plan_quantized(qc: QuantConfig, plan: dict, linear_params: set[str], files: dict[str, str],
+                   stored_dtype: Callable[[str], str]) -> QuantPlan:
+    """Which model parameters load from FP8 tensors, and the scale tensors they need. `plan`: the
+    loader's tensor plan (model parameter -> Source); `linear_params`: the weight parameters of the
+    model's Linear modules (not the LM head); `stored_dtype(name)`: a present tensor's safetensors
+    dtype. CheckpointError, naming the tensor, for an FP8 tensor where none can be, one the config
+    excludes or does not target, a missing scale, or a projection whose parts mix FP8 and float."""
+    out = QuantPlan(qc)
+
+    def where(name: str) -> str:
+        return os.path.basename(files[name])
+
+    def part_for(name: str, scheme: Scheme, linear: bool) -> Fp8Part:
+        module = _module_of(name, where(name))
+        scale, inp = f"{module}.weight_scale", f"{module}.input_scale"
+        if scale not in files:
+            raise CheckpointError(f"missing tensor '{scale}': the FP8 weight '{name}' ({where(name)}) needs its "
+                                  f"weight_scale ({qc.describe()})")
+        out.required.add(scale)
+        if scheme.activation == STATIC:
+            if inp not in files:
+                if linear:
+                    raise CheckpointError(f"missing tensor '{inp}': the FP8 weight '{name}' ({where(name)}) needs "
+                                          f"its static input_scale ({qc.describe()})")
+                inp = None
+            else:
+                (out.required if linear else out.optional).add(inp)
+        else:
+            inp = None  # (an input_scale under a dynamic scheme is reported as an unexpected tensor)
+        return Fp8Part(name, scale, inp)
+
+    for pname, src in plan.items():
+        present = [n for n in src.disk_names if n in files]
+        fp8 = [n for n in present if stored_dtype(n).startswith("F8")]
+        if not fp8:
+            continue
+        other = next((n for n in fp8 if stored_dtype(n) != FP8_STORED), None)
+        if other is not None:
+            raise CheckpointError(f"tensor '{other}' in {where(other)} is stored as {stored_dtype(other)}: FP8 weights "
+                                  f"must be float8_e4m3fn ({FP8_STORED})")
+        linear, dequant = pname in linear_params, bool(_DEQUANT_PARAMS.search(pname))
+        if not (linear or dequant):
+            raise CheckpointError(f"tensor '{fp8[0]}' in {where(fp8[0])} is stored as FP8 ({FP8_STORED}), but "
+                                  f"this tensor is never quantized (only linear projection weights are; "
+                                  "embeddings, norms, conv1d, A_log, D, dt_bias and biases stay in float)")
+        if len(fp8) != len(present):
+            plain = next(n for n in present if n not in fp8)
+            raise CheckpointError(f"tensors '{fp8[0]}' (FP8) and '{plain}' ({stored_dtype(plain)}) form one "
+                                  "projection here and must be quantized alike")
+        schemes = []
+        for n in fp8:
+            module = _module_of(n, where(n))
+            entry = qc.exclusion(module)
+            if entry is not None:
+                raise CheckpointError(f"tensor '{n}' in {where(n)} is stored as FP8, but the quantization config "
+                                      f"({qc.where}) excludes module '{module}' (entry '{entry}')")
+            scheme = qc.scheme_for(module)
+            if scheme is None:
+                raise CheckpointError(f"tensor '{n}' in {where(n)} is stored as FP8, but no config_groups target "
+                                      f"of {qc.where} covers module '{module}'")
+            schemes.append(scheme)
+        if linear:
+            acts = {s.activation for s in schemes}
+            if len(acts) > 1:
+                raise CheckpointError(f"tensors {fp8} form one projection but quantize their inputs differently "
+                                      f"({sorted(map(str, acts))})")
+            out.linear[pname] = Fp8Param(pname.rpartition(".")[0], [part_for(n, s, True) for n, s in zip(fp8, schemes)],
+                                         schemes[0])
+        else:
+            for n, s in zip(fp8, schemes):
+                out.dequant[n] = part_for(n, s, False)
+    # KV-cache scales on the attention modules (the prefix of every q/k/v projection)
+    prefixes = {n.rsplit(".", 2)[0] + "." for src in plan.values() for n in src.disk_names
+                if re.search(r"\.[qkv]_proj\.weight$", n)}
+    out.optional |= {p + leaf for p in prefixes for leaf in _KV_SCALE_LEAVES if p + leaf in files}
+    if not out.linear and not out.dequant:
+        logger.warning("%s declares %s quantization but no weight is stored in FP8: loading the float weights",
+                       qc.where, qc.describe())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# scales and dequantization
+# ---------------------------------------------------------------------------------------------
+
+
+def check_scale(t: torch.Tensor, name: str, stored: str, rows: int | None = None,
+                experts: int | None = None) -> torch.Tensor:
+    """A weight or input scale as fp32: one value ([] or [1]) or, with `rows`, one per output row
+    ([rows] or [rows, 1]); with `experts` (a stacked [E, rows, in] weight) one per expert or per expert
+    row ([E], [E, 1], [E, 1, 1], [E, rows], [E, rows, 1]). Returned shaped to broadcast against the
+    weight (0-dim, [rows, 1], [E, 1, 1] or [E, rows, 1]). CheckpointError for a non-float, mis-shaped,
+    non-positive or non-finite scale."""
+    if stored not in _SCALE_DTYPES:
+        raise CheckpointError(f"scale tensor '{name}' is stored as {stored}: scales must be floating point")
+    shape = tuple(t.shape)
+    t = t.float()
+    if experts is None:
+        if t.numel() == 1 and t.dim() <= 1:
+            out = t.reshape(())
+        elif rows is not None and shape in ((rows,), (rows, 1)):
+            out = t.reshape(rows, 1)
+        else:
+            raise CheckpointError(f"scale tensor '{name}' has shape {list(shape)}: expected one value"
+                                  + (f" or one per output row ([{rows}] or [{rows}, 1])" if rows else ""))
+    else:
+        if t.numel() == 1 and t.dim() <= 1:
+            out = t.reshape(()).expand(experts).reshape(experts, 1, 1)
+        elif shape in ((experts,), (experts, 1), (experts, 1, 1)):
+            out = t.reshape(experts, 1, 1)
+        elif rows is not None and shape in ((experts, rows), (experts, rows, 1)):
+            out = t.reshape(experts, rows, 1)
+        else:
+            raise CheckpointError(f"scale tensor '{name}' has shape {list(shape)}: expected one value per expert "
+                                  f"([{experts}]) or per expert row ([{experts}, {rows}, 1])")
+    if not bool(torch.isfinite(out).all()) or not bool((out > 0).all()):
+        raise CheckpointError(f"scale tensor '{name}' holds values that are not positive and finite")
+    return out
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """weight.float() * scale in fp32 (`scale` as check_scale returns it): the reference
+    dequantization of an FP8 weight."""
+    return weight.float() * scale
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x quantized to e4m3 with `scale` (x / scale, clamped to +-448, rounded to the nearest e4m3) and
+    dequantized back, in x.dtype: what an FP8 GEMM sees of its input."""
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (q.float() * scale).to(x.dtype)
+
+
+def per_token_scale(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token scales [T, 1] in fp32: each row's absmax / 448 (floored at MIN_DYNAMIC_SCALE)."""
+    return (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(MIN_DYNAMIC_SCALE)
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer
+# ---------------------------------------------------------------------------------------------
+
+
+def _scaled_mm_capable(device: torch.device) -> bool:
+    """torch._scaled_mm with e4m3 operands: CUDA devices of compute capability 8.9 (Ada) and up."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Linear(nn.Module):
+    """A linear projection with an FP8 (e4m3) weight [out, in] and fp32 scales, as the checkpoint
+    stores them (parts of a fused projection concatenated; per-tensor scales that differ between
+    the parts become one scale per output row).
+
+    `weight_scale`: 0-dim (per tensor) or [out] (per output row). `activation`: None (weights only),
+    STATIC (`input_scale`, 0-dim) or DYNAMIC (per token at run time).
+
+    CPU, and dims cuBLASLt cannot take: the reference path, in plain torch: the weight dequantized
+    (weight.float() * scale, cast to the activation dtype) and, when the checkpoint quantizes
+    activations, the input quantized to e4m3 with its scale and dequantized back, then F.linear in
+    the activation dtype: what the FP8 GEMM computes, up to accumulation order.
+    CUDA (sm_89+, bf16 activations, in and out features multiples of 16, activations quantized):
+    torch._scaled_mm, e4m3 x e4m3 -> bf16 with fp32 scales: per-tensor scales when weight and
+    input are both per tensor, else row-wise (input [T, 1], weight [1, out]). No host syncs (the
+    dynamic scales are computed on the device), so it is captured in CUDA graphs."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+                 activation: str | None, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        assert weight.dtype == FP8_DTYPE and weight.dim() == 2
+        n, k = weight.shape
+        assert weight_scale.dtype == torch.float32 and weight_scale.shape in ((), (n,))
+        assert (activation == STATIC) == (input_scale is not None)
+        self.in_features, self.out_features = k, n
+        self.activation = activation
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.weight_scale = nn.Parameter(weight_scale.contiguous(), requires_grad=False)
+        self.input_scale = (nn.Parameter(input_scale.reshape(()).float(), requires_grad=False)
+                            if input_scale is not None else None)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.use_scaled_mm = (activation is not None and k % 16 == 0 and n % 16 == 0
+                              and _scaled_mm_capable(weight.device))
+        # row-wise GEMMs take the weight scale as [1, out] (a per-tensor one expanded once here)
+        self.register_buffer("_scale_b_row", self.weight_scale.detach().expand(n).reshape(1, n).contiguous(),
+                             persistent=False)
+
+    def extra_repr(self) -> str:
+        per = "tensor" if self.weight_scale.dim() == 0 else "channel"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, weight_scale=per-{per}, "
+                f"activation={self.activation}, bias={self.bias is not None}, scaled_mm={self.use_scaled_mm}")
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        scale = self.weight_scale if self.weight_scale.dim() == 0 else self.weight_scale[:, None]
+        return dequantize(self.weight, scale).to(dtype)
+
+    def input_scales(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The activation scale(s) of input x [T, in]: 0-dim (static), [T, 1] (dynamic) or None."""
+        if self.activation == STATIC:
+            return self.input_scale
+        if self.activation == DYNAMIC:
+            return per_token_scale(x)
+        return None
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The dequantized path (plain torch; CPU, and any device)."""
+        s = self.input_scales(x)
+        if s is not None:
+            x = fake_quantize(x, s)
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """torch._scaled_mm on x [..., in] (bf16 on CUDA; see the class docs)."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        m = x2.shape[0]
+        s = self.input_scales(x2)
+        xq = (x2.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        if s.dim() == 0 and self.weight_scale.dim() == 0:  # per-tensor x per-tensor
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=s, scale_b=self.weight_scale, out_dtype=x.dtype)
+        else:  # row-wise: input [M, 1], weight [1, N]; bf16 output
+            sa = s.expand(m, 1).contiguous() if s.dim() == 0 else s
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=sa, scale_b=self._scale_b_row,
+                                   out_dtype=torch.bfloat16).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_scaled_mm and x.is_cuda and x.dtype == torch.bfloat16:
+            return self.forward_scaled_mm(x)
+        return self.forward_reference(x)
+
+
+def build_fp8_linear(param: Fp8Param, weights: list[torch.Tensor], scales: list[torch.Tensor],
+                     input_scales: list[torch.Tensor | None], bias: torch.Tensor | None,
+                     row_scale: torch.Tensor | None, input_multiplier: float) -> Fp8Linear:
+    """The Fp8Linear of one model projection from its on-disk parts (weights fp8 [rows_i, in];
+    scales from check_scale: 0-dim or [rows_i, 1]). `row_scale` [out] (fp32): per-row multipliers the
+    loader folds into weights (Falcon-H1's muP), folded into the weight scale here; `input_multiplier`:
+    a multiplier the model applies to this projection's input before it (Falcon-H1's ssm_in /
+    attention_in, folded into the weight rows), so the checkpoint's input scale, calibrated on the
+    multiplied input, is divided by it. The parts of a fused projection take the largest of their
+    static input scales (they share one input; as vLLM)."""
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
+    rows = [w.shape[0] for w in weights]
+    per_tensor = all(s.dim() == 0 for s in scales)
+    if per_tensor and row_scale is None and all(bool((s == scales[0]).all()) for s in scales[1:]):
+        weight_scale = scales[0].reshape(())
+    else:
+        weight_scale = torch.cat([s.reshape(-1).expand(r) if s.dim() == 0 else s.reshape(r)
+                                  for s, r in zip(scales, rows)])
+        if row_scale is not None:
+            weight_scale = weight_scale * row_scale.to(weight_scale.device, torch.float32)
+    input_scale = None
+    if param.scheme.activation == STATIC:
+        input_scale = torch.stack([s.reshape(()) for s in input_scales]).max()
+        if input_multiplier != 1.0:
+            input_scale = input_scale / input_multiplier
+    return Fp8Linear(weight, weight_scale.float(), input_scale, param.scheme.activation, bias)

@@ -1,0 +1,239 @@
+"""FP8 GEMMs on CUDA (issue 17 item 2): Fp8Linear's torch._scaled_mm path against the dequantized
+reference on random tensors at the Nemotron-H-8B projection shapes (per-tensor and row-wise scales,
+static and dynamic per-token activations), its capture in a CUDA graph, and tiny FP8 checkpoints
+(tests/fp8_reference.py, hybrid.tools.quantize_fp8) served on the GPU under CUDA graphs against the
+CPU reference of the same checkpoint. Written without a GPU at hand: not yet run."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gpu_util import GREEDY, rel_err  # noqa: E402
+
+import fp8_reference as R  # noqa: E402
+from hybrid.quantization import DYNAMIC, FP8_DTYPE, STATIC, Fp8Linear  # noqa: E402
+
+# Nemotron-H-8B (bench/bench_decode.py CONFIG): hidden 4096, Mamba 128 heads x 64 (inner 8192, 8 groups
+# x 128 state), attention 32 x 128 q / 8 kv heads, relu2 MLP 21504. (out, in) of each projection.
+SHAPES_8B = {
+    "mamba.in_proj": (2 * 8192 + 2 * 8 * 128 + 128, 4096),
+    "mamba.out_proj": (4096, 8192),
+    "attn.qkv_proj": (32 * 128 + 2 * 8 * 128, 4096),
+    "attn.o_proj": (4096, 32 * 128),
+    "mlp.up_proj": (21504, 4096),
+    "mlp.down_proj": (4096, 21504),
+}
+ROWS = (1, 8, 64, 256, 1000)  # decode batches and a prefill chunk (not a multiple of 16)
+
+
+def _layer(n: int, k: int, per_channel: bool, act: str, seed: int, bias: bool = False) -> Fp8Linear:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, generator=g, device="cuda") / k ** 0.5
+    w = w * (1 + torch.rand(n, 1, generator=g, device="cuda"))  # rows of different scales
+    amax = w.abs().amax(-1) if per_channel else w.abs().amax()
+    scale = (amax / 448).float()
+    q = (w / (scale[:, None] if per_channel else scale)).clamp(-448, 448).to(FP8_DTYPE)
+    input_scale = torch.tensor(4.5 / 448, device="cuda") if act == STATIC else None
+    b = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16) if bias else None
+    return Fp8Linear(q, scale, input_scale, act, b)
+
+
+def _exact(layer: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The product of the layer's e4m3 operands, in fp64: what the FP8 GEMM computes before its
+    output is rounded to bf16."""
+    s = layer.input_scales(x.float())
+    xq = (x.float() / s).clamp(-448, 448).to(FP8_DTYPE)
+    ws = layer.weight_scale if layer.weight_scale.dim() == 0 else layer.weight_scale[:, None]
+    out = F.linear(xq.double() * s.double(), layer.weight.double() * ws.double())
+    return out + layer.bias.double() if layer.bias is not None else out
+
+
+@pytest.mark.parametrize("act", [STATIC, DYNAMIC])
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("name", list(SHAPES_8B))
+def test_scaled_mm_matches_dequantized_reference_8b_shapes(name, per_channel, act):
+    n, k = SHAPES_8B[name]
+    layer = _layer(n, k, per_channel, act, seed=list(SHAPES_8B).index(name), bias=name == "attn.o_proj")
+    assert layer.use_scaled_mm, "the 8B shapes satisfy _scaled_mm's alignment (multiples of 16)"
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        # the GEMM: the exact product of the fp8 operands, rounded once to bf16 (2^-9 relative)
+        assert rel_err(got, _exact(layer, x)) < 5e-3, (name, m)
+        # the reference path (dequantized weight and fake-quantized input, both cast to bf16, bf16 GEMM)
+        assert rel_err(got, layer.forward_reference(x)) < 1e-2, (name, m)
+
+
+def test_misaligned_dims_fall_back_to_the_reference_path():
+    layer = _layer(328, 64, False, DYNAMIC, seed=3)  # a tiny Mamba in_proj: 328 rows, not a multiple of 16
+    assert not layer.use_scaled_mm
+    x = torch.randn(5, 64, device="cuda").to(torch.bfloat16)
+    assert torch.equal(layer(x), layer.forward_reference(x))
+
+
+@pytest.mark.parametrize("per_channel,act", [(False, STATIC), (True, DYNAMIC), (False, DYNAMIC)])
+def test_scaled_mm_captured_in_a_cuda_graph(per_channel, act):
+    """No host syncs: the layer (dynamic per-token scales included) captures, and a replay on new
+    input equals the eager call."""
+    n, k = SHAPES_8B["mamba.out_proj"]
+    layer = _layer(n, k, per_channel, act, seed=7)
+    static_x = torch.randn(8, k, device="cuda").to(torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            layer(static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(static_x)
+    new = torch.randn(8, k, device="cuda").to(torch.bfloat16) * 3
+    static_x.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, layer(new))
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny FP8 checkpoints served on the GPU
+# ---------------------------------------------------------------------------------------------
+
+# (family, scheme): no dt clamp in these (prefill and decode compute the same function), so the CPU
+# reference can be asked for its greedy choice after the GPU's own prefixes
+CASES = [("granite_dense", "modelopt_fp8"), ("granite_moe", "ct_fp8_dynamic"),
+         ("nemotron_h_sharded", "modelopt_pcpt"), ("falcon_h1", "ct_fp8")]
+
+
+@pytest.fixture(scope="module")
+def fp8_path(tiny_ckpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8_gpu")
+    built = {}
+
+    def get(family, scheme):
+        if (family, scheme) not in built:
+            built[family, scheme] = R.quantize(tiny_ckpt(family), root / f"{family}-{scheme}", scheme)
+        return built[family, scheme]
+
+    return get
+
+
+def _prompts(path):
+    from tiny_checkpoints import vocab_size_of
+
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(4, vocab_size_of(path), (n,), generator=g).tolist() for n in (1, 5, 8, 17, 27, 40)]
+
+
+def _run(llm, prompts, n=12):
+    from hybrid import SamplingParams
+
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=n, **GREEDY),
+                                                         use_tqdm=False)]
+
+
+# Bounds of the two tests below are not measured yet (no GPU at hand): looser than the bf16 parity
+# tests' (first-token 0.75, near-tie 0.1 nats), since bf16 activations round differently from the CPU's
+# fp32 before the e4m3 quantization, so some activations land on the neighbouring e4m3 value (a 1/16
+# step), and these random tiny models move ~0.05 in relative logprob L2 under full FP8 noise.
+FP8_NEAR_TIE = 1.0  # nats below the CPU reference's greedy choice
+FP8_MIN_EXACT = 0.6
+
+
+@pytest.mark.parametrize("family,scheme", CASES)
+def test_fp8_checkpoint_under_cuda_graphs_vs_cpu(family, scheme, fp8_path):
+    from hybrid import LLM, SamplingParams
+
+    path = fp8_path(family, scheme)
+    gpu = LLM(path, device="cuda", max_num_seqs=8, page_size=16, max_model_len=128, max_num_batched_tokens=32,
+              cuda_graph_sizes=[1, 2, 4, 8], gpu_memory_utilization=0.5)
+    assert gpu.dtype == torch.bfloat16 and gpu.runner.use_graphs
+    layers = [m for m in gpu.model.modules() if isinstance(m, Fp8Linear)]
+    assert layers and any(m.use_scaled_mm for m in layers)
+    prompts = _prompts(path)
+    got = _run(gpu, prompts)
+    assert gpu.runner.stats["graph_replays"] > 0
+    cpu = LLM(path, device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128)
+    want = _run(cpu, prompts)
+    first = sum(g[0] == w[0] for g, w in zip(got, want)) / len(want)
+    agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
+    # every GPU token against the CPU reference's greedy choice after the GPU's own prefix
+    prefixes = [p + g[:j] for p, g in zip(prompts, got) for j in range(len(g))]
+    res = cpu.generate(prefixes, SamplingParams(max_tokens=1, logprobs=cpu.config.vocab_size, **GREEDY),
+                       use_tqdm=False)
+    regret = [max(r.outputs[0].logprobs[0].values()) - r.outputs[0].logprobs[0][t]
+              for r, t in zip(res, [t for g in got for t in g])]
+    exact = sum(r == 0 for r in regret) / len(regret)
+    print(f"{family} {scheme}: FP8 bf16+graphs vs CPU fp32 of the same checkpoint: first {first:.2f}, "
+          f"agree {agree:.2f}, greedy under the reference {exact:.2f}, max regret {max(regret):.3f} nats")
+    assert first >= 0.5 and exact >= FP8_MIN_EXACT and max(regret) <= FP8_NEAR_TIE
+
+
+@pytest.fixture(scope="module", params=CASES[:3])
+def fp8_llm(request, fp8_path):
+    from hybrid import LLM
+
+    return LLM(fp8_path(*request.param), device="cuda", max_num_seqs=8, page_size=16, max_model_len=64,
+               cuda_graph_sizes=[1, 2, 4, 8], gpu_memory_utilization=0.5)
+
+
+@pytest.mark.parametrize("slots", [[7], [7, 2, 0], list(range(8))])
+def test_fp8_replay_equals_eager(fp8_llm, slots):
+    """A captured FP8 decode graph replays bit for bit what the eager forward of the same padded batch
+    computes, and leaves the slots outside the batch untouched (as tests/gpu/test_graphs.py checks
+    for the bf16 checkpoints)."""
+    from test_graphs import decode_batch, randomize, restore, snap
+
+    from graphs.padding import pad_decode_batch
+
+    llm = fp8_llm
+    n = len(slots)
+    batch = decode_batch(llm, slots, [5 + 3 * i for i in range(n)], seed=n)
+    randomize(llm, n)
+    s0 = snap(llm)
+    size = min(s for s in llm.runner.capture_sizes if s >= n)
+    eager = llm.runner.model(pad_decode_batch(batch, size, 16), llm.runner.ctx)[:n]
+    s_eager = snap(llm)
+    restore(llm, s0)
+    replays = llm.runner.stats["graph_replays"]
+    out = llm.runner.execute(batch)
+    torch.cuda.synchronize()
+    assert llm.runner.stats["graph_replays"] == replays + 1
+    s_graph = snap(llm)
+    assert torch.equal(out, eager)
+    assert all(torch.equal(a, b) for a, b in zip(s_graph[:2], s_eager[:2]))
+    other = [s for s in range(8) if s not in slots]
+    assert torch.equal(s_graph[0][:, other], s0[0][:, other]) and torch.equal(s_graph[1][:, other], s0[1][:, other])
+
+
+@pytest.mark.parametrize("family,scheme", CASES[:2])
+def test_fp8_checkpoint_fp32_gpu_matches_cpu(family, scheme, fp8_path):
+    """fp32 activations on CUDA take the reference path (_scaled_mm only for bf16): token for token
+    as the fp32 parity tests of the unquantized checkpoints."""
+    from hybrid import LLM
+
+    path = fp8_path(family, scheme)
+    prompts = _prompts(path)
+    got = _run(LLM(path, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128,
+                   gpu_memory_utilization=0.5), prompts)
+    want = _run(LLM(path, device="cpu", dtype="float32", max_num_seqs=4, max_model_len=128), prompts)
+    agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
+    assert [g[0] for g in got] == [w[0] for w in want] and agree >= 0.9
+
+
+def test_memory_plan_counts_fp8_weights(fp8_path, tiny_ckpt):
+    from hybrid import LLM
+
+    kw = dict(device="cuda", max_num_seqs=4, max_model_len=128, gpu_memory_utilization=0.5)
+    fp8 = LLM(fp8_path("granite_dense", "modelopt_fp8"), **kw)
+    bf16 = LLM(tiny_ckpt("granite_dense"), **kw)
+    assert fp8.memory_plan.weight_bytes == sum(p.numel() * p.element_size() for p in fp8.model.parameters())
+    proj = sum(m.weight.numel() for m in fp8.model.modules() if isinstance(m, Fp8Linear))
+    assert bf16.memory_plan.weight_bytes - fp8.memory_plan.weight_bytes >= proj * 0.9  # 2 -> 1 byte a value
