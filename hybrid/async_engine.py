@@ -280,6 +280,7 @@ class AsyncEngine:
         self._inflight.add(rid)
         finished = False
         totals: dict[int, tuple[list[int], list | None]] = {}  # per completion index: tokens, logprobs
+        prompt_logprobs = None  # sent once (the first delta after the prompt is done), kept on every output
         try:
             self._commands.put(("add", tr, list(prompt_token_ids), prompt))
             self._wakeup.set()
@@ -290,6 +291,9 @@ class AsyncEngine:
                     raise item
                 if item.finished:
                     finished = True
+                if item.prompt_logprobs is not None:
+                    prompt_logprobs = item.prompt_logprobs
+                item.prompt_logprobs = prompt_logprobs
                 for c in item.outputs:  # delta -> running totals
                     tokens, logprobs = totals.setdefault(c.index, ([], [] if c.logprobs is not None else None))
                     tokens.extend(c.token_ids)

@@ -150,6 +150,12 @@ class Handlers:
             self._token_str[tid] = s
         return s
 
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text (an echoed token-id prompt); without a tokenizer, the token strings joined."""
+        if self.tokenizer is None:
+            return "".join(self.token_str(t) for t in ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # off the event loop: a long prompt must not stall other requests and /health
         return await asyncio.to_thread(_encode, self.tokenizer, text, add_special_tokens)
@@ -200,7 +206,8 @@ class Handlers:
         with self.admit(len(req.inputs) * n, "prompt" if len(req.inputs) > 1 else "n") as admission:
             prompts = await self.completion_prompts(req.inputs, req.params, req.max_tokens_param)
             self.validate(prompts, "prompt")
-            fmt = CompletionFormat(n, req.logprobs, self.token_str)
+            fmt = CompletionFormat(n, req.logprobs, self.token_str, echo=req.echo, echo_only=req.echo_only,
+                                   decode=self.decode)
             return await self._respond(request, prompts, fmt, req, admission)
 
     async def chat(self, request, body: dict):

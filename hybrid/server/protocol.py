@@ -8,6 +8,8 @@ What needs the model (tokenizing, the context length, the vocabulary) is checked
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 from dataclasses import dataclass
@@ -288,6 +290,8 @@ class CompletionRequest:
     logprobs: int | None  # top logprobs per token, None: none
     stream: bool
     include_usage: bool
+    echo: bool = False  # the prompt's text (and, with logprobs, its logprobs) before each choice's
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token is run and dropped)
 
 
 @dataclass(frozen=True)
@@ -303,21 +307,27 @@ class ChatRequest:
 
 
 def parse_completion(body: dict) -> CompletionRequest:
-    if get_bool(body, "echo", False):
-        raise bad("echo", "is not supported")
+    echo = get_bool(body, "echo", False)
     if body.get("suffix"):
         raise bad("suffix", "is not supported")
     stream = get_bool(body, "stream", False)
+    if echo and stream:
+        raise bad("echo", "is not supported with stream")
     include_usage = _include_usage(body, stream)
     inputs = prompt_inputs(body)
     k = get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    max_tokens = get_int(body, "max_tokens", None, lo=1)
-    params = sampling_params(body, max_tokens=max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, logprobs=k)
+    # echo with max_tokens 0 (how evaluation harnesses score a text): the prompt and its logprobs only
+    max_tokens = get_int(body, "max_tokens", None, lo=0 if echo else 1)
+    echo_only = echo and max_tokens == 0
+    params = sampling_params(body, max_tokens=1 if echo_only else max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
+                             logprobs=k)
+    if echo and k is not None:
+        params = dataclasses.replace(params, prompt_logprobs=k)
     best_of = get_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != params.n:
         raise bad("best_of", "is not supported (only best_of == n)")
     return CompletionRequest(inputs, params, "max_tokens" if max_tokens is not None else None, k, stream,
-                             include_usage)
+                             include_usage, echo, echo_only)
 
 
 def parse_chat(body: dict, max_model_len: int) -> ChatRequest:

@@ -186,6 +186,30 @@ class ResponseFormat:
 class CompletionFormat(ResponseFormat):
     id_prefix, object_name, chunk_object_name = "cmpl", "text_completion", "text_completion"
 
+    def __init__(self, n: int, logprobs: int | None, token_str: Callable[[int], str], *,
+                 echo: bool = False, echo_only: bool = False, decode: Callable[[list[int]], str] | None = None) -> None:
+        super().__init__(n, logprobs, token_str)
+        self.echo, self.echo_only, self.decode = echo, echo_only, decode
+
+    def echoed(self, prompt: "Prompt", out, c) -> tuple[str, dict | None, int]:
+        """echo: (text, logprobs, completion tokens) of a choice with the prompt before it; the prompt's
+        first token has no logprob (null), as in the OpenAI API. echo_only drops the one token run."""
+        text = prompt.text if prompt.text is not None else self.decode(prompt.ids)
+        completion = [] if self.echo_only else c.token_ids
+        if not self.echo_only:
+            text += c.text
+        if self.k is None:
+            return text, None, len(completion)
+        plp = out.prompt_logprobs
+        lp = self.logprobs([d or {} for d in plp], prompt.ids, 0)
+        lp["token_logprobs"][0] = lp["top_logprobs"][0] = None
+        if completion and c.logprobs is not None:
+            offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if prompt.ids else 0
+            more = self.logprobs(c.logprobs, completion, offset)
+            for key in lp:
+                lp[key] = lp[key] + more[key]
+        return text, lp, len(completion)
+
     def logprobs(self, lps, token_ids, text_offset):
         tokens, token_lps, tops, offsets = [], [], [], []
         off = text_offset
@@ -290,6 +314,11 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
         choices, completion_tokens = [], 0
         for pi, out in enumerate(finals):
             for c in out.outputs:
+                if getattr(fmt, "echo", False):
+                    text, lp, tokens = fmt.echoed(prompts[pi], out, c)
+                    completion_tokens += tokens
+                    choices.append(fmt.choice(pi * n + c.index, text, lp, finish_reason(c.finish_reason)))
+                    continue
                 completion_tokens += len(c.token_ids)
                 lp = fmt.logprobs(c.logprobs, c.token_ids, 0) if fmt.k is not None and c.logprobs is not None \
                     else None
