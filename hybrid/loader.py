@@ -19,9 +19,8 @@ from hybrid.config import ATTENTION, GATE_ONLY, HYBRID, MAMBA, MLP, MOE, ModelCo
 from hybrid.errors import CheckpointError
 from hybrid.layers import Linear
 from hybrid.model import HybridModel
-from hybrid.quantization import (
-    FP8_STORED, build_fp8_linear, check_scale, dequantize, plan_quantized, read_quant_config,
-)
+from hybrid.fp8_linear import build_fp8_linear, check_scale, dequantize
+from hybrid.quantization import FP8_STORED, plan_quantized, read_quant_config
 
 logger = logging.getLogger("hybrid")
 

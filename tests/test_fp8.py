@@ -83,7 +83,7 @@ def test_fp8_checkpoint_matches_dequantized_reference(family, scheme, fp8_ckpt, 
     the FP8 weights dequantized in plain torch plus e4m3 fake-quantization of the projections'
     inputs; Falcon-H1 within fp32 rounding (its muP row multipliers fold into the weight scales, not
     into the dequantized weights: (w * s) * m vs w * (s * m)). And close to the unquantized model."""
-    from hybrid.quantization import Fp8Linear
+    from hybrid.fp8_linear import Fp8Linear
 
     path = fp8_ckpt(family, scheme)
     llm = _aligned(make_llm(path))
@@ -170,7 +170,8 @@ def test_excluded_modules_stay_float(fp8_ckpt, make_llm):
     """LM head, embeddings, norms, conv1d, A_log / D / dt_bias, routers and whatever the checkpoint
     excludes stay in float; routed experts are dequantized to the model dtype at load."""
     from hybrid.layers import Linear, RMSNorm
-    from hybrid.quantization import FP8_DTYPE, Fp8Linear
+    from hybrid.fp8_linear import Fp8Linear
+    from hybrid.quantization import FP8_DTYPE
 
     path = fp8_ckpt("nemotron_h", "ct_fp8_dynamic", exclude=["backbone.layers.0.mixer.in_proj", "re:.*o_proj$"])
     cfg = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
@@ -202,7 +203,8 @@ def test_fp8_linear_layout_and_bytes(fp8_ckpt, tiny_ckpt, make_llm):
     """The fp8 weight is resident as stored (1 byte a value), with its fp32 scales: what the memory
     plan (graphs/memory.py, the parameters' bytes) counts; q/k/v parts with different per-tensor
     scales become one scale per output row."""
-    from hybrid.quantization import Fp8Linear, STATIC
+    from hybrid.fp8_linear import Fp8Linear
+    from hybrid.quantization import STATIC
 
     path = fp8_ckpt("granite_dense", "modelopt_fp8")
     m = make_llm(path).model
@@ -231,7 +233,7 @@ def test_fp8_linear_layout_and_bytes(fp8_ckpt, tiny_ckpt, make_llm):
 def test_bf16_source_and_bf16_scales(tiny_ckpt, tmp_path, make_llm):
     """A bf16 checkpoint quantized the compressed-tensors way keeps its scales in bf16 (as
     llm-compressor writes them); they load as fp32 scales."""
-    from hybrid.quantization import Fp8Linear
+    from hybrid.fp8_linear import Fp8Linear
 
     src = _copy(tiny_ckpt("granite_dense"), tmp_path, "bf16")
     _edit_tensors(src, lambda t: t.update({n: v.to(torch.bfloat16) for n, v in t.items()}))
@@ -248,7 +250,8 @@ def test_bf16_source_and_bf16_scales(tiny_ckpt, tmp_path, make_llm):
 def test_scaled_mm_path_on_cpu_matches_reference():
     """torch._scaled_mm also runs on CPU here: the GEMM path's argument plumbing (per-tensor and
     row-wise scales, static and dynamic inputs, bias) checked against the reference path."""
-    from hybrid.quantization import DYNAMIC, STATIC, Fp8Linear
+    from hybrid.fp8_linear import Fp8Linear
+    from hybrid.quantization import DYNAMIC, STATIC
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 64, generator=g)

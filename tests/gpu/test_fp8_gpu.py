@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpu_util import GREEDY, rel_err  # noqa: E402
 
 import fp8_reference as R  # noqa: E402
-from hybrid.quantization import DYNAMIC, FP8_DTYPE, STATIC, Fp8Linear  # noqa: E402
+from hybrid.fp8_linear import Fp8Linear  # noqa: E402
+from hybrid.quantization import DYNAMIC, FP8_DTYPE, STATIC  # noqa: E402
 
 # Nemotron-H-8B (bench/bench_decode.py CONFIG): hidden 4096, Mamba 128 heads x 64 (inner 8192, 8 groups
 # x 128 state), attention 32 x 128 q / 8 kv heads, relu2 MLP 21504. (out, in) of each projection.

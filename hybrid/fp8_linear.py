@@ -1,0 +1,193 @@
+"""The FP8 projection (Fp8Linear) and the scale checks and dequantization the loader applies: the
+module that runs an FP8 checkpoint's weights, beside hybrid/quantization.py, which reads the formats
+and plans the load.
+
+CPU (and any shape cuBLASLt cannot take): the reference, in plain torch: the weight dequantized with
+its scales, the input rounded to e4m3 with its scale and back. CUDA (bf16, dims divisible by 16):
+torch._scaled_mm, per-tensor or row-wise scales, per-token scales computed on the device (no host
+sync: capturable in CUDA graphs).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.errors import CheckpointError
+from hybrid.quantization import _SCALE_DTYPES, DYNAMIC, FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE, STATIC, Fp8Param
+
+
+def check_scale(t: torch.Tensor, name: str, stored: str, rows: int | None = None,
+                experts: int | None = None) -> torch.Tensor:
+    """A weight or input scale as fp32: one value ([] or [1]) or, with `rows`, one per output row
+    ([rows] or [rows, 1]); with `experts` (a stacked [E, rows, in] weight) one per expert or per expert
+    row ([E], [E, 1], [E, 1, 1], [E, rows], [E, rows, 1]). Returned shaped to broadcast against the
+    weight (0-dim, [rows, 1], [E, 1, 1] or [E, rows, 1]). CheckpointError for a non-float, mis-shaped,
+    non-positive or non-finite scale."""
+    if stored not in _SCALE_DTYPES:
+        raise CheckpointError(f"scale tensor '{name}' is stored as {stored}: scales must be floating point")
+    shape = tuple(t.shape)
+    t = t.float()
+    if experts is None:
+        if t.numel() == 1 and t.dim() <= 1:
+            out = t.reshape(())
+        elif rows is not None and shape in ((rows,), (rows, 1)):
+            out = t.reshape(rows, 1)
+        else:
+            raise CheckpointError(f"scale tensor '{name}' has shape {list(shape)}: expected one value"
+                                  + (f" or one per output row ([{rows}] or [{rows}, 1])" if rows else ""))
+    else:
+        if t.numel() == 1 and t.dim() <= 1:
+            out = t.reshape(()).expand(experts).reshape(experts, 1, 1)
+        elif shape in ((experts,), (experts, 1), (experts, 1, 1)):
+            out = t.reshape(experts, 1, 1)
+        elif rows is not None and shape in ((experts, rows), (experts, rows, 1)):
+            out = t.reshape(experts, rows, 1)
+        else:
+            raise CheckpointError(f"scale tensor '{name}' has shape {list(shape)}: expected one value per expert "
+                                  f"([{experts}]) or per expert row ([{experts}, {rows}, 1])")
+    if not bool(torch.isfinite(out).all()) or not bool((out > 0).all()):
+        raise CheckpointError(f"scale tensor '{name}' holds values that are not positive and finite")
+    return out
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """weight.float() * scale in fp32 (`scale` as check_scale returns it): the reference
+    dequantization of an FP8 weight."""
+    return weight.float() * scale
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x quantized to e4m3 with `scale` (x / scale, clamped to +-448, rounded to the nearest e4m3) and
+    dequantized back, in x.dtype: what an FP8 GEMM sees of its input."""
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (q.float() * scale).to(x.dtype)
+
+
+def per_token_scale(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token scales [T, 1] in fp32: each row's absmax / 448 (floored at MIN_DYNAMIC_SCALE)."""
+    return (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(MIN_DYNAMIC_SCALE)
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer
+# ---------------------------------------------------------------------------------------------
+
+
+def _scaled_mm_capable(device: torch.device) -> bool:
+    """torch._scaled_mm with e4m3 operands: CUDA devices of compute capability 8.9 (Ada) and up."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Linear(nn.Module):
+    """A linear projection with an FP8 (e4m3) weight [out, in] and fp32 scales, as the checkpoint
+    stores them (parts of a fused projection concatenated; per-tensor scales that differ between
+    the parts become one scale per output row).
+
+    `weight_scale`: 0-dim (per tensor) or [out] (per output row). `activation`: None (weights only),
+    STATIC (`input_scale`, 0-dim) or DYNAMIC (per token at run time).
+
+    CPU, and dims cuBLASLt cannot take: the reference path, in plain torch: the weight dequantized
+    (weight.float() * scale, cast to the activation dtype) and, when the checkpoint quantizes
+    activations, the input quantized to e4m3 with its scale and dequantized back, then F.linear in
+    the activation dtype: what the FP8 GEMM computes, up to accumulation order.
+    CUDA (sm_89+, bf16 activations, in and out features multiples of 16, activations quantized):
+    torch._scaled_mm, e4m3 x e4m3 -> bf16 with fp32 scales: per-tensor scales when weight and
+    input are both per tensor, else row-wise (input [T, 1], weight [1, out]). No host syncs (the
+    dynamic scales are computed on the device), so it is captured in CUDA graphs."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+                 activation: str | None, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        assert weight.dtype == FP8_DTYPE and weight.dim() == 2
+        n, k = weight.shape
+        assert weight_scale.dtype == torch.float32 and weight_scale.shape in ((), (n,))
+        assert (activation == STATIC) == (input_scale is not None)
+        self.in_features, self.out_features = k, n
+        self.activation = activation
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.weight_scale = nn.Parameter(weight_scale.contiguous(), requires_grad=False)
+        self.input_scale = (nn.Parameter(input_scale.reshape(()).float(), requires_grad=False)
+                            if input_scale is not None else None)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.use_scaled_mm = (activation is not None and k % 16 == 0 and n % 16 == 0
+                              and _scaled_mm_capable(weight.device))
+        # row-wise GEMMs take the weight scale as [1, out] (a per-tensor one expanded once here)
+        self.register_buffer("_scale_b_row", self.weight_scale.detach().expand(n).reshape(1, n).contiguous(),
+                             persistent=False)
+
+    def extra_repr(self) -> str:
+        per = "tensor" if self.weight_scale.dim() == 0 else "channel"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, weight_scale=per-{per}, "
+                f"activation={self.activation}, bias={self.bias is not None}, scaled_mm={self.use_scaled_mm}")
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        scale = self.weight_scale if self.weight_scale.dim() == 0 else self.weight_scale[:, None]
+        return dequantize(self.weight, scale).to(dtype)
+
+    def input_scales(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The activation scale(s) of input x [T, in]: 0-dim (static), [T, 1] (dynamic) or None."""
+        if self.activation == STATIC:
+            return self.input_scale
+        if self.activation == DYNAMIC:
+            return per_token_scale(x)
+        return None
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The dequantized path (plain torch; CPU, and any device)."""
+        s = self.input_scales(x)
+        if s is not None:
+            x = fake_quantize(x, s)
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """torch._scaled_mm on x [..., in] (bf16 on CUDA; see the class docs)."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        m = x2.shape[0]
+        s = self.input_scales(x2)
+        xq = (x2.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        if s.dim() == 0 and self.weight_scale.dim() == 0:  # per-tensor x per-tensor
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=s, scale_b=self.weight_scale, out_dtype=x.dtype)
+        else:  # row-wise: input [M, 1], weight [1, N]; bf16 output
+            sa = s.expand(m, 1).contiguous() if s.dim() == 0 else s
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=sa, scale_b=self._scale_b_row,
+                                   out_dtype=torch.bfloat16).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_scaled_mm and x.is_cuda and x.dtype == torch.bfloat16:
+            return self.forward_scaled_mm(x)
+        return self.forward_reference(x)
+
+
+def build_fp8_linear(param: Fp8Param, weights: list[torch.Tensor], scales: list[torch.Tensor],
+                     input_scales: list[torch.Tensor | None], bias: torch.Tensor | None,
+                     row_scale: torch.Tensor | None, input_multiplier: float) -> Fp8Linear:
+    """The Fp8Linear of one model projection from its on-disk parts (weights fp8 [rows_i, in];
+    scales from check_scale: 0-dim or [rows_i, 1]). `row_scale` [out] (fp32): per-row multipliers the
+    loader folds into weights (Falcon-H1's muP), folded into the weight scale here; `input_multiplier`:
+    a multiplier the model applies to this projection's input before it (Falcon-H1's ssm_in /
+    attention_in, folded into the weight rows), so the checkpoint's input scale, calibrated on the
+    multiplied input, is divided by it. The parts of a fused projection take the largest of their
+    static input scales (they share one input; as vLLM)."""
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
+    rows = [w.shape[0] for w in weights]
+    per_tensor = all(s.dim() == 0 for s in scales)
+    if per_tensor and row_scale is None and all(bool((s == scales[0]).all()) for s in scales[1:]):
+        weight_scale = scales[0].reshape(())
+    else:
+        weight_scale = torch.cat([s.reshape(-1).expand(r) if s.dim() == 0 else s.reshape(r)
+                                  for s, r in zip(scales, rows)])
+        if row_scale is not None:
+            weight_scale = weight_scale * row_scale.to(weight_scale.device, torch.float32)
+    input_scale = None
+    if param.scheme.activation == STATIC:
+        input_scale = torch.stack([s.reshape(()) for s in input_scales]).max()
+        if input_multiplier != 1.0:
+            input_scale = input_scale / input_multiplier
+    return Fp8Linear(weight, weight_scale.float(), input_scale, param.scheme.activation, bias)
