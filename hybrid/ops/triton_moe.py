@@ -284,22 +284,23 @@ def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor
     require(__name__)
     T, E = logits.shape
     assert logits.stride(1) == 1 and top_k <= E
+    return _route_rows(logits, logits.stride(0), 0, 1, 0, T, E, top_k, sigmoid=sigmoid, bias=bias,
+                       normalize=normalize, scale=scale, num_shared=num_shared)
+
+
+def _route_rows(logits, s_l, s_split, num_splits, round_to, T, E, top_k, *, sigmoid, bias, normalize, scale,
+                num_shared) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing launch over T rows of logits (or of NUM_SPLITS partial sums): (idx, w)."""
     width = top_k + num_shared
     idx = torch.empty(T, width, dtype=torch.int32, device=logits.device)
     w = torch.empty(T, width, dtype=torch.float32, device=logits.device)
     if T:
-        _launch_route(logits, logits.stride(0), 0, 1, 0, T, E, top_k, idx, w, sigmoid=sigmoid, bias=bias,
-                      normalize=normalize, scale=scale, num_shared=num_shared)
+        _route_kernel[(T,)](logits, bias if bias is not None else logits, idx, w, E, s_l, s_split, scale,
+                            TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
+                            SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize,
+                            NUM_SHARED=num_shared, SP=triton.next_power_of_2(max(num_shared, 1)),
+                            NUM_SPLITS=num_splits, ROUND=round_to, num_warps=1 if E <= 256 else 4)
     return idx, w
-
-
-def _launch_route(logits, s_l, s_split, num_splits, round_to, T, E, top_k, idx, w, *, sigmoid, bias,
-                  normalize, scale, num_shared) -> None:
-    _route_kernel[(T,)](logits, bias if bias is not None else logits, idx, w, E, s_l, s_split, scale,
-                        TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
-                        SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize,
-                        NUM_SHARED=num_shared, SP=triton.next_power_of_2(max(num_shared, 1)),
-                        NUM_SPLITS=num_splits, ROUND=round_to, num_warps=1 if E <= 256 else 4)
 
 
 # Steps of at most this many tokens compute the router logits with _router_partial_kernel (split over
@@ -336,12 +337,8 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_dt
     _router_partial_kernel[(T, triton.cdiv(E, _ROUTER_BLOCK_E), splits)](
         x, weight, partial, T, E, H, x.stride(0), weight.stride(0), k_per_split,
         BLOCK_E=_ROUTER_BLOCK_E, BLOCK_K=_ROUTER_BLOCK_K, num_warps=4)
-    width = top_k + num_shared
-    idx = torch.empty(T, width, dtype=torch.int32, device=x.device)
-    w = torch.empty(T, width, dtype=torch.float32, device=x.device)
-    _launch_route(partial, E, T * E, splits, _ROUND[logits_dtype], T, E, top_k, idx, w, sigmoid=sigmoid,
-                  bias=bias, normalize=normalize, scale=scale, num_shared=num_shared)
-    return idx, w
+    return _route_rows(partial, E, T * E, splits, _ROUND[logits_dtype], T, E, top_k, sigmoid=sigmoid, bias=bias,
+                       normalize=normalize, scale=scale, num_shared=num_shared)
 
 
 # Kernel configurations per regime: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
