@@ -126,7 +126,7 @@ class StepLauncher:
                 logits_rows.extend(range(offset, offset + c.num_tokens - 1))
             else:
                 scratch.append(-1)
-                if seq.prompt_logprobs is not None:  # positions [lo, hi) score prompt tokens lo+1 .. hi
+                if seq.scores_prompt:  # positions [lo, hi) score prompt tokens lo+1 .. hi
                     lo = max(start, len(seq.prompt_logprobs) - 1)
                     hi = min(end, len(seq.prompt_token_ids) - 1)
                     if hi > lo:
@@ -197,7 +197,9 @@ class StepLauncher:
         `state_nan` (sanitizer): per batch row, whether its Mamba state held NaN before the forward
         and after it."""
         chunks = out.chunks
-        num_rows = logits.shape[0]
+        scoring = [c for c in chunks if c.prompt_rows is not None]  # prompt logprobs: rows after the sampled ones
+        num_rows = scoring[0].prompt_rows[0] if scoring else logits.shape[0]
+        sampled = logits[:num_rows]
         row_params: list[SamplingParams | None] = [None] * num_rows  # None: argmax (verify rows too)
         row_generators: list[torch.Generator | None] = [None] * num_rows
         lp_rows, lp_ks = [], []
@@ -208,11 +210,11 @@ class StepLauncher:
                 if c.seq.params.logprobs is not None:
                     lp_rows.append(c.logits_row)
                     lp_ks.append(c.seq.params.logprobs)
-        tokens, finite = sample_tokens(self._processed(logits, chunks, in_flight), row_params, row_generators)
+        tokens, finite = sample_tokens(self._processed(sampled, chunks, in_flight), row_params, row_generators)
         if any(c.samples and c.seq.grammar is not None for c in chunks):  # masked rows: check the raw logits
-            finite = finite & torch.isfinite(logits.max(dim=-1).values)
+            finite = finite & torch.isfinite(sampled.max(dim=-1).values)
         if self.check_state:  # the sanitizer looks at every raw logit, not just each row's maximum
-            finite = finite & torch.isfinite(logits).all(dim=-1)
+            finite = finite & torch.isfinite(sampled).all(dim=-1)
         # finite: one flag per logits row, read with the tokens; a row that is not finite fails its request
         device_out = {"tokens": tokens, "finite": finite}  # logprobs: of the model's own distribution (raw logits)
         if state_nan is not None:  # NaN in a row's state before the forward: it read poisoned state;
@@ -222,16 +224,14 @@ class StepLauncher:
             rows = to_device(lp_rows, torch.long, logits.device)
             device_out["lp_token"], device_out["lp_values"], device_out["lp_ids"] = \
                 logprob_rows(logits[rows], tokens[rows], lp_ks)
-        scoring = [c for c in chunks if c.prompt_rows is not None]
         if scoring:  # prompt logprobs: each row scores the prompt token after its position (raw logits)
-            first = min(c.prompt_rows[0] for c in scoring)
             targets, ks = [], []
-            for c in sorted(scoring, key=lambda c: c.prompt_rows[0]):
+            for c in scoring:  # (in chunk order: the order build_batch laid their rows out in)
                 _, lo, count = c.prompt_rows
                 targets.extend(c.seq.prompt_token_ids[lo + 1:lo + 1 + count])
                 ks.extend([c.seq.params.prompt_logprobs] * count)
             device_out["plp_token"], device_out["plp_values"], device_out["plp_ids"] = \
-                logprob_rows(logits[first:], to_device(targets, torch.long, logits.device), ks)
+                logprob_rows(logits[num_rows:], to_device(targets, torch.long, logits.device), ks)
         done = None
         if logits.is_cuda:
             host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in device_out.items()}
@@ -315,6 +315,6 @@ class StepLauncher:
             lp = {r: (token_lp[j], values[j], ids[j]) for j, r in enumerate(rows)}
         prompt_lp = None
         if "plp_token" in host:
-            first = min(c.prompt_rows[0] for c in step.chunks if c.prompt_rows is not None)
+            first = next(c.prompt_rows[0] for c in step.chunks if c.prompt_rows is not None)
             prompt_lp = (first, host["plp_token"].tolist(), host["plp_values"].tolist(), host["plp_ids"].tolist())
         return StepResult(host["tokens"].tolist(), bad, made_nan, host.get("state_nan"), lp, prompt_lp)

@@ -68,6 +68,12 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs are asked for and some prompt positions are not scored yet: their prefill
+        needs the logits of every position (no cached prefix, a bounded number a step)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

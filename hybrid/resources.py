@@ -166,8 +166,7 @@ class ResourceManager:
         if cache is None:
             return 0
         # prompt logprobs need the logits of every prompt position: a cached prefix would skip them
-        wants_prompt_rows = seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids)
-        entry = None if wants_prompt_rows else cache.lookup(seq.prompt_token_ids)
+        entry = None if seq.scores_prompt else cache.lookup(seq.prompt_token_ids)
         if entry is not None:
             self.state_pool.copy_slot(entry.slot, seq.slot)
             self.pages.share(entry.pages)

@@ -231,19 +231,15 @@ class Scheduler:
             return []
         return self.proposer.propose(seq.tokens, room)
 
-    @staticmethod
-    def _wants_prompt_rows(seq: Sequence) -> bool:
-        return seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids)
-
     def _take_prompt_rows(self, seq: Sequence, chunk: int) -> None:
-        if self._wants_prompt_rows(seq):
+        if seq.scores_prompt:
             self._prompt_rows_left -= chunk
 
     def _fit_chunk(self, seq: Sequence, budget: int, upto: int | None = None) -> int:
         """Largest chunk (<= budget, ending at or before token `upto`, default the prefill length)
         whose pages can be allocated now."""
         chunk = min((seq.prefill_len if upto is None else upto) - seq.num_computed, budget)
-        if self._wants_prompt_rows(seq):  # every position of the chunk is a logits row
+        if seq.scores_prompt:  # every position of the chunk is a logits row
             chunk = min(chunk, self._prompt_rows_left)
         if seq.cache_at > seq.num_computed:  # end a chunk at the caching point: the state there is kept
             chunk = min(chunk, seq.cache_at - seq.num_computed)
