@@ -161,6 +161,7 @@ class ResponseFormat:
     """How one endpoint writes its choices; `logprobs` is the number of top logprobs asked for
     (None: no logprobs), `token_str` a token id's text."""
     id_prefix = object_name = chunk_object_name = ""
+    echo = False  # completions only: the prompt before each choice (CompletionFormat.echoed)
 
     def __init__(self, n: int, logprobs: int | None, token_str: Callable[[int], str]) -> None:
         self.n = n
@@ -314,7 +315,7 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
         choices, completion_tokens = [], 0
         for pi, out in enumerate(finals):
             for c in out.outputs:
-                if getattr(fmt, "echo", False):
+                if fmt.echo:
                     text, lp, tokens = fmt.echoed(prompts[pi], out, c)
                     completion_tokens += tokens
                     choices.append(fmt.choice(pi * n + c.index, text, lp, finish_reason(c.finish_reason)))
