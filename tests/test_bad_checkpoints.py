@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
 
 from hybrid.errors import CheckpointError
+from tiny_checkpoints import copy_checkpoint
 
 torch.set_num_threads(1)
-
-
-def _copy(src, tmp_path, name="ckpt"):
-    dst = tmp_path / name
-    shutil.copytree(src, dst)
-    return dst
 
 
 def _load_error(path, **kw) -> str:
@@ -49,7 +43,7 @@ def _edit_tensors(p, fn, filename="model.safetensors"):
 
 @pytest.mark.parametrize("how", ["empty", "header_cut", "half", "one_byte_short", "garbage", "text", "trailing"])
 def test_broken_safetensors_file(how, tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("granite_dense"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path)
     f = p / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes({
@@ -66,7 +60,7 @@ def test_broken_safetensors_file(how, tiny_ckpt, tmp_path):
 
 
 def test_broken_shard(tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("nemotron_h_sharded"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("nemotron_h_sharded"), tmp_path)
     index = json.loads((p / "model.safetensors.index.json").read_text())
     shard = sorted(set(index["weight_map"].values()))[2]
     (p / shard).write_bytes((p / shard).read_bytes()[:100])
@@ -77,7 +71,7 @@ def test_broken_shard(tiny_ckpt, tmp_path):
 @pytest.mark.parametrize("dtype,stored", [(torch.int32, "I32"), (torch.int64, "I64"), (torch.bool, "BOOL"),
                                           (torch.uint8, "U8"), (torch.int8, "I8")])
 def test_integer_and_bool_weights_are_rejected(dtype, stored, tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("granite_dense"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path)
     name = "model.layers.0.mamba.in_proj.weight"
 
     def cast(t):
@@ -90,7 +84,7 @@ def test_integer_and_bool_weights_are_rejected(dtype, stored, tiny_ckpt, tmp_pat
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_other_float_dtypes_still_load(dtype, tiny_ckpt, tmp_path, make_llm):
-    p = _copy(tiny_ckpt("granite_dense"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path)
     _edit_tensors(p, lambda t: t.update({"model.layers.0.mamba.D": t["model.layers.0.mamba.D"].to(dtype)}))
     make_llm(p)
 
@@ -104,7 +98,7 @@ def test_other_float_dtypes_still_load(dtype, tiny_ckpt, tmp_path, make_llm):
 def test_shard_index_cannot_point_outside(shard, tiny_ckpt, tmp_path, monkeypatch):
     import hybrid.loader as loader
 
-    p = _copy(tiny_ckpt("nemotron_h_sharded"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("nemotron_h_sharded"), tmp_path)
     name = "backbone.layers.2.mixer.A_log"
     _edit_config(p, lambda idx: idx["weight_map"].update({name: shard}), "model.safetensors.index.json")
     opened = []
@@ -116,7 +110,7 @@ def test_shard_index_cannot_point_outside(shard, tiny_ckpt, tmp_path, monkeypatc
 
 
 def test_shard_in_a_subdirectory_is_allowed(tiny_ckpt, tmp_path, make_llm):
-    p = _copy(tiny_ckpt("nemotron_h_sharded"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("nemotron_h_sharded"), tmp_path)
     index = json.loads((p / "model.safetensors.index.json").read_text())
     shard = sorted(set(index["weight_map"].values()))[0]
     (p / "sub").mkdir()
@@ -128,7 +122,7 @@ def test_shard_in_a_subdirectory_is_allowed(tiny_ckpt, tmp_path, make_llm):
 
 @pytest.mark.parametrize("index", ['[]', '{"weight_map": []}', '{"weight_map": {}}', '{"weight_map": null}', "not json"])
 def test_bad_shard_index(index, tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("nemotron_h_sharded"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("nemotron_h_sharded"), tmp_path)
     (p / "model.safetensors.index.json").write_text(index)
     assert "model.safetensors.index.json" in _load_error(p)
 
@@ -140,14 +134,14 @@ def test_bad_shard_index(index, tiny_ckpt, tmp_path):
 @pytest.mark.parametrize("content", [b"[1, 2, 3]", b'"granitemoehybrid"', b"null", b"42",
                                      b"\xff\xfe{\x00}\x00", b'{"model_type": "granite\xe9"}', b""])
 def test_config_json_not_an_object(content, tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("granite_dense"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path)
     (p / "config.json").write_bytes(content)
     msg = _load_error(p)
     assert str(p / "config.json") in msg, msg
 
 
 def test_generation_config_not_an_object(tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("granite_dense"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path)
     (p / "generation_config.json").write_text("[2]")
     assert "generation_config.json" in _load_error(p)
 
@@ -190,7 +184,7 @@ def test_generation_config_not_an_object(tiny_ckpt, tmp_path):
     ("falcon_h1", "mamba_d_ssm", "wide"),
 ])
 def test_bad_config_value(name, key, value, tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt(name), tmp_path)
+    p = copy_checkpoint(tiny_ckpt(name), tmp_path)
     if name == "bamba" and key == "attn_layer_indices":
         _edit_config(p, lambda c: c.pop("layers_block_type", None))
     if key == "eos_token_id":  # (generation_config.json's would win)
@@ -203,7 +197,7 @@ def test_bad_config_value(name, key, value, tiny_ckpt, tmp_path):
 
 def test_rope_scaling_type_is_not_ignored(tiny_ckpt, tmp_path):
     """An older config's rope_scaling {"type": "linear"} is refused instead of silently ignored."""
-    p = _copy(tiny_ckpt("bamba"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("bamba"), tmp_path)
     def old_style(c):
         c["rope_parameters"].pop("rope_type")  # (the newer key, which would win)
         c["rope_scaling"] = {"type": "linear", "factor": 2.0}
@@ -213,7 +207,7 @@ def test_rope_scaling_type_is_not_ignored(tiny_ckpt, tmp_path):
 
 
 def test_empty_rope_scaling_is_the_default(tiny_ckpt, tmp_path, make_llm):
-    p = _copy(tiny_ckpt("bamba"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("bamba"), tmp_path)
     _edit_config(p, lambda c: c.update({"rope_scaling": {}}))
     make_llm(p)
 
@@ -224,7 +218,7 @@ def test_empty_rope_scaling_is_the_default(tiny_ckpt, tmp_path, make_llm):
 
 @pytest.mark.parametrize("content", [b"", b"{", b"[]", b'{"model": 5}', b"\xff\xfe\x00"])
 def test_corrupt_tokenizer_json(content, tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("nemotron_h"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("nemotron_h"), tmp_path)
     assert (p / "tokenizer.json").is_file()
     (p / "tokenizer.json").write_bytes(content)
     msg = _load_error(p)
@@ -234,14 +228,14 @@ def test_corrupt_tokenizer_json(content, tiny_ckpt, tmp_path):
 @pytest.mark.parametrize("content", [b"{", b"[1]", b"\xff\xfe\x00", b'{"eos_token": 5}', b'{"bos_token": ["<s>"]}',
                                      b'{"chat_template": 7}'])
 def test_corrupt_tokenizer_config(content, tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("nemotron_h"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("nemotron_h"), tmp_path)
     (p / "tokenizer_config.json").write_bytes(content)
     msg = _load_error(p)
     assert str(p / "tokenizer_config.json") in msg, msg
 
 
 def test_named_chat_templates(tiny_ckpt, tmp_path, make_llm):
-    p = _copy(tiny_ckpt("nemotron_h"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("nemotron_h"), tmp_path)
     _edit_config(p, lambda c: c.update({"chat_template": [{"name": "tool_use", "template": "T"},
                                                           {"name": "default", "template": "D"}]}),
                  "tokenizer_config.json")
@@ -254,7 +248,7 @@ def test_named_chat_templates(tiny_ckpt, tmp_path, make_llm):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_check_weights_refuses_non_finite(value, tiny_ckpt, tmp_path, make_llm):
-    p = _copy(tiny_ckpt("granite_dense"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path)
     name = "model.layers.1.self_attn.o_proj.weight"
 
     def poison(t):
@@ -273,7 +267,7 @@ def test_check_weights_refuses_non_finite(value, tiny_ckpt, tmp_path, make_llm):
 def test_cli_reports_broken_checkpoints(tiny_ckpt, tmp_path, capsys):
     from hybrid.cli import main
 
-    p = _copy(tiny_ckpt("granite_dense"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path)
     (p / "model.safetensors").write_bytes(b"")
     assert main(["generate", "--model", str(p), "--prompt", "x", "--device", "cpu"]) == 2
     err = capsys.readouterr().err

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 
 import pytest
 
 from hf_oracle import describe_divergence, oracle_run, random_prompt, select_prompts
+from tiny_checkpoints import copy_checkpoint
 
 MAX_NEW = 12
 
@@ -18,12 +18,6 @@ def _greedy(max_tokens=MAX_NEW, **kw):
     from hybrid import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def _copy(src, tmp_path, name="ckpt"):
-    dst = tmp_path / name
-    shutil.copytree(src, dst)
-    return dst
 
 
 def _edit_tensors(path, fn, filename="model.safetensors"):
@@ -57,7 +51,7 @@ def _shape_re(shape):
 
 
 def test_unknown_model_type(tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("granite_dense"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path)
     cfg = json.loads((p / "config.json").read_text())
     cfg["model_type"] = "frobnicator_lm"
     cfg["architectures"] = ["FrobnicatorForCausalLM"]
@@ -67,13 +61,13 @@ def test_unknown_model_type(tiny_ckpt, tmp_path):
 
 
 def test_missing_config(tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("granite_dense"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path)
     os.remove(p / "config.json")
     assert "config.json" in _load_error(p)
 
 
 def test_invalid_config_json(tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("granite_dense"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path)
     (p / "config.json").write_text('{"model_type": "granitemoehybrid", ')
     assert "config.json" in _load_error(p)
 
@@ -83,13 +77,13 @@ def test_missing_checkpoint_dir(tmp_path):
 
 
 def test_missing_weights_file(tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("granite_dense"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path)
     os.remove(p / "model.safetensors")
     assert "safetensors" in _load_error(p)
 
 
 def test_missing_shard_file(tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt("nemotron_h_sharded"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("nemotron_h_sharded"), tmp_path)
     index = json.loads((p / "model.safetensors.index.json").read_text())
     shard = sorted(set(index["weight_map"].values()))[1]
     os.remove(p / shard)
@@ -105,7 +99,7 @@ def test_missing_shard_file(tiny_ckpt, tmp_path):
     ("bamba", "lm_head.weight"),
 ])
 def test_missing_tensor(name, tensor, tiny_ckpt, tmp_path):
-    p = _copy(tiny_ckpt(name), tmp_path)
+    p = copy_checkpoint(tiny_ckpt(name), tmp_path)
     _edit_tensors(p, lambda t: t.pop(tensor))
     msg = _load_error(p)
     assert tensor in msg and "missing" in msg.lower(), msg
@@ -113,7 +107,7 @@ def test_missing_tensor(name, tensor, tiny_ckpt, tmp_path):
 
 def test_tensor_missing_from_its_shard(tiny_ckpt, tmp_path):
     """The index lists the tensor but its shard does not hold it."""
-    p = _copy(tiny_ckpt("nemotron_h_sharded"), tmp_path)
+    p = copy_checkpoint(tiny_ckpt("nemotron_h_sharded"), tmp_path)
     index = json.loads((p / "model.safetensors.index.json").read_text())
     tensor = "backbone.layers.2.mixer.A_log"
     _edit_tensors(p, lambda t: t.pop(tensor), filename=index["weight_map"][tensor])
@@ -127,7 +121,7 @@ def test_tensor_missing_from_its_shard(tiny_ckpt, tmp_path):
 def test_unexpected_tensor(name, tensor, tiny_ckpt, tmp_path):
     import torch
 
-    p = _copy(tiny_ckpt(name), tmp_path)
+    p = copy_checkpoint(tiny_ckpt(name), tmp_path)
     _edit_tensors(p, lambda t: t.__setitem__(tensor, torch.zeros(32, 64)))
     msg = _load_error(p)
     assert tensor in msg and "unexpected" in msg.lower(), msg
@@ -142,7 +136,7 @@ def test_unexpected_tensor(name, tensor, tiny_ckpt, tmp_path):
 def test_shape_mismatch(name, tensor, new_shape, tiny_ckpt, tmp_path):
     import torch
 
-    p = _copy(tiny_ckpt(name), tmp_path)
+    p = copy_checkpoint(tiny_ckpt(name), tmp_path)
     old = {}
 
     def edit(t):
@@ -161,7 +155,7 @@ def test_infinity_encodings(encoding, tiny_ckpt, tmp_path, make_llm):
     """time_step_limit's infinity as the bare `Infinity` literal (hub files) or as
     {"__float__": "Infinity"} (transformers 5.x saves): both load and generate like HF."""
     src = tiny_ckpt("granite_dense")
-    p = _copy(src, tmp_path)
+    p = copy_checkpoint(src, tmp_path)
     text = (p / "config.json").read_text()
     if encoding == "literal":
         text = re.sub(r'\{\s*"__float__":\s*"Infinity"\s*\}', "Infinity", text)

@@ -14,6 +14,7 @@ import torch
 
 import fp8_reference as R
 from hybrid.errors import CheckpointError
+from tiny_checkpoints import copy_checkpoint
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -235,7 +236,7 @@ def test_bf16_source_and_bf16_scales(tiny_ckpt, tmp_path, make_llm):
     llm-compressor writes them); they load as fp32 scales."""
     from hybrid.fp8_linear import Fp8Linear
 
-    src = _copy(tiny_ckpt("granite_dense"), tmp_path, "bf16")
+    src = copy_checkpoint(tiny_ckpt("granite_dense"), tmp_path, "bf16")
     _edit_tensors(src, lambda t: t.update({n: v.to(torch.bfloat16) for n, v in t.items()}))
     path = R.quantize(src, tmp_path / "fp8", "ct_fp8")
     t = R.read_tensors(path)
@@ -321,12 +322,6 @@ def _error(path, **kw) -> str:
     return str(ei.value)
 
 
-def _copy(src, tmp_path, name="ckpt"):
-    dst = tmp_path / name
-    shutil.copytree(src, dst)
-    return dst
-
-
 def _edit(path, fn, name="config.json"):
     p = os.path.join(path, name)
     cfg = json.load(open(p))
@@ -366,7 +361,7 @@ def _ct_group(cfg):
     (lambda c: c["quantization_config"].update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config"),
 ])
 def test_unsupported_compressed_tensors_configs(edit, needle, fp8_ckpt, tmp_path):
-    p = _copy(fp8_ckpt("granite_dense", "ct_fp8_dynamic"), tmp_path)
+    p = copy_checkpoint(fp8_ckpt("granite_dense", "ct_fp8_dynamic"), tmp_path)
     _edit(p, edit)
     msg = _error(p)
     assert needle in msg and "config.json" in msg, msg
@@ -374,7 +369,7 @@ def test_unsupported_compressed_tensors_configs(edit, needle, fp8_ckpt, tmp_path
 
 @pytest.mark.parametrize("algo", ["NVFP4", "FP8_PB_WO", "W4A8_AWQ", "INT4_AWQ", "MIXED_PRECISION", "MXFP8"])
 def test_unsupported_modelopt_algos(algo, fp8_ckpt, tmp_path):
-    p = _copy(fp8_ckpt("granite_dense", "modelopt_fp8"), tmp_path)
+    p = copy_checkpoint(fp8_ckpt("granite_dense", "modelopt_fp8"), tmp_path)
     _edit(p, lambda c: c["quantization"].update(quant_algo=algo), name="hf_quant_config.json")
     msg = _error(p)
     assert f"quant_algo '{algo}'" in msg and "hf_quant_config.json" in msg, msg
@@ -385,7 +380,7 @@ def test_unsupported_modelopt_algos(algo, fp8_ckpt, tmp_path):
 
 def test_fp8_tensor_without_quantization_config(fp8_ckpt, tmp_path):
     """FP8 bytes are never loaded as if they were float: without a config they have no scales."""
-    p = _copy(fp8_ckpt("granite_dense", "modelopt_fp8"), tmp_path)
+    p = copy_checkpoint(fp8_ckpt("granite_dense", "modelopt_fp8"), tmp_path)
     os.remove(p / "hf_quant_config.json")
     msg = _error(p)
     assert "_scale'" in msg and "no quantization config" in msg and "hf_quant_config.json" in msg, msg
@@ -397,7 +392,7 @@ def test_fp8_tensor_without_quantization_config(fp8_ckpt, tmp_path):
 
 def test_missing_scales_are_named(fp8_ckpt, tmp_path):
     for leaf in ("weight_scale", "input_scale"):
-        p = _copy(fp8_ckpt("granite_dense", "modelopt_fp8"), tmp_path, leaf)
+        p = copy_checkpoint(fp8_ckpt("granite_dense", "modelopt_fp8"), tmp_path, leaf)
         name = f"model.layers.0.mamba.in_proj.{leaf}"
         _edit_tensors(p, lambda t: t.pop(name))
         msg = _error(p)
@@ -407,18 +402,18 @@ def test_missing_scales_are_named(fp8_ckpt, tmp_path):
 def test_broken_fp8_tensors_are_named(fp8_ckpt, tiny_ckpt, tmp_path):
     base = fp8_ckpt("granite_dense", "ct_fp8_dynamic")
     # an FP8 tensor where none can be (a norm weight)
-    p = _copy(base, tmp_path, "norm")
+    p = copy_checkpoint(base, tmp_path, "norm")
     name = "model.layers.0.input_layernorm.weight"
     _edit_tensors(p, lambda t: t.update({name: t[name].to(torch.float8_e4m3fn)}))
     msg = _error(p)
     assert name in msg and "never quantized" in msg, msg
     # an FP8 weight the config excludes
-    p = _copy(base, tmp_path, "excluded")
+    p = copy_checkpoint(base, tmp_path, "excluded")
     _edit(p, lambda c: c["quantization_config"]["ignore"].append("re:.*out_proj"))
     msg = _error(p)
     assert "model.layers.0.mamba.out_proj.weight" in msg and "excludes" in msg and "re:.*out_proj" in msg, msg
     # q in FP8, k and v in float: one projection quantized two ways
-    p = _copy(base, tmp_path, "mixed")
+    p = copy_checkpoint(base, tmp_path, "mixed")
     d = "model.layers.1.self_attn.k_proj."
     src = R.read_tensors(tiny_ckpt("granite_dense"))
     _edit_tensors(p, lambda t: (t.update({d + "weight": src[d + "weight"]}), t.pop(d + "weight_scale")))
@@ -426,7 +421,7 @@ def test_broken_fp8_tensors_are_named(fp8_ckpt, tiny_ckpt, tmp_path):
     assert "must be quantized alike" in msg and d + "weight" in msg, msg
     # a scale of the wrong shape, a non-positive scale, a scale of a float weight
     for how in ("shape", "zero", "float_weight"):
-        p = _copy(base, tmp_path, how)
+        p = copy_checkpoint(base, tmp_path, how)
         m = "model.layers.0.mamba.out_proj."
 
         def edit(t, how=how):
@@ -445,12 +440,12 @@ def test_broken_fp8_tensors_are_named(fp8_ckpt, tiny_ckpt, tmp_path):
 def test_e5m2_and_non_finite_fp8_weights(fp8_ckpt, tmp_path, make_llm):
     base = fp8_ckpt("granite_dense", "ct_fp8_dynamic")
     name = "model.layers.0.mamba.out_proj.weight"
-    p = _copy(base, tmp_path, "e5m2")
+    p = copy_checkpoint(base, tmp_path, "e5m2")
     _edit_tensors(p, lambda t: t.update({name: t[name].float().to(torch.float8_e5m2)}))
     msg = _error(p)
     assert name in msg and "F8_E5M2" in msg and "float8_e4m3fn" in msg, msg
     make_llm(base, check_weights=True)  # the finiteness check reads FP8 weights too
-    p = _copy(base, tmp_path, "nan")
+    p = copy_checkpoint(base, tmp_path, "nan")
 
     def nan(t):
         w = t[name].view(torch.uint8).clone()
@@ -463,7 +458,7 @@ def test_e5m2_and_non_finite_fp8_weights(fp8_ckpt, tmp_path, make_llm):
 
 
 def test_unknown_quant_config_in_hf_quant_config_file(fp8_ckpt, tmp_path):
-    p = _copy(fp8_ckpt("granite_dense", "modelopt_fp8"), tmp_path)
+    p = copy_checkpoint(fp8_ckpt("granite_dense", "modelopt_fp8"), tmp_path)
     (p / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {}}))
     assert "without quant_algo" in _error(p)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -511,6 +512,13 @@ def build_every_expert(name: str, path) -> Path:
 
 # every family variant the parity tests cover
 FAMILY_VARIANTS = list(BUILDERS)
+
+
+def copy_checkpoint(src, tmp_path, name: str = "ckpt") -> Path:
+    """A copy of checkpoint directory `src` under tmp_path/name, for a test to break or rewrite."""
+    dst = Path(tmp_path) / name
+    shutil.copytree(src, dst)
+    return dst
 
 
 def build(name: str, path) -> Path:
