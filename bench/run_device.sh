@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU device, from the project root, after `source .devkit/setup.sh`:
 #   bash bench/run_device.sh tests|bench|profile|moe    (one per device call: each fits in its 10 minutes)
-#   tests    the GPU test suite but the long-context and released-shape files (> 9 minutes on a fresh
-#            H200 with Triton and FlashInfer JIT: the time limit may cut it, see gpu_pytest below)
-#   tests-long / tests-released / tests-selected   the rest, in their own calls
+#   tests    the FP8, graph, kernel, memory-plan and MoE files of the GPU suite (~8 minutes on a fresh H200)
+#   tests-2  the rest of the GPU suite but the long-context and released-shape files (~2 minutes)
+#   tests-long / tests-released / tests-selected   those two files, and a list of node ids, in their own calls
+#   attention  bench_decode_attention.py: decode attention alone (XQA by max_seq_len, FlashInfer decode)
 #   bench    the one-command benchmark (bench/run_benchmark.py: fp32 and bf16 state, TTFT, peer; ~3.5 minutes)
 #   profile  bench_decode.py with the kernel profile of every batch size and of the 8K prefill (bf16 state)
 #   generate bench_generate.py: end-to-end decode through the engine, async scheduling on / off (~3 minutes)
@@ -33,8 +34,18 @@ gpu_pytest() {  # $1: time limit, $2: log name, the rest: pytest arguments
   timeout "$limit" python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider --durations=20 "$@" 2>&1 \
       | tee "$OUT/$log" | grep -E "PASSED|FAILED|ERROR|^E  " | cut -c1-240 || rc=1
 }
+# the rest of tests/gpu in two calls (one call of both ran past 540 s on a fresh H200)
+TESTS_1="tests/gpu/test_fp8_gpu.py tests/gpu/test_graphs.py tests/gpu/test_kernels.py tests/gpu/test_memory_plan_gpu.py tests/gpu/test_moe_gpu.py"
 if [[ $what == tests ]]; then
-  gpu_pytest 540 gpu_tests.log tests/gpu --ignore=tests/gpu/test_long_context.py --ignore=tests/gpu/test_released_shapes.py
+  gpu_pytest 540 gpu_tests.log $TESTS_1
+fi
+if [[ $what == tests-2 ]]; then
+  gpu_pytest 540 gpu_tests_2.log tests/gpu $(for f in $TESTS_1; do echo --ignore=$f; done) \
+      --ignore=tests/gpu/test_long_context.py --ignore=tests/gpu/test_released_shapes.py
+fi
+if [[ $what == attention ]]; then
+  timeout 200 python3 bench/bench_decode_attention.py --json "$OUT/decode_attention.json" 2>&1 \
+      | tee "$OUT/decode_attention.log" || rc=1
 fi
 if [[ $what == tests-long ]]; then
   gpu_pytest 540 gpu_tests_long.log tests/gpu/test_long_context.py

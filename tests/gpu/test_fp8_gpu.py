@@ -2,7 +2,7 @@
 reference on random tensors at the Nemotron-H-8B projection shapes (per-tensor and row-wise scales,
 static and dynamic per-token activations), its capture in a CUDA graph, and tiny FP8 checkpoints
 (tests/fp8_reference.py, hybrid.tools.quantize_fp8) served on the GPU under CUDA graphs against the
-CPU reference of the same checkpoint. Written without a GPU at hand: not yet run."""
+CPU reference of the same checkpoint."""
 from __future__ import annotations
 
 import os
@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpu_util import GREEDY, rel_err  # noqa: E402
 
 import fp8_reference as R  # noqa: E402
+import tiny_checkpoints  # noqa: E402
 from hybrid.fp8_linear import Fp8Linear  # noqa: E402
 from hybrid.quantization import DYNAMIC, FP8_DTYPE, STATIC  # noqa: E402
 
@@ -109,6 +110,7 @@ def test_scaled_mm_captured_in_a_cuda_graph(per_channel, act):
 
 # (family, scheme): no dt clamp in these (prefill and decode compute the same function), so the CPU
 # reference can be asked for its greedy choice after the GPU's own prefixes
+MOE_FAMILIES = ("granite_moe", "nemotron_h_sharded")
 CASES = [("granite_dense", "modelopt_fp8"), ("granite_moe", "ct_fp8_dynamic"),
          ("nemotron_h_sharded", "modelopt_pcpt"), ("falcon_h1", "ct_fp8")]
 
@@ -120,7 +122,12 @@ def fp8_path(tiny_ckpt, tmp_path_factory):
 
     def get(family, scheme):
         if (family, scheme) not in built:
-            built[family, scheme] = R.quantize(tiny_ckpt(family), root / f"{family}-{scheme}", scheme)
+            # MoE families route every token to every expert (as tests/gpu/test_state_under_graphs.py
+            # does): measured on the H200, one routing choice flipped by FP8 noise in a tiny random MoE
+            # moved later logits by 1.2-1.5 nats, which no bound can tell from a real fault
+            src = (tiny_checkpoints.build_every_expert(family, root / f"{family}-every-expert")
+                   if family in MOE_FAMILIES else tiny_ckpt(family))
+            built[family, scheme] = R.quantize(src, root / f"{family}-{scheme}", scheme)
         return built[family, scheme]
 
     return get
@@ -140,12 +147,30 @@ def _run(llm, prompts, n=12):
                                                          use_tqdm=False)]
 
 
-# Bounds of the two tests below are not measured yet (no GPU at hand): looser than the bf16 parity
-# tests' (first-token 0.75, near-tie 0.1 nats), since bf16 activations round differently from the CPU's
-# fp32 before the e4m3 quantization, so some activations land on the neighbouring e4m3 value (a 1/16
-# step), and these random tiny models move ~0.05 in relative logprob L2 under full FP8 noise.
-FP8_NEAR_TIE = 1.0  # nats below the CPU reference's greedy choice
+def _regrets(cpu, prompts, got) -> list[float]:
+    """For every GPU token: how many nats below its own greedy choice the CPU reference ranks it,
+    given the GPU's own prefix (0 where the two agree)."""
+    from hybrid import SamplingParams
+
+    prefixes = [p + g[:j] for p, g in zip(prompts, got) for j in range(len(g))]
+    res = cpu.generate(prefixes, SamplingParams(max_tokens=1, logprobs=cpu.config.vocab_size, **GREEDY),
+                       use_tqdm=False)
+    return [max(r.outputs[0].logprobs[0].values()) - r.outputs[0].logprobs[0][t]
+            for r, t in zip(res, [t for g in got for t in g])]
+
+
+# Bounds measured on the H200 (2026-12-01), with about 40% headroom. bf16 activations round
+# differently from the CPU's fp32 before the e4m3 quantization, so some activations land on the
+# neighbouring e4m3 value (a 1/16 step), and these tiny random models have sharp near-ties: bf16 + graphs
+# against the CPU, greedy under the reference 0.81-0.96 of the tokens, max regret 0.41-1.42 nats (the
+# largest in the MoE families, though every token goes to every expert); fp32 activations on CUDA
+# against the CPU, 0.88-0.93 and 0.20-0.29 nats. A broken FP8 path (wrong scale, layout or dtype)
+# ranks its tokens at random: several nats, and a greedy share near 1/vocab. The GEMM itself is held
+# to the exact product at the 8B shapes above.
+FP8_NEAR_TIE = 2.0  # nats below the CPU reference's greedy choice
 FP8_MIN_EXACT = 0.6
+FP32_FP8_NEAR_TIE = 0.5
+FP32_FP8_MIN_EXACT = 0.75
 
 
 @pytest.mark.parametrize("family,scheme", CASES)
@@ -165,12 +190,7 @@ def test_fp8_checkpoint_under_cuda_graphs_vs_cpu(family, scheme, fp8_path):
     want = _run(cpu, prompts)
     first = sum(g[0] == w[0] for g, w in zip(got, want)) / len(want)
     agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
-    # every GPU token against the CPU reference's greedy choice after the GPU's own prefix
-    prefixes = [p + g[:j] for p, g in zip(prompts, got) for j in range(len(g))]
-    res = cpu.generate(prefixes, SamplingParams(max_tokens=1, logprobs=cpu.config.vocab_size, **GREEDY),
-                       use_tqdm=False)
-    regret = [max(r.outputs[0].logprobs[0].values()) - r.outputs[0].logprobs[0][t]
-              for r, t in zip(res, [t for g in got for t in g])]
+    regret = _regrets(cpu, prompts, got)  # every GPU token against the CPU's choice after its prefix
     exact = sum(r == 0 for r in regret) / len(regret)
     print(f"{family} {scheme}: FP8 bf16+graphs vs CPU fp32 of the same checkpoint: first {first:.2f}, "
           f"agree {agree:.2f}, greedy under the reference {exact:.2f}, max regret {max(regret):.3f} nats")
@@ -216,17 +236,25 @@ def test_fp8_replay_equals_eager(fp8_llm, slots):
 
 @pytest.mark.parametrize("family,scheme", CASES[:2])
 def test_fp8_checkpoint_fp32_gpu_matches_cpu(family, scheme, fp8_path):
-    """fp32 activations on CUDA take the reference path (_scaled_mm only for bf16): token for token
-    as the fp32 parity tests of the unquantized checkpoints."""
+    """fp32 activations on CUDA take the reference path (_scaled_mm only for bf16). Not token for token
+    with the CPU as the unquantized fp32 parity tests are: quantizing an activation to e4m3 is a step
+    function, so an fp32 rounding difference between the two devices (1e-7) now and then lands a value
+    on the neighbouring e4m3 step (1/16 apart), and in a tiny random model a later near-tie flips (on
+    the H200, 60-80% of the tokens agreed, every first token did). So: every first token equal, and
+    every GPU token the CPU's greedy choice after the GPU's own prefix, or within FP32_FP8_NEAR_TIE of it."""
     from hybrid import LLM
 
     path = fp8_path(family, scheme)
     prompts = _prompts(path)
     got = _run(LLM(path, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128,
                    gpu_memory_utilization=0.5), prompts)
-    want = _run(LLM(path, device="cpu", dtype="float32", max_num_seqs=4, max_model_len=128), prompts)
-    agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
-    assert [g[0] for g in got] == [w[0] for w in want] and agree >= 0.9
+    cpu = LLM(path, device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128)
+    want = _run(cpu, prompts)
+    regret = _regrets(cpu, prompts, got)
+    print(f"{family} {scheme}: FP8 fp32 CUDA vs CPU: greedy under the reference "
+          f"{sum(r == 0 for r in regret) / len(regret):.2f}, max regret {max(regret):.4f} nats")
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert sum(r == 0 for r in regret) / len(regret) >= FP32_FP8_MIN_EXACT and max(regret) <= FP32_FP8_NEAR_TIE
 
 
 def test_memory_plan_counts_fp8_weights(fp8_path, tiny_ckpt):
