@@ -34,6 +34,15 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         ...
 
+    def must_stay_zero(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, region) of every workspace region that must be zero between calls (the sanitizer
+        checks them after each step)."""
+        ...
+
+    def clear_regions(self) -> None:
+        """Zero those regions again."""
+        ...
+
 
 def select_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
     """The attention backend for a device: 'torch' on CPU, 'trtllm' (FlashInfer) on CUDA when available."""

@@ -30,6 +30,12 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def must_stay_zero(self) -> list[tuple[str, torch.Tensor]]:
+        return []  # no persistent workspace
+
+    def clear_regions(self) -> None:
+        pass
+
     def forward(self, q, k, v, kv_layer, batch, scale):
         write_kv(kv_layer, k, v, batch.kv_write_loc)
         num_tokens, num_heads, head_dim = q.shape

@@ -36,6 +36,7 @@ from state_pool.util import cdiv
 log = logging.getLogger(__name__)
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
+XQA_SEMAPHORE_BYTES = 8 * 1024 * 1024  # flashinfer.decode.trtllm_batch_decode_with_kv_cache's split (0.6)
 _PREFILL_HEAD_DIMS = (64, 128, 256)
 
 
@@ -127,6 +128,20 @@ class TrtllmAttentionBackend:
         if family not in self._workspaces:
             self._workspaces[family] = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         return self._workspaces[family]
+
+    def must_stay_zero(self) -> list[tuple[str, torch.Tensor]]:
+        """Workspace regions that must be zero between calls, for the state sanitizer: XQA's
+        semaphores (the first XQA_SEMAPHORE_BYTES of the decode workspace; FlashInfer's decode entry
+        point carves them there). A nonzero word after a step means a kernel left its multi-block
+        bookkeeping dirty or another kernel wrote into it; the next decode could hang or read
+        another request's partial results."""
+        ws = self._workspaces.get("decode")
+        return [] if ws is None else [("XQA semaphores", ws[:XQA_SEMAPHORE_BYTES].view(torch.int32))]
+
+    def clear_regions(self) -> None:
+        """Zero what must_stay_zero lists (after a sanitizer failure, so the engine keeps serving)."""
+        for _, region in self.must_stay_zero():
+            region.zero_()
 
     def forward(self, q, k, v, kv_layer, batch, scale):
         if not self.graph_safe(kv_layer.dtype) or q.dtype != kv_layer.dtype:

@@ -87,6 +87,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.buffers: _Buffers | None = None
         self.stats = {"graph_replays": 0, "padded_eager": 0, "eager": 0}
+        self._ran: tuple[StepBatch | None, int] = (None, 0)  # (batch, rows) of the last execute; None: buffers
         if self.use_graphs:
             self.capture(progress=progress)
 
@@ -149,27 +150,29 @@ class ModelRunner:
             return bucket_for(batch.num_requests, self.capture_sizes)
         return None
 
-    def padded_batch(self, batch: StepBatch) -> StepBatch | None:
-        """The padded batch that runs for `batch` (what the graph buffers are filled with), for the
-        state sanitizer; None when the batch runs unpadded."""
-        size = self.bucket(batch)
-        if size is None or size == batch.num_requests:
-            return None
-        return pad_decode_batch(batch, size, self.page_size)
-
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] (fp32) for the batch."""
         size = self.bucket(batch)
         if size is not None:
             if self.use_graphs and size in self.graphs and \
                     batch.page_table.shape[1] <= self.buffers.page_table.shape[1]:
+                self._ran = (None, size)
                 return self.replay(batch, size)
             if self.pad_decode:
                 self.stats["padded_eager"] += 1
                 padded = pad_decode_batch(batch, size, self.page_size)
+                self._ran = (padded, size)
                 return self.model(padded, self.ctx)[: batch.num_requests]
         self.stats["eager"] += 1
+        self._ran = (batch, batch.num_requests)
         return self.model(batch, self.ctx)
+
+    def inputs_that_ran(self) -> StepBatch:
+        """The index tensors the last `execute` actually ran on: the graph input buffers (their first
+        `size` rows, as filled), the padded eager batch, or the batch itself. For the state sanitizer,
+        which checks them on the device in stream order (they are not refilled before the next step)."""
+        batch, size = self._ran
+        return batch if batch is not None else self.buffers.batch(size)
 
     def replay(self, batch: StepBatch, size: int) -> torch.Tensor:
         graph, out = self.graphs[size]

@@ -37,12 +37,14 @@ from hybrid.outputs import RequestOutput
 from hybrid.prefix_cache import PrefixCache
 from hybrid.request import (Request, ScheduledChunk, Sequence, Status, make_generator, validate_params,
                             validate_prompt)
-from hybrid.resources import ResourceManager
+from hybrid.resources import ResourceManager, row_owners
 from hybrid.sampling import SamplingParams
 from hybrid.scheduler import Scheduler, SchedulerOutput
 from hybrid.spec_decode import NgramProposer, verify_drafts
 from hybrid.structured_outputs import GrammarCompiler
+from state_pool.errors import StateCorruptionError
 from state_pool.pool import MambaStatePool
+from state_pool.sanitizer import SLOT_FAULT, ExpectedInputs, describe_faults
 from state_pool.util import cdiv
 
 # Re-exported: the types other modules and tests know from here.
@@ -263,28 +265,59 @@ class Engine:
     def _build_batch(self, out: SchedulerOutput) -> StepBatch:
         return self.launcher.build_batch(out, self._in_flight)
 
-    def check_batch(self, batch: StepBatch, chunks: list[ScheduledChunk]) -> None:
-        """Raise StateCorruptionError if the batch would touch a slot or page its rows do not own."""
-        self.resources.check_batch(batch, chunks)
+    def check_batch(self, batch: StepBatch, chunks: list[ScheduledChunk]) -> ExpectedInputs:
+        """Raise StateCorruptionError if the batch would touch a slot or page its rows do not own;
+        return what its index tensors must hold as they run (state_pool/sanitizer.py)."""
+        return self.resources.check_batch(batch, chunks)
+
+    def _device_checks(self, expected: ExpectedInputs | None) -> dict[str, torch.Tensor]:
+        """The sanitizer's device half, queued behind the forward (no sync): fault bits of the index
+        tensors that ran (graph buffers included), the slots they named, and whether the attention
+        workspaces' must-be-zero regions are still zero. Read back with the step's tokens."""
+        checks: dict[str, torch.Tensor] = {}
+        if expected is not None:
+            ran = self.runner.inputs_that_ran()
+            checks["input_faults"], checks["ran_slots"] = expected.faults(ran), ran.state_slot.clone()
+        regions = self.runner.ctx.attention_backend.must_stay_zero() if self.runner.ctx is not None else []
+        if regions:
+            checks["dirty_regions"] = torch.stack([r.ne(0).any() for _, r in regions])
+        return checks
+
+    def _sanitizer_fault(self, step: LaunchedStep, checks: dict[str, list]) -> tuple[str, list[str]] | None:
+        """(reason, request ids to fail) when the device half of the sanitizer found a fault in `step`:
+        its requests, and the owners of any slot a faulty row named (their state may have been written)."""
+        ids = [c.seq.request_id for c in step.chunks]
+        faults = checks.get("input_faults")
+        if faults is not None and any(faults):
+            ran_slots = checks["ran_slots"]
+            named = {ran_slots[r] for r, b in enumerate(faults) if b & SLOT_FAULT}
+            victims = [s.request_id for s in self.scheduler.running if s.slot in named]
+            return describe_faults(faults, ran_slots, row_owners(step.chunks)), ids + victims
+        dirty = checks.get("dirty_regions")
+        if dirty is not None and any(dirty):
+            names = [name for (name, _), d in zip(self.runner.ctx.attention_backend.must_stay_zero(), dirty) if d]
+            self.runner.ctx.attention_backend.clear_regions()  # so that the next steps can run
+            return f"attention workspace regions that must stay zero were not zero after the step: {names}", ids
+        return None
 
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Queue the forward pass and the sampling of the scheduled chunks on the device, and the copy
         of the sampled tokens to the host; advance each sequence past the tokens the step consumes."""
         batch = self._build_batch(out)
         state_nan_before = None
+        checks = None
         if self.check_state:
-            self.check_batch(batch, out.chunks)
-            padded = self.runner.padded_batch(batch)  # padding rows the runner adds: checked as well
-            if padded is not None:
-                self.check_batch(padded, out.chunks)
+            expected = self.check_batch(batch, out.chunks)  # host half: refuses the step before it runs
             # read by the rows: before the forward
             state_nan_before = self.resources.state_nan(batch) & batch.has_initial_state
         logits = self.runner.execute(batch)
+        if self.check_state:  # device half: what ran, padding rows the runner added included
+            checks = self._device_checks(expected)
         self.resources.cache_prefixes(out.chunks)  # queued right behind the forward that computed them
         index = self.resources.step_launched()
         self.stats["steps"] += 1
         state_nan = None if state_nan_before is None else (state_nan_before, self.resources.state_nan(batch))
-        step = self.launcher.sample(index, out, batch, logits, state_nan, self._in_flight)
+        step = self.launcher.sample(index, out, batch, logits, state_nan, self._in_flight, checks)
         self.scheduler.advance(out)
         # Verify rows are accepted on the host, and a fork copies its parent's state before anything
         # else runs on it: the next schedule needs those outcomes, so such steps are not overlapped.
@@ -297,8 +330,12 @@ class Engine:
         """Wait for a launched step's tokens and apply them: emit, check stops, fork, accept drafts.
         Returns the requests it changed."""
         result = self.launcher.read_back(step)
-        self.resources.step_synced(step.index)
         changed: dict[str, Request] = {}
+        fault = self._sanitizer_fault(step, result.checks) if result.checks else None
+        if fault is not None:
+            self._fail_step(StateCorruptionError(fault[0]), fault[1], changed, "finish (state sanitizer)")
+            return changed
+        self.resources.step_synced(step.index)
         for row, c in enumerate(step.chunks):
             seq = c.seq
             if not c.is_decode:

@@ -48,6 +48,7 @@ class StepResult:
     logprobs: dict[int, tuple[float, list[float], list[int]]]  # logits row -> (token's, top values, top ids)
     # prompt logprobs: (first prompt logits row, each row's prompt-token logprob, top values, top ids)
     prompt_lp: tuple[int, list[float], list[list[float]], list[list[int]]] | None = None
+    checks: dict[str, list] | None = None  # sanitizer: device-side check results (Engine._device_checks)
 
     def prompt_logprobs_at(self, row: int, token: int, k: int) -> dict[int, float]:
         first, token_lp, values, ids = self.prompt_lp
@@ -192,10 +193,12 @@ class StepLauncher:
 
     # ------------------------------------------------------------------ sampling
     def sample(self, index: int, out: SchedulerOutput, batch: StepBatch, logits: torch.Tensor,
-               state_nan: tuple[torch.Tensor, torch.Tensor] | None, in_flight: LaunchedStep | None) -> LaunchedStep:
+               state_nan: tuple[torch.Tensor, torch.Tensor] | None, in_flight: LaunchedStep | None,
+               checks: dict[str, torch.Tensor] | None = None) -> LaunchedStep:
         """Queue the sampling of the step's logits and the copy of its results to the host.
         `state_nan` (sanitizer): per batch row, whether its Mamba state held NaN before the forward
-        and after it."""
+        and after it; `checks` (sanitizer): device-side check results, read back with the tokens
+        (StepResult.checks)."""
         chunks = out.chunks
         scoring = [c for c in chunks if c.prompt_rows is not None]  # prompt logprobs: rows after the sampled ones
         num_rows = scoring[0].prompt_rows[0] if scoring else logits.shape[0]
@@ -220,6 +223,8 @@ class StepLauncher:
         if state_nan is not None:  # NaN in a row's state before the forward: it read poisoned state;
             # NaN only after it: this forward made it (rows that sample nothing are caught here too)
             device_out["state_nan"], device_out["state_nan_after"] = state_nan
+        for name, value in (checks or {}).items():
+            device_out[f"check:{name}"] = value
         if lp_rows:
             rows = to_device(lp_rows, torch.long, logits.device)
             device_out["lp_token"], device_out["lp_values"], device_out["lp_ids"] = \
@@ -317,4 +322,5 @@ class StepLauncher:
         if "plp_token" in host:
             first = next(c.prompt_rows[0] for c in step.chunks if c.prompt_rows is not None)
             prompt_lp = (first, host["plp_token"].tolist(), host["plp_values"].tolist(), host["plp_ids"].tolist())
-        return StepResult(host["tokens"].tolist(), bad, made_nan, host.get("state_nan"), lp, prompt_lp)
+        checks = {k[len("check:"):]: v.tolist() for k, v in host.items() if k.startswith("check:")}
+        return StepResult(host["tokens"].tolist(), bad, made_nan, host.get("state_nan"), lp, prompt_lp, checks)

@@ -17,12 +17,18 @@ from attention.kv_cache import DUMMY_PAGE, PagedKVCache
 from hybrid.batch import StepBatch
 from hybrid.prefix_cache import PrefixCache
 from state_pool.pool import PAD_SLOT_ID, MambaStatePool
-from state_pool.sanitizer import RowOwner, check_batch
+from state_pool.sanitizer import ExpectedInputs, RowOwner, check_batch
 from state_pool.util import cdiv
 
 if TYPE_CHECKING:
     from hybrid.engine_config import EngineConfig
     from hybrid.request import ScheduledChunk, Sequence
+
+
+def row_owners(chunks: list[ScheduledChunk]) -> list[RowOwner]:
+    """Who each row of a step's batch belongs to (row i: chunk i), as the sanitizer names them."""
+    return [RowOwner(c.seq.label, c.seq.slot if c.seq.slot is not None else PAD_SLOT_ID, list(c.seq.pages))
+            for c in chunks]
 
 
 class ResourceManager:
@@ -222,11 +228,10 @@ class ResourceManager:
                 self.free(entry.slot, entry.pages)
 
     # ------------------------------------------------------------------ sanitizer
-    def check_batch(self, batch: StepBatch, chunks: list[ScheduledChunk]) -> None:
-        """Raise StateCorruptionError if the batch would touch a slot or page its rows do not own."""
-        owners = [RowOwner(c.seq.label, c.seq.slot if c.seq.slot is not None else PAD_SLOT_ID, list(c.seq.pages))
-                  for c in chunks]
-        check_batch(batch, self.state_pool, self.pages, self.page_size, owners, DUMMY_PAGE)
+    def check_batch(self, batch: StepBatch, chunks: list[ScheduledChunk]) -> ExpectedInputs:
+        """Raise StateCorruptionError if the batch would touch a slot or page its rows do not own (host
+        copies only); return what its index tensors must hold as they run (checked on the device)."""
+        return check_batch(batch, self.state_pool, self.pages, self.page_size, row_owners(chunks), DUMMY_PAGE)
 
     def state_nan(self, batch: StepBatch) -> torch.Tensor:
         """Per batch row: whether the Mamba state in the row's slot holds NaN now (in stream order:

@@ -1,8 +1,17 @@
-"""The state sanitizer: checks a StepBatch against the live slots and pages before it runs.
+"""The state sanitizer: checks a StepBatch against the live slots and pages, in two halves.
 
 Enabled with LLM(..., check_state=True) or HYBRID_CHECK_STATE=1. With it on, freed slots are also
 poisoned with NaN (MambaStatePool.poison_freed), so a read that slips past these checks shows up
 as NaN logits, which the engine reports too. With it off nothing here runs.
+
+- Before the step runs, on the host (`check_batch`): the batch's host copies against what the
+  scheduler placed (no device read, so no sync: a sync would serialize the steps that async
+  scheduling overlaps, hiding the races this should catch). A failure refuses the step.
+- After the step is queued, on the device (`ExpectedInputs.faults`): the index tensors that actually
+  ran (the CUDA-graph input buffers after they were filled, the padded eager batch, or the batch
+  itself) against what the host check derived from the owners, including the padding rows the
+  runner added. The per-row fault bits come back with the sampled tokens, where the host waits
+  anyway; a fault fails the step's requests (and the owners of any slot a faulty row named).
 
 What is checked, for every row of the batch:
 - a real row (request) reads and writes exactly the slot its request owns, that slot is live, and
@@ -20,9 +29,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
 from state_pool.errors import StateCorruptionError
 from state_pool.pool import PAD_SLOT_ID
+from state_pool.step_batch import StepBatch, to_device
 from state_pool.util import cdiv
+
+# fault bits of one row, as ExpectedInputs.faults reports them
+SLOT_FAULT, KV_WRITE_FAULT, PAGE_TABLE_FAULT = 1, 2, 4
 
 
 @dataclass
@@ -34,21 +50,87 @@ class RowOwner:
     pages: list[int]
 
 
-def check_batch(batch, pool, page_allocator, page_size: int, owners: list[RowOwner], dummy_page: int = 0) -> None:
+@dataclass
+class ExpectedInputs:
+    """What the kernels of a checked step must read, derived on the host from the owners (not from
+    the batch's device tensors): the real rows' Mamba slots, the KV row of every token they write
+    and the leading page-table entries they read. Rows the runner appends are padding rows."""
+
+    num_real: int
+    slots: list[int]  # [num_real]
+    kv_write_loc: np.ndarray  # [tokens of the real rows] int64
+    token_rows: np.ndarray  # [tokens of the real rows] the row of each
+    page_rows: np.ndarray  # flat (row, column) -> page of every page-table entry a real row reads
+    page_cols: np.ndarray
+    page_values: np.ndarray
+    scratch_slot: int
+    dummy_page: int
+    page_size: int
+
+    def faults(self, ran: StepBatch) -> torch.Tensor:
+        """Fault bits per row of `ran` (the batch as it ran, padding rows included), int32, on the
+        device and without a host sync. Real rows: the slot, the KV write rows and the page-table
+        entries equal the expected ones. Padding rows: slot PAD_SLOT_ID or the scratch slot, KV
+        writes into the dummy page (or none), a page table of dummy pages only."""
+        dev = ran.state_slot.device
+        rows = int(ran.state_slot.shape[0])
+        n, t = self.num_real, len(self.kv_write_loc)
+        slot = ran.state_slot
+        real = torch.arange(rows, device=dev) < n
+        want_slot = torch.full((rows,), PAD_SLOT_ID, dtype=slot.dtype, device=dev)
+        want_slot[:n] = to_device(self.slots, slot.dtype, dev)
+        pad_ok = (slot == PAD_SLOT_ID) | (slot == self.scratch_slot)
+        bad_slot = torch.where(real, slot != want_slot, ~pad_ok)
+        # KV writes: the real rows' tokens come first, one token per padding row after them
+        loc = ran.kv_write_loc
+        if loc.shape[0] != t + rows - n:  # shapes are host metadata: no sync to see this
+            kv_faults = torch.ones(rows, dtype=torch.int32, device=dev)
+        else:
+            token_row = torch.cat([to_device(self.token_rows, torch.long, dev), torch.arange(n, rows, device=dev)])
+            want_loc = to_device(self.kv_write_loc, loc.dtype, dev)
+            dummy = torch.div(loc[t:], self.page_size, rounding_mode="floor") == self.dummy_page
+            bad_loc = torch.cat([loc[:t] != want_loc, ~(dummy | (loc[t:] < 0))])
+            kv_faults = torch.zeros(rows, dtype=torch.int32, device=dev).index_add_(0, token_row, bad_loc.int())
+        # page tables: the entries a real row reads; every entry of a padding row
+        table = ran.page_table
+        read = table[to_device(self.page_rows, torch.long, dev), to_device(self.page_cols, torch.long, dev)]
+        bad_read = (read != to_device(self.page_values, table.dtype, dev)).int()
+        pt_faults = torch.zeros(rows, dtype=torch.int32, device=dev).index_add_(
+            0, to_device(self.page_rows, torch.long, dev), bad_read)
+        pt_faults[n:] += (table[n:] != self.dummy_page).sum(dim=1).int()
+        return (bad_slot.int() * SLOT_FAULT + (kv_faults > 0).int() * KV_WRITE_FAULT
+                + (pt_faults > 0).int() * PAGE_TABLE_FAULT)
+
+
+def describe_faults(bits: list[int], ran_slots: list[int], owners: list[RowOwner]) -> str:
+    """One message for the fault bits read back from ExpectedInputs.faults (rows with bits set)."""
+    parts = []
+    for row, b in enumerate(bits):
+        if not b:
+            continue
+        who = owners[row].name if row < len(owners) else f"padding row {row}"
+        what = [name for bit, name in ((SLOT_FAULT, f"Mamba slot {ran_slots[row]}"), (KV_WRITE_FAULT, "KV write rows"),
+                                       (PAGE_TABLE_FAULT, "page table")) if b & bit]
+        expected = f" (owns slot {owners[row].slot})" if row < len(owners) and b & SLOT_FAULT else ""
+        parts.append(f"{who} ran with a wrong {', '.join(what)}{expected}")
+    return "the step's index tensors as they ran differ from what the sanitizer checked: " + "; ".join(parts)
+
+
+def check_batch(batch: StepBatch, pool, page_allocator, page_size: int, owners: list[RowOwner],
+                dummy_page: int = 0) -> ExpectedInputs:
+    """The host half: raise StateCorruptionError if the batch's host copies would touch a slot or page
+    its rows do not own; return what its device tensors must hold (for ExpectedInputs.faults).
+    Reads no device tensor."""
     live = pool.live_slots
     num_rows = len(batch.state_slot_cpu)
     num_real = batch.num_real_requests if batch.num_real_requests >= 0 else len(owners)
     if num_real != len(owners):
         raise StateCorruptionError(f"batch has {num_real} real rows but the scheduler placed {len(owners)} requests")
-    # the device copy must agree with the host copy the launchers read
-    dev_slots = [int(s) for s in batch.state_slot.tolist()]
-    if dev_slots != list(batch.state_slot_cpu):
-        raise StateCorruptionError(f"state_slot {dev_slots} differs from its host copy {batch.state_slot_cpu}")
     seen: dict[int, str] = {}
-    starts = [0]
-    for q in batch.query_lens_cpu:
-        starts.append(starts[-1] + q)
-    kv_loc = batch.kv_write_loc.tolist()
+    ps = page_size
+    kv_loc: list[np.ndarray] = []
+    token_rows: list[np.ndarray] = []
+    page_rows, page_cols, page_values = [], [], []
     for row in range(num_rows):
         slot = int(batch.state_slot_cpu[row])
         if row >= num_real:
@@ -57,9 +139,6 @@ def check_batch(batch, pool, page_allocator, page_size: int, owners: list[RowOwn
                 raise StateCorruptionError(
                     f"padding row {row} points at Mamba slot {slot} ({state}); padding must use "
                     f"PAD_SLOT_ID ({PAD_SLOT_ID}) or the scratch slot {pool.scratch_slot}")
-            bad_pages = [int(p) for p in batch.page_table[row].tolist() if int(p) != dummy_page]
-            if bad_pages:
-                raise StateCorruptionError(f"padding row {row} has real KV pages {bad_pages} in its page table")
             continue
         owner = owners[row]
         if slot == PAD_SLOT_ID or slot != owner.slot:
@@ -71,25 +150,30 @@ def check_batch(batch, pool, page_allocator, page_size: int, owners: list[RowOwn
             raise StateCorruptionError(
                 f"{owner.name} (row {row}) and {seen[slot]} would both write Mamba slot {slot}")
         seen[slot] = owner.name
-        # KV writes: own pages only, never a shared page
-        owned = set(owner.pages)
-        ps = page_size
-        for loc in kv_loc[starts[row]:starts[row + 1]]:
-            page = int(loc) // ps
-            if page not in owned:
-                raise StateCorruptionError(
-                    f"{owner.name} (row {row}, Mamba slot {slot}) would write KV page {page}, which it does not own")
+        # the tokens of this row sit at positions [seq_len - q_len, seq_len): their KV rows follow from
+        # the owner's pages; each page written must be the row's own and not shared
+        seq_len, q_len = int(batch.seq_lens_cpu[row]), int(batch.query_lens_cpu[row])
+        n_pages = cdiv(seq_len, ps)
+        if n_pages > len(owner.pages):
+            raise StateCorruptionError(
+                f"{owner.name} (row {row}, Mamba slot {slot}) would read {n_pages} KV pages but owns {len(owner.pages)}")
+        pos = np.arange(seq_len - q_len, seq_len, dtype=np.int64)
+        pages = np.asarray(owner.pages[:n_pages], dtype=np.int64)
+        for page in sorted({int(p) for p in pages[pos // ps]}):
             rc = page_allocator.refcount(page)
             if rc != 1:
                 raise StateCorruptionError(
                     f"{owner.name} (row {row}, Mamba slot {slot}) would write KV page {page} with refcount {rc} "
                     f"({'freed' if rc == 0 else 'shared: copy-on-write missing'})")
-        n_pages = cdiv(int(batch.seq_lens_cpu[row]), ps)
-        table = [int(p) for p in batch.page_table[row, :n_pages].tolist()]
-        for p in table:
-            if p == dummy_page or page_allocator.refcount(p) < 1 or p not in owned:
+        for p in owner.pages[:n_pages]:
+            if p == dummy_page or page_allocator.refcount(p) < 1:
                 raise StateCorruptionError(
-                    f"{owner.name} (row {row}, Mamba slot {slot}) would read KV page {p}, which it does not own")
+                    f"{owner.name} (row {row}, Mamba slot {slot}) would read KV page {p}, which is not live")
+        kv_loc.append(pages[pos // ps] * ps + pos % ps)
+        token_rows.append(np.full(q_len, row, dtype=np.int64))
+        page_rows.append(np.full(n_pages, row, dtype=np.int64))
+        page_cols.append(np.arange(n_pages, dtype=np.int64))
+        page_values.append(pages)
     scratch = getattr(batch, "scratch_index_cpu", None)
     if scratch and batch.num_verify:
         used = [s for s in scratch if s >= 0]
@@ -98,3 +182,8 @@ def check_batch(batch, pool, page_allocator, page_size: int, owners: list[RowOwn
         if pool.spec_conv is None or (used and max(used) >= pool.spec_conv.shape[1]):
             raise StateCorruptionError(f"verify scratch rows {used} outside the scratch tensor")
 
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    return ExpectedInputs(num_real, [o.slot for o in owners], cat(kv_loc), cat(token_rows), cat(page_rows),
+                          cat(page_cols), cat(page_values), pool.scratch_slot, dummy_page, ps)

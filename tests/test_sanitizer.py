@@ -152,8 +152,8 @@ def test_silent_on_a_mixed_workload(tiny_ckpt, make_llm):
 
 
 def test_padding_rows_added_by_the_runner_are_checked(tiny_ckpt, make_llm, monkeypatch):
-    """Decode batches padded to a bucket (what the CUDA-graph runner replays) are sanitized too:
-    silent on correct padding, and a padding row pointed at a live slot is refused before it runs."""
+    """Decode batches padded to a bucket (what the CUDA-graph runner replays) are checked as they ran:
+    silent on correct padding, and a padding row pointed at a live slot fails the step it ran in."""
     import graphs.runner as runner_module
 
     path = tiny_ckpt("nemotron_h")
@@ -162,12 +162,18 @@ def test_padding_rows_added_by_the_runner_are_checked(tiny_ckpt, make_llm, monke
     ref = make_llm(path, max_num_seqs=4, page_size=4).generate(prompts, sp, use_tqdm=False)
     llm = make_llm(path, max_num_seqs=4, page_size=4, check_state=True)
     llm.runner.pad_decode = True  # pad decode batches to buckets 1, 2, 4 on CPU, as the graph runner does
-    checked = []
-    real_check = llm.engine.check_batch
-    monkeypatch.setattr(llm.engine, "check_batch", lambda b, c: (checked.append(b.num_real_requests), real_check(b, c)))
+    ran = []
+    real_checks = llm.engine._device_checks
+
+    def record(expected):
+        inputs = llm.runner.inputs_that_ran()
+        ran.append((inputs.num_real_requests, int(inputs.state_slot.shape[0])))
+        return real_checks(expected)
+
+    monkeypatch.setattr(llm.engine, "_device_checks", record)
     out = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
-    assert llm.runner.stats["padded_eager"] > 0 and 3 in checked  # padded batches (3 real rows) were checked
+    assert llm.runner.stats["padded_eager"] > 0 and (3, 4) in ran  # the padded batches were checked
 
     real_pad = runner_module.pad_decode_batch
 
@@ -178,9 +184,94 @@ def test_padding_rows_added_by_the_runner_are_checked(tiny_ckpt, make_llm, monke
         return dataclasses.replace(padded, state_slot_cpu=slots, state_slot=torch.tensor(slots))
 
     monkeypatch.setattr(runner_module, "pad_decode_batch", pad_onto_a_live_slot)
-    with pytest.raises(RequestFailedError, match="StateCorruptionError: .*padding row 3 points at Mamba slot") as e:
+    with pytest.raises(RequestFailedError, match="StateCorruptionError: .*padding row 3 ran with a wrong Mamba slot") as e:
         llm.generate(prompts, sp, use_tqdm=False)
-    assert sorted(e.value.failed) == [0, 1, 2]  # all three were in the refused step
+    assert sorted(e.value.failed) == [0, 1, 2]  # all three were in the step
+    assert llm.state_pool.num_free == llm.state_pool.num_slots and not llm.engine.has_unfinished_requests()
+
+
+def _tamper_device_copy(monkeypatch, eng, field, edit):
+    """The batch's device tensor `field` edited after the host copies were made (what a race or a
+    wrong graph-buffer fill would do): only the device half of the sanitizer can see it."""
+    _patch_batch(monkeypatch, eng, lambda b: dataclasses.replace(b, **{field: edit(getattr(b, field).clone())}))
+
+
+@pytest.mark.parametrize("field,pattern", [
+    ("state_slot", r"request 'b' \(branch 0\) ran with a wrong Mamba slot 0 \(owns slot 1\)"),
+    ("kv_write_loc", r"request 'b' \(branch 0\) ran with a wrong KV write rows"),
+    ("page_table", r"request 'b' \(branch 0\) ran with a wrong page table"),
+])
+def test_device_copies_that_differ_from_the_host_copies(tiny_ckpt, make_llm, monkeypatch, field, pattern):
+    llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
+    edits = {"state_slot": lambda t: t.fill_(0), "kv_write_loc": lambda t: t + 1,
+             "page_table": lambda t: t.index_fill_(1, torch.tensor([0]), 0)}
+    _tamper_device_copy(monkeypatch, eng, field, edits[field])
+    err = _step_error(eng, pattern)
+    assert "differ from what the sanitizer checked" in err
+    assert not eng.has_unfinished_requests() and llm.state_pool.num_free == 2
+
+
+def test_a_faulty_row_fails_the_owner_of_the_slot_it_named(tiny_ckpt, make_llm, monkeypatch):
+    """A row that ran on another request's slot wrote that state: the owner fails too, even when it
+    was not in the step; requests neither touched nor in the step go on."""
+    path = tiny_ckpt("nemotron_h")
+    llm = make_llm(path, max_num_seqs=3, page_size=4, check_state=True)
+    eng = llm.engine
+    for rid, prompt in (("x", [5, 6, 7]), ("y", [8, 9]), ("z", [10, 11, 12])):
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=6, **GREEDY))
+    eng.step()
+    slots = {s.request_id: s.slot for s in eng.running}
+    real_build = eng._build_batch
+
+    def only_x_onto_y(out):  # schedule just 'x', and run it on y's slot (device copy only)
+        out.chunks[:] = [c for c in out.chunks if c.seq.request_id == "x"]
+        b = real_build(out)
+        return dataclasses.replace(b, state_slot=torch.full_like(b.state_slot, slots["y"]))
+
+    monkeypatch.setattr(eng, "_build_batch", only_x_onto_y)
+    failed = {o.request_id: o.error for o in eng.step() if o.error is not None}
+    assert set(failed) == {"x", "y"}, failed
+    assert all("ran with a wrong Mamba slot" in e for e in failed.values())
+    monkeypatch.undo()
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert llm.state_pool.num_free == 3
+
+
+def test_workspace_regions_that_must_stay_zero(tiny_ckpt, make_llm, monkeypatch):
+    """A backend workspace region that is not zero after a step (XQA's semaphores on CUDA) fails the
+    step's requests; the region is cleared, and the engine serves the next requests."""
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=2, page_size=4, check_state=True)
+    backend = llm.runner.ctx.attention_backend
+    region = torch.zeros(16, dtype=torch.int32)
+    monkeypatch.setattr(backend, "must_stay_zero", lambda: [("test semaphores", region)], raising=False)
+    monkeypatch.setattr(backend, "clear_regions", lambda: region.zero_(), raising=False)
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    assert llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids  # clean: silent
+    region[3] = 1
+    with pytest.raises(RequestFailedError, match="must stay zero.*test semaphores"):
+        llm.generate([[5, 6, 7]], sp, use_tqdm=False)
+    assert not region.any() and len(llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_the_host_half_reads_no_device_tensor(tiny_ckpt, make_llm, monkeypatch):
+    """check_batch works from the host copies alone: on a batch whose tensors are on the meta device
+    (any read of their values raises) it still passes a correct batch and refuses a wrong slot."""
+    llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
+    seen = []
+    real_check = eng.check_batch
+
+    def on_meta(batch, chunks):
+        fields = {f.name: getattr(batch, f.name).to("meta") for f in dataclasses.fields(batch)
+                  if isinstance(getattr(batch, f.name), torch.Tensor)}
+        seen.append(real_check(dataclasses.replace(batch, **fields), chunks))
+        return real_check(batch, chunks)
+
+    monkeypatch.setattr(eng, "check_batch", on_meta)
+    eng.step()
+    assert seen and seen[0].slots == [1]
+    _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0]))
+    _step_error(eng, r"request 'b'.*slot 0")
 
 
 def test_poisoned_read_is_reported_under_async_scheduling(tiny_ckpt, make_llm, monkeypatch):
