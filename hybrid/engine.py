@@ -44,7 +44,7 @@ from hybrid.spec_decode import NgramProposer, verify_drafts
 from hybrid.structured_outputs import GrammarCompiler
 from state_pool.errors import StateCorruptionError
 from state_pool.pool import MambaStatePool
-from state_pool.sanitizer import SLOT_FAULT, ExpectedInputs, describe_faults
+from state_pool.sanitizer import ExpectedInputs, device_checks, read_faults
 from state_pool.util import cdiv
 
 # Re-exported: the types other modules and tests know from here.
@@ -271,34 +271,24 @@ class Engine:
         return self.resources.check_batch(batch, chunks)
 
     def _device_checks(self, expected: ExpectedInputs | None) -> dict[str, torch.Tensor]:
-        """The sanitizer's device half, queued behind the forward (no sync): fault bits of the index
-        tensors that ran (graph buffers included), the slots they named, and whether the attention
-        workspaces' must-be-zero regions are still zero. Read back with the step's tokens."""
-        checks: dict[str, torch.Tensor] = {}
-        if expected is not None:
-            ran = self.runner.inputs_that_ran()
-            checks["input_faults"], checks["ran_slots"] = expected.faults(ran), ran.state_slot.clone()
-        regions = self.runner.ctx.attention_backend.must_stay_zero() if self.runner.ctx is not None else []
-        if regions:
-            checks["dirty_regions"] = torch.stack([r.ne(0).any() for _, r in regions])
-        return checks
+        """The sanitizer's device half for the step just queued (state_pool/sanitizer.py)."""
+        ran = self.runner.inputs_that_ran() if expected is not None else None
+        return device_checks(expected, ran, self._zero_regions())
+
+    def _zero_regions(self) -> list[tuple[str, torch.Tensor]]:
+        ctx = self.runner.ctx
+        return ctx.attention_backend.must_stay_zero() if ctx is not None else []
 
     def _sanitizer_fault(self, step: LaunchedStep, checks: dict[str, list]) -> tuple[str, list[str]] | None:
-        """(reason, request ids to fail) when the device half of the sanitizer found a fault in `step`:
-        its requests, and the owners of any slot a faulty row named (their state may have been written)."""
-        ids = [c.seq.request_id for c in step.chunks]
-        faults = checks.get("input_faults")
-        if faults is not None and any(faults):
-            ran_slots = checks["ran_slots"]
-            named = {ran_slots[r] for r, b in enumerate(faults) if b & SLOT_FAULT}
-            victims = [s.request_id for s in self.scheduler.running if s.slot in named]
-            return describe_faults(faults, ran_slots, row_owners(step.chunks)), ids + victims
-        dirty = checks.get("dirty_regions")
-        if dirty is not None and any(dirty):
-            names = [name for (name, _), d in zip(self.runner.ctx.attention_backend.must_stay_zero(), dirty) if d]
+        """(reason, request ids to fail) when the sanitizer's device half found a fault in `step`: its
+        requests, and the owners of any slot a faulty row ran on."""
+        fault = read_faults(checks, row_owners(step.chunks), [name for name, _ in self._zero_regions()])
+        if fault is None:
+            return None
+        if fault.dirty_regions:
             self.runner.ctx.attention_backend.clear_regions()  # so that the next steps can run
-            return f"attention workspace regions that must stay zero were not zero after the step: {names}", ids
-        return None
+        victims = [s.request_id for s in self.scheduler.running if s.slot in fault.named_slots]
+        return fault.reason, [c.seq.request_id for c in step.chunks] + victims
 
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Queue the forward pass and the sampling of the scheduled chunks on the device, and the copy
@@ -351,7 +341,7 @@ class Engine:
                 changed[seq.request_id] = req
                 continue
             if c.prompt_rows is not None:
-                self._append_prompt_logprobs(c, result)
+                self.outputs.append_prompt_logprobs(c, result)
             if not c.samples:
                 continue  # a prefill chunk that does not reach the end samples nothing
             if c.draft:
@@ -365,18 +355,6 @@ class Engine:
             changed[seq.request_id] = req
         self.resources.free_deferred()
         return changed
-
-    @staticmethod
-    def _append_prompt_logprobs(c: ScheduledChunk, result) -> None:
-        """The chunk's prompt logprobs, in prompt order; positions already filled (a chunk rebuilt
-        after a preemption) are not added twice."""
-        seq = c.seq
-        first_row, first_pos, count = c.prompt_rows
-        for j in range(count):
-            pos = first_pos + j  # scores prompt token pos + 1
-            if pos + 1 == len(seq.prompt_logprobs):
-                seq.prompt_logprobs.append(result.prompt_logprobs_at(first_row + j, seq.prompt_token_ids[pos + 1],
-                                                                     seq.params.prompt_logprobs))
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         if seq.grammar is not None and not seq.grammar.accept(token):  # (the mask allowed it: not expected)

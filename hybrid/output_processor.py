@@ -6,10 +6,13 @@ job (Scheduler.finish), done by the engine with the decision returned here.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from hybrid.outputs import CompletionOutput, RequestOutput
-from hybrid.request import Request, Sequence
+from hybrid.request import Request, ScheduledChunk, Sequence
+
+if TYPE_CHECKING:
+    from hybrid.launcher import StepResult
 
 # What Engine.step() returns for a request (Engine.add_request(output_kind=...)):
 # - "cumulative": after every step that changed it, everything so far (copies grow with the output);
@@ -38,6 +41,18 @@ class OutputProcessor:
         seq.output_token_ids.append(token)
         self.stats["generated_tokens"] += 1
         return self._check_stop(seq, token)
+
+    @staticmethod
+    def append_prompt_logprobs(c: ScheduledChunk, result: StepResult) -> None:
+        """The chunk's prompt logprobs, in prompt order; positions already filled (a chunk rebuilt
+        after a preemption) are not added twice."""
+        seq = c.seq
+        first_row, first_pos, count = c.prompt_rows
+        for j in range(count):
+            pos = first_pos + j  # scores prompt token pos + 1
+            if pos + 1 == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append(result.prompt_logprobs_at(first_row + j, seq.prompt_token_ids[pos + 1],
+                                                                     seq.params.prompt_logprobs))
 
     def update_text(self, seq: Sequence) -> None:
         """Extend seq.text with the new tokens' text, decoding only a short window of tokens (the

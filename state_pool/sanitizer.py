@@ -102,18 +102,52 @@ class ExpectedInputs:
                 + (pt_faults > 0).int() * PAGE_TABLE_FAULT)
 
 
-def describe_faults(bits: list[int], ran_slots: list[int], owners: list[RowOwner]) -> str:
-    """One message for the fault bits read back from ExpectedInputs.faults (rows with bits set)."""
-    parts = []
-    for row, b in enumerate(bits):
-        if not b:
-            continue
-        who = owners[row].name if row < len(owners) else f"padding row {row}"
-        what = [name for bit, name in ((SLOT_FAULT, f"Mamba slot {ran_slots[row]}"), (KV_WRITE_FAULT, "KV write rows"),
-                                       (PAGE_TABLE_FAULT, "page table")) if b & bit]
-        expected = f" (owns slot {owners[row].slot})" if row < len(owners) and b & SLOT_FAULT else ""
-        parts.append(f"{who} ran with a wrong {', '.join(what)}{expected}")
-    return "the step's index tensors as they ran differ from what the sanitizer checked: " + "; ".join(parts)
+def device_checks(expected: ExpectedInputs | None, ran: StepBatch | None,
+                  regions: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The device half, queued behind the forward (no sync): fault bits of the index tensors that ran
+    and the slots they named, and whether each must-stay-zero workspace region is still zero. For the
+    engine to read back with the step's tokens (then `read_faults`)."""
+    checks: dict[str, torch.Tensor] = {}
+    if expected is not None and ran is not None:
+        checks["input_faults"], checks["ran_slots"] = expected.faults(ran), ran.state_slot.clone()
+    if regions:
+        checks["dirty_regions"] = torch.stack([r.ne(0).any() for _, r in regions])
+    return checks
+
+
+@dataclass
+class StepFault:
+    """What the device half found in one step."""
+
+    reason: str
+    named_slots: set[int]  # slots a faulty row ran on: their owners' state may have been written
+    dirty_regions: bool  # a must-stay-zero region was not zero (clear it before the next step)
+
+
+def read_faults(checks: dict[str, list], owners: list[RowOwner], region_names: list[str]) -> StepFault | None:
+    """The device half's results, read back on the host (lists), as a StepFault; None when clean."""
+    faults = checks.get("input_faults")
+    if faults is not None and any(faults):
+        ran_slots = checks["ran_slots"]
+        parts = []
+        for row, bits in enumerate(faults):
+            if not bits:
+                continue
+            who = owners[row].name if row < len(owners) else f"padding row {row}"
+            what = [name for bit, name in ((SLOT_FAULT, f"Mamba slot {ran_slots[row]}"),
+                                           (KV_WRITE_FAULT, "KV write rows"), (PAGE_TABLE_FAULT, "page table"))
+                    if bits & bit]
+            owns = f" (owns slot {owners[row].slot})" if row < len(owners) and bits & SLOT_FAULT else ""
+            parts.append(f"{who} ran with a wrong {', '.join(what)}{owns}")
+        named = {ran_slots[r] for r, bits in enumerate(faults) if bits & SLOT_FAULT}
+        return StepFault("the step's index tensors as they ran differ from what the sanitizer checked: "
+                         + "; ".join(parts), named, False)
+    dirty = checks.get("dirty_regions")
+    if dirty is not None and any(dirty):
+        names = [n for n, d in zip(region_names, dirty) if d]
+        return StepFault(f"attention workspace regions that must stay zero were not zero after the step: {names}",
+                         set(), True)
+    return None
 
 
 def check_batch(batch: StepBatch, pool, page_allocator, page_size: int, owners: list[RowOwner],
