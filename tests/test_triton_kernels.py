@@ -197,47 +197,6 @@ def test_conv_state_update_multi_token_and_intermediate():
     _check_untouched(before, conv_state, slots)
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_fused_conv_ssm_update(state_dtype):
-    H, P, N, G, K = 4, 16, 16, 2, 4
-    CD = H * P + 2 * G * N
-    slots = [0, PAD, 5]
-    batch = len(slots)
-    g = torch.Generator().manual_seed(13)
-    xBC = torch.randn(batch, CD, generator=g)
-    dt = torch.randn(batch, H, generator=g)
-    A = -torch.exp(torch.rand(H, generator=g) * 2)
-    D = torch.randn(H, generator=g)
-    dt_bias = torch.randn(H, generator=g) * 0.5
-    conv_state = torch.randn(NUM_SLOTS + 1, CD, K - 1, generator=g)
-    weight = torch.randn(CD, K, generator=g) * 0.5
-    cbias = torch.randn(CD, generator=g)
-    ssm_state = torch.randn(NUM_SLOTS + 1, H, P, N, generator=g).to(state_dtype)
-    idx = torch.tensor(slots)
-    ws = tm.fused_workspace(batch, G, "cpu")
-    conv_before, ssm_before = conv_state.clone(), ssm_state.clone()
-    got = tm.fused_conv_ssm_update(xBC, dt, conv_state, weight, cbias, ssm_state, A, D, dt_bias, idx,
-                                   num_heads=H, head_dim=P, n_groups=G, workspace=ws, block_p=8)
-    assert torch.equal(ws, torch.zeros_like(ws)), "the counters must be left at zero"
-    rows = torch.tensor([0, 2])
-    ref_conv, ref_ssm = conv_before.clone(), ssm_before.float().clone()
-    xbc = mamba_torch.conv_decode(xBC[rows], ref_conv, idx[rows], weight, cbias)
-    x, B, C = torch.split(xbc, [H * P, G * N, G * N], dim=-1)
-    ref_y = mamba_torch.ssm_decode(x.reshape(2, H, P), dt[rows], A, B.reshape(2, G, N), C.reshape(2, G, N), D,
-                                   dt_bias, ref_ssm, idx[rows])
-    tol = _tol(state_dtype)
-    assert not torch.isnan(got).any()
-    torch.testing.assert_close(got[rows], ref_y, **tol)
-    conv_full, ssm_full = conv_before.clone(), ssm_before.float().clone()
-    xbc = mamba_torch.conv_decode(xBC, conv_full, idx, weight, cbias)
-    x, B, C = torch.split(xbc, [H * P, G * N, G * N], dim=-1)
-    full_y = mamba_torch.ssm_decode(x.reshape(3, H, P), dt, A, B.reshape(3, G, N), C.reshape(3, G, N), D,
-                                    dt_bias, ssm_full, idx)
-    torch.testing.assert_close(got, full_y, **tol)
-    assert torch.equal(conv_state, ref_conv), "conv history (every slot) must match exactly"
-    torch.testing.assert_close(ssm_state.float()[idx[rows]], ref_ssm[idx[rows]].to(state_dtype).float(), **tol)
-    _check_untouched(ssm_before, ssm_state, slots)
-
 
 def test_import_without_triton_is_guarded():
     assert tm.is_available()

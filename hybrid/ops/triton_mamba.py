@@ -1,4 +1,4 @@
-"""Triton decode kernels for the Mamba2 mixer: conv window update, selective state update, and both fused.
+"""Triton kernels for the Mamba2 mixer: conv window update, selective state update, conv prefill.
 
 Semantics are those of `hybrid.ops.mamba_torch.conv_decode` / `ssm_decode` (decode path: no dt clamp),
 with all arithmetic in fp32 whatever the storage dtypes, and with padding rows skipped:
@@ -21,10 +21,6 @@ with all arithmetic in fp32 whatever the storage dtypes, and with padding rows s
       x [L, C] rows (any row stride); as mamba_torch.conv_prefill: returns silu(conv) [L, C]
       (contiguous, x's dtype) over [slot history | x] (zero history for a first chunk) and stores the
       last K-1 inputs as the slot's new history. Token-major all the way: no transposes.
-- `fused_conv_ssm_update(xBC, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias,
-      state_indices, num_heads=, head_dim=, n_groups=)`: one token per request, one kernel:
-      conv window update + silu + split into x / B / C + state update. xBC [b, conv_dim] is the raw
-      (pre-conv) in_proj slice, conv_dim = H*P + 2*G*N in the order x, B, C.
 
 Padding: rows whose state index is < 0 (PAD_SLOT_ID) write no state and no scratch row; like the
 torch reference they compute their output from a zero state / zero conv history (never a slot's).
@@ -38,11 +34,8 @@ Kernel design (memory bound: each state element is read once and written once):
   64: BLOCK_P 8 -> 1024 programs), larger batches use larger tiles (fewer, longer programs).
 - conv update grid (cdiv(C, BLOCK_C), b): the window [C, K] is a 2-D register tile, gathered from
   the slot's K-1 history columns and the new token(s).
-- fused: the state-update grid; each program also computes the conv of its BLOCK_P x channels
-  (which it owns: it updates their conv history) and of its group's B and C channels (shared by all
-  programs of the group). The B/C history is written only by the last program of the (row, group)
-  to finish, found with an atomic counter in a small int32 workspace that the last program resets
-  to zero (so it is CUDA-graph safe); every program has read the old history before it counts in.
+- a fused conv + state-update kernel was measured slower than these two launches (the per-group
+  B/C conv recomputed by every head-block program; BENCHMARKS.md) and was removed.
 
 Triton is imported guarded (hybrid/ops/triton_guard.py): importing this module without triton works;
 calling a kernel raises.
@@ -256,86 +249,6 @@ if HAS_TRITON:
         tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * s_o + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask_t[:, None] & mask_c[None, :])
 
-    @triton.jit
-    def _fused_conv_ssm_kernel(
-        xbc_ptr, dt_ptr, cs_ptr, w_ptr, cbias_ptr, state_ptr, A_ptr, D_ptr, dt_bias_ptr, out_ptr, idx_ptr,
-        counter_ptr,
-        P, N, G, heads_per_group, num_pblocks,
-        s_xbc_b, s_dt_b, s_dt_h,
-        s_cs_slot, s_cs_c, s_cs_k, s_w_c,
-        s_st_slot, s_st_h, s_st_p,
-        s_o_b, s_o_h,
-        X_CH: tl.constexpr,  # H * P: the first x channel of B is X_CH, of C is X_CH + G * N
-        K: tl.constexpr, KP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_CBIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    ):
-        pid_p = tl.program_id(0)
-        h = tl.program_id(1)
-        b = tl.program_id(2)
-        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        offs_n = tl.arange(0, BLOCK_N)
-        mask_p = offs_p < P
-        mask_n = offs_n < N
-        mask = mask_p[:, None] & mask_n[None, :]
-        cols = tl.arange(0, KP)
-        out_base = out_ptr + b.to(tl.int64) * s_o_b + h * s_o_h + offs_p
-        slot = tl.load(idx_ptr + b).to(tl.int64)
-        valid = slot >= 0  # padding row: zero conv history and state in, nothing stored
-        slot = tl.maximum(slot, 0)
-        # The state tile first: the longest load, independent of the conv.
-        st_ptrs = state_ptr + slot * s_st_slot + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :]
-        state = tl.load(st_ptrs, mask=mask & valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
-
-        g = h // heads_per_group
-        cs_row = cs_ptr + slot * s_cs_slot
-        x_row = xbc_ptr + b.to(tl.int64) * s_xbc_b
-        # x channels of this program (owned: their history is updated here).
-        cx = h * P + offs_p
-        x = _conv_window_out(cs_row, x_row, w_ptr, cbias_ptr, cx, mask_p, 0, s_cs_c, s_cs_k, 0, s_w_c, valid,
-                             K, KP, HAS_CBIAS, True)
-        new_x = _ext_tile(cs_row, x_row, cx, mask_p, 1, s_cs_c, s_cs_k, 0, valid, K, KP, K - 1)
-        # B and C channels of the group (shared by the group's programs).
-        cb = X_CH + g * N + offs_n
-        cc = X_CH + G * N + g * N + offs_n
-        Bv = _conv_window_out(cs_row, x_row, w_ptr, cbias_ptr, cb, mask_n, 0, s_cs_c, s_cs_k, 0, s_w_c, valid,
-                              K, KP, HAS_CBIAS, True)
-        Cv = _conv_window_out(cs_row, x_row, w_ptr, cbias_ptr, cc, mask_n, 0, s_cs_c, s_cs_k, 0, s_w_c, valid,
-                              K, KP, HAS_CBIAS, True)
-        # Round to the activation dtype as conv_decode's output is, so fused == conv -> ssm.
-        x = x.to(xbc_ptr.dtype.element_ty).to(tl.float32)
-        Bv = Bv.to(xbc_ptr.dtype.element_ty).to(tl.float32)
-        Cv = Cv.to(xbc_ptr.dtype.element_ty).to(tl.float32)
-        kmask = (cols < K - 1)[None, :]
-        tl.debug_barrier()  # all threads of this program have read the old history
-        tl.store(cs_row + cx[:, None] * s_cs_c + cols[None, :] * s_cs_k, new_x.to(cs_ptr.dtype.element_ty),
-                 mask=mask_p[:, None] & kmask & valid)
-        if valid:
-            # Count this program in; the last of the (row, group) writes the B/C history and resets the count.
-            done = tl.atomic_add(counter_ptr + b * G + g, 1, sem="acq_rel")
-            if done == heads_per_group * num_pblocks - 1:
-                new_b = _ext_tile(cs_row, x_row, cb, mask_n, 1, s_cs_c, s_cs_k, 0, valid, K, KP, K - 1)
-                new_c = _ext_tile(cs_row, x_row, cc, mask_n, 1, s_cs_c, s_cs_k, 0, valid, K, KP, K - 1)
-                tl.debug_barrier()
-                tl.store(cs_row + cb[:, None] * s_cs_c + cols[None, :] * s_cs_k, new_b.to(cs_ptr.dtype.element_ty),
-                         mask=mask_n[:, None] & kmask)
-                tl.store(cs_row + cc[:, None] * s_cs_c + cols[None, :] * s_cs_k, new_c.to(cs_ptr.dtype.element_ty),
-                         mask=mask_n[:, None] & kmask)
-                tl.atomic_xchg(counter_ptr + b * G + g, 0)
-
-        A = tl.load(A_ptr + h).to(tl.float32)
-        dt = tl.load(dt_ptr + b.to(tl.int64) * s_dt_b + h * s_dt_h).to(tl.float32)
-        if HAS_DT_BIAS:
-            dt = dt + tl.load(dt_bias_ptr + h).to(tl.float32)
-        dt = _softplus(dt)
-        dA = tl.exp(dt * A)
-        dB = Bv * dt
-        state = state * dA + x[:, None] * dB[None, :]
-        tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask & valid, eviction_policy="evict_first")
-        y = tl.sum(state * Cv[None, :], axis=1)
-        if HAS_D:
-            y = y + x * tl.load(D_ptr + h).to(tl.float32)
-        tl.store(out_base, y.to(out_ptr.dtype.element_ty), mask=mask_p)
-
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
@@ -518,70 +431,4 @@ def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int, has_initi
     else:
         old = history if has_initial_state else torch.zeros_like(history)
         conv_state[slot] = torch.cat([old, x.t().to(old.dtype)], dim=-1)[:, -width:]
-    return out
-
-
-_WORKSPACES: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def fused_workspace(max_batch: int, n_groups: int, device: torch.device | str) -> torch.Tensor:
-    """The zeroed int32 counters the fused kernel needs ([max_batch * n_groups]); it leaves them zero.
-    Allocate once (before CUDA-graph capture) and pass as `workspace`, or let the wrapper cache one."""
-    return torch.zeros(max_batch * n_groups, dtype=torch.int32, device=device)
-
-
-def fused_conv_ssm_update(xBC: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-                          conv_bias: torch.Tensor | None, ssm_state: torch.Tensor, A: torch.Tensor,
-                          D: torch.Tensor | None, dt_bias: torch.Tensor | None, state_indices: torch.Tensor, *,
-                          num_heads: int, head_dim: int, n_groups: int, out: torch.Tensor | None = None,
-                          workspace: torch.Tensor | None = None, block_p: int | None = None,
-                          num_warps: int | None = None) -> torch.Tensor:
-    """One decode token per request in one kernel: conv window update + silu of xBC [b, conv_dim]
-    (channels x [H*P], B [G*N], C [G*N]), then the state update. Returns y [b, H, P].
-
-    Equivalent to conv_decode -> split -> ssm_decode: the conv output is rounded to xBC's dtype
-    before the state update, exactly as conv_decode returns it, so this matches conv_state_update
-    followed by selective_state_update. `workspace`: see fused_workspace (cached per
-    device when omitted: then do not let the first call happen inside a CUDA-graph capture).
-    """
-    require(__name__)
-    batch, CD = xBC.shape
-    H, P, G = num_heads, head_dim, n_groups
-    N = ssm_state.shape[-1]
-    K = conv_weight.shape[-1]
-    assert CD == H * P + 2 * G * N, (CD, H, P, G, N)
-    assert ssm_state.shape[1:] == (H, P, N) and ssm_state.stride(-1) == 1
-    assert conv_state.shape[1:] == (CD, K - 1) and conv_weight.shape == (CD, K)
-    assert dt.shape == (batch, H) and state_indices.shape == (batch,)
-    xBC = _last_contig(xBC)
-    idx = _indices(state_indices)
-    if workspace is None:
-        key = (xBC.device.type, xBC.device.index)
-        ws = _WORKSPACES.get(key)
-        if ws is None or ws.numel() < batch * G:
-            ws = fused_workspace(max(batch, 256), G, xBC.device)
-            _WORKSPACES[key] = ws
-        workspace = ws
-    assert workspace.dtype == torch.int32 and workspace.numel() >= batch * G
-    if out is None:
-        out = torch.empty(batch, H, P, dtype=xBC.dtype, device=xBC.device)
-    assert out.shape == (batch, H, P) and out.stride(-1) == 1
-    bp_default, nw_default = default_ssm_config(batch, H, P, N, ssm_state.dtype, ssm_state.device)
-    bp = block_p or bp_default
-    nw = num_warps or nw_default
-    npb = triton_cdiv(P, bp)
-    A = A.contiguous()
-    _fused_conv_ssm_kernel[(npb, H, batch)](
-        xBC, dt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state, A,
-        D.contiguous() if D is not None else A, dt_bias.contiguous() if dt_bias is not None else A,
-        out, idx, workspace,
-        P, N, G, H // G, npb,
-        xBC.stride(0), dt.stride(0), dt.stride(1),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), conv_weight.stride(0),
-        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
-        out.stride(0), out.stride(1),
-        X_CH=H * P, K=K, KP=_next_pow2(K), BLOCK_P=bp, BLOCK_N=_next_pow2(N),
-        HAS_CBIAS=conv_bias is not None, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
-        num_warps=nw,
-    )
     return out
