@@ -22,6 +22,7 @@ from attention.kv_cache import DUMMY_PAGE
 from graphs.padding import (
     bucket_for, default_capture_sizes, is_plain_decode, pad_decode_batch, padding_batch, padding_row,
 )
+from state_pool.util import cdiv
 
 if TYPE_CHECKING:
     from state_pool.step_batch import StepBatch
@@ -118,7 +119,7 @@ class ModelRunner:
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
         device = self._device()
-        max_pages = -(-self.max_model_len // self.page_size)
+        max_pages = cdiv(self.max_model_len, self.page_size)
         self.buffers = _Buffers(max(self.capture_sizes), max_pages, self.page_size, device)
         self.pool = torch.cuda.graph_pool_handle()
         sizes = sorted(self.capture_sizes, reverse=True)  # largest first: smaller ones reuse its pool

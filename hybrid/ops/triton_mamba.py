@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.ops.triton_guard import HAS_TRITON, require, tl, triton
+from state_pool.util import cdiv
 
 PAD_SLOT_ID = -1
 
@@ -267,16 +268,12 @@ def default_ssm_config(batch: int, heads: int, head_dim: int, state_size: int, s
     bn = _next_pow2(state_size)
     elt = torch.empty((), dtype=state_dtype).element_size()
     bp = min(_next_pow2(head_dim), max(1, 16384 // (bn * elt)))
-    while bp > 1 and batch * heads * triton_cdiv(head_dim, bp) < 4 * sms:
+    while bp > 1 and batch * heads * cdiv(head_dim, bp) < 4 * sms:
         bp //= 2
     bp = max(bp, 1)
     tile = bp * bn
     num_warps = 8 if tile >= 4096 else (4 if tile >= 1024 else 2)
     return bp, num_warps
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def _indices(state_indices: torch.Tensor) -> torch.Tensor:
@@ -333,7 +330,7 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     bp_default, nw_default = default_ssm_config(batch, H, P, N, state.dtype, state.device)
     bp = block_p or bp_default
     nw = num_warps or nw_default
-    grid = (triton_cdiv(P, bp), H, batch)
+    grid = (cdiv(P, bp), H, batch)
     _ssm_update_kernel[grid](
         state, x, dt, A, B, C,
         D.contiguous() if D is not None else A, dt_bias.contiguous() if dt_bias is not None else A,
@@ -390,7 +387,7 @@ def conv_state_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
         inter = conv_state
         inter_strides = (0, 0, 0, 0)
     ii = _indices(intermediate_indices) if intermediate_indices is not None else idx
-    grid = (triton_cdiv(CD, block_c), batch)
+    grid = (cdiv(CD, block_c), batch)
     _conv_update_kernel[grid](
         x, conv_state, weight, bias if bias is not None else weight, out, idx, inter, ii,
         T, CD,
@@ -419,7 +416,7 @@ def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int, has_initi
     out = torch.empty(L, CD, dtype=x.dtype, device=x.device)
     history = conv_state[slot]  # [C, K-1]
     if L:
-        _conv_prefill_kernel[(triton_cdiv(L, block_l), triton_cdiv(CD, block_c))](
+        _conv_prefill_kernel[(cdiv(L, block_l), cdiv(CD, block_c))](
             x, history, weight, bias if bias is not None else weight, out, L, CD,
             x.stride(0), out.stride(0), history.stride(0), history.stride(1), weight.stride(0),
             K=K, BLOCK_L=block_l, BLOCK_C=block_c, HAS_HIST=has_initial_state, HAS_BIAS=bias is not None,

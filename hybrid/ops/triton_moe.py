@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.ops.triton_guard import HAS_TRITON, require, tl, triton
+from state_pool.util import cdiv
 
 NAIVE_MAX_PAIRS = 32
 TRITON_ALIGN_MAX_PAIRS = 4096
@@ -42,7 +43,7 @@ def is_available() -> bool:
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    return -(-num_pairs // block_m) + min(num_experts, num_pairs)
+    return cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
 def align_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int
@@ -330,11 +331,11 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_dt
         return route(logits, top_k, sigmoid=sigmoid, bias=bias, normalize=normalize, scale=scale,
                      num_shared=num_shared)
     assert x.stride(1) == 1 and weight.stride(1) == 1 and top_k <= E
-    k_blocks = triton.cdiv(H, _ROUTER_BLOCK_K)
-    k_per_split = triton.cdiv(k_blocks, _ROUTER_SPLITS) * _ROUTER_BLOCK_K
-    splits = triton.cdiv(H, k_per_split)
+    k_blocks = cdiv(H, _ROUTER_BLOCK_K)
+    k_per_split = cdiv(k_blocks, _ROUTER_SPLITS) * _ROUTER_BLOCK_K
+    splits = cdiv(H, k_per_split)
     partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
-    _router_partial_kernel[(T, triton.cdiv(E, _ROUTER_BLOCK_E), splits)](
+    _router_partial_kernel[(T, cdiv(E, _ROUTER_BLOCK_E), splits)](
         x, weight, partial, T, E, H, x.stride(0), weight.stride(0), k_per_split,
         BLOCK_E=_ROUTER_BLOCK_E, BLOCK_K=_ROUTER_BLOCK_K, num_warps=4)
     return _route_rows(partial, E, T * E, splits, _ROUND[logits_dtype], T, E, top_k, sigmoid=sigmoid, bias=bias,
@@ -409,10 +410,10 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
     n_out = out.shape[1]
     nb = block_expert.shape[0]
     if narrow:  # (32: the narrowest tile measured on the H200, bench/bench_moe_kernels.py)
-        while bn > 32 and nb * triton.cdiv(n_out, bn) < 2 * _num_sms(a.device):
+        while bn > 32 and nb * cdiv(n_out, bn) < 2 * _num_sms(a.device):
             bn //= 2
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
-    _moe_gemm_kernel[(nb * triton.cdiv(n_out, bn),)](
+    _moe_gemm_kernel[(nb * cdiv(n_out, bn),)](
         a, w, s_t, out, weights if weights is not None else out, pairs, block_expert, total,
         n_out, a.shape[1], out.shape[0], a_div, nb, w.shape[0], a.stride(0), w.stride(0), w.stride(1),
         s_sn, s_se, s_up, out.stride(0),
@@ -476,6 +477,6 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     if add is not None:
         assert add.shape == (T, H) and add.stride(1) == 1 and add.stride(0) == H
     block = min(1024, triton.next_power_of_2(H))
-    _sum_k_kernel[(T, triton.cdiv(H, block))](y, add if add is not None else y, out, H, TOP_K=top_k,
+    _sum_k_kernel[(T, cdiv(H, block))](y, add if add is not None else y, out, H, TOP_K=top_k,
                                               HAS_ADD=add is not None, BLOCK=block, num_warps=4)
     return out
