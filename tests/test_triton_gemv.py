@@ -1,0 +1,50 @@
+"""The decode-sized Triton linear (hybrid/ops/triton_gemv.py) against torch, on CPU through Triton's
+interpreter (see tests/test_triton_kernels.py for why the interpreter is switched on here only)."""
+import os
+import sys
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CPU interpreter tests: run in their own process with TRITON_INTERPRET=1", allow_module_level=True)
+
+from hybrid.ops.triton_gemv import MAX_ROWS, small_m_linear  # noqa: E402
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n,k,block_n,block_k", [(40, 96, 16, 32), (64, 100, 32, 64), (17, 33, 16, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_torch(m, n, k, block_n, block_k, bias):
+    """Ragged N and K (masked tails), every row count up to the tile height, with and without bias."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    got = small_m_linear(x, w, b, block_n=block_n, block_k=block_k)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_strided_rows_and_out_buffer():
+    """x may be a row-strided view (a slice of a wider activation); `out` is written in place."""
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(4, 80, generator=g)
+    x = wide[:, :48]
+    w = torch.randn(32, 48, generator=g)
+    out = torch.full((4, 32), float("nan"))
+    assert small_m_linear(x, w, out=out, block_n=16, block_k=32) is out
+    torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_refuses_what_it_does_not_handle():
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        small_m_linear(torch.zeros(MAX_ROWS + 1, 8), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="shapes/strides"):
+        small_m_linear(torch.zeros(2, 8), torch.zeros(4, 6))
