@@ -118,6 +118,7 @@ class EngineConfig:
     fused_ops: bool = False
     async_scheduling: bool = False
     check_weights: bool = False
+    tensor_parallel_size: int = 1  # > 1: the model sharded over that many processes (hybrid/parallel/)
     cache: CacheConfig = CacheConfig()
 
     @property
@@ -164,6 +165,7 @@ def engine_config(
     prefix_cache_entries: int | None = None,
     prefix_cache_interval: int = 0,
     check_weights: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> EngineConfig:
     """The EngineConfig for LLM's arguments (the same keywords and defaults; see LLM and README),
     validated: ConfigurationError names the first bad argument."""
@@ -174,6 +176,7 @@ def engine_config(
     _check_int("num_kv_pages", num_kv_pages, 2, optional=True)  # page 0 is the reserved dummy page
     _check_int("prefix_cache_entries", prefix_cache_entries, 0, optional=True)
     _check_int("prefix_cache_interval", prefix_cache_interval, 0)
+    _check_int("tensor_parallel_size", tensor_parallel_size, 1)
     if not isinstance(seed, int) or isinstance(seed, bool):  # any int (reduced as sampling seeds are)
         raise ConfigurationError(f"seed must be an integer, got {seed!r}")
     if not isinstance(gpu_memory_utilization, (int, float)) or not 0.0 < gpu_memory_utilization <= 1.0:
@@ -201,6 +204,12 @@ def engine_config(
         fused_ops = device.type == "cuda" and _fused_kernels_available()
     if async_scheduling is None:  # on CPU every op runs synchronously anyway: nothing to overlap
         async_scheduling = device.type == "cuda"
+    if tensor_parallel_size > 1:
+        if device.type == "cuda" and (device.index or 0) + tensor_parallel_size > torch.cuda.device_count():
+            raise ConfigurationError(f"tensor_parallel_size={tensor_parallel_size} needs that many GPUs from "
+                                     f"{device}; this machine has {torch.cuda.device_count()}")
+        # the workers get each batch from the host: decode inputs cannot come from the device's last step
+        async_scheduling = False
     cache = CacheConfig(page_size=page_size, num_kv_pages=num_kv_pages, mamba_ssm_dtype=ssm_dtype,
                         gpu_memory_utilization=float(gpu_memory_utilization),
                         enable_prefix_caching=bool(enable_prefix_caching), prefix_cache_entries=prefix_cache_entries,
@@ -211,7 +220,8 @@ def engine_config(
         enforce_eager=bool(enforce_eager), speculative=spec, check_state=bool(check_state),
         cuda_graph_sizes=cuda_graph_sizes, mamba_decode_kernels=mamba_decode_kernels, fused_ops=bool(fused_ops),
         # drafts need the latest tokens on the host, so speculation runs synchronously
-        async_scheduling=bool(async_scheduling) and spec is None, check_weights=bool(check_weights), cache=cache)
+        async_scheduling=bool(async_scheduling) and spec is None, check_weights=bool(check_weights),
+        tensor_parallel_size=tensor_parallel_size, cache=cache)
 
 
 def _fused_kernels_available() -> bool:

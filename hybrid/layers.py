@@ -86,6 +86,9 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = Linear(inner, hidden_size, cfg.proj_bias)
         self.kernels = None  # set by the model when GPU kernels are in use
         self.fused = False  # gated norm as one Triton launch (see use_fused_ops)
+        # Tensor parallelism with groups wider than a rank's channels: maps the local mean of squares
+        # [T, G, 1] to the whole group's (hybrid/parallel/layers.py GroupNormStats); None: local is whole
+        self.norm_stats = None
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The SSM output gated by silu(z) and RMS-normalised per group of inner/G channels, in fp32,
@@ -95,13 +98,16 @@ class Mamba2Mixer(nn.Module):
         if cfg.gate == GATE_ONLY:
             return (y.float() * F.silu(z.float())).to(z.dtype)
         if cfg.gate == GATE_THEN_NORM:
-            if self.fused:
+            if self.fused and self.norm_stats is None:
                 return triton_norm.gated_rms_norm(y.contiguous(), z, self.norm_weight, cfg.norm_eps, cfg.n_groups)
             h = y.float() * F.silu(z.float())
         else:
             h = y.float()
         h = h.view(h.shape[0], cfg.n_groups, -1)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+        mean_sq = h.pow(2).mean(-1, keepdim=True)
+        if self.norm_stats is not None:
+            mean_sq = self.norm_stats(mean_sq)
+        h = h * torch.rsqrt(mean_sq + cfg.norm_eps)
         h = h.view(h.shape[0], -1)
         if cfg.gate == GATE_THEN_NORM:
             return self.norm_weight * h.to(self.norm_weight.dtype)

@@ -63,6 +63,7 @@ class LLM:
         prefix_cache_entries: int | None = None,  # cached prefixes (each a Mamba slot); None: max_num_seqs
         prefix_cache_interval: int = 0,  # also cache every this many prompt tokens (0: each prompt's end only)
         check_weights: bool = False,  # refuse a checkpoint whose weights hold NaN/Inf (see loader.load_model)
+        tensor_parallel_size: int = 1,  # > 1: the model sharded over that many processes (hybrid/parallel/)
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
         # engine_config takes the same keywords: the one place they are checked and resolved.
@@ -74,7 +75,7 @@ class LLM:
             cuda_graph_sizes=cuda_graph_sizes, mamba_decode_kernels=mamba_decode_kernels, fused_ops=fused_ops,
             async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
             prefix_cache_entries=prefix_cache_entries, prefix_cache_interval=prefix_cache_interval,
-            check_weights=check_weights))
+            check_weights=check_weights, tensor_parallel_size=tensor_parallel_size))
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":
@@ -103,9 +104,22 @@ class LLM:
             self.tokenizer = Tokenizer(self.model_dir, cfg.eos_token_ids)
         eos = set(cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
 
-        self.model = load_model(self.model_dir, cfg, self.device, self.dtype, progress=self.device.type == "cuda",
-                                check_finite=config.check_weights)
-        m = cfg.mamba
+        # tensor parallelism: the workers are spawned and load their shards while rank 0 (here) loads its
+        # own; `local` is the config of one rank's shard (its heads, groups, widths)
+        self.parallel = local = None
+        if config.tensor_parallel_size > 1:
+            from hybrid.parallel.driver import TensorParallel
+
+            self.parallel = TensorParallel(config, self.model_dir, cfg)
+            local = self.parallel.local_cfg
+            self.model = self.parallel.load_model(load_model, self.model_dir, cfg, self.device, self.dtype,
+                                                  progress=self.device.type == "cuda",
+                                                  check_finite=config.check_weights)
+        else:
+            self.model = load_model(self.model_dir, cfg, self.device, self.dtype, progress=self.device.type == "cuda",
+                                    check_finite=config.check_weights)
+        local = local or cfg
+        m = local.mamba
         shapes = StateShapes(len(cfg.mamba_layers), m.conv_dim, m.conv_kernel - 1, m.num_heads, m.head_dim, m.state_size)
         if config.fused_ops:
             use_fused_ops(self.model)
@@ -126,14 +140,17 @@ class LLM:
                 logger.warning("mamba-ssm / causal-conv1d not importable: Mamba layers use the torch path")
 
             def plan_fn(trial: EngineSizes, probe_len: int):
-                return plan_memory(
-                    self.model, cfg, device=self.device, gpu_memory_utilization=cache.gpu_memory_utilization,
+                kwargs = dict(
+                    gpu_memory_utilization=cache.gpu_memory_utilization,
                     max_num_seqs=trial.max_num_seqs, max_model_len=probe_len,
                     max_num_batched_tokens=trial.max_num_batched_tokens, page_size=page_size, kv_dtype=self.dtype,
-                    conv_dtype=self.dtype, ssm_dtype=self.ssm_dtype, attention_backend=backend,
+                    conv_dtype=self.dtype, ssm_dtype=self.ssm_dtype,
                     num_kv_pages=num_kv_pages, use_graphs=not config.enforce_eager,
                     extra_state_slots=cache.prefix_cache_slots(trial.max_num_seqs), num_speculative_tokens=num_spec,
                     cuda_graph_sizes=config.cuda_graph_sizes)
+                if self.parallel is not None:  # the workers profile their shards in step (same collectives)
+                    self.parallel.broadcast(("plan", kwargs))
+                return plan_memory(self.model, local, device=self.device, attention_backend=backend, **kwargs)
 
             sizes, plan, capped = plan_cuda_sizes(
                 plan_fn, sizes, max_position_embeddings=cfg.max_position_embeddings, page_size=page_size,
@@ -165,7 +182,7 @@ class LLM:
         self.engine_config = config = config.with_sizes(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, num_kv_pages=num_kv_pages)
-        a = cfg.attention
+        a = local.attention
         self.kv_cache = PagedKVCache(len(cfg.attention_layers), num_kv_pages, page_size, a.num_kv_heads, a.head_dim,
                                      self.device, self.dtype)
         logger.info(
@@ -177,12 +194,30 @@ class LLM:
             f"{num_kv_pages - 1} pages x {page_size} tokens = {(num_kv_pages - 1) * page_size} tokens"
             if cfg.attention_layers else "none (no attention layers)")
         ctx = ForwardContext(self.state_pool, self.kv_cache, backend)
-        self.runner = ModelRunner(self.model, ctx, enforce_eager=config.enforce_eager or self.device.type != "cuda",
+        enforce_eager = config.enforce_eager or self.device.type != "cuda"
+        if self.parallel is not None:  # the workers build the same pool, cache and runner on their shards
+            self.parallel.instrument(self.state_pool, self.kv_cache)
+            self.parallel.setup_workers(self._worker_setup(num_kv_pages, enforce_eager))
+        self.runner = ModelRunner(self.model, ctx, enforce_eager=enforce_eager,
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, page_size=page_size,
                                   cuda_graph_sizes=config.cuda_graph_sizes)
+        if self.parallel is not None:
+            self.parallel.wait_ready()
+            self.runner = self.parallel.wrap_runner(self.runner)
         self.engine = Engine(self.runner, self.state_pool, self.kv_cache, config, vocab_size=cfg.vocab_size,
                              eos_token_ids=eos, tokenizer=self.tokenizer)
         self._ids = itertools.count()
+
+    def _worker_setup(self, num_kv_pages: int, enforce_eager: bool):
+        """The settled sizes the tensor-parallel workers build their state pool, cache and runner with."""
+        from hybrid.parallel.protocol import SetupSpec
+
+        pool, c = self.state_pool, self.engine_config
+        scratch = None if pool.spec_conv is None else (pool.spec_conv.shape[1], pool.spec_conv.shape[2])
+        return SetupSpec(num_slots=pool.num_slots, conv_dtype=pool.conv_state.dtype, ssm_dtype=pool.ssm_state.dtype,
+                         spec_scratch=scratch, num_kv_pages=num_kv_pages, page_size=self.kv_cache.page_size,
+                         max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, enforce_eager=enforce_eager,
+                         cuda_graph_sizes=c.cuda_graph_sizes)
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

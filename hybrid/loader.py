@@ -214,8 +214,12 @@ def _zamba2_plan(cfg: ModelConfig) -> dict[str, Source]:
     return plan
 
 
-def _apply_row_scale(tensor: torch.Tensor, runs: tuple[tuple[int, float], ...]) -> torch.Tensor:
-    scale = torch.cat([torch.full((n,), v, dtype=torch.float32) for n, v in runs]).to(tensor.device)
+def _apply_row_scale(tensor: torch.Tensor, runs: tuple[tuple[int, float], ...], cut=None) -> torch.Tensor:
+    """`cut`: a tensor-parallel shard along rows (dim 0) takes its rows' multipliers."""
+    scale = torch.cat([torch.full((n,), v, dtype=torch.float32) for n, v in runs])
+    if cut is not None and cut.dim == 0:
+        scale = torch.cat([scale[a:b] for a, b in cut.ranges])
+    scale = scale.to(tensor.device)
     if scale.shape[0] != tensor.shape[0]:
         raise AssertionError(f"row multipliers for {scale.shape[0]} rows, tensor has {tensor.shape[0]}")
     return tensor.float() * scale.view(-1, *([1] * (tensor.dim() - 1)))
@@ -294,16 +298,39 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _FP32_PARAMS = re.compile(r"mixer\.router_(weight|bias)$")
 
 
+def _read_cut(info, how: str, cut, offset: int, rows: int) -> torch.Tensor:
+    """A tensor-parallel shard of one on-disk part (a safetensors slice: only those bytes are read).
+    `cut` is in the assembled parameter's coordinates; this part is its rows [offset, offset + rows)
+    for "concat", one entry of the leading (expert) dim for "stack"."""
+    dim = cut.dim - 1 if how == "stack" else cut.dim
+    ranges = cut.ranges
+    if how == "concat" and cut.dim == 0:  # the cut's rows that fall in this part, shifted to it
+        ranges = [(max(a, offset) - offset, min(b, offset + rows) - offset) for a, b in ranges
+                  if min(b, offset + rows) > max(a, offset)]
+    index = [slice(None)] * dim
+    pieces = [info[tuple(index + [slice(a, b)])] for a, b in ranges if b > a]
+    if not pieces:  # a part with none of this rank's rows (vocab padding, a concat part)
+        return info[tuple(index + [slice(0, 0)])]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
 def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               progress: bool = False, check_finite: bool = False) -> HybridModel:
+               progress: bool = False, check_finite: bool = False, shard=None) -> HybridModel:
     """The model with every parameter loaded from the checkpoint. CheckpointError, naming the file
     and the tensor, for a missing, unexpected, mis-shaped or non-float tensor or a broken file.
     `check_finite`: also refuse a tensor holding NaN or Inf, as loaded (one isfinite reduction per
     tensor on the load device; its startup cost on an 8B model was not measured here, having no GPU).
     Without it a non-finite weight is still caught when it reaches the logits (the engine fails
-    the request; see Engine._finish_step)."""
+    the request; see Engine._finish_step).
+    `shard` (tensor parallelism, hybrid/parallel/shard_model.py): builds the rank's model
+    (`build()`), gives each parameter's full shape and Cut; each tensor is then read as that rank's
+    slice only. None: the whole model, as always."""
     quant = read_quant_config(model_dir, cfg.raw)  # None: not a quantized checkpoint
-    model = HybridModel(cfg)
+    if shard is not None and quant is not None:
+        from hybrid.errors import ConfigurationError
+
+        raise ConfigurationError("tensor parallelism does not load quantized (FP8) checkpoints yet")
+    model = HybridModel(cfg) if shard is None else shard.build()
     plan = tensor_plan(cfg)
     params = dict(model.named_parameters())
     if set(plan) != set(params):  # a bug in the plan, not in the checkpoint
@@ -371,8 +398,11 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
     fp8_parts = []  # (param, source, fp8 parts) of the projections that become Fp8Linear
     for pname, src in items:
         target = params[pname]
-        shapes = _disk_shapes(src.how, target.shape, len(src.disk_names), src.rows)
+        full = target.shape if shard is None else shard.full_shape(pname)
+        cut = None if shard is None else shard.cut(pname)
+        shapes = _disk_shapes(src.how, full, len(src.disk_names), src.rows)
         parts = []
+        offset = 0  # "concat": the first row of this part in the assembled tensor
         for disk_name, shape in zip(src.disk_names, shapes):
             where = os.path.basename(files[disk_name])
             try:
@@ -393,7 +423,11 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
                                          " or FP8 with their scales in a quantized checkpoint (no quantization_config "
                                          "in config.json, no hf_quant_config.json)" if qplan is None else
                                          "; FP8 weights must be float8_e4m3fn (F8_E4M3)"))
-            part = read(disk_name)
+            if cut is None:
+                part = read(disk_name)
+            else:
+                part = _read_cut(info, src.how, cut, offset, shape[0]).to(device)
+            offset += shape[0]
             if check_finite and not bool(torch.isfinite(part.float() if fp8 else part).all()):
                 raise CheckpointError(f"tensor '{disk_name}' in {where} holds non-finite values (NaN or Inf)")
             if fp8 and disk_name in qplan.dequant:  # experts, routers, adapters, LM head: dequantized at load
@@ -415,7 +449,11 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
             tensor = torch.cat(parts, dim=0)
         del parts
         if src.row_scale is not None:
-            tensor = _apply_row_scale(tensor, src.row_scale)
+            tensor = _apply_row_scale(tensor, src.row_scale, cut)
+        if cut is not None and tensor.shape[cut.dim] < cut.rows:  # vocab rows past the end: zeros
+            pad = list(tensor.shape)
+            pad[cut.dim] = cut.rows - tensor.shape[cut.dim]
+            tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=cut.dim)
         want_dtype = torch.float32 if _FP32_PARAMS.search(pname) else dtype
         tensor = tensor.to(device=device, dtype=want_dtype).contiguous()
         _set_param(model, pname, tensor)

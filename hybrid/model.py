@@ -186,10 +186,17 @@ class HybridModel(nn.Module):
     def mamba_mixers(self) -> list[Mamba2Mixer]:
         return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]
 
+    # The vocabulary's two ends; tensor parallelism shards them (hybrid/parallel/layers.py).
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.embed) if self.lm_head is None else self.lm_head(h)
+
     @torch.inference_mode()
     def forward(self, batch: StepBatch, ctx) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32."""
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self.embed_tokens(batch.input_ids)
         if self.cfg.embedding_multiplier != 1.0:
             h = h * self.cfg.embedding_multiplier
         x, residual = h, None
@@ -205,7 +212,7 @@ class HybridModel(nn.Module):
         # the last block's output joins the stream only on the rows that produce logits
         rows = batch.logits_indices
         h, _ = self.final_norm.add_norm(x[rows], residual[rows], self.layers[-1].residual_multiplier)
-        logits = F.linear(h, self.embed) if self.lm_head is None else self.lm_head(h)
+        logits = self.lm_logits(h)
         if self.cfg.logits_scaling != 1.0:
             logits = logits / self.cfg.logits_scaling
         if self.cfg.lm_head_multiplier != 1.0:
