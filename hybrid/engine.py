@@ -64,6 +64,8 @@ def is_fatal_device_error(error: BaseException) -> bool:
     """Whether `error` means the device can no longer be used (out of memory is recoverable)."""
     if isinstance(error, torch.OutOfMemoryError):
         return False
+    if isinstance(error, EngineDeadError):  # e.g. a tensor-parallel worker died (hybrid/parallel/driver.py)
+        return True
     msg = str(error)
     return any(marker in msg for marker in _FATAL_DEVICE_ERRORS)
 
