@@ -62,11 +62,17 @@ def _serve(rank: int, world_size: int, port: int, conn, spec: protocol.WorkerSpe
     backend = select_backend(device)
     conn.send_bytes(protocol.dumps(("loaded", rank)))
     pool = kv = runner = None
+    # test hook (tests/test_tensor_parallel.py): this rank raises at its N-th step
+    fault_at = int(os.environ.get(f"HYBRID_TP_FAULT_RANK{rank}_STEP", "0"))
+    steps = 0
     while True:
         msg = protocol.loads(conn.recv_bytes())
         kind = msg[0]
         if kind == "step":
             _, ops, data = msg
+            steps += 1
+            if steps == fault_at:
+                raise RuntimeError(f"injected fault at step {steps} (HYBRID_TP_FAULT_RANK{rank}_STEP)")
             protocol.apply_ops(ops, pool, kv)
             runner.execute(protocol.decode_batch(data, device, pool))
         elif kind == "plan":  # the driver's memory-plan trial: the same profiling forwards, in step
