@@ -2,4 +2,5 @@ import sys
 
 from hybrid.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (tensor-parallel workers are spawned: they re-import this module)
+    sys.exit(main())

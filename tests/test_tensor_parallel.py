@@ -166,3 +166,14 @@ def test_shape_rules():
         check_shapes(dataclasses.replace(cfg, mamba=dataclasses.replace(m, num_heads=6, n_groups=2)), 3)
     with pytest.raises(ConfigurationError, match=r"MLP width \(intermediate_size=24\)"):
         check_shapes(cfg, 16)
+
+
+def test_cli_flag(capsys):
+    """`hybrid generate --tensor-parallel-size 2` on the bundled model prints what one process does."""
+    from hybrid.cli import main
+
+    args = ["generate", "--prompt", "And the LORD said unto Moses,", "--max-tokens", "8", "--device", "cpu"]
+    assert main(args) == 0
+    one = capsys.readouterr().out
+    assert main(args + ["--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == one
