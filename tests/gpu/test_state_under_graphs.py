@@ -139,7 +139,13 @@ def test_sanitizer_catches_a_bad_index_under_graphs(ckpt, monkeypatch):
     free_slot = next(s for s in range(llm.state_pool.num_slots) if s not in llm.state_pool.live_slots)
     _patch_batch(monkeypatch, eng, lambda b: dataclasses.replace(
         b, state_slot=torch.tensor([free_slot], device=b.state_slot.device), state_slot_cpu=[free_slot]))
+    assert not torch.isnan(llm.state_pool.ssm_state[:, live]).any()  # the victim's state before the step
     err = _step_error(eng, r"request 'victim'.*slot")
     assert f"slot {free_slot}" in err, err  # the ownership check names the slot it refused
     assert not eng.has_unfinished_requests() and llm.state_pool.num_free == llm.state_pool.num_slots
-    assert not torch.isnan(llm.state_pool.ssm_state[:, live]).any()
+    # every slot is now freed and poisoned (the victim's too): a new request on a recycled slot gets
+    # exactly what a fresh engine gives it, so no poison reached it
+    monkeypatch.undo()
+    sp = SamplingParams(max_tokens=8, **GREEDY)
+    assert tokens(llm.generate([PROMPTS[2]], sp, use_tqdm=False)) == \
+        tokens(make(ckpt("bamba_unclamped")).generate([PROMPTS[2]], sp, use_tqdm=False))
