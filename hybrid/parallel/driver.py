@@ -74,7 +74,6 @@ class TensorParallel:
         self.plan = ShardPlan(cfg, self.group)
         self.local_cfg = self.plan.local_cfg
         self._log: list = []
-        self._busy = threading.Event()
         self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self),), daemon=True,
                                           name="hybrid-tp-watchdog")
         self._watchdog.start()
@@ -125,9 +124,7 @@ class TensorParallel:
 
     def check(self) -> None:
         """WorkerFailedError if a worker has reported an error or is no longer running."""
-        if self.failed is not None:
-            raise WorkerFailedError(self.failed)
-        for rank, c in enumerate(self.conns, start=1):
+        for rank, c in enumerate(self.conns, start=1):  # a worker's own report first: it says the most
             try:
                 while c.poll():
                     msg = protocol.loads(c.recv_bytes())
@@ -135,6 +132,8 @@ class TensorParallel:
                         self._fail(f"tensor-parallel worker rank {msg[1]} failed:\n{msg[2]}")
             except (EOFError, OSError):
                 pass  # its process state says the rest
+        if self.failed is not None:
+            raise WorkerFailedError(self.failed)
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
                 self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) died (exit code {p.exitcode})")
@@ -210,15 +209,19 @@ def _shutdown(procs, conns) -> None:
 
 
 def _watch(ref) -> None:
-    """While a step runs, a worker process that disappears makes the group abort, so that the
-    driver's collective returns (NCCL would otherwise wait for its timeout)."""
+    """A worker process that disappears marks the group failed and, on CUDA, aborts the NCCL
+    communicator: an NCCL collective does not block the host, the driver would hang later, in the
+    device sync that reads the step's tokens back, until the collective timeout. (gloo blocks in
+    the collective itself and fails there as soon as the dead peer's socket closes.)"""
     while True:
         tp = ref()
         if tp is None or not tp._finalizer.alive:
             return
-        if tp._busy.is_set() and any(not p.is_alive() for p in tp.procs):
-            logger.error("a tensor-parallel worker died during a step: aborting the process group")
-            tp.group.abort()
+        dead = [rank for rank, p in enumerate(tp.procs, start=1) if not p.is_alive()]
+        if dead:  # (the next step's check() raises WorkerFailedError with the worker's own report)
+            if tp.device.type == "cuda":
+                logger.error("tensor-parallel worker rank %d is gone: aborting the NCCL communicator", dead[0])
+                tp.group.abort()
             return
         del tp
         time.sleep(0.2)
@@ -237,13 +240,10 @@ class ParallelRunner:
     def execute(self, batch) -> torch.Tensor:
         tp = self._tp
         tp.send_step(batch)
-        tp._busy.set()
         try:
             return self._runner.execute(batch)
         except Exception as e:
             raise tp.failure(e) from e
-        finally:
-            tp._busy.clear()
 
 
 __all__ = ["TensorParallel", "ParallelRunner", "WorkerFailedError", "collective_timeout"]
