@@ -99,6 +99,11 @@ def test_tp2_prefix_caching_preemption_sanitizer(tiny_ckpt):
         _assert_same(out1, out2)
         for key in ("prefix_cache_hits", "preemptions"):
             assert two.engine.stats[key] == one.engine.stats[key] > 0, key
+        # per rank: the slots freed (and poisoned by the sanitizer) are those of tp=1, on both ranks
+        from hybrid.parallel.protocol import slots_with_nan
+
+        poisoned = slots_with_nan(one.state_pool)
+        assert any(poisoned) and two.parallel.slots_with_nan_per_rank() == [poisoned, poisoned]
     finally:
         _close(two)
 

@@ -103,6 +103,7 @@ class TensorParallel:
         state_pool.__class__ = protocol.RecordingStatePool
         kv_cache.__class__ = protocol.RecordingKVCache
         state_pool.tp_log = kv_cache.tp_log = self._log  # one log: their order is kept
+        self._pool = state_pool
 
     def setup_workers(self, setup: protocol.SetupSpec) -> None:
         self.broadcast(("setup", setup))
@@ -162,8 +163,18 @@ class TensorParallel:
         logger.error("%s", msg)
         raise WorkerFailedError(msg)
 
-    def _wait_all(self, kind: str, timeout_s: float) -> None:
-        """Wait for message `kind` from every worker; WorkerFailedError if one fails or dies first."""
+    def slots_with_nan_per_rank(self) -> list[list[bool]]:
+        """For every rank (0 first): which state slots hold NaN there. The sanitizer poisons freed
+        slots on rank 0 and the log replays that on the workers: the lists must be equal."""
+        ops, self._log[:] = list(self._log), []  # the writes since the last step first (frees, poison)
+        self.broadcast(("probe", ops))
+        replies = self._wait_all("probe", 30.0)
+        return [protocol.slots_with_nan(self._pool)] + [r[2] for r in replies]
+
+    def _wait_all(self, kind: str, timeout_s: float) -> list:
+        """Wait for message `kind` from every worker (returned in rank order); WorkerFailedError if
+        one fails or dies first."""
+        replies: dict[int, tuple] = {}
         pending = set(range(len(self.conns)))
         deadline = time.monotonic() + timeout_s
         while pending:
@@ -178,6 +189,7 @@ class TensorParallel:
                         self._fail(f"tensor-parallel worker rank {msg[1]} failed:\n{msg[2]}")
                     if msg is not None and msg[0] == kind:
                         pending.discard(i)
+                        replies[i] = msg
                         continue
                 if not p.is_alive() and not c.poll():
                     self._fail(f"tensor-parallel worker rank {i + 1} (pid {p.pid}) died during startup "
@@ -185,6 +197,7 @@ class TensorParallel:
             if time.monotonic() > deadline:
                 self._fail(f"tensor-parallel workers {sorted(i + 1 for i in pending)} did not report '{kind}' "
                            f"within {timeout_s:.0f} s")
+        return [replies[i] for i in sorted(replies)]
 
     def shutdown(self) -> None:
         """Stop the workers (they are daemons: they also end with this process)."""

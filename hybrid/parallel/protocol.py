@@ -129,3 +129,12 @@ def apply_ops(ops: list, pool: MambaStatePool, kv: PagedKVCache) -> None:
             kv.kv[:, op[2]].copy_(kv.kv[:, op[1]])
         else:
             raise AssertionError(f"unknown state op {op!r}")
+
+
+def slots_with_nan(pool: MambaStatePool) -> list[bool]:
+    """Per slot (scratch row included): whether any of its conv or SSM state is NaN, on this rank."""
+    if pool.conv_state.shape[0] == 0:
+        return [False] * (pool.num_slots + 1)
+    conv = pool.conv_state.isnan().flatten(2).any(-1).any(0)
+    ssm = pool.ssm_state.isnan().flatten(2).any(-1).any(0)
+    return (conv | ssm).tolist()

@@ -97,6 +97,9 @@ def _serve(rank: int, world_size: int, port: int, conn, spec: protocol.WorkerSpe
                                  max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len, page_size=s.page_size,
                                  cuda_graph_sizes=s.cuda_graph_sizes, progress=False)
             conn.send_bytes(protocol.dumps(("ready", rank)))
+        elif kind == "probe":  # which slots hold NaN (poisoned) on this rank: the sanitizer's view, per rank
+            protocol.apply_ops(msg[1], pool, kv)
+            conn.send_bytes(protocol.dumps(("probe", rank, protocol.slots_with_nan(pool))))
         elif kind == "stop":
             return
         else:
