@@ -62,11 +62,13 @@ class TensorParallel:
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
+        self._groups: list[TPGroup] = []  # (filled once joined: the finalizer tears it down on CUDA)
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self._groups)
         self.failed: str | None = None
         try:
             self._wait_all("hello", STARTUP_TIMEOUT_S)
             self.group = TPGroup(store, 0, tp, device)
+            self._groups.append(self.group)
         except BaseException:
             self.shutdown()
             raise
@@ -204,7 +206,7 @@ class TensorParallel:
         self._finalizer()
 
 
-def _shutdown(procs, conns) -> None:
+def _shutdown(procs, conns, groups) -> None:
     data = protocol.dumps(("stop",))
     for c in conns:
         try:
@@ -219,6 +221,9 @@ def _shutdown(procs, conns) -> None:
             p.join(1.0)
     for c in conns:
         c.close()
+    for g in groups:  # NCCL: abort, not destroy (destroying a communicator used in captured graphs can hang)
+        if g.device.type == "cuda":
+            g.abort()
 
 
 def _watch(ref) -> None:
