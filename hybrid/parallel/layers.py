@@ -24,14 +24,13 @@ class RowParallelLinear(Linear):
 
 class ParallelExperts(Experts):
     """Experts with the intermediate dim split: each rank's sum over its slice of every chosen
-    expert is partial, so it is reduced first and `add` (the shared expert's output, already
-    reduced) joins after."""
+    expert is partial, and so is `add` / `shared` (the shared expert, its down projection left
+    unreduced: hybrid/parallel/shard_model.py); one all-reduce sums both."""
 
     group: TPGroup
 
     def forward(self, x, top_idx, top_w, add=None, shared=None):
-        out = self.group.all_reduce(super().forward(x, top_idx, top_w, None, shared))
-        return out + add if add is not None else out
+        return self.group.all_reduce(super().forward(x, top_idx, top_w, add, shared))
 
 
 class GroupNormStats:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from hybrid.config import GATE_ONLY, ModelConfig
-from hybrid.layers import Attention, DenseMLP, Experts, GatedMLP, Mamba2Mixer
-from hybrid.model import HybridModel
+from hybrid.layers import Attention, DenseMLP, Experts, GatedMLP, Mamba2Mixer, NemotronMoE
+from hybrid.model import HybridModel, TwoStageBlock
 from hybrid.parallel.group import TPGroup
 from hybrid.parallel.layers import GroupNormStats, ParallelExperts, RowParallelLinear, ShardedHybridModel, retype
 from hybrid.parallel.sharding import Cut, ShardRules, check_shapes, local_config, mamba_group_shared
@@ -35,6 +35,14 @@ class ShardPlan:
         model.full_vocab_size = self.cfg.vocab_size
         g, tp = self.group, self.group.world_size
         shared_groups = mamba_group_shared(self.cfg, tp) and self.cfg.mamba.gate != GATE_ONLY
+        # the shared expert of an MoE layer stays partial: the experts' one all-reduce sums it with
+        # the routed experts (one collective per MoE layer; on CUDA it may still fold into their launches)
+        partial = set()
+        for m in model.modules():
+            if isinstance(m, NemotronMoE):
+                partial.add(id(m.shared))
+            elif isinstance(m, TwoStageBlock) and m.moe is not None:
+                partial.add(id(m.mlp))
         for m in model.modules():
             if isinstance(m, Mamba2Mixer):
                 retype(m.out_proj, RowParallelLinear, g)
@@ -42,8 +50,10 @@ class ShardPlan:
                     m.norm_stats = GroupNormStats(g, self.cfg.mamba.n_groups)
             elif isinstance(m, Attention):
                 retype(m.o_proj, RowParallelLinear, g)
-            elif isinstance(m, (DenseMLP, GatedMLP)):
+            elif isinstance(m, (DenseMLP, GatedMLP)) and id(m) not in partial:
                 retype(m.down_proj, RowParallelLinear, g)
+            elif isinstance(m, (DenseMLP, GatedMLP)):
+                assert m.down_proj.bias is None, "a partial shared expert cannot carry a bias (it would be summed N times)"
             elif isinstance(m, Experts):
                 retype(m, ParallelExperts, g)
         return model
