@@ -31,6 +31,7 @@ class AttentionBackend(Protocol):
         kv_layer: torch.Tensor,  # [num_pages, 2, num_kv_heads, page_size, head_dim]
         batch: "StepBatch",
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),  # (k_scale, v_scale) of an FP8 cache: stored = x / scale
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         ...
 

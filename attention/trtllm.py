@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.reference import TorchAttentionBackend
+from attention.reference import FP8_KV_DTYPE, TorchAttentionBackend
 from state_pool.util import cdiv
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ _PREFILL_HEAD_DIMS = (64, 128, 256)
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, loc_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_page, stride_kv, stride_head, stride_off, page_size,
-                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_page, stride_kv, stride_head, stride_off, page_size, k_mul, v_mul,
+                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     loc = tl.load(loc_ptr + t)
@@ -54,13 +54,18 @@ def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, loc_ptr, stride_kt, stride_kh, stride
     off = safe % page_size
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    if QUANT:  # an FP8 cache stores x / scale, saturated at e4m3's largest finite value
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_mul, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_mul, -448.0), 448.0)
     base = kv_ptr + page * stride_page + h * stride_head + off * stride_off
     tl.store(base + d, k.to(kv_ptr.dtype.element_ty), mask=mask)
     tl.store(base + stride_kv + d, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_fused(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_write_loc: torch.Tensor) -> None:
-    """K and V of T tokens ([T, kv_heads, head_dim]) into their pages, one launch."""
+def write_kv_fused(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_write_loc: torch.Tensor,
+                   kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """K and V of T tokens ([T, kv_heads, head_dim]) into their pages, one launch (quantized with
+    kv_scales into an FP8 cache, as attention/reference.py's quantize_kv)."""
     T, kvh, hd = k.shape
     if T == 0:
         return
@@ -72,7 +77,8 @@ def write_kv_fused(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     _write_kv_kernel[(T, kvh)](
         k, v, kv_layer, kv_write_loc, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), kv_layer.shape[3],
-        HEAD_DIM=hd, BLOCK=triton.next_power_of_2(hd),
+        1.0 / kv_scales[0], 1.0 / kv_scales[1],
+        HEAD_DIM=hd, BLOCK=triton.next_power_of_2(hd), QUANT=kv_layer.dtype == FP8_KV_DTYPE,
     )
 
 
@@ -143,36 +149,38 @@ class TrtllmAttentionBackend:
         for _, region in self.must_stay_zero():
             region.zero_()
 
-    def forward(self, q, k, v, kv_layer, batch, scale):
-        if not self.graph_safe(kv_layer.dtype) or q.dtype != kv_layer.dtype:
-            return self._reference.forward(q, k, v, kv_layer, batch, scale)
+    def forward(self, q, k, v, kv_layer, batch, scale, kv_scales: tuple[float, float] = (1.0, 1.0)):
+        fp8_kv = kv_layer.dtype == FP8_KV_DTYPE  # a bf16/fp16 model over an FP8 cache: the kernels dequantize
+        if not self.graph_safe(q.dtype) or (q.dtype != kv_layer.dtype and not fp8_kv):
+            return self._reference.forward(q, k, v, kv_layer, batch, scale, kv_scales)
         num_tokens, num_heads, head_dim = q.shape
         if self._sm is None:
             self._sm = torch.cuda.get_device_capability(q.device)[0]
-        write_kv_fused(kv_layer, k, v, batch.kv_write_loc)
+        write_kv_fused(kv_layer, k, v, batch.kv_write_loc, kv_scales)
         if batch.num_prefills == 0 and num_tokens == batch.num_decodes:
-            out = self.decode(q, kv_layer, batch, scale)
+            out = self.decode(q, kv_layer, batch, scale, kv_scales)
         elif self._sm >= 10:
-            out = self.context_sm100(q, kv_layer, batch, scale)
+            out = self.context_sm100(q, kv_layer, batch, scale, kv_scales)
         elif head_dim in _PREFILL_HEAD_DIMS:
-            out = self.prefill_sm90(q, kv_layer, batch, scale)
+            out = self.prefill_sm90(q, kv_layer, batch, scale, kv_scales)
         else:  # e.g. Zamba2-2.7B / 7B (160 / 224): correct, but the torch path is slower
             if head_dim not in self._warned_head_dims:
                 self._warned_head_dims.add(head_dim)
                 log.warning("attention head dim %d has no FlashInfer prefill kernel on sm_%d0: prefill "
                             "attention runs the torch reference (decode still uses XQA)", head_dim, self._sm)
-            return self._reference.forward(q, k, v, kv_layer, batch, scale)
+            return self._reference.attend(q, kv_layer, batch, scale, kv_scales)  # K/V are written already
         return out.reshape(num_tokens, num_heads * head_dim)
 
-    def decode(self, q, kv_layer, batch, scale):
+    def decode(self, q, kv_layer, batch, scale, kv_scales=(1.0, 1.0)):
         from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
         page_size = kv_layer.shape[3]
+        # the kernels' fused scales: softmax(q . k_stored * k_scale * scale) (v_stored * v_scale)
         return trtllm_batch_decode_with_kv_cache(
             query=q.contiguous(), kv_cache=kv_layer, workspace_buffer=self.workspace("decode", q.device),
             block_tables=batch.page_table, seq_lens=batch.seq_lens,
             max_seq_len=batch.page_table.shape[1] * page_size,
-            bmm1_scale=float(scale), bmm2_scale=1.0, kv_layout="HND",
+            bmm1_scale=float(scale) * kv_scales[0], bmm2_scale=float(kv_scales[1]), kv_layout="HND",
         )
 
     def _paged_indices(self, batch, page_size: int, device):
@@ -187,7 +195,7 @@ class TrtllmAttentionBackend:
         last = [s - (n - 1) * page_size for s, n in zip(batch.seq_lens_cpu, n_pages)]
         return kv_indptr, kv_indices, last
 
-    def prefill_sm90(self, q, kv_layer, batch, scale):
+    def prefill_sm90(self, q, kv_layer, batch, scale, kv_scales=(1.0, 1.0)):
         import flashinfer
 
         _, num_heads, head_dim = q.shape
@@ -210,9 +218,12 @@ class TrtllmAttentionBackend:
                 torch.tensor(last, **i32), num_heads, num_kv_heads, head_dim, page_size,
                 causal=True, sm_scale=float(scale), q_data_type=q.dtype, kv_data_type=kv_layer.dtype,
             ))
+        if kv_layer.dtype == FP8_KV_DTYPE:
+            return plans.current.run(q.contiguous(), kv_layer, k_scale=float(kv_scales[0]),
+                                     v_scale=float(kv_scales[1]))
         return plans.current.run(q.contiguous(), kv_layer)
 
-    def context_sm100(self, q, kv_layer, batch, scale):
+    def context_sm100(self, q, kv_layer, batch, scale, kv_scales=(1.0, 1.0)):
         from flashinfer.prefill import trtllm_batch_context_with_kv_cache
 
         cum_kv = [0]
@@ -222,7 +233,7 @@ class TrtllmAttentionBackend:
             query=q.contiguous(), kv_cache=kv_layer, workspace_buffer=self.workspace("context", q.device),
             block_tables=batch.page_table,
             seq_lens=batch.seq_lens, max_q_len=max(batch.query_lens_cpu), max_kv_len=max(batch.seq_lens_cpu),
-            bmm1_scale=float(scale), bmm2_scale=1.0, batch_size=batch.num_requests,
+            bmm1_scale=float(scale) * kv_scales[0], bmm2_scale=float(kv_scales[1]), batch_size=batch.num_requests,
             cum_seq_lens_q=batch.query_start_loc,
             cum_seq_lens_kv=_upload(torch.tensor(cum_kv, dtype=torch.int32), q.device), kv_layout="HND",
         )

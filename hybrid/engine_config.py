@@ -18,6 +18,7 @@ import os
 import torch
 
 from hybrid.errors import CapacityError, ConfigurationError
+from hybrid.kv_cache_dtype import parse_kv_cache_dtype
 from hybrid.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger("hybrid")
@@ -87,6 +88,7 @@ class CacheConfig:
     page_size: int = 16
     num_kv_pages: int | None = None  # None: enough for max_num_seqs full-length sequences (CUDA: what fits)
     mamba_ssm_dtype: torch.dtype = torch.float32
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype; float8_e4m3fn (hybrid/kv_cache_dtype.py)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = False
     prefix_cache_entries: int | None = None  # None: max_num_seqs
@@ -166,6 +168,7 @@ def engine_config(
     prefix_cache_interval: int = 0,
     check_weights: bool = False,
     tensor_parallel_size: int = 1,
+    kv_cache_dtype: str | torch.dtype = "auto",
 ) -> EngineConfig:
     """The EngineConfig for LLM's arguments (the same keywords and defaults; see LLM and README),
     validated: ConfigurationError names the first bad argument."""
@@ -196,6 +199,9 @@ def engine_config(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     ssm_dtype = _dtype(mamba_ssm_dtype, "mamba_ssm_dtype")
+    kv_dtype = parse_kv_cache_dtype(kv_cache_dtype)
+    if kv_dtype is not None and tensor_parallel_size > 1:
+        raise ConfigurationError("kv_cache_dtype='fp8' with tensor_parallel_size > 1 is not supported yet")
     if enable_prefix_caching and prefix_cache_entries is not None and prefix_cache_entries < 1:
         raise ConfigurationError("prefix_cache_entries must be >= 1 with enable_prefix_caching")
     if check_state is None:
@@ -210,7 +216,7 @@ def engine_config(
                                      f"{device}; this machine has {torch.cuda.device_count()}")
         # the workers get each batch from the host: decode inputs cannot come from the device's last step
         async_scheduling = False
-    cache = CacheConfig(page_size=page_size, num_kv_pages=num_kv_pages, mamba_ssm_dtype=ssm_dtype,
+    cache = CacheConfig(page_size=page_size, num_kv_pages=num_kv_pages, mamba_ssm_dtype=ssm_dtype, kv_cache_dtype=kv_dtype,
                         gpu_memory_utilization=float(gpu_memory_utilization),
                         enable_prefix_caching=bool(enable_prefix_caching), prefix_cache_entries=prefix_cache_entries,
                         prefix_cache_interval=prefix_cache_interval)

@@ -228,6 +228,9 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layer_index = layer_index  # index among attention layers: the row of the KV cache
+        # FP8 KV cache (kv_cache_dtype="fp8"): the cache stores k / k_scale and v / v_scale; 1.0 unless
+        # the checkpoint calibrated them (hybrid/kv_cache_dtype.py)
+        self.k_scale, self.v_scale = 1.0, 1.0
         hd = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, cfg.bias)  # [q | k | v] rows
@@ -266,7 +269,7 @@ class Attention(nn.Module):
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
         if self.inv_freq is not None:
             q, k = self.rope(q, k, batch.positions)
-        out = backend.forward(q, k, v, kv_layer, batch, cfg.scale)
+        out = backend.forward(q, k, v, kv_layer, batch, cfg.scale, (self.k_scale, self.v_scale))
         return self.o_proj(out)
 
 

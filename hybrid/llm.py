@@ -18,6 +18,7 @@ from hybrid.engine_config import (  # re-exported: the sizing API is known from 
     plan_cuda_sizes, resolve_device, smaller_sizes,
 )
 from hybrid.errors import CapacityError, InvalidRequestError, RequestFailedError
+from hybrid.kv_cache_dtype import kv_cache_dtype_note
 from hybrid.layers import use_fused_ops
 from hybrid.loader import load_model
 from hybrid.model import ForwardContext
@@ -64,6 +65,7 @@ class LLM:
         prefix_cache_interval: int = 0,  # also cache every this many prompt tokens (0: each prompt's end only)
         check_weights: bool = False,  # refuse a checkpoint whose weights hold NaN/Inf (see loader.load_model)
         tensor_parallel_size: int = 1,  # > 1: the model sharded over that many processes (hybrid/parallel/)
+        kv_cache_dtype: str = "auto",  # "auto": the model's dtype; "fp8": e4m3 pages (hybrid/kv_cache_dtype.py)
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
         # engine_config takes the same keywords: the one place they are checked and resolved.
@@ -75,7 +77,7 @@ class LLM:
             cuda_graph_sizes=cuda_graph_sizes, mamba_decode_kernels=mamba_decode_kernels, fused_ops=fused_ops,
             async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
             prefix_cache_entries=prefix_cache_entries, prefix_cache_interval=prefix_cache_interval,
-            check_weights=check_weights, tensor_parallel_size=tensor_parallel_size))
+            check_weights=check_weights, tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype))
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":
@@ -119,6 +121,10 @@ class LLM:
             self.model = load_model(self.model_dir, cfg, self.device, self.dtype, progress=self.device.type == "cuda",
                                     check_finite=config.check_weights)
         local = local or cfg
+        self.kv_dtype = cache.kv_cache_dtype or self.dtype
+        kv_note = ""
+        if cache.kv_cache_dtype is not None:
+            kv_note = kv_cache_dtype_note(self.model, self.model_dir, cfg, cache.kv_cache_dtype)
         m = local.mamba
         shapes = StateShapes(len(cfg.mamba_layers), m.conv_dim, m.conv_kernel - 1, m.num_heads, m.head_dim, m.state_size)
         if config.fused_ops:
@@ -143,7 +149,7 @@ class LLM:
                 kwargs = dict(
                     gpu_memory_utilization=cache.gpu_memory_utilization,
                     max_num_seqs=trial.max_num_seqs, max_model_len=probe_len,
-                    max_num_batched_tokens=trial.max_num_batched_tokens, page_size=page_size, kv_dtype=self.dtype,
+                    max_num_batched_tokens=trial.max_num_batched_tokens, page_size=page_size, kv_dtype=self.kv_dtype,
                     conv_dtype=self.dtype, ssm_dtype=self.ssm_dtype,
                     num_kv_pages=num_kv_pages, use_graphs=not config.enforce_eager,
                     extra_state_slots=cache.prefix_cache_slots(trial.max_num_seqs), num_speculative_tokens=num_spec,
@@ -184,7 +190,7 @@ class LLM:
             max_model_len=self.max_model_len, num_kv_pages=num_kv_pages)
         a = local.attention
         self.kv_cache = PagedKVCache(len(cfg.attention_layers), num_kv_pages, page_size, a.num_kv_heads, a.head_dim,
-                                     self.device, self.dtype)
+                                     self.device, self.kv_dtype)
         logger.info(
             "LLM: %s on %s; weights %s, Mamba SSM state %s (conv state %s); max_model_len %d (%s); "
             "max_num_seqs %d (Mamba state slots: %d%s); max_num_batched_tokens %d; KV cache %s",
@@ -193,6 +199,8 @@ class LLM:
             f", {cache_entries} of them for cached prefixes" if cache_entries else "", self.max_num_batched_tokens,
             f"{num_kv_pages - 1} pages x {page_size} tokens = {(num_kv_pages - 1) * page_size} tokens"
             if cfg.attention_layers else "none (no attention layers)")
+        if kv_note and cfg.attention_layers:
+            logger.info("%s", kv_note)
         ctx = ForwardContext(self.state_pool, self.kv_cache, backend)
         enforce_eager = config.enforce_eager or self.device.type != "cuda"
         if self.parallel is not None:  # the workers build the same pool, cache and runner on their shards

@@ -14,7 +14,8 @@ Formats (README "Quantized checkpoints" has the full notes, with where each fact
 
 Tensors of a quantized module `m`: `m.weight` float8_e4m3fn [out, in], `m.weight_scale` (one value,
 or one per output row: [out] or [out, 1]), `m.input_scale` (one value, static activations only).
-Attention modules may carry KV-cache scales (`k_scale`, `v_scale`, ...): read past, unused, the KV
+Attention modules may carry KV-cache scales (`k_scale`, `v_scale`, ...): read past here; the FP8 KV
+cache (hybrid/kv_cache_dtype.py, kv_cache_dtype="fp8") reads them, otherwise the KV
 cache stays in the model dtype.
 
 What the runtime does with them: the projections that are `Linear` modules of the model become
@@ -293,7 +294,8 @@ class QuantPlan:
         return (f"{self.config.describe()} checkpoint: {n} projection{'s' * (n != 1)} in FP8"
                 + (f", {len(self.dequant)} FP8 tensors (experts, routers, adapters, LM head) dequantized at load"
                    if self.dequant else "")
-                + (f"; KV-cache quantization {self.config.kv_cache} declared, KV cache kept in the model dtype"
+                + (f"; KV-cache quantization {self.config.kv_cache} declared: its K/V scales are used with "
+                   f"kv_cache_dtype='fp8' (otherwise the KV cache is in the model dtype)"
                    if self.config.kv_cache else ""))
 
 

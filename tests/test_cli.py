@@ -155,3 +155,19 @@ def test_bad_device_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "hybrid", "generate", "--prompt", "x", "--device", "tpu"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 2 and "error: unknown device 'tpu'" in proc.stderr, proc.stderr
+
+
+def test_kv_cache_dtype_flag(capsys):
+    import argparse
+
+    import pytest
+
+    from hybrid.cli import _add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    _add_engine_args(p)
+    assert engine_kwargs(p.parse_args([]))["kv_cache_dtype"] == "auto"
+    assert engine_kwargs(p.parse_args(["--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kv-cache-dtype", "int8"])
+    assert "invalid choice" in capsys.readouterr().err
