@@ -2,7 +2,8 @@
 # On the GPU device, from the project root, after `source .devkit/setup.sh`:
 #   bash bench/run_device.sh tests|bench|profile|moe    (one per device call: each fits in its 10 minutes)
 #   tests    the FP8, graph, kernel, memory-plan and MoE files of the GPU suite (~8 minutes on a fresh H200)
-#   tests-2  the rest of the GPU suite but the long-context and released-shape files (~2 minutes)
+#   tests-2  the rest of the GPU suite but the long-context and released-shape files (~4 minutes fresh)
+#   tests-smoke  the first parametrization of every GPU test (HYBRID_SMOKE=1): every file in one call
 #   tests-long / tests-released / tests-selected   those two files, and a list of node ids, in their own calls
 #   attention  bench_decode_attention.py: decode attention alone (XQA by max_seq_len, FlashInfer decode)
 #   bench    the one-command benchmark (bench/run_benchmark.py: fp32 and bf16 state, TTFT, peer; ~3.5 minutes)
@@ -38,6 +39,9 @@ gpu_pytest() {  # $1: time limit, $2: log name, the rest: pytest arguments
 TESTS_1="tests/gpu/test_fp8_gpu.py tests/gpu/test_graphs.py tests/gpu/test_kernels.py tests/gpu/test_memory_plan_gpu.py tests/gpu/test_moe_gpu.py"
 if [[ $what == tests ]]; then
   gpu_pytest 540 gpu_tests.log $TESTS_1
+fi
+if [[ $what == tests-smoke ]]; then  # the first parametrization of every GPU test, long-context ones included
+  HYBRID_SMOKE=1 gpu_pytest 540 gpu_tests_smoke.log tests/gpu
 fi
 if [[ $what == tests-2 ]]; then
   gpu_pytest 540 gpu_tests_2.log tests/gpu $(for f in $TESTS_1; do echo --ignore=$f; done) \
