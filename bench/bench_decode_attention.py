@@ -13,28 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
 
-def graph_time_us(fn, calls: int, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / calls
+from bench.cuda_timing import graph_us_per_call  # noqa: E402
 
 
 def main() -> int:
@@ -74,7 +60,7 @@ def main() -> int:
                                 seq_lens=seq_lens, max_seq_len=width * page, bmm1_scale=d ** -0.5,
                                 bmm2_scale=1.0, kv_layout="HND")
 
-                    row[f"xqa_max{max_len}_us"] = graph_time_us(xqa, len(caches))
+                    row[f"xqa_max{max_len}_us"] = graph_us_per_call([xqa], iters=20) / len(caches)
                 fws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
                 indptr = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * pages_per_seq
                 indices = 1 + torch.arange(batch * pages_per_seq, device=dev, dtype=torch.int32)
@@ -89,7 +75,7 @@ def main() -> int:
                             for c in caches:
                                 wrapper.run(q, c)
 
-                        row[f"fi_decode_tc{int(tc)}_us"] = graph_time_us(fi, len(caches))
+                        row[f"fi_decode_tc{int(tc)}_us"] = graph_us_per_call([fi], iters=20) / len(caches)
                     except Exception as e:  # noqa: BLE001 - a benchmark row, not a runtime path
                         row[f"fi_decode_tc{int(tc)}_us"] = f"error: {type(e).__name__}: {str(e)[:120]}"
                 floor = kv_bytes / 4.3e12 * 1e6

@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.cuda_timing import graph_us_per_call  # noqa: E402
+
 # (model, projection): (N, K)
 SHAPES = {
     ("nemotron-nano", "mamba.in_proj"): (2 * 4096 + 2 * 8 * 128 + 64, 2688),
@@ -37,29 +39,6 @@ SHAPES = {
 ROWS = (1, 2, 4, 8, 16)
 TILINGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
            for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256), (4,), (4,))]
-
-
-def graph_us(fns) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 10
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / len(fns)
 
 
 def main() -> int:
@@ -82,14 +61,14 @@ def main() -> int:
         for m in ROWS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in ws]
-            cublas = graph_us([lambda w=w, o=o: torch.matmul(x, w.t(), out=o) for w, o in zip(ws, outs)])
+            cublas = graph_us_per_call([lambda w=w, o=o: torch.matmul(x, w.t(), out=o) for w, o in zip(ws, outs)])
             ref = torch.nn.functional.linear(x.float(), ws[0].float())
             best = None
             for cfg in TILINGS:
                 try:
                     got = small_m_linear(x, ws[0], **cfg)
                     err = ((got.float() - ref).norm() / ref.norm()).item()
-                    us = graph_us([lambda w=w, o=o, c=cfg: small_m_linear(x, w, out=o, **c) for w, o in zip(ws, outs)])
+                    us = graph_us_per_call([lambda w=w, o=o, c=cfg: small_m_linear(x, w, out=o, **c) for w, o in zip(ws, outs)])
                 except Exception as e:  # noqa: BLE001 - a tiling the compiler refuses is skipped
                     print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cuda_timing import graph_us_per_call  # noqa: E402
 from hybrid.ops import mamba_torch  # noqa: E402
 from hybrid.ops import triton_mamba as tm  # noqa: E402
 
@@ -81,27 +82,7 @@ def time_calls(calls, iters: int, use_graph: bool = True) -> tuple[float, str]:
     reps = max(1, math.ceil(64 / len(calls)))
     if use_graph:
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for c in calls:
-                    c()
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(reps):
-                    for c in calls:
-                        c()
-            graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) * 1e3 / (iters * reps * len(calls)), "graph"
+            return graph_us_per_call(calls, iters, repeat=reps), "graph"
         except Exception as e:  # noqa: BLE001
             print(f"    (graph capture failed, eager timing: {type(e).__name__}: {e})")
     return time_eager(calls, iters), "eager"
