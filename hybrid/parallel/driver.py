@@ -13,6 +13,8 @@ import threading
 import time
 import weakref
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.multiprocessing as mp
 
@@ -21,6 +23,10 @@ from hybrid.parallel import protocol
 from hybrid.parallel.group import TPGroup, collective_timeout, make_store
 from hybrid.parallel.shard_model import ShardPlan
 from hybrid.parallel.sharding import check_shapes
+
+if TYPE_CHECKING:
+    from hybrid.config import ModelConfig
+    from hybrid.engine_config import EngineConfig
 
 logger = logging.getLogger("hybrid")
 
@@ -34,7 +40,9 @@ class WorkerFailedError(EngineDeadError):
 class TensorParallel:
     """The driver's handle on the workers of one LLM (rank 0 is the driver itself)."""
 
-    def __init__(self, config, model_dir: str, cfg) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, cfg: ModelConfig) -> None:
+        """Check the shapes divide, spawn the workers (they start loading their shards) and join the
+        group as rank 0. WorkerFailedError if a worker fails or dies while starting."""
         tp = config.tensor_parallel_size
         check_shapes(cfg, tp)  # before anything is spawned
         self.world_size = tp
