@@ -411,7 +411,9 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**llm_kwargs(args, model_dir, max_len))
     startup = time.perf_counter() - t0
-    print(f"startup (LLM construction) {startup:.1f} s; model {model_dir}", flush=True)
+    phases = getattr(llm, "startup_phases", {})
+    print(f"startup (LLM construction) {startup:.1f} s ("
+          + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + f"); model {model_dir}", flush=True)
     timer = StepTimer(llm, args.split)
     timer.install()
     runs: list[dict] = []
@@ -426,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
             "num_prompts": len(reqs), "input_len": args.input_len, "output_len": args.output_len,
             "dataset": args.dataset, "temperature": args.temperature, "top_p": args.top_p, "split_mode": args.split,
             "llm_kwargs": {k: v for k, v in llm_kwargs(args, model_dir, max_len).items() if k != "model"},
-            "checkpoint_build_s": build_s, "startup_s": startup, "runs": runs,
+            "checkpoint_build_s": build_s, "startup_s": startup, "startup_phases_s": phases, "runs": runs,
             # the headline figures: the last run (steady state when --repeat > 1)
             **{k: runs[-1][k] for k in ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s", "elapsed_s")},
         }

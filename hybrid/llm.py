@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 
 import torch
 
@@ -37,6 +38,23 @@ __all__ = ["LLM", "DEFAULT_MODEL_DIR", "EngineConfig", "engine_config", "resolve
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+class StartupPhases:
+    """Wall time of each phase of LLM startup, for the log and `LLM.startup_phases` (benchmarks)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._start = self._last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def summary(self) -> str:
+        total = self._last - self._start
+        return f"startup {total:.1f} s: " + ", ".join(f"{name} {t:.1f} s" for name, t in self.seconds.items())
 
 
 class LLM:
@@ -90,6 +108,7 @@ class LLM:
         """Load the checkpoint, settle the sizes (device defaults; on CUDA the memory plan) and build
         the state pool, the KV cache, the model runner and the engine."""
         cache = config.cache
+        phases = StartupPhases()
         self.device, self.dtype, self.ssm_dtype = config.device, config.dtype, cache.mamba_ssm_dtype
         # a directory, or a hub repo id found in the local Hugging Face cache (never downloaded)
         source = resolve_model(config.model)
@@ -121,6 +140,7 @@ class LLM:
             self.model = load_model(self.model_dir, cfg, self.device, self.dtype, progress=self.device.type == "cuda",
                                     check_finite=config.check_weights)
         local = local or cfg
+        phases.done("load weights")
         self.kv_dtype = cache.kv_cache_dtype or self.dtype
         kv_note = ""
         if cache.kv_cache_dtype is not None:
@@ -168,6 +188,7 @@ class LLM:
             self.memory_plan = plan
             num_kv_pages = plan.num_kv_pages
             logger.info(plan.summary(sizes.max_num_seqs, sizes.max_model_len, page_size))
+            phases.done("memory plan")  # its profiling forwards are where first-time kernel compiles land
         self.max_num_seqs = max_num_seqs = sizes.max_num_seqs
         self.max_num_batched_tokens = sizes.max_num_batched_tokens
         self.max_model_len = sizes.max_model_len
@@ -206,15 +227,21 @@ class LLM:
         if self.parallel is not None:  # the workers build the same pool, cache and runner on their shards
             self.parallel.instrument(self.state_pool, self.kv_cache)
             self.parallel.setup_workers(self._worker_setup(num_kv_pages, enforce_eager))
+        phases.done("state pool and KV cache")
         self.runner = ModelRunner(self.model, ctx, enforce_eager=enforce_eager,
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, page_size=page_size,
                                   cuda_graph_sizes=config.cuda_graph_sizes)
+        if self.runner.use_graphs:
+            phases.done("CUDA graph capture")
         if self.parallel is not None:
             self.parallel.wait_ready()
             self.runner = self.parallel.wrap_runner(self.runner)
         self.engine = Engine(self.runner, self.state_pool, self.kv_cache, config, vocab_size=cfg.vocab_size,
                              eos_token_ids=eos, tokenizer=self.tokenizer)
         self._ids = itertools.count()
+        phases.done("engine")
+        self.startup_phases = phases.seconds
+        logger.info("%s", phases.summary())
 
     def _worker_setup(self, num_kv_pages: int, enforce_eager: bool):
         """The settled sizes the tensor-parallel workers build their state pool, cache and runner with."""

@@ -257,3 +257,16 @@ def test_cuda_plan_with_prefix_cache_speculation_and_given_pages():
     plan, _ = _fake_planner(lambda s: 4 * 2**30, slot_bytes=MiB, page_bytes=0)
     sizes, _, capped = _plan(plan, default_sizes("cuda", 1 << 20), 1 << 20)
     assert sizes.max_model_len == 1 << 20 and not capped
+
+
+def test_startup_phases_are_timed_and_logged(tiny_ckpt, caplog):
+    """Startup says where its time went (issue 15: load, memory plan / JIT, capture), in the log and
+    in LLM.startup_phases; on CPU there is no memory plan and no graph capture."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="hybrid"):
+        llm = LLM(tiny_ckpt("granite_dense"), device="cpu", max_num_seqs=2)
+    assert list(llm.startup_phases) == ["load weights", "state pool and KV cache", "engine"]
+    assert all(t >= 0 for t in llm.startup_phases.values())
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("startup "))
+    assert "load weights" in line and "engine" in line
