@@ -61,13 +61,52 @@ def random_model(cfg, device, dtype, progress=False):
     return model
 
 
+def quantize_projections(model, scheme: str) -> int:
+    """Every projection (Mamba in/out, attention qkv/o, MLP; not the LM head) as an Fp8Linear, in place,
+    as an FP8 checkpoint of that scheme would load: "pcpt" per-channel weights with dynamic per-token
+    activations (ModelOpt's FP8_PER_CHANNEL_PER_TOKEN, compressed-tensors' FP8_DYNAMIC), "static"
+    per-tensor weights with a static input scale (ModelOpt's FP8 default; not calibrated here: fixed at
+    32/448, so that no activation of these random weights saturates; the speed does not depend on it).
+    The number replaced."""
+    from hybrid.fp8_linear import Fp8Linear
+    from hybrid.layers import Linear
+    from hybrid.quantization import DYNAMIC, FP8_DTYPE, STATIC
+
+    count = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear) or name == "lm_head" or name.endswith(".lm_head"):
+            continue
+        w = module.weight.data.float()
+        amax = w.abs().amax(dim=1) if scheme == "pcpt" else w.abs().amax()
+        scale = (amax / 448).clamp_min(1e-12)
+        q = (w / (scale[:, None] if scheme == "pcpt" else scale)).clamp(-448, 448).to(FP8_DTYPE)
+        del w
+        input_scale = None if scheme == "pcpt" else torch.tensor(32 / 448, device=q.device)
+        fp8 = Fp8Linear(q, scale.float(), input_scale, DYNAMIC if scheme == "pcpt" else STATIC,
+                        module.bias.data if module.bias is not None else None)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, fp8)
+        count += 1
+    return count
+
+
 def make_llm(args, enforce_eager, **llm_kwargs):
     import hybrid.llm as L
     from hybrid.config import parse_config
 
     cfg = parse_config(CONFIG)
     L.load_config = lambda d: cfg
-    L.load_model = lambda d, c, device, dtype, **_: random_model(c, device, dtype)
+
+    def load(d, c, device, dtype, **_):
+        model = random_model(c, device, dtype)
+        if getattr(args, "fp8", "none") != "none":
+            print(f"FP8 ({args.fp8}): {quantize_projections(model, args.fp8)} projections", flush=True)
+            torch.cuda.empty_cache()
+        return model
+
+    L.load_model = load
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        llm_kwargs.setdefault("kv_cache_dtype", args.kv_cache_dtype)
     return L.LLM("/nonexistent-random-model", device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                  max_model_len=max(args.prompt, args.ctx) + 64, max_num_batched_tokens=args.prompt,
                  enforce_eager=enforce_eager, cuda_graph_sizes=sorted(set(args.batches)),
@@ -163,6 +202,10 @@ def main():
     ap.add_argument("--no-prefill", action="store_true", help="skip the 8K-prompt TTFT measurement")
     ap.add_argument("--greedy", type=int, default=0,
                     help="also generate this many greedy tokens for 4 fixed prompts (bf16- vs fp32-state agreement)")
+    ap.add_argument("--fp8", default="none", choices=["none", "pcpt", "static"],
+                    help="FP8 projections (the LM head stays bf16): per-channel + dynamic per-token, or "
+                         "per-tensor + static input scale")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--profile", action="store_true",
                     help="also print the GPU kernel time per kernel name of one graph replay per batch size")
     args = ap.parse_args()
@@ -177,12 +220,14 @@ def main():
     for s in range(max(args.batches)):
         llm.state_pool.allocate()
     g = torch.Generator(device=dev).manual_seed(0)
-    llm.kv_cache.kv.normal_(generator=g)
+    for layer in llm.kv_cache.kv:  # one layer at a time: an FP8 cache is filled through a bf16 draw
+        layer.copy_(torch.randn(layer.shape, generator=g, device=dev, dtype=torch.bfloat16))
     llm.state_pool.ssm_state.normal_(generator=g).mul_(0.1)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
     slot_bytes = llm.state_pool.shapes.bytes_per_slot(llm.state_pool.conv_state.dtype, llm.state_pool.ssm_state.dtype)
     cfg = llm.config
-    kv_token_bytes = len(cfg.attention_layers) * 2 * cfg.attention.num_kv_heads * cfg.attention.head_dim * 2
+    kv_token_bytes = (len(cfg.attention_layers) * 2 * cfg.attention.num_kv_heads * cfg.attention.head_dim
+                      * llm.kv_cache.kv.element_size())
     rows = []
     runner = llm.runner
     for n in args.batches:
@@ -200,7 +245,8 @@ def main():
     # the engine runs below (prefill TTFT, greedy tokens): give back the slots the synthetic batches used
     for s in list(llm.state_pool.live_slots):
         llm.state_pool.free(s)
-    result = dict(copy_bw_gbs=bw / 1e9, ssm_dtype=args.ssm_dtype, decode_kernels=args.decode_kernels,
+    result = dict(copy_bw_gbs=bw / 1e9, ssm_dtype=args.ssm_dtype, fp8=args.fp8, kv_cache_dtype=args.kv_cache_dtype,
+                  decode_kernels=args.decode_kernels,
                   fused_ops=not args.no_fused_ops, weights_gb=weight_bytes / 1e9, slot_mb=slot_bytes / 1e6,
                   memory_plan=llm.memory_plan.summary(max(args.batches), llm.max_model_len, llm.kv_cache.page_size),
                   decode=rows)

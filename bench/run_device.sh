@@ -67,6 +67,17 @@ if [[ $what == profile ]]; then
   timeout 300 python3 bench/bench_decode.py --steps 10 --no-eager --ssm-dtype bfloat16 --profile \
       --json "$OUT/bench_bf16.json" 2>&1 | tee "$OUT/bench_profile.log" || rc=1
 fi
+# fp8  the 8B shape in FP8 (per-channel weights, dynamic per-token activations; LM head bf16) next to
+#      bf16 in the same call, bf16 SSM state, graphs only (issue 17 item 5; ~6 minutes), then the FP8 KV
+#      cache on top of FP8 weights (decode only)
+if [[ $what == fp8 ]]; then
+  timeout 200 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --json "$OUT/decode_bf16.json" 2>&1 \
+      | tee "$OUT/decode_bf16.log" | grep -v Warn | tail -8 || rc=1
+  timeout 200 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt --json "$OUT/decode_fp8.json" 2>&1 \
+      | tee "$OUT/decode_fp8.log" | grep -v Warn | tail -8 || rc=1
+  timeout 120 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 --fp8 pcpt --kv-cache-dtype fp8 \
+      --json "$OUT/decode_fp8_kv.json" 2>&1 | tee "$OUT/decode_fp8_kv.log" | grep -v Warn | tail -8 || rc=1
+fi
 if [[ $what == generate ]]; then
   timeout 240 python3 bench/bench_generate.py --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" || rc=1
 fi

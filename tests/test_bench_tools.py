@@ -71,3 +71,28 @@ def test_serving_json(tiny_ckpt, tmp_path):
     assert saved["server_startup_s"] > 0 and saved["offline_error"] is None
     if saved["plot"] is not None:
         assert os.path.getsize(saved["plot"]) > 0
+
+
+@pytest.mark.parametrize("scheme", ["pcpt", "static"])
+def test_bench_decode_fp8_projections(tiny_ckpt, scheme):
+    """bench_decode.py --fp8: every projection but the LM head becomes an Fp8Linear of that scheme, and
+    the model still computes (per-channel + dynamic: nearly what it did; the static scheme's input
+    scale is not calibrated, so only finite)."""
+    from bench.bench_decode import quantize_projections
+    from hybrid import LLM, SamplingParams
+    from hybrid.fp8_linear import Fp8Linear
+    from hybrid.layers import Linear
+
+    sp = SamplingParams(max_tokens=1, logprobs=5, temperature=0.0)
+    llm = LLM(tiny_ckpt("nemotron_h"), device="cpu", max_num_seqs=2)
+    before = llm.generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)[0].outputs[0].logprobs[0]
+    linears = sum(isinstance(m, Linear) for m in llm.model.modules())
+    n = quantize_projections(llm.model, scheme)
+    fp8 = [m for m in llm.model.modules() if isinstance(m, Fp8Linear)]
+    assert n == len(fp8) == linears - 1 and isinstance(llm.model.lm_head, Linear)  # all but the LM head
+    assert all((m.input_scale is None) == (scheme == "pcpt") for m in fp8)
+    after = llm.generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)[0].outputs[0].logprobs[0]
+    assert all(v == v and abs(v) < float("inf") for v in after.values())
+    if scheme == "pcpt":
+        top = max(before, key=before.get)
+        assert top in after and abs(after[top] - before[top]) < 0.5
