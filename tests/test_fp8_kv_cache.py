@@ -184,3 +184,34 @@ def test_bad_scales_and_options_are_refused(tiny_ckpt, tmp_path):
         LLM(src, device="cpu", kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ConfigurationError, match="tensor_parallel_size > 1"):
         LLM(src, device="cpu", kv_cache_dtype="fp8", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("case", ["prefix_cache_and_forks", "speculation_and_preemption"])
+def test_fp8_cache_with_prefix_caching_speculation_and_preemption(tiny_ckpt, monkeypatch, case):
+    """The paths that copy or reuse KV pages (a prefix-cache hit, forks for n > 1, ngram verify rows,
+    preemption and replay with too few pages) over an e4m3 cache: exactly the fake-quantized fp32 run
+    under the same options, the sanitizer on, nothing leaked."""
+    path = tiny_ckpt("nemotron_h")
+    # the last prompt extends the first and is admitted after it (max_num_seqs=3): a prefix-cache hit
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [4, 9, 4, 9, 4], list(range(20, 38)), [5, 6, 7, 5, 6, 7, 5, 6, 9, 9]]
+    sps = [SamplingParams(n=2, max_tokens=12, **GREEDY), SamplingParams(max_tokens=10, temperature=0.8, seed=3,
+                                                                         ignore_eos=True),
+           SamplingParams(max_tokens=16, **GREEDY), SamplingParams(max_tokens=14, **GREEDY)]
+    kw = dict(device="cpu", max_num_seqs=3, page_size=4, max_model_len=48, check_state=True)
+    if case == "prefix_cache_and_forks":
+        kw.update(enable_prefix_caching=True)
+    else:
+        kw.update(num_kv_pages=13, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    ref = LLM(path, **kw)
+    _fake_quant_kv(monkeypatch, ref.runner.ctx.attention_backend)
+    want = ref.generate(prompts, sps, use_tqdm=False)
+    llm = LLM(path, kv_cache_dtype="fp8", **kw)
+    got = llm.generate(prompts, sps, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    stats = llm.engine.stats
+    if case == "prefix_cache_and_forks":
+        assert stats["prefix_cache_hits"] > 0, stats
+        assert llm.state_pool.num_free + len(llm.engine.prefix_cache) == llm.state_pool.num_slots
+    else:
+        assert stats["preemptions"] > 0 and stats["spec_verify_rows"] > 0, stats
+        assert llm.state_pool.num_free == llm.state_pool.num_slots
