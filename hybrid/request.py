@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybrid.errors import InvalidRequestError
-from hybrid.sampling import SamplingParams, generator_seed
+from hybrid.sampling import SampleStream, SamplingParams
 from hybrid.structured_outputs import SequenceGrammar
 
 
@@ -35,7 +35,7 @@ class Sequence:
     index: int
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: SampleStream | None  # the branch's random stream (hybrid.sampling), None if greedy
     arrival: int
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
@@ -136,15 +136,14 @@ class ScheduledChunk:
 
 
 def make_generator(params: SamplingParams, engine_seed: int, arrival: int, index: int,
-                   device: torch.device) -> torch.Generator | None:
-    """Branch `index`'s own generator (None for greedy requests): seeded from the request's seed, or
-    from the engine's seed and the request's arrival order."""
+                   device: torch.device | None = None) -> SampleStream | None:
+    """Branch `index`'s own random stream (None for greedy requests): seeded from the request's seed,
+    or from the engine's seed and the request's arrival order. Counter based and on the host, so
+    `device` plays no part: a seeded request samples the same tokens on any device."""
     if params.greedy:
         return None
-    g = torch.Generator(device=device)
     base = params.seed if params.seed is not None else engine_seed * 1_000_003 + arrival
-    g.manual_seed(generator_seed(base * 7919 + index))  # any int seed: reduced into the generator's range
-    return g
+    return SampleStream(base * 7919 + index)  # any int seed: reduced into the 64-bit range
 
 
 def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:

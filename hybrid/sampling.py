@@ -1,13 +1,37 @@
 """Sampling parameters and the sampler.
 
-Each request draws from its own torch.Generator, seeded from `seed` (or from the engine's seed and
-the request's arrival order), so a seeded request samples the same tokens whatever else is in
-the batch. Any Python int is a valid seed: the generator's seed is reduced modulo 2**64 (its
-range; see generator_seed), so seeds that differ by a multiple of 2**64 sample the same tokens.
+Each request branch draws from its own counter-based stream (SampleStream): draw i of a stream is
+splitmix64 of the stream's key (from `seed`, or from the engine's seed and the request's arrival
+order) and of i, computed on the host in Python integers. A sampled row takes exactly one draw per
+token, so a seeded request samples the same tokens whatever else is in the batch, whatever the batch
+size, on CPU and on CUDA, with or without speculation or preemption. Any Python int is a valid seed:
+it is reduced modulo 2**64 (see generator_seed), so seeds that differ by a multiple of 2**64 sample
+the same tokens.
+
+How a sampled row picks its token (sample_tokens): temperature, top-k, then top-p over the
+top-k-renormalised probabilities, then min-p (relative to the top probability), then one draw from
+what is left by inverse CDF over the kept tokens in vocabulary order. The masses are fixed point
+(probability * 2**52 as int64), so every sum and cumulative sum is exact, whatever the order or the
+device; the floats are the softmax and one multiplication per top-p threshold. The cut-offs are
+values: a token is kept when its logit is at least the k-th largest (top-k), when the top-k mass
+strictly above its probability is below top_p (top-p), when its probability is at least min_p times
+the top one (min-p); tied tokens are kept or dropped together (the sort-order tie-break of a
+position-based cut would make the kept set depend on the sort).
+
+No full-vocabulary sort in the common case: the candidates are the top C logits (torch.topk,
+C = max(PREFILTER_CANDIDATES, largest top_k + 1)). The thresholds come from them, and the row is
+exact from them when they provably hold every token it can keep: the smallest candidate is below the
+top-k value, the top-p cut or the min-p floor, or weighs nothing (and the top-k mass top-p divides
+by is all among them). A row that fails the check (a flat distribution whose nucleus is wider than
+C) is redone over its full row, on CUDA by one Triton kernel with no host sync (_fallback_kernel),
+elsewhere from a full sort of only those rows: the same thresholds and the same draw, so the token
+does not depend on C or on the path. Rows without top-k/top-p/min-p draw over the full row (no topk).
 """
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,10 +39,13 @@ import torch
 
 from hybrid.batch import to_device
 from hybrid.errors import InvalidRequestError
+from hybrid.ops.triton_guard import HAS_TRITON, tl, triton
 from hybrid.structured_outputs import StructuredOutputsParams  # re-exported: hybrid.sampling.StructuredOutputsParams
 
-# torch.Generator.manual_seed takes a 64-bit value (a negative one is read as its two's complement)
-# and raises OverflowError beyond that range.
+logger = logging.getLogger(__name__)
+
+# Seeds are 64-bit (SampleStream; torch.Generator.manual_seed takes the same range and raises
+# OverflowError beyond it).
 GENERATOR_SEED_RANGE = 2**64
 
 
@@ -30,6 +57,64 @@ def generator_seed(value: int) -> int:
     """`value` reduced into the generator's seed range [0, 2**64), deterministically. For every value
     torch already accepted (-2**63 .. 2**64 - 1) the generator's stream is unchanged."""
     return value % GENERATOR_SEED_RANGE
+
+
+# Prefilter size of sample_tokens: the top this-many logits of a row with top-k/top-p/min-p (raised to
+# top_k + 1 for larger top_k). A row whose kept tokens do not provably fit is redone over its full row.
+PREFILTER_CANDIDATES = 1024
+
+# Fixed point of the sampler's masses: a probability p weighs trunc(p * 2**52) (int64; a row sums to
+# at most 2**52 + rounding, far from overflow).
+FIXED_ONE = 1 << 52
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: SplitMix64's increment
+_STREAM_SALT = 0x5DEECE66D1CE4E5B  # keeps a stream's key apart from its seed
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64 (Steele, Lea, Flood 2014): the output for state x (Python ints, mod 2**64).
+    splitmix64(0) == 0xE220A8397B1DCDAF, the generator's first output from seed 0."""
+    z = (x + _GOLDEN) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+class SampleStream:
+    """A request branch's random numbers, counter based: draw i is a function of (seed, i) only,
+    computed on the host, so it is the same on CPU and CUDA, in any batch, after any preemption.
+    The sampler takes one draw per sampled token (sample_tokens); `draws` counts them."""
+
+    __slots__ = ("seed", "key", "draws")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = generator_seed(seed)  # any int, reduced modulo 2**64
+        self.key = splitmix64(self.seed ^ _STREAM_SALT)
+        self.draws = 0
+
+    def draw_at(self, i: int) -> int:
+        """Draw i as 53 random bits (an int in [0, 2**53)): the token's uniform is this * 2**-53."""
+        return splitmix64((self.key + i * _GOLDEN) & _M64) >> 11
+
+    def next_draw(self) -> int:
+        d = self.draw_at(self.draws)
+        self.draws += 1
+        return d
+
+    def __repr__(self) -> str:
+        return f"SampleStream(seed={self.seed}, draws={self.draws})"
+
+
+def _draw(generator: "SampleStream | torch.Generator | None") -> int:
+    """One 53-bit draw for a sampled row: from its SampleStream; from a torch.Generator (callers
+    outside the engine: one randint from it, a host sync if it is a CUDA generator); or, with
+    neither, from torch's default CPU generator (fresh randomness unless torch.manual_seed was set)."""
+    if isinstance(generator, SampleStream):
+        return generator.next_draw()
+    if isinstance(generator, torch.Generator):
+        return int(torch.randint(0, 2**53, (1,), generator=generator, device=generator.device))
+    return int(torch.randint(0, 2**53, (1,)))
 
 
 @dataclass
@@ -132,17 +217,25 @@ class SamplingParams:
         return bool(self.logit_bias) or self.min_tokens > 0 or self.penalised
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Next token for one request from its fp32 logits row [V] (syncs: for the rare per-row paths)."""
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: "SampleStream | torch.Generator | None") -> int:
+    """Next token for one request from its fp32 logits row [V] (syncs: for the rare per-row paths).
+    Takes one draw from `generator`, as sample_tokens does for the row."""
     return int(sample_tokens(logits[None], [params], [generator])[0][0])
 
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams | None],
-                  generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+                  generators: list["SampleStream | torch.Generator | None"], *,
+                  candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token of every logits row [R, V] (fp32), on the device and without a host sync, so that a
     step can be launched before the previous one's tokens reach the host (Engine async scheduling).
-    Row i follows params[i] (None: argmax) and draws its noise from generators[i]: the same math and
-    the same generator draws as sample_row, so a row's token does not depend on the other rows.
+    Row i follows params[i] (None: argmax) and takes one draw from generators[i] (a SampleStream;
+    see _draw for the other kinds): a row's token is a function of its own logits, parameters and
+    draw only, never of the other rows (nor of `candidates`, the prefilter size, default
+    PREFILTER_CANDIDATES), and sample_row is the same on one row.
+
+    No host sync on CUDA (with triton: rows the prefilter does not cover are redone by a kernel);
+    with HYBRID_SAMPLER_FALLBACK=sync, or without triton, finding those rows reads one tensor back
+    (see _sample_filtered). On CPU the same host check costs nothing.
 
     Also returns `finite` [R] (bool): whether the row's maximum is finite. It costs a gather of R
     values on top of the argmax every row needs anyway: argmax propagates NaN (a NaN anywhere in a
@@ -154,39 +247,311 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams | None],
     if not rows:
         return tokens, finite
     dev = logits.device
-    index = to_device(rows, torch.long, dev)
-    temps = to_device([params[i].temperature for i in rows], logits.dtype, dev)
-    scaled = logits[index] / temps[:, None]
-    top_k = [params[i].top_k for i in rows]
-    if any(k != -1 and k < logits.shape[-1] for k in top_k):
-        k_eff = [k if k != -1 and k < logits.shape[-1] else 0 for k in top_k]  # 0: no top-k on this row
-        kth = torch.topk(scaled, max(k_eff), dim=-1).values
-        pick = to_device([max(k, 1) - 1 for k in k_eff], torch.long, dev)
-        kth = kth.gather(1, pick[:, None])
-        on = to_device([k > 0 for k in k_eff], torch.bool, dev)
-        scaled = scaled.masked_fill(on[:, None] & (scaled < kth), float("-inf"))
-    top_p = [params[i].top_p for i in rows]
-    if any(p < 1.0 for p in top_p):
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs
-        limit = to_device(top_p, probs.dtype, dev)
-        drop_sorted = before >= limit[:, None]  # a row with top_p 1 drops nothing (before < 1 up to rounding)
-        drop_sorted &= (limit < 1.0)[:, None]
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
-    min_p = [params[i].min_p for i in rows]
-    if any(p > 0.0 for p in min_p):
-        probs = torch.softmax(scaled, dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * to_device(min_p, probs.dtype, dev)[:, None]
-        scaled = scaled.masked_fill(probs < floor, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one RNG draw per vocab entry
-    noise = torch.empty_like(probs)
-    for j, i in enumerate(rows):  # each row from its own generator (as many draws as sample_row makes)
-        noise[j].exponential_(1.0, generator=generators[i])
-    tokens[index] = torch.argmax(probs / noise, dim=-1)
+    draws = [_draw(generators[i]) for i in rows]  # one draw per sampled row, on the host
+    every = len(rows) == logits.shape[0]
+    index = None if every else to_device(rows, torch.long, dev)
+    chosen = _sample_rows(logits if every else logits[index], [params[i] for i in rows], draws,
+                          PREFILTER_CANDIDATES if candidates is None else candidates)
+    if every:
+        return chosen, finite
+    tokens[index] = chosen
     return tokens, finite
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], draws: list[int], candidates: int) -> torch.Tensor:
+    """Token of each row [S, V] of a sampled row (params[j]) from its 53-bit draw."""
+    dev = logits.device
+    S, V = logits.shape
+    temps = to_device([p.temperature for p in params], logits.dtype, dev)
+    scaled = logits / temps[:, None]
+    probs = torch.softmax(scaled, dim=-1)  # one kernel per row: the same values whatever the batch
+    u = to_device([d * 2.0**-53 for d in draws], torch.float64, dev)  # exact: d < 2**53
+    filtered = [j for j, p in enumerate(params) if (1 <= p.top_k < V) or p.top_p < 1.0 or p.min_p > 0.0]
+    if not filtered:  # temperature only: the draw over the whole row in vocabulary order
+        return _draw_kept(None, probs, None, u)
+    if len(filtered) == S:
+        return _sample_filtered(scaled, probs, params, u, candidates)
+    plain = sorted(set(range(S)) - set(filtered))
+    out = torch.empty(S, dtype=torch.long, device=dev)
+    f, pl = to_device(filtered, torch.long, dev), to_device(plain, torch.long, dev)
+    out[pl] = _draw_kept(None, probs[pl], None, u[pl])
+    out[f] = _sample_filtered(scaled[f], probs[f], [params[j] for j in filtered], u[f], candidates)
+    return out
+
+
+def fixed_point(probs: torch.Tensor) -> torch.Tensor:
+    """Probabilities as int64 multiples of 2**-52 (truncated): sums of them are exact, in any order
+    and on any device. A token below 2**-52 weighs nothing (a whole 2**17 vocabulary of them 3e-11)."""
+    return (probs * FIXED_ONE).to(torch.int64)
+
+
+def _pick(cum: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Position of each row's draw in its exact cumulative masses cum [S, L] (non-decreasing): the
+    first position whose cumulative mass exceeds floor(u * total). A zero-mass position is never picked."""
+    total = cum[:, -1]
+    target = torch.minimum((u * total.to(torch.float64)).floor().to(torch.int64), total - 1).clamp_(min=0)
+    return torch.searchsorted(cum, target[:, None], right=True)[:, 0].clamp_(max=cum.shape[1] - 1)
+
+
+@dataclass
+class _Knobs:
+    """Per-row filter parameters on the device (None: no row uses that filter)."""
+    top_k: torch.Tensor | None  # [S] int64, 0: off
+    top_p: torch.Tensor | None  # [S] float64, 1: off
+    min_p: torch.Tensor | None  # [S] float32, 0: off
+
+    def rows(self, index: torch.Tensor) -> "_Knobs":
+        return _Knobs(*(None if t is None else t[index] for t in (self.top_k, self.top_p, self.min_p)))
+
+
+@dataclass
+class _Cuts:
+    """Each row's kept set as thresholds: a token is kept when its scaled logit is >= kth (top-k), its
+    probability >= cut (top-p) and >= floor (min-p). None: no row has that filter."""
+    kth: torch.Tensor | None  # [S] fp32, -inf: off
+    cut: torch.Tensor | None  # [S] fp32, 0: off
+    floor: torch.Tensor | None  # [S] fp32, 0: off
+
+    def drop(self, scaled: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """[S, L]: the tokens (scaled logits, probabilities) the thresholds drop."""
+        out = torch.zeros_like(probs, dtype=torch.bool)
+        if self.kth is not None:
+            out |= scaled < self.kth[:, None]
+        if self.cut is not None:
+            out |= probs < self.cut[:, None]
+        if self.floor is not None:
+            out |= probs < self.floor[:, None]
+        return out
+
+    def rows(self, index: torch.Tensor) -> "_Cuts":
+        return _Cuts(*(None if t is None else t[index] for t in (self.kth, self.cut, self.floor)))
+
+
+def _cuts(vals: torch.Tensor, probs: torch.Tensor, knobs: _Knobs) -> tuple[_Cuts, torch.Tensor]:
+    """(thresholds, covered) of each row from its top-L tokens sorted by value: scaled logits `vals`
+    [S, L] (descending; equal values in any order) and their probabilities. `covered` [S]: the
+    thresholds are exact and drop every token past the L-th, so the row's kept set is among these L
+    (a full row, L = V, always is)."""
+    q = fixed_point(probs)
+    weightless = q[:, -1] == 0  # the tokens past the L-th weigh nothing (probabilities fall along the row)
+    covered = weightless.clone()
+    kth = cut = floor = mass_ok = None  # mass_ok: rows whose top-k mass (top-p's total) is all here
+    if knobs.top_k is not None:  # keep the top_k largest logits and every logit equal to the k-th
+        on = knobs.top_k > 0
+        kth = vals.gather(1, (knobs.top_k - 1).clamp(min=0)[:, None])[:, 0]
+        kth = torch.where(on, kth, float("-inf"))
+        q = q.masked_fill(vals < kth[:, None], 0)
+        past_k = on & (vals[:, -1] < kth)  # the top-k set ends before the L-th token
+        covered |= past_k
+        mass_ok = ~on | past_k | weightless
+    if knobs.top_p is not None:  # keep a token if the top-k mass above its probability is below top_p
+        cum = q.cumsum(dim=-1)
+        above = cum - q  # at a run of equal probabilities the first one's is the mass above them all
+        on = knobs.top_p < 1.0
+        total = torch.full_like(cum[:, -1], FIXED_ONE)  # without top-k: all of the mass (1)
+        if knobs.top_k is not None:
+            total = torch.where(knobs.top_k > 0, cum[:, -1], total)
+        inside = above.to(torch.float64) < (total.to(torch.float64) * knobs.top_p)[:, None]  # a prefix
+        last = inside.sum(dim=-1) - 1  # >= 0: nothing is above the first token
+        cut = probs.gather(1, last.clamp(min=0)[:, None])[:, 0]  # the smallest probability kept
+        cut = torch.where(on, cut, 0.0)
+        covered |= on & (probs[:, -1] < cut)
+        if mass_ok is not None:
+            mass_ok |= ~on
+    if knobs.min_p is not None:  # keep a token if its probability is at least min_p times the top one's
+        floor = probs[:, 0] * knobs.min_p
+        covered |= (knobs.min_p > 0.0) & (probs[:, -1] < floor)
+    if mass_ok is not None and knobs.top_p is not None:
+        covered &= mass_ok  # (after min-p: a min-p floor past the L-th token does not make a wrong total right)
+    return _Cuts(kth, cut, floor), covered
+
+
+def _draw_kept(scaled: torch.Tensor | None, probs: torch.Tensor, cuts: _Cuts | None, u: torch.Tensor) -> torch.Tensor:
+    """Position of each row's draw [S] among its tokens [S, L] (in vocabulary order): inverse CDF over
+    the fixed-point masses of the tokens the thresholds keep."""
+    q = fixed_point(probs)
+    if cuts is not None:
+        q = q.masked_fill(cuts.drop(scaled, probs), 0)
+    return _pick(q.cumsum(dim=-1), u)
+
+
+def _sample_filtered(scaled: torch.Tensor, probs: torch.Tensor, params: list[SamplingParams], u: torch.Tensor,
+                     candidates: int) -> torch.Tensor:
+    """Rows with top-k, top-p or min-p: the thresholds from the top-C candidates and the draw among
+    them (in vocabulary order) where they cover the row; the other rows are redone over the full row.
+
+    The redo, without a host sync: on CUDA (with triton) one kernel, a program per row that returns
+    at once for a covered row and otherwise finds the exact top-p cut over the full row by a
+    search on the probabilities' bits, then draws (_fallback_kernel). Elsewhere (CPU: no sync to
+    avoid) the rows that need it are found on the host and their thresholds taken from a full sort.
+    Both draw the same token: the same thresholds, the same fixed-point masses in the same order."""
+    dev = scaled.device
+    S, V = scaled.shape
+    k = [p.top_k if 1 <= p.top_k < V else 0 for p in params]  # 0: no top-k on this row
+    C = min(V, max(candidates, max(k) + 1))
+    knobs = _Knobs(
+        top_k=to_device(k, torch.long, dev) if any(k) else None,
+        top_p=to_device([p.top_p for p in params], torch.float64, dev) if any(p.top_p < 1.0 for p in params) else None,
+        min_p=to_device([p.min_p for p in params], probs.dtype, dev) if any(p.min_p > 0.0 for p in params) else None)
+    if C == V:  # the candidates would be the whole row
+        vals, order = torch.sort(scaled, dim=-1, descending=True)
+        return _draw_kept(scaled, probs, _cuts(vals, probs.gather(1, order), knobs)[0], u)
+    vals, ids = torch.topk(scaled, C, dim=-1)  # sorted by value; the order of equal values is unspecified
+    cand_p = probs.gather(1, ids)
+    cuts, covered = _cuts(vals, cand_p, knobs)
+    ids, by_id = torch.sort(ids, dim=-1)  # the draw runs in vocabulary order
+    pos = _draw_kept(vals.gather(1, by_id), cand_p.gather(1, by_id), cuts, u)
+    tokens = ids.gather(1, pos[:, None])[:, 0]
+    if _use_kernel(scaled):
+        _fallback_kernel_launch(scaled, probs, covered, cuts, knobs, u, tokens)
+    else:
+        _redo_sorted(scaled, probs, covered, knobs, u, tokens)
+    return tokens
+
+
+def _redo_sorted(scaled: torch.Tensor, probs: torch.Tensor, covered: torch.Tensor, knobs: _Knobs, u: torch.Tensor,
+                 tokens: torch.Tensor) -> None:
+    """Overwrite tokens[r] of every row r not covered by its candidates with its draw over the full
+    row, the thresholds from a full sort of only those rows (found on the host: a sync on CUDA)."""
+    miss = (~covered).nonzero()[:, 0]
+    if miss.numel():
+        row_vals, order = torch.sort(scaled[miss], dim=-1, descending=True)
+        row_p = probs[miss]
+        row_cuts = _cuts(row_vals, row_p.gather(1, order), knobs.rows(miss))[0]
+        tokens[miss] = _draw_kept(scaled[miss], row_p, row_cuts, u[miss])
+
+
+# ---------------------------------------------------------------- the fallback kernel (CUDA)
+# "kernel": the redo of uncovered rows in one Triton launch, no sync (CUDA with triton);
+# "sync": find them on the host (the CPU path; a host sync on CUDA). HYBRID_SAMPLER_FALLBACK sets it.
+FALLBACK = os.environ.get("HYBRID_SAMPLER_FALLBACK", "kernel")
+_kernel_failed: list[str] = []
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    return t.is_cuda and HAS_TRITON and FALLBACK == "kernel" and not _kernel_failed
+
+
+def _fallback_kernel_launch(scaled: torch.Tensor, probs: torch.Tensor, covered: torch.Tensor, cuts: _Cuts,
+                            knobs: _Knobs, u: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Overwrite tokens[r] of every row r not covered by its candidates with its draw over the full
+    row (the token _redo_sorted draws), in one launch and without a sync; covered rows return at once."""
+    S, V = scaled.shape
+    dev = scaled.device
+    scaled, probs = scaled.contiguous(), probs.contiguous()
+    none = torch.empty(1, device=dev)
+    top_k = knobs.top_k.contiguous() if knobs.top_k is not None else none
+    kth = cuts.kth.contiguous() if cuts.kth is not None else none
+    top_p = knobs.top_p.contiguous() if knobs.top_p is not None else none
+    floor = cuts.floor.contiguous() if cuts.floor is not None else none
+    try:
+        _fallback_kernel[(S,)](
+            scaled, probs, covered.to(torch.int32), top_k, kth, top_p, floor, u.contiguous(), tokens, V,
+            TOP_K=cuts.kth is not None, TOP_P=knobs.top_p is not None, MIN_P=cuts.floor is not None,
+            BLOCK=1024, PIVOTS=8, PASSES=12, num_warps=8)
+    except Exception as e:  # a compile failure (raised before anything runs): the torch redo from now on
+        _kernel_failed.append(repr(e))
+        logger.warning("sampler fallback kernel unavailable (%r): uncovered rows are found with a host sync", e)
+        _redo_sorted(scaled, probs, covered, knobs, u, tokens)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fixed(p):
+        return (p * 4503599627370496.0).to(tl.int64)  # fixed_point: p * 2**52, truncated
+
+    @triton.jit
+    def _fallback_kernel(v_ptr, p_ptr, covered_ptr, top_k_ptr, kth_ptr, top_p_ptr, floor_ptr, u_ptr, out_ptr, V,
+                         TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
+                         BLOCK: tl.constexpr, PIVOTS: tl.constexpr, PASSES: tl.constexpr):
+        """One program per row. A covered row returns at once. Otherwise: the top-k mass (top-p's
+        total) over the full row, the top-p cut as the smallest probability bit pattern K whose mass
+        strictly above is below top_p * total (a PIVOTS-ary search over the bits of the non-negative
+        fp32 probabilities, ordered as integers), then the inverse-CDF draw over the kept tokens in
+        vocabulary order, with the same fixed-point masses as the torch path."""
+        row = tl.program_id(0).to(tl.int64)
+        cov = tl.load(covered_ptr + row)
+        if cov == 0:
+            v_row = v_ptr + row * V
+            p_row = p_ptr + row * V
+            offs = tl.arange(0, BLOCK)
+            kth = float("-inf")
+            if TOP_K:
+                kth = tl.load(kth_ptr + row)
+            floor = 0.0
+            if MIN_P:
+                floor = tl.load(floor_ptr + row)
+            zero64 = cov.to(tl.int64) * 0
+            # top-p: the cut's bit pattern; 0 keeps every probability
+            cut_key = cov * 0  # int32 0
+            if TOP_P:
+                top_p = tl.load(top_p_ptr + row)
+                if top_p < 1.0:
+                    total = zero64 + 4503599627370496  # without top-k: all of the mass (FIXED_ONE)
+                    if TOP_K:
+                        if tl.load(top_k_ptr + row) > 0:  # (kth may be -inf: fewer finite logits than k)
+                            acc = zero64
+                            for start in range(0, V, BLOCK):
+                                idx = start + offs
+                                m = idx < V
+                                p = tl.load(p_row + idx, mask=m, other=0.0)
+                                v = tl.load(v_row + idx, mask=m, other=float("-inf"))
+                                acc += tl.sum(tl.where(m & (v >= kth), _fixed(p), 0), axis=0)
+                            total = acc
+                    target = total.to(tl.float64) * top_p
+                    # invariant: mass strictly above lo >= target > mass strictly above hi
+                    lo = zero64 - 1
+                    hi = zero64 + 0x7F800000  # +inf's bits: nothing is above it
+                    j = tl.arange(0, PIVOTS).to(tl.int64)
+                    for _ in range(0, PASSES):  # each pass divides hi - lo by PIVOTS: PIVOTS**PASSES > 2**31
+                        step = (hi - lo + PIVOTS - 1) // PIVOTS
+                        piv = tl.minimum(lo + j * step, hi)  # piv[0] = lo
+                        piv32 = piv.to(tl.int32)  # (-1 .. 0x7F800000: int32 compares)
+                        acc = tl.zeros([PIVOTS], dtype=tl.int64)
+                        for start in range(0, V, BLOCK):
+                            idx = start + offs
+                            m = idx < V
+                            p = tl.load(p_row + idx, mask=m, other=0.0)
+                            key = p.to(tl.int32, bitcast=True)
+                            w = tl.where(m, _fixed(p), 0)
+                            if TOP_K:
+                                v = tl.load(v_row + idx, mask=m, other=float("-inf"))
+                                w = tl.where(v >= kth, w, 0)
+                            acc += tl.sum(tl.where(key[:, None] > piv32[None, :], w[:, None], 0), axis=0)
+                        big = acc.to(tl.float64) >= target  # a prefix of the pivots (mass falls with the key)
+                        lo = tl.max(tl.where(big, piv, lo), axis=0)
+                        hi = tl.min(tl.where(big, hi, piv), axis=0)
+                    cut_key = hi.to(tl.int32)  # kept: mass strictly above < target, i.e. key >= hi
+            # the draw: inverse CDF over the kept tokens' masses in vocabulary order
+            kept_total = zero64
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                m = idx < V
+                p = tl.load(p_row + idx, mask=m, other=0.0)
+                keep = m & (p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor)
+                if TOP_K:
+                    v = tl.load(v_row + idx, mask=m, other=float("-inf"))
+                    keep = keep & (v >= kth)
+                kept_total += tl.sum(tl.where(keep, _fixed(p), 0), axis=0)
+            u = tl.load(u_ptr + row)
+            t = tl.minimum((u * kept_total.to(tl.float64)).to(tl.int64), kept_total - 1)
+            t = tl.maximum(t, 0)
+            running = zero64
+            found = zero64 + V
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                m = idx < V
+                p = tl.load(p_row + idx, mask=m, other=0.0)
+                keep = m & (p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor)
+                if TOP_K:
+                    v = tl.load(v_row + idx, mask=m, other=float("-inf"))
+                    keep = keep & (v >= kth)
+                w = tl.where(keep, _fixed(p), 0)
+                cum = tl.cumsum(w, axis=0) + running
+                found = tl.minimum(found, tl.min(tl.where(m & (cum > t), idx.to(tl.int64), V), axis=0))
+                running += tl.sum(w, axis=0)
+            tl.store(out_ptr + row, tl.minimum(found, V - 1))
 
 
 def process_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generated: list[int],
