@@ -39,24 +39,15 @@ import torch
 
 from hybrid.batch import to_device
 from hybrid.errors import InvalidRequestError
-from hybrid.ops.triton_guard import HAS_TRITON, tl, triton
+from hybrid.ops import triton_sampling
+from hybrid.sample_stream import GENERATOR_SEED_RANGE, SampleStream, draw_bits, generator_seed, splitmix64  # noqa: F401
+from hybrid.ops.triton_guard import HAS_TRITON
 from hybrid.structured_outputs import StructuredOutputsParams  # re-exported: hybrid.sampling.StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-# Seeds are 64-bit (SampleStream; torch.Generator.manual_seed takes the same range and raises
-# OverflowError beyond it).
-GENERATOR_SEED_RANGE = 2**64
-
-
 # Temperatures below this sample greedily (see SamplingParams.greedy).
 GREEDY_TEMPERATURE = 1e-5
-
-
-def generator_seed(value: int) -> int:
-    """`value` reduced into the generator's seed range [0, 2**64), deterministically. For every value
-    torch already accepted (-2**63 .. 2**64 - 1) the generator's stream is unchanged."""
-    return value % GENERATOR_SEED_RANGE
 
 
 # Prefilter size of sample_tokens: the top this-many logits of a row with top-k/top-p/min-p (raised to
@@ -66,56 +57,6 @@ PREFILTER_CANDIDATES = 1024
 # Fixed point of the sampler's masses: a probability p weighs trunc(p * 2**52) (int64; a row sums to
 # at most 2**52 + rounding, far from overflow).
 FIXED_ONE = 1 << 52
-
-_M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: SplitMix64's increment
-_STREAM_SALT = 0x5DEECE66D1CE4E5B  # keeps a stream's key apart from its seed
-
-
-def splitmix64(x: int) -> int:
-    """SplitMix64 (Steele, Lea, Flood 2014): the output for state x (Python ints, mod 2**64).
-    splitmix64(0) == 0xE220A8397B1DCDAF, the generator's first output from seed 0."""
-    z = (x + _GOLDEN) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
-
-
-class SampleStream:
-    """A request branch's random numbers, counter based: draw i is a function of (seed, i) only,
-    computed on the host, so it is the same on CPU and CUDA, in any batch, after any preemption.
-    The sampler takes one draw per sampled token (sample_tokens); `draws` counts them."""
-
-    __slots__ = ("seed", "key", "draws")
-
-    def __init__(self, seed: int) -> None:
-        self.seed = generator_seed(seed)  # any int, reduced modulo 2**64
-        self.key = splitmix64(self.seed ^ _STREAM_SALT)
-        self.draws = 0
-
-    def draw_at(self, i: int) -> int:
-        """Draw i as 53 random bits (an int in [0, 2**53)): the token's uniform is this * 2**-53."""
-        return splitmix64((self.key + i * _GOLDEN) & _M64) >> 11
-
-    def next_draw(self) -> int:
-        d = self.draw_at(self.draws)
-        self.draws += 1
-        return d
-
-    def __repr__(self) -> str:
-        return f"SampleStream(seed={self.seed}, draws={self.draws})"
-
-
-def _draw(generator: "SampleStream | torch.Generator | None") -> int:
-    """One 53-bit draw for a sampled row: from its SampleStream; from a torch.Generator (callers
-    outside the engine: one randint from it, a host sync if it is a CUDA generator); or, with
-    neither, from torch's default CPU generator (fresh randomness unless torch.manual_seed was set)."""
-    if isinstance(generator, SampleStream):
-        return generator.next_draw()
-    if isinstance(generator, torch.Generator):
-        return int(torch.randint(0, 2**53, (1,), generator=generator, device=generator.device))
-    return int(torch.randint(0, 2**53, (1,)))
-
 
 @dataclass
 class SamplingParams:
@@ -247,7 +188,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams | None],
     if not rows:
         return tokens, finite
     dev = logits.device
-    draws = [_draw(generators[i]) for i in rows]  # one draw per sampled row, on the host
+    draws = [draw_bits(generators[i]) for i in rows]  # one draw per sampled row, on the host
     every = len(rows) == logits.shape[0]
     index = None if every else to_device(rows, torch.long, dev)
     chosen = _sample_rows(logits if every else logits[index], [params[i] for i in rows], draws,
@@ -445,7 +386,7 @@ def _fallback_kernel_launch(scaled: torch.Tensor, probs: torch.Tensor, covered: 
     top_p = knobs.top_p.contiguous() if knobs.top_p is not None else none
     floor = cuts.floor.contiguous() if cuts.floor is not None else none
     try:
-        _fallback_kernel[(S,)](
+        triton_sampling.fallback_kernel[(S,)](
             scaled, probs, covered.to(torch.int32), top_k, kth, top_p, floor, u.contiguous(), tokens, V,
             TOP_K=cuts.kth is not None, TOP_P=knobs.top_p is not None, MIN_P=cuts.floor is not None,
             BLOCK=1024, PIVOTS=8, PASSES=12, num_warps=8)
@@ -453,105 +394,6 @@ def _fallback_kernel_launch(scaled: torch.Tensor, probs: torch.Tensor, covered: 
         _kernel_failed.append(repr(e))
         logger.warning("sampler fallback kernel unavailable (%r): uncovered rows are found with a host sync", e)
         _redo_sorted(scaled, probs, covered, knobs, u, tokens)
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _fixed(p):
-        return (p * 4503599627370496.0).to(tl.int64)  # fixed_point: p * 2**52, truncated
-
-    @triton.jit
-    def _fallback_kernel(v_ptr, p_ptr, covered_ptr, top_k_ptr, kth_ptr, top_p_ptr, floor_ptr, u_ptr, out_ptr, V,
-                         TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
-                         BLOCK: tl.constexpr, PIVOTS: tl.constexpr, PASSES: tl.constexpr):
-        """One program per row. A covered row returns at once. Otherwise: the top-k mass (top-p's
-        total) over the full row, the top-p cut as the smallest probability bit pattern K whose mass
-        strictly above is below top_p * total (a PIVOTS-ary search over the bits of the non-negative
-        fp32 probabilities, ordered as integers), then the inverse-CDF draw over the kept tokens in
-        vocabulary order, with the same fixed-point masses as the torch path."""
-        row = tl.program_id(0).to(tl.int64)
-        cov = tl.load(covered_ptr + row)
-        if cov == 0:
-            v_row = v_ptr + row * V
-            p_row = p_ptr + row * V
-            offs = tl.arange(0, BLOCK)
-            kth = float("-inf")
-            if TOP_K:
-                kth = tl.load(kth_ptr + row)
-            floor = 0.0
-            if MIN_P:
-                floor = tl.load(floor_ptr + row)
-            zero64 = cov.to(tl.int64) * 0
-            # top-p: the cut's bit pattern; 0 keeps every probability
-            cut_key = cov * 0  # int32 0
-            if TOP_P:
-                top_p = tl.load(top_p_ptr + row)
-                if top_p < 1.0:
-                    total = zero64 + 4503599627370496  # without top-k: all of the mass (FIXED_ONE)
-                    if TOP_K:
-                        if tl.load(top_k_ptr + row) > 0:  # (kth may be -inf: fewer finite logits than k)
-                            acc = zero64
-                            for start in range(0, V, BLOCK):
-                                idx = start + offs
-                                m = idx < V
-                                p = tl.load(p_row + idx, mask=m, other=0.0)
-                                v = tl.load(v_row + idx, mask=m, other=float("-inf"))
-                                acc += tl.sum(tl.where(m & (v >= kth), _fixed(p), 0), axis=0)
-                            total = acc
-                    target = total.to(tl.float64) * top_p
-                    # invariant: mass strictly above lo >= target > mass strictly above hi
-                    lo = zero64 - 1
-                    hi = zero64 + 0x7F800000  # +inf's bits: nothing is above it
-                    j = tl.arange(0, PIVOTS).to(tl.int64)
-                    for _ in range(0, PASSES):  # each pass divides hi - lo by PIVOTS: PIVOTS**PASSES > 2**31
-                        step = (hi - lo + PIVOTS - 1) // PIVOTS
-                        piv = tl.minimum(lo + j * step, hi)  # piv[0] = lo
-                        piv32 = piv.to(tl.int32)  # (-1 .. 0x7F800000: int32 compares)
-                        acc = tl.zeros([PIVOTS], dtype=tl.int64)
-                        for start in range(0, V, BLOCK):
-                            idx = start + offs
-                            m = idx < V
-                            p = tl.load(p_row + idx, mask=m, other=0.0)
-                            key = p.to(tl.int32, bitcast=True)
-                            w = tl.where(m, _fixed(p), 0)
-                            if TOP_K:
-                                v = tl.load(v_row + idx, mask=m, other=float("-inf"))
-                                w = tl.where(v >= kth, w, 0)
-                            acc += tl.sum(tl.where(key[:, None] > piv32[None, :], w[:, None], 0), axis=0)
-                        big = acc.to(tl.float64) >= target  # a prefix of the pivots (mass falls with the key)
-                        lo = tl.max(tl.where(big, piv, lo), axis=0)
-                        hi = tl.min(tl.where(big, hi, piv), axis=0)
-                    cut_key = hi.to(tl.int32)  # kept: mass strictly above < target, i.e. key >= hi
-            # the draw: inverse CDF over the kept tokens' masses in vocabulary order
-            kept_total = zero64
-            for start in range(0, V, BLOCK):
-                idx = start + offs
-                m = idx < V
-                p = tl.load(p_row + idx, mask=m, other=0.0)
-                keep = m & (p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor)
-                if TOP_K:
-                    v = tl.load(v_row + idx, mask=m, other=float("-inf"))
-                    keep = keep & (v >= kth)
-                kept_total += tl.sum(tl.where(keep, _fixed(p), 0), axis=0)
-            u = tl.load(u_ptr + row)
-            t = tl.minimum((u * kept_total.to(tl.float64)).to(tl.int64), kept_total - 1)
-            t = tl.maximum(t, 0)
-            running = zero64
-            found = zero64 + V
-            for start in range(0, V, BLOCK):
-                idx = start + offs
-                m = idx < V
-                p = tl.load(p_row + idx, mask=m, other=0.0)
-                keep = m & (p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor)
-                if TOP_K:
-                    v = tl.load(v_row + idx, mask=m, other=float("-inf"))
-                    keep = keep & (v >= kth)
-                w = tl.where(keep, _fixed(p), 0)
-                cum = tl.cumsum(w, axis=0) + running
-                found = tl.minimum(found, tl.min(tl.where(m & (cum > t), idx.to(tl.int64), V), axis=0))
-                running += tl.sum(w, axis=0)
-            tl.store(out_ptr + row, tl.minimum(found, V - 1))
 
 
 def process_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generated: list[int],

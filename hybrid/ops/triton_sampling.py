@@ -1,0 +1,106 @@
+"""The sampler's fallback kernel (CUDA): for the rows of a step whose kept tokens the top-k prefilter
+does not provably cover (hybrid/sampling.py: sample_tokens), the exact top-k / top-p / min-p cut and
+the draw over the full row, one program a row, no host sync. Its reference is the torch redo in
+hybrid/sampling.py (`_redo_sorted`), which it equals token for token (tests/test_sampler.py through
+Triton's interpreter; tests/gpu/test_sampler_gpu.py at vocabulary 131072)."""
+from __future__ import annotations
+
+from hybrid.ops.triton_guard import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fixed(p):
+        return (p * 4503599627370496.0).to(tl.int64)  # fixed_point: p * 2**52, truncated
+
+    @triton.jit
+    def fallback_kernel(v_ptr, p_ptr, covered_ptr, top_k_ptr, kth_ptr, top_p_ptr, floor_ptr, u_ptr, out_ptr, V,
+                         TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
+                         BLOCK: tl.constexpr, PIVOTS: tl.constexpr, PASSES: tl.constexpr):
+        """One program per row. A covered row returns at once. Otherwise: the top-k mass (top-p's
+        total) over the full row, the top-p cut as the smallest probability bit pattern K whose mass
+        strictly above is below top_p * total (a PIVOTS-ary search over the bits of the non-negative
+        fp32 probabilities, ordered as integers), then the inverse-CDF draw over the kept tokens in
+        vocabulary order, with the same fixed-point masses as the torch path."""
+        row = tl.program_id(0).to(tl.int64)
+        cov = tl.load(covered_ptr + row)
+        if cov == 0:
+            v_row = v_ptr + row * V
+            p_row = p_ptr + row * V
+            offs = tl.arange(0, BLOCK)
+            kth = float("-inf")
+            if TOP_K:
+                kth = tl.load(kth_ptr + row)
+            floor = 0.0
+            if MIN_P:
+                floor = tl.load(floor_ptr + row)
+            zero64 = cov.to(tl.int64) * 0
+            # top-p: the cut's bit pattern; 0 keeps every probability
+            cut_key = cov * 0  # int32 0
+            if TOP_P:
+                top_p = tl.load(top_p_ptr + row)
+                if top_p < 1.0:
+                    total = zero64 + 4503599627370496  # without top-k: all of the mass (FIXED_ONE)
+                    if TOP_K:
+                        if tl.load(top_k_ptr + row) > 0:  # (kth may be -inf: fewer finite logits than k)
+                            acc = zero64
+                            for start in range(0, V, BLOCK):
+                                idx = start + offs
+                                m = idx < V
+                                p = tl.load(p_row + idx, mask=m, other=0.0)
+                                v = tl.load(v_row + idx, mask=m, other=float("-inf"))
+                                acc += tl.sum(tl.where(m & (v >= kth), _fixed(p), 0), axis=0)
+                            total = acc
+                    target = total.to(tl.float64) * top_p
+                    # invariant: mass strictly above lo >= target > mass strictly above hi
+                    lo = zero64 - 1
+                    hi = zero64 + 0x7F800000  # +inf's bits: nothing is above it
+                    j = tl.arange(0, PIVOTS).to(tl.int64)
+                    for _ in range(0, PASSES):  # each pass divides hi - lo by PIVOTS: PIVOTS**PASSES > 2**31
+                        step = (hi - lo + PIVOTS - 1) // PIVOTS
+                        piv = tl.minimum(lo + j * step, hi)  # piv[0] = lo
+                        piv32 = piv.to(tl.int32)  # (-1 .. 0x7F800000: int32 compares)
+                        acc = tl.zeros([PIVOTS], dtype=tl.int64)
+                        for start in range(0, V, BLOCK):
+                            idx = start + offs
+                            m = idx < V
+                            p = tl.load(p_row + idx, mask=m, other=0.0)
+                            key = p.to(tl.int32, bitcast=True)
+                            w = tl.where(m, _fixed(p), 0)
+                            if TOP_K:
+                                v = tl.load(v_row + idx, mask=m, other=float("-inf"))
+                                w = tl.where(v >= kth, w, 0)
+                            acc += tl.sum(tl.where(key[:, None] > piv32[None, :], w[:, None], 0), axis=0)
+                        big = acc.to(tl.float64) >= target  # a prefix of the pivots (mass falls with the key)
+                        lo = tl.max(tl.where(big, piv, lo), axis=0)
+                        hi = tl.min(tl.where(big, hi, piv), axis=0)
+                    cut_key = hi.to(tl.int32)  # kept: mass strictly above < target, i.e. key >= hi
+            # the draw: inverse CDF over the kept tokens' masses in vocabulary order
+            kept_total = zero64
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                m = idx < V
+                p = tl.load(p_row + idx, mask=m, other=0.0)
+                keep = m & (p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor)
+                if TOP_K:
+                    v = tl.load(v_row + idx, mask=m, other=float("-inf"))
+                    keep = keep & (v >= kth)
+                kept_total += tl.sum(tl.where(keep, _fixed(p), 0), axis=0)
+            u = tl.load(u_ptr + row)
+            t = tl.minimum((u * kept_total.to(tl.float64)).to(tl.int64), kept_total - 1)
+            t = tl.maximum(t, 0)
+            running = zero64
+            found = zero64 + V
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                m = idx < V
+                p = tl.load(p_row + idx, mask=m, other=0.0)
+                keep = m & (p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor)
+                if TOP_K:
+                    v = tl.load(v_row + idx, mask=m, other=float("-inf"))
+                    keep = keep & (v >= kth)
+                w = tl.where(keep, _fixed(p), 0)
+                cum = tl.cumsum(w, axis=0) + running
+                found = tl.minimum(found, tl.min(tl.where(m & (cum > t), idx.to(tl.int64), V), axis=0))
+                running += tl.sum(w, axis=0)
+            tl.store(out_ptr + row, tl.minimum(found, V - 1))
