@@ -27,6 +27,7 @@ from hybrid.model_source import DEFAULT_MODEL_DIR, resolve_model
 from hybrid.outputs import RequestOutput
 from hybrid.sampling import SamplingParams
 from state_pool.pool import MambaStatePool, StateShapes
+from state_pool.util import cdiv
 
 logger = logging.getLogger("hybrid")
 
@@ -197,7 +198,7 @@ class LLM:
                                          ssm_dtype=self.ssm_dtype)
         if num_spec:  # the verify scratch, allocated where the memory plan budgets it: before the KV cache
             self.state_pool.enable_spec_scratch(max_num_seqs, num_spec + 1)
-        pages_per_seq = -(-self.max_model_len // page_size)
+        pages_per_seq = cdiv(self.max_model_len, page_size)
         if num_kv_pages is None:
             num_kv_pages = max_num_seqs * pages_per_seq + 1
         if num_kv_pages - 1 < pages_per_seq and cfg.attention_layers:

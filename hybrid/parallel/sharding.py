@@ -20,12 +20,9 @@ import torch
 
 from hybrid.config import MLP, ModelConfig
 from hybrid.errors import ConfigurationError
+from state_pool.util import cdiv
 
 Ranges = list[tuple[int, int]]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check_shapes(cfg: ModelConfig, tp: int) -> None:
@@ -196,4 +193,4 @@ def _two_sections(width: int, tp: int, r: int, dim: int) -> Cut:
     return Cut(dim, ranges, 2 * w)
 
 
-__all__ = ["check_shapes", "local_config", "mamba_group_shared", "Cut", "ShardRules", "cdiv"]
+__all__ = ["check_shapes", "local_config", "mamba_group_shared", "Cut", "ShardRules"]
