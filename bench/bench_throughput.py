@@ -289,7 +289,8 @@ def llm_kwargs(args: argparse.Namespace, model_dir: str, max_len: int) -> dict:
     kw = dict(model=model_dir, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, mamba_ssm_dtype=args.mamba_ssm_dtype,
               enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-              max_model_len=args.max_model_len or max_len, seed=args.seed)
+              max_model_len=args.max_model_len or max_len, seed=args.seed,
+              tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
     if args.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.no_async_scheduling:
@@ -356,6 +357,8 @@ def add_llm_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many GPUs")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="torch CPU threads (also OMP_NUM_THREADS of the benchmark's subprocesses); on a "
                          "shared CPU machine 1 avoids oversubscription, which slows a tiny model 10x")
