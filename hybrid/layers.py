@@ -38,7 +38,13 @@ class RMSNorm(nn.Module):
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x * scale), residual + x * scale); residual None starts the stream at x.
-        The fused path updates `residual` in place."""
+        The fused path updates `residual` in place. `x` may be an MoE layer's ExpertRows (their sum
+        over k not taken yet): the fused path folds the sum into the same launch."""
+        if isinstance(x, triton_moe.ExpertRows):
+            if self.fused and residual is not None:
+                return triton_norm.sum_add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32,
+                                                    scale), residual
+            x = x.sum()
         if residual is None:
             return self(x), x
         if self.fused:
@@ -318,6 +324,8 @@ class Experts(nn.Module):
     grouped GEMM per projection runs instead (hybrid/ops/triton_moe.py): no host sync, fixed launch
     shapes, so MoE models decode under CUDA graphs."""
 
+    can_defer_sum = True  # not when the output is reduced across ranks first (ParallelExperts)
+
     def __init__(self, hidden_size: int, cfg: MoEConfig, act: str, gated: bool) -> None:
         super().__init__()
         self.gated = gated
@@ -327,6 +335,7 @@ class Experts(nn.Module):
         self.act = activation(act)
         self.fused = False  # the Triton grouped-GEMM path (see use_fused_ops)
         self.can_fuse = act == ("silu" if gated else "relu2")
+        self.defer_sum = False  # fused path: return ExpertRows, summed by the next norm (see use_fused_ops)
 
     def shared_slices(self, shared: nn.Module | None, num_tokens: int) -> int:
         """How many expert-wide slices the shared expert `shared` joins the fused launches as (0: it
@@ -353,7 +362,7 @@ class Experts(nn.Module):
                 s_up = (shared.gate_up_proj if self.gated else shared.up_proj).weight
                 s_down = shared.down_proj.weight
             return triton_moe.fused_experts(x, self.up, self.down, top_idx, top_w, self.gated, add,
-                                            shared_up=s_up, shared_down=s_down)
+                                            shared_up=s_up, shared_down=s_down, defer_sum=self.defer_sum)
         assert shared is None, "the shared expert joins the experts only on the fused path"
         out = torch.zeros(x.shape[0], x.shape[1], dtype=top_w.dtype, device=x.device)
         for e in torch.unique(top_idx).tolist():
@@ -454,4 +463,6 @@ def use_fused_ops(model: nn.Module) -> int:
         if isinstance(m, (RMSNorm, Mamba2Mixer)) or (isinstance(m, (DenseMLP, GatedMLP, Experts)) and m.can_fuse):
             m.fused = True
             count += 1
+        if isinstance(m, Experts) and m.fused:
+            m.defer_sum = m.can_defer_sum  # the next RMSNorm.add_norm sums them, one launch fewer a layer
     return count

@@ -10,6 +10,7 @@ from hybrid.config import ATTENTION, HYBRID, MAMBA, MLP, PARALLEL, ModelConfig
 from hybrid.layers import (
     Attention, DenseMLP, GatedMLP, GraniteMoE, Linear, LowRankAdapter, Mamba2Mixer, NemotronMoE, RMSNorm, _param,
 )
+from hybrid.ops import triton_moe
 
 
 class NemotronHBlock(nn.Module):
@@ -211,6 +212,8 @@ class HybridModel(nn.Module):
                 x, residual = block(x, residual, batch, ctx)
         # the last block's output joins the stream only on the rows that produce logits
         rows = batch.logits_indices
+        if isinstance(x, triton_moe.ExpertRows):  # an MoE layer last: its sum over k, before the rows are taken
+            x = x.sum()
         h, _ = self.final_norm.add_norm(x[rows], residual[rows], self.layers[-1].residual_multiplier)
         logits = self.lm_logits(h)
         if self.cfg.logits_scaling != 1.0:

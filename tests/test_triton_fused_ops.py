@@ -100,9 +100,40 @@ def test_model_forward_with_fused_ops(tiny_ckpt, make_llm, name):
     assert norms and mixers and mlps and (experts > 0) == (name != "granite_dense")
     assert all(m.fused for m in mods if isinstance(m, (RMSNorm, Mamba2Mixer, DenseMLP, GatedMLP, Experts)))
     assert use_fused_ops(llm.model) == norms + mixers + mlps + experts
+    # the experts hand their rows unsummed to the next norm, which sums them in its own launch
+    assert all(m.defer_sum for m in mods if isinstance(m, Experts))
     got = llm.generate(prompts, sp, use_tqdm=False)
     for r, o in zip(ref, got):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         for a, b in zip(r.outputs[0].logprobs, o.outputs[0].logprobs):
             t = next(iter(a))
             assert abs(a[t] - b[t]) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("has_add", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.22])
+def test_sum_add_rms_norm_equals_the_two_launches(dtype, has_add, scale):
+    """An MoE layer's ExpertRows folded into the next norm: the same values, bit for bit, as the sum
+    over k (triton_moe) followed by add_rms_norm, for the normed rows and the updated residual."""
+    tm = pytest.importorskip("hybrid.ops.triton_moe")
+    T, K, H = 3, 4, 96
+    g = torch.Generator().manual_seed(11)
+    rows = tm.ExpertRows((torch.randn(T * K, H, generator=g)).to(dtype),
+                         (torch.randn(T, H, generator=g)).to(dtype) if has_add else None, K)
+    weight = (0.5 + torch.rand(H, generator=g)).to(dtype)
+    residual = (torch.randn(T, H, generator=g) * 3).to(dtype)
+    res_ref = residual.clone()
+    want = tn.add_rms_norm(rows.sum(), res_ref, weight, 1e-5, True, scale)
+    res_got = residual.clone()
+    got = tn.sum_add_rms_norm(rows, res_got, weight, 1e-5, True, scale)
+    assert torch.equal(got, want) and torch.equal(res_got, res_ref)
+    # and RMSNorm.add_norm takes ExpertRows on both paths
+    norm = RMSNorm(H, 1e-5, weight_in_fp32=True)
+    norm.weight = torch.nn.Parameter(weight, requires_grad=False)
+    plain_out, plain_res = norm.add_norm(rows, residual.clone(), scale)
+    norm.fused = True
+    fused_res = residual.clone()
+    fused_out, _ = norm.add_norm(rows, fused_res, scale)
+    torch.testing.assert_close(fused_out.float(), plain_out.float(), **_tol(dtype))
+    torch.testing.assert_close(fused_res.float(), plain_res.float(), **_tol(dtype))

@@ -28,6 +28,8 @@ buckets) cannot change a real row's output.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hybrid.ops.triton_guard import HAS_TRITON, require, tl, triton
@@ -434,11 +436,39 @@ def num_shared_pseudo_experts(shared_down: torch.Tensor | None, inter: int) -> i
     return 0 if shared_down is None else shared_down.shape[1] // inter
 
 
+@dataclass
+class ExpertRows:
+    """The experts' weighted outputs before their sum over k: y [T * top_k, H] (row t * top_k + j:
+    token t's j-th choice, already times its routing weight) and `add` [T, H] or None. `sum()` is
+    what fused_experts returns; triton_norm.sum_add_rms_norm folds the same sum into the next
+    layer's residual add and norm (one launch fewer a layer, the same rounding)."""
+
+    y: torch.Tensor
+    add: torch.Tensor | None
+    top_k: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.y.shape[0] // self.top_k, self.y.shape[1]))
+
+    def sum(self) -> torch.Tensor:
+        T, H = self.shape
+        out = torch.empty(T, H, dtype=self.y.dtype, device=self.y.device)
+        if T:
+            block = min(1024, triton.next_power_of_2(H))
+            _sum_k_kernel[(T, cdiv(H, block))](self.y, self.add if self.add is not None else self.y, out, H,
+                                                  TOP_K=self.top_k, HAS_ADD=self.add is not None, BLOCK=block,
+                                                  num_warps=4)
+        return out
+
+
 def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top_idx: torch.Tensor,
                   top_w: torch.Tensor, gated: bool, add: torch.Tensor | None = None, *,
                   shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-                  config: tuple | None = None, align_method: str | None = None) -> torch.Tensor:
-    """The routed experts' output [T, H] in x.dtype (+ `add`); see the module docstring.
+                  config: tuple | None = None, align_method: str | None = None,
+                  defer_sum: bool = False) -> torch.Tensor | ExpertRows:
+    """The routed experts' output [T, H] in x.dtype (+ `add`); see the module docstring. With
+    `defer_sum`, the ExpertRows that sum to it (for the next norm to add up: ExpertRows).
 
     With shared_up [S*I or 2*S*I, H] ([gate | up] rows when gated) and shared_down [H, S*I] the
     shared expert (of S times the expert width) joins the same launches as S pseudo-experts
@@ -459,9 +489,8 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
         assert shared_up.stride(1) == 1 and shared_down.stride(1) == 1
         up_shared = (shared_up, shared_up.stride(0), inter * shared_up.stride(0), s_width * shared_up.stride(0))
         down_shared = (shared_down, shared_down.stride(0), inter, 0)
-    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
-        return out
+        return torch.empty(T, H, dtype=x.dtype, device=x.device)
     n = T * top_k
     cfg = config or CONFIGS[pick_config(n, E + S, gated)]
     if align_method is None and S and T > 1 and n <= NAIVE_MAX_PAIRS:
@@ -476,7 +505,5 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
                   ACT_NONE, cfg, narrow)
     if add is not None:
         assert add.shape == (T, H) and add.stride(1) == 1 and add.stride(0) == H
-    block = min(1024, triton.next_power_of_2(H))
-    _sum_k_kernel[(T, cdiv(H, block))](y, add if add is not None else y, out, H, TOP_K=top_k,
-                                              HAS_ADD=add is not None, BLOCK=block, num_warps=4)
-    return out
+    rows = ExpertRows(y, add, top_k)
+    return rows if defer_sum else rows.sum()

@@ -7,6 +7,8 @@ torch ops (which, at decode batch sizes, cost more in launches than in bytes):
 - `add_rms_norm(x, residual, weight, eps, weight_in_fp32, scale)`: the residual add fused with the
   next norm: residual += x * scale (in place, rounded to the residual's dtype as torch rounds
   `residual + x * scale`), then `rms_norm` of the updated residual. Returns the normed rows.
+- `sum_add_rms_norm(rows, residual, ...)`: add_rms_norm of an MoE layer's outputs before their sum
+  over k (triton_moe.ExpertRows), the sum folded in: one launch for the two.
 - `gated_rms_norm(y, z, weight, eps, n_groups)`: the Mamba2 output norm, RMSNorm(y * silu(z)) over
   each contiguous group of I/G channels, in fp32, times the weight; output dtype: the weight's.
 
@@ -64,6 +66,30 @@ if HAS_TRITON:
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _sum_add_rms_norm_kernel(y_ptr, add_ptr, res_ptr, w_ptr, out_ptr, s_r, s_o, H, eps, scale,
+                                 TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr,
+                                 W_FP32: tl.constexpr, SCALED: tl.constexpr):
+        # _sum_k_kernel (hybrid/ops/triton_moe.py) then _add_rms_norm_kernel, in one program a row,
+        # rounding where they round: the sum over k in fp32, stored in y's dtype; then the add
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + (row * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ADD:
+            acc += tl.load(add_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+        x = acc.to(y_ptr.dtype.element_ty)
+        res = tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        if SCALED:
+            xf = (xf * scale).to(x.dtype).to(tl.float32)
+        h = (res.to(tl.float32) + xf).to(res.dtype)
+        tl.store(res_ptr + row * s_r + offs, h, mask=mask)
+        y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
+        tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, eps,
                                BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -108,6 +134,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         _add_rms_norm_kernel[(T,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), H, eps,
                                    float(scale), BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
                                    num_warps=_warps(block))
+    return out
+
+
+def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool,
+                     scale: float = 1.0) -> torch.Tensor:
+    """add_rms_norm(rows.sum(), residual, ...) for triton_moe.ExpertRows `rows`, in one launch:
+    the same values, bit for bit (residual updated in place)."""
+    require(__name__)
+    T, H = residual.shape
+    y, add = rows.y, rows.add
+    assert rows.shape == (T, H) and y.is_contiguous() and residual.stride(-1) == 1 and weight.shape == (H,)
+    assert add is None or add.is_contiguous()
+    out = torch.empty_like(residual)
+    if T:
+        block = triton.next_power_of_2(H)
+        _sum_add_rms_norm_kernel[(T,)](y, add if add is not None else y, residual, weight, out, residual.stride(0),
+                                       out.stride(0), H, eps, float(scale), TOP_K=rows.top_k, HAS_ADD=add is not None,
+                                       BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block))
     return out
 
 

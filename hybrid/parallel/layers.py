@@ -28,6 +28,7 @@ class ParallelExperts(Experts):
     unreduced: hybrid/parallel/shard_model.py); one all-reduce sums both."""
 
     group: TPGroup
+    can_defer_sum = False  # the all-reduce needs the summed output
 
     def forward(self, x, top_idx, top_w, add=None, shared=None):
         return self.group.all_reduce(super().forward(x, top_idx, top_w, add, shared))
