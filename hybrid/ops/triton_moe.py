@@ -185,16 +185,23 @@ if HAS_TRITON:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
     @triton.jit
+    def expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr):
+        """Token t's sum over its TOP_K expert rows of y [T * TOP_K, H] (+ add [T, H]) at columns
+        offs, in fp32 and in a fixed order (also inlined by triton_norm.sum_add_rms_norm)."""
+        acc = tl.zeros(offs.shape, dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ADD:
+            acc += tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+        return acc
+
+    @triton.jit
     def _sum_k_kernel(y_ptr, add_ptr, out_ptr, H, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
                       BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < H
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_ADD:
-            acc += tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+        acc = expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K, HAS_ADD)
         tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -27,6 +27,7 @@ def is_available() -> bool:
 
 
 if HAS_TRITON:
+    from hybrid.ops.triton_moe import expert_sum
 
     @triton.jit
     def _normalised_row(hf, like, w_ptr, offs, mask, H, eps, W_FP32: tl.constexpr):
@@ -74,12 +75,7 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            acc += tl.load(y_ptr + (row * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_ADD:
-            acc += tl.load(add_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32)
-        x = acc.to(y_ptr.dtype.element_ty)
+        x = expert_sum(y_ptr, add_ptr, row, offs, mask, H, TOP_K, HAS_ADD).to(y_ptr.dtype.element_ty)
         res = tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)
         xf = x.to(tl.float32)
         if SCALED:
