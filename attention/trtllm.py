@@ -203,8 +203,11 @@ class TrtllmAttentionBackend:
         dev = q.device
         key = (num_heads, num_kv_heads, head_dim, page_size, float(scale), q.dtype, kv_layer.dtype)
         if self._plans is None:
+            # an FP8 cache under bf16 queries: FlashInfer's FA2 kernels dequantize the pages (its "auto"
+            # choice on sm_90, FA3, is for queries in FP8 too); the cache dtype is fixed for the process
+            choice = {"backend": "fa2"} if kv_layer.dtype == FP8_KV_DTYPE else {}
             self._plans = PrefillPlans(lambda i: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace(f"prefill{i}", dev), kv_layout="HND"))
+                self.workspace(f"prefill{i}", dev), kv_layout="HND", **choice))
         plans = self._plans
         if plans.key is None or plans.key[0] is not batch or plans.key[1] != key:
             qo_indptr = [0]
