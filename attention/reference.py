@@ -12,10 +12,12 @@ FP8_KV_MAX = 448.0  # the largest finite e4m3 value: quantized K/V saturate ther
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """x in the cache's dtype: as is for a 16/32-bit cache; x / scale, saturated, in e4m3 for an FP8 one."""
+    """x in the cache's dtype: as is for a 16/32-bit cache; x / scale, saturated, in e4m3 for an FP8 one.
+    The division is a multiplication by the fp32 reciprocal, as the CUDA write kernel does it, so
+    both round every value to the same e4m3 byte."""
     if dtype != FP8_KV_DTYPE:
         return x.to(dtype)
-    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+    return (x.float() * (1.0 / scale)).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_write_loc: torch.Tensor,

@@ -81,7 +81,7 @@ def test_attention_over_an_fp8_cache_equals_attention_over_the_dequantized_kv(sc
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # and the stored bytes are K / k_scale rounded to e4m3 (saturating), not K
     stored = kv[1, 0, :, 0, :].float()
-    torch.testing.assert_close(stored, (k_all[0][0] / scales[0]).clamp(-448, 448).to(FP8_KV_DTYPE).float())
+    torch.testing.assert_close(stored, (k_all[0][0] * (1.0 / scales[0])).clamp(-448, 448).to(FP8_KV_DTYPE).float())
 
 
 def test_an_fp8_page_is_half_a_bf16_page():

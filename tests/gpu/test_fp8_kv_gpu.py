@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_util import GREEDY, assert_greedy_under_reference, rel_err  # noqa: E402
 from test_kernels import attn_batch  # noqa: E402
 
-from attention.reference import FP8_KV_DTYPE, TorchAttentionBackend, write_kv  # noqa: E402
+from attention.reference import FP8_KV_DTYPE, TorchAttentionBackend, quantize_kv, write_kv  # noqa: E402
 
 DEV = "cuda"
 
@@ -31,8 +31,8 @@ def test_trtllm_attention_over_fp8_pages_vs_torch(mode, heads, kv_heads, head_di
     torch.manual_seed(2)
     base = torch.randn(num_pages, 2, kv_heads, page_size, head_dim, device=DEV)
     kv = torch.empty_like(base, dtype=FP8_KV_DTYPE)
-    kv[:, 0] = (base[:, 0] / scales[0]).clamp(-448, 448).to(FP8_KV_DTYPE)
-    kv[:, 1] = (base[:, 1] / scales[1]).clamp(-448, 448).to(FP8_KV_DTYPE)
+    kv[:, 0] = quantize_kv(base[:, 0], FP8_KV_DTYPE, scales[0])
+    kv[:, 1] = quantize_kv(base[:, 1], FP8_KV_DTYPE, scales[1])
     T = sum(q_lens)
     q = torch.randn(T, heads, head_dim, device=DEV).bfloat16()
     k = torch.randn(T, kv_heads, head_dim, device=DEV).bfloat16()
