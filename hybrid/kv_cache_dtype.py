@@ -22,12 +22,11 @@ import torch
 
 from attention.reference import FP8_KV_DTYPE
 from hybrid.errors import CheckpointError, ConfigurationError
+from hybrid.quantization import K_SCALE_LEAVES, V_SCALE_LEAVES
 
 logger = logging.getLogger("hybrid")
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-_K_LEAVES = ("k_proj.k_scale", "k_scale", "kv_scale", "k_proj.output_scale")
-_V_LEAVES = ("v_proj.v_scale", "v_scale", "kv_scale", "v_proj.output_scale")
 
 
 def parse_kv_cache_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
@@ -55,9 +54,10 @@ def attention_disk_prefixes(model: torch.nn.Module, plan: dict) -> dict[str, tor
     return out
 
 
-def load_kv_scales(model: torch.nn.Module, model_dir: str, plan: dict, files: dict[str, str]) -> int:
-    """Set every Attention module's k_scale / v_scale from the checkpoint; the number of modules that
-    had calibrated scales (the others keep 1.0)."""
+def load_kv_scales(modules: dict[str, torch.nn.Module], files: dict[str, str]) -> int:
+    """Set the k_scale / v_scale of every Attention module (`modules`: on-disk prefix -> module, from
+    attention_disk_prefixes) from the checkpoint; the number that had calibrated scales (the others
+    keep 1.0)."""
     from safetensors import safe_open
 
     def read(name: str) -> float:
@@ -72,9 +72,9 @@ def load_kv_scales(model: torch.nn.Module, model_dir: str, plan: dict, files: di
         return value
 
     found = 0
-    for prefix, module in attention_disk_prefixes(model, plan).items():
-        k = next((prefix + leaf for leaf in _K_LEAVES if prefix + leaf in files), None)
-        v = next((prefix + leaf for leaf in _V_LEAVES if prefix + leaf in files), None)
+    for prefix, module in modules.items():
+        k = next((prefix + leaf for leaf in K_SCALE_LEAVES if prefix + leaf in files), None)
+        v = next((prefix + leaf for leaf in V_SCALE_LEAVES if prefix + leaf in files), None)
         if k is None and v is None:
             continue
         if k is None or v is None:
@@ -92,9 +92,10 @@ def kv_cache_dtype_note(model: torch.nn.Module, model_dir: str, cfg, kv_dtype: t
 
     if kv_dtype != FP8_KV_DTYPE:
         return ""
-    found = load_kv_scales(model, model_dir, tensor_plan(cfg), weight_files(model_dir))
-    total = len(attention_disk_prefixes(model, tensor_plan(cfg)))
+    modules = attention_disk_prefixes(model, tensor_plan(cfg))
+    found = load_kv_scales(modules, weight_files(model_dir))
     if found:
-        return f"KV cache in FP8 (e4m3) with the checkpoint's K/V scales for {found} of {total} attention modules"
+        return (f"KV cache in FP8 (e4m3) with the checkpoint's K/V scales for {found} of {len(modules)} "
+                f"attention modules")
     return ("KV cache in FP8 (e4m3) with K/V scales 1.0: the checkpoint has none, so K and V are stored as "
             "they are, saturating at 448")

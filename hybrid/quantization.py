@@ -262,9 +262,12 @@ def _compressed_tensors(qc: dict[str, Any], where: str) -> QuantConfig:
 _DEQUANT_PARAMS = re.compile(r"(experts\.(up|down)|router_weight|_adapter\.(down|up)|^lm_head\.weight)$")
 # KV-cache scales on an attention module (ModelOpt: k_proj.k_scale / v_proj.v_scale; compressed-tensors:
 # self_attn.k_scale / v_scale, older exports k_proj.output_scale / v_proj.output_scale)
-_KV_SCALE_LEAVES = ("k_scale", "v_scale", "q_scale", "kv_scale", "prob_scale",
-                    "k_proj.k_scale", "v_proj.v_scale", "k_proj.output_scale", "v_proj.output_scale",
-                    "q_proj.output_scale")
+# the names of an attention module's K and V scales, in order of preference (the FP8 KV cache reads them:
+# hybrid/kv_cache_dtype.py)
+K_SCALE_LEAVES = ("k_proj.k_scale", "k_scale", "kv_scale", "k_proj.output_scale")
+V_SCALE_LEAVES = ("v_proj.v_scale", "v_scale", "kv_scale", "v_proj.output_scale")
+_KV_SCALE_LEAVES = tuple(dict.fromkeys(K_SCALE_LEAVES + V_SCALE_LEAVES
+                                       + ("q_scale", "prob_scale", "q_proj.output_scale")))
 
 
 @dataclass
