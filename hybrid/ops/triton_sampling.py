@@ -14,6 +14,17 @@ if HAS_TRITON:
         return (p * 4503599627370496.0).to(tl.int64)  # fixed_point: p * 2**52, truncated
 
     @triton.jit
+    def _kept_masses(p_row, v_row, idx, m, cut_key, floor, kth, TOP_K: tl.constexpr):
+        """Fixed-point masses of the block idx of a row, 0 where a token is cut (top-p key, min-p floor,
+        top-k value)."""
+        p = tl.load(p_row + idx, mask=m, other=0.0)
+        keep = m & (p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor)
+        if TOP_K:
+            v = tl.load(v_row + idx, mask=m, other=float("-inf"))
+            keep = keep & (v >= kth)
+        return tl.where(keep, _fixed(p), 0)
+
+    @triton.jit
     def fallback_kernel(v_ptr, p_ptr, covered_ptr, top_k_ptr, kth_ptr, top_p_ptr, floor_ptr, u_ptr, out_ptr, V,
                          TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
                          BLOCK: tl.constexpr, PIVOTS: tl.constexpr, PASSES: tl.constexpr):
@@ -79,13 +90,7 @@ if HAS_TRITON:
             kept_total = zero64
             for start in range(0, V, BLOCK):
                 idx = start + offs
-                m = idx < V
-                p = tl.load(p_row + idx, mask=m, other=0.0)
-                keep = m & (p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor)
-                if TOP_K:
-                    v = tl.load(v_row + idx, mask=m, other=float("-inf"))
-                    keep = keep & (v >= kth)
-                kept_total += tl.sum(tl.where(keep, _fixed(p), 0), axis=0)
+                kept_total += tl.sum(_kept_masses(p_row, v_row, idx, idx < V, cut_key, floor, kth, TOP_K), axis=0)
             u = tl.load(u_ptr + row)
             t = tl.minimum((u * kept_total.to(tl.float64)).to(tl.int64), kept_total - 1)
             t = tl.maximum(t, 0)
@@ -94,12 +99,7 @@ if HAS_TRITON:
             for start in range(0, V, BLOCK):
                 idx = start + offs
                 m = idx < V
-                p = tl.load(p_row + idx, mask=m, other=0.0)
-                keep = m & (p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor)
-                if TOP_K:
-                    v = tl.load(v_row + idx, mask=m, other=float("-inf"))
-                    keep = keep & (v >= kth)
-                w = tl.where(keep, _fixed(p), 0)
+                w = _kept_masses(p_row, v_row, idx, m, cut_key, floor, kth, TOP_K)
                 cum = tl.cumsum(w, axis=0) + running
                 found = tl.minimum(found, tl.min(tl.where(m & (cum > t), idx.to(tl.int64), V), axis=0))
                 running += tl.sum(w, axis=0)
