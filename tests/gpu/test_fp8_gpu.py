@@ -210,24 +210,9 @@ def test_fp8_replay_equals_eager(fp8_llm, slots):
     """A captured FP8 decode graph replays bit for bit what the eager forward of the same padded batch
     computes, and leaves the slots outside the batch untouched (as tests/gpu/test_graphs.py checks
     for the bf16 checkpoints)."""
-    from test_graphs import decode_batch, randomize, restore, snap
+    from test_graphs import replay_and_padded_eager
 
-    from graphs.padding import pad_decode_batch
-
-    llm = fp8_llm
-    n = len(slots)
-    batch = decode_batch(llm, slots, [5 + 3 * i for i in range(n)], seed=n)
-    randomize(llm, n)
-    s0 = snap(llm)
-    size = min(s for s in llm.runner.capture_sizes if s >= n)
-    eager = llm.runner.model(pad_decode_batch(batch, size, 16), llm.runner.ctx)[:n]
-    s_eager = snap(llm)
-    restore(llm, s0)
-    replays = llm.runner.stats["graph_replays"]
-    out = llm.runner.execute(batch)
-    torch.cuda.synchronize()
-    assert llm.runner.stats["graph_replays"] == replays + 1
-    s_graph = snap(llm)
+    _, s0, eager, s_eager, out, s_graph = replay_and_padded_eager(fp8_llm, slots, 16)
     assert torch.equal(out, eager)
     assert all(torch.equal(a, b) for a, b in zip(s_graph[:2], s_eager[:2]))
     other = [s for s in range(8) if s not in slots]

@@ -57,26 +57,33 @@ def llm(request, tiny_ckpt):
                cuda_graph_sizes=[1, 2, 4, 8], gpu_memory_utilization=0.5)
 
 
-@pytest.mark.parametrize("slots", [[NUM_SLOTS - 1], [NUM_SLOTS - 1, 2, 0], [0, 1, 3, 4, NUM_SLOTS - 1],
-                                   list(range(NUM_SLOTS))])
-def test_replay_equals_eager(llm, slots):
-    assert llm.runner.use_graphs and sorted(llm.runner.graphs) == [1, 2, 4, 8]
+def replay_and_padded_eager(llm, slots: list[int], page_size: int):
+    """The decode batch of `slots` over randomized state, run twice from the same state: eagerly on
+    its padded batch, then through the runner (which must replay a graph). Returns (batch, state
+    before, eager logits, state after eager, replay logits, state after replay)."""
     n = len(slots)
     batch = decode_batch(llm, slots, [5 + 3 * i for i in range(n)], seed=n)
     randomize(llm, n)
     s0 = snap(llm)
     size = min(s for s in llm.runner.capture_sizes if s >= n)
-    eager_padded = llm.runner.model(pad_decode_batch(batch, size, PAGE), llm.runner.ctx)[:n]
+    eager = llm.runner.model(pad_decode_batch(batch, size, page_size), llm.runner.ctx)[:n]
     s_eager = snap(llm)
-    restore(llm, s0)
-    eager_unpadded = llm.runner.model(batch, llm.runner.ctx)
-    s_unpadded = snap(llm)
     restore(llm, s0)
     replays = llm.runner.stats["graph_replays"]
     out = llm.runner.execute(batch)
     torch.cuda.synchronize()
     assert llm.runner.stats["graph_replays"] == replays + 1
-    s_graph = snap(llm)
+    return batch, s0, eager, s_eager, out, snap(llm)
+
+
+@pytest.mark.parametrize("slots", [[NUM_SLOTS - 1], [NUM_SLOTS - 1, 2, 0], [0, 1, 3, 4, NUM_SLOTS - 1],
+                                   list(range(NUM_SLOTS))])
+def test_replay_equals_eager(llm, slots):
+    assert llm.runner.use_graphs and sorted(llm.runner.graphs) == [1, 2, 4, 8]
+    batch, s0, eager_padded, s_eager, out, s_graph = replay_and_padded_eager(llm, slots, PAGE)
+    restore(llm, s0)
+    eager_unpadded = llm.runner.model(batch, llm.runner.ctx)
+    s_unpadded = snap(llm)
     live = list(range(NUM_SLOTS))
     # replay == eager run of the same padded batch, bit for bit
     assert torch.equal(out, eager_padded)
