@@ -340,6 +340,32 @@ def prefill_ttft(llm, args, dev: torch.device) -> dict:
     return dict(prompt=args.prompt, ttft_ms=best * 1e3, prefill_tok_s=args.prompt / best)
 
 
+def pdl_off_decode(llm, rows: list[dict], args, dev: torch.device) -> None:
+    """The graph-replay decode timing again with programmatic dependent launch off (HYBRID_PDL=0,
+    hybrid/ops/triton_guard.py): the graphs recaptured, each row's `pdl_off_ms` / `pdl_off_tok_s`
+    next to its PDL-on figures; then PDL back on as it was (recaptured again)."""
+    from hybrid.ops import triton_guard
+
+    def recapture(pdl: str) -> None:
+        os.environ["HYBRID_PDL"] = pdl
+        triton_guard._pdl_by_device.clear()
+        runner.graphs.clear()
+        free_memory()
+        runner.capture(progress=False)
+
+    runner = llm.runner
+    before = os.environ.get("HYBRID_PDL", "1")
+    recapture("0")
+    for row in rows:
+        if "graph_ms" not in row:
+            continue
+        batch = decode_batch(llm, row["batch"], args.ctx)
+        t = time_steps(lambda: runner.execute(batch).argmax(-1), args.steps, dev)
+        row.update(pdl_off_ms=t * 1e3, pdl_off_tok_s=row["batch"] / t)
+        del batch
+    recapture(before)
+
+
 def run_shape(name: str, cfg_dict: dict, args, dev: torch.device, save: Callable[[dict], None]) -> dict:
     """Everything measured for one shape in this process; `save` is called after each stage so that
     a later stage that fails or times out leaves the earlier numbers on disk."""
@@ -412,6 +438,11 @@ def run_shape(name: str, cfg_dict: dict, args, dev: torch.device, save: Callable
         rows.append(row)
         print(f"[{name}] decode {row}", flush=True)
         res["decode"] = rows
+        save(res)
+    if args.pdl_ab and dev.type == "cuda" and runner.use_graphs:
+        pdl_off_decode(llm, rows, args, dev)
+        print(f"[{name}] PDL off: " + ", ".join(f"batch {r['batch']} {r.get('pdl_off_tok_s', 0):.0f} tok/s "
+                                                 f"(on: {r.get('graph_tok_s', 0):.0f})" for r in rows), flush=True)
         save(res)
     for s in list(llm.state_pool.live_slots):  # the engine runs below: give the synthetic slots back
         llm.state_pool.free(s)
@@ -546,6 +577,10 @@ def table(name: str, res: dict | None, peer: dict | None, note: str = "") -> str
     if skewed:
         lines.append(f"WARNING: routing is skewed at batch {skewed}: fewer experts are read than the floor "
                      "assumes, so these tok/s flatter the MoE kernels")
+    pdl_off = [f"{r['batch']}: {r['pdl_off_tok_s']:,.0f} tok/s ({r['graph_tok_s'] / r['pdl_off_tok_s'] - 1:+.1%} with PDL)"
+               for r in res.get("decode", []) if r.get("pdl_off_tok_s")]
+    if pdl_off:
+        lines.append("graphs with programmatic dependent launch off (HYBRID_PDL=0), by batch: " + "; ".join(pdl_off))
     for g in res.get("generate", []):
         if "error" in g:
             lines.append(f"generate batch {g['batch']}: {g['error']}")
@@ -672,7 +707,7 @@ def worker_args(args) -> list[str]:
            "--util", str(args.util), "--decode-kernels", args.decode_kernels, "--gen-batches", *map(str, args.gen_batches),
            "--gen-prompt", str(args.gen_prompt), "--gen-new", str(args.gen_new), "--gen-seconds", str(args.gen_seconds),
            "--peer-prompt", str(args.peer_prompt), "--peer-new", str(args.peer_new), "--peer-cap", str(args.peer_cap)]
-    for flag in ("no_eager", "profile", "no_fused_ops"):
+    for flag in ("no_eager", "profile", "no_fused_ops", "pdl_ab"):
         if getattr(args, flag):
             out.append("--" + flag.replace("_", "-"))
     return out
@@ -691,6 +726,8 @@ def main() -> int:
     ap.add_argument("--decode-kernels", default="triton", choices=["triton", "library"])
     ap.add_argument("--no-fused-ops", action="store_true")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode timing")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="time the graph decode again with programmatic dependent launch off (recaptured)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of one graph replay per batch size (and the prefill)")
     ap.add_argument("--gen-batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--gen-prompt", type=int, default=512)

@@ -17,6 +17,8 @@
 #            --time-budget splits 520 s between the six processes, each killed at its share)
 #   moe-profile  the same for the two target shapes without the peer and eager runs, with the kernel
 #            profile of one graph replay per batch size and of the 8K prefill
+#   moe-pdl  the two target shapes' decode (graphs) with programmatic dependent launch on and off
+#            (--pdl-ab: recaptured with HYBRID_PDL=0), the kernel profile, TTFT and generate at batch 1
 # Logs and results go to $OUT (default /tmp/out). Each step has a time limit, so that one stuck step
 # cannot take the device call's whole 10 minutes.
 set -o pipefail
@@ -93,6 +95,10 @@ fi
 if [[ $what == moe-profile ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile \
       --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_profile.log" || rc=1
+fi
+if [[ $what == moe-pdl ]]; then
+  timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --pdl-ab \
+      --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_pdl.log" || rc=1
 fi
 # throughput  bench_throughput.py: offline LLM.generate throughput of a checkpoint saved from the shape
 #            ${2:-nemotron-h-8b} with transformers (built on the GPU, saved sharded to /tmp, reused while the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.ops.triton_guard import HAS_TRITON, require, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 
 BLOCK = 1024
 
@@ -20,9 +20,11 @@ def is_available() -> bool:
 
 
 if HAS_TRITON:
+    from hybrid.ops.triton_guard import pdl_wait
 
     @triton.jit
-    def _relu2_kernel(x_ptr, out_ptr, s_x, s_o, width, BLOCK: tl.constexpr):
+    def _relu2_kernel(x_ptr, out_ptr, s_x, s_o, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < width
@@ -31,7 +33,8 @@ if HAS_TRITON:
         tl.store(out_ptr + row * s_o + offs, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_and_mul_kernel(g_ptr, out_ptr, s_g, s_o, width, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(g_ptr, out_ptr, s_g, s_o, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < width
@@ -49,7 +52,7 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     if T:
         _relu2_kernel[(T, triton.cdiv(width, BLOCK))](x, out, x.stride(0), out.stride(0), width, BLOCK=BLOCK,
-                                                      num_warps=4)
+                                                      num_warps=4, **pdl_options(x.device))
     return out
 
 
@@ -61,5 +64,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, width, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         _silu_and_mul_kernel[(T, triton.cdiv(width, BLOCK))](gate_up, out, gate_up.stride(0), out.stride(0), width,
-                                                             BLOCK=BLOCK, num_warps=4)
+                                                             BLOCK=BLOCK, num_warps=4, **pdl_options(gate_up.device))
     return out

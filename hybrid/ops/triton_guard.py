@@ -1,7 +1,19 @@
 """Triton, imported guarded: hybrid must import, and run its torch path, on machines without it.
-The kernel modules (triton_mamba, triton_norm, triton_act) take `triton`, `tl` and `HAS_TRITON`
-from here and define their kernels only when HAS_TRITON."""
+The kernel modules (triton_mamba, triton_norm, triton_act, triton_moe) take `triton`, `tl` and
+`HAS_TRITON` from here and define their kernels only when HAS_TRITON.
+
+Programmatic dependent launch (PDL, sm_90+): a decode step is hundreds of small kernels, each of
+which would otherwise start only after the one before it has finished and flushed. Launched with
+`pdl_options(device)`, a kernel may be started while its predecessor still runs; it must call
+`pdl_wait(PDL)` in every program before it touches memory that earlier kernels of the step write
+(and before any early return); `pdl_wait` then lets the next kernel start in turn. What no earlier
+kernel of the step writes (weights, a layer's own Mamba state, which only that layer's kernel
+writes) may be read before the wait, so that its latency overlaps the previous kernel's tail.
+HYBRID_PDL=0 turns it off.
+"""
 from __future__ import annotations
+
+import os
 
 try:
     import triton
@@ -18,3 +30,32 @@ def require(module: str) -> None:
     """Raise a clear error when a kernel of `module` is called without triton."""
     if not HAS_TRITON:
         raise RuntimeError(f"{module} needs triton, which is not importable here")
+
+
+_pdl_by_device: dict = {}
+
+
+def pdl_options(device) -> dict:
+    """Launch keyword arguments for a kernel with a `PDL: tl.constexpr` parameter that begins with
+    pdl_wait(PDL): PDL on CUDA devices of compute capability 9.0 or newer, off elsewhere (the CPU
+    interpreter, older GPUs, HYBRID_PDL=0)."""
+    key = (device.type, device.index)
+    if key not in _pdl_by_device:
+        import torch
+
+        on = (device.type == "cuda" and os.environ.get("HYBRID_PDL", "1") != "0"
+              and os.environ.get("TRITON_INTERPRET", "0") != "1"
+              and torch.cuda.get_device_capability(device)[0] >= 9)
+        _pdl_by_device[key] = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return _pdl_by_device[key]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """Wait for the previous kernel to complete (and its writes to be visible), then let the
+        next kernel start: see the module docstring. A no-op when PDL is off."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

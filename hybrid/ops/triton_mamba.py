@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.ops.triton_guard import HAS_TRITON, require, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 from state_pool.util import cdiv
 
 PAD_SLOT_ID = -1
@@ -56,6 +56,7 @@ def is_available() -> bool:
 
 
 if HAS_TRITON:
+    from hybrid.ops.triton_guard import pdl_wait
 
     @triton.jit
     def _softplus(v):
@@ -82,6 +83,7 @@ if HAS_TRITON:
         s_i_slot, s_i_t, s_i_h, s_i_p,
         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_INTER: tl.constexpr, HAS_INTER_IDX: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         pid_p = tl.program_id(0)
         h = tl.program_id(1)
@@ -99,6 +101,9 @@ if HAS_TRITON:
         tile = h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :]
         st_ptrs = state_ptr + tl.maximum(slot, 0) * s_st_slot + tile
         state = tl.load(st_ptrs, mask=smask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        # the slot's state (and the slot ids, copied in before the step) is written by no earlier
+        # kernel of the step: read before the wait, so its latency overlaps the previous kernel's tail
+        pdl_wait(PDL)
 
         g = h // heads_per_group
         A = tl.load(A_ptr + h).to(tl.float32)
@@ -189,7 +194,9 @@ if HAS_TRITON:
         s_i_slot, s_i_t, s_i_c, s_i_k,
         K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr,
         HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_INTER: tl.constexpr, HAS_INTER_IDX: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_wait(PDL)
         pid_c = tl.program_id(0)
         b = tl.program_id(1)
         offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -224,7 +231,8 @@ if HAS_TRITON:
     def _conv_prefill_kernel(x_ptr, hist_ptr, w_ptr, bias_ptr, out_ptr, L, CD,
                              s_x, s_o, s_h_c, s_h_k, s_w_c,
                              K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
-                             HAS_HIST: tl.constexpr, HAS_BIAS: tl.constexpr):
+                             HAS_HIST: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         # One program: BLOCK_L tokens x BLOCK_C channels. out[t] = silu(sum_k w[:, k] * ext[t + k] + b)
         # where ext = [history (K-1 columns) | x]; tokens t + k - (K-1) < 0 read the history.
         offs_t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -346,7 +354,7 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         BLOCK_P=bp, BLOCK_N=_next_pow2(N),
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_INTER=intermediate_states is not None, HAS_INTER_IDX=intermediate_indices is not None,
-        num_warps=nw,
+        num_warps=nw, **pdl_options(x.device),
     )
     return out[:, 0] if single else out
 
@@ -399,7 +407,7 @@ def conv_state_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
         K=K, KP=_next_pow2(K), BLOCK_C=block_c,
         HAS_BIAS=bias is not None, SILU=activation is not None,
         HAS_INTER=intermediate_states is not None, HAS_INTER_IDX=intermediate_indices is not None,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_options(x.device),
     )
     return out[:, 0] if single else out
 
@@ -420,7 +428,7 @@ def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int, has_initi
             x, history, weight, bias if bias is not None else weight, out, L, CD,
             x.stride(0), out.stride(0), history.stride(0), history.stride(1), weight.stride(0),
             K=K, BLOCK_L=block_l, BLOCK_C=block_c, HAS_HIST=has_initial_state, HAS_BIAS=bias is not None,
-            num_warps=4,
+            num_warps=4, **pdl_options(x.device),
         )
     # the new history: the last K-1 inputs of [history | x] (read before it is overwritten)
     if L >= width:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.ops.triton_guard import HAS_TRITON, require, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 from state_pool.util import cdiv
 
 NAIVE_MAX_PAIRS = 32
@@ -86,10 +86,12 @@ def align_naive(flat_ids: torch.Tensor, block_m: int) -> tuple[torch.Tensor, tor
 
 
 if HAS_TRITON:
+    from hybrid.ops.triton_guard import pdl_wait
 
     @triton.jit
     def _align_kernel(ids_ptr, n, pairs_ptr, block_expert_ptr, total_ptr, num_rows, num_blocks,
-                      BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         # One program: counts per expert, padded offsets, then each pair's place (its expert's offset
         # plus the number of same-expert pairs before it), chunk by chunk in pair order.
         experts = tl.arange(0, EP)
@@ -125,7 +127,8 @@ if HAS_TRITON:
                          N, K, num_pairs, a_div, num_m_blocks, num_experts, s_am, s_be, s_bn, s_sn, s_se,
                          s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr, HAS_SHARED: tl.constexpr,
                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         # C[p, :N] = act(A[p // a_div] @ W_e.T) (* w[p]) for the pairs p of each block (expert e).
         # W_e: b + e*s_be (rows s_bn apart; gated: the up rows N rows below the gate rows), or for
         # e >= num_experts the shared pseudo-expert s = e - num_experts: s_ptr + s*s_se (rows s_sn
@@ -197,7 +200,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _sum_k_kernel(y_ptr, add_ptr, out_ptr, H, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < H
@@ -209,7 +213,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _router_partial_kernel(x_ptr, w_ptr, out_ptr, T, E, K, s_x, s_w, k_per_split,
-                               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # partial[s, t, e] = sum over split s's slice of K of x[t, k] * w[e, k], in fp32. A step of few
         # tokens reads the router weight from many programs at once (a [T, E] GEMM has too few output
         # tiles to fill the GPU); _route_kernel adds the splits in a fixed order (no atomics).
@@ -219,13 +223,19 @@ if HAS_TRITON:
         e_ok = offs_e < E
         k_begin = split * k_per_split
         k_end = tl.minimum(k_begin + k_per_split, K)
-        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
+        w_rows = w_ptr + offs_e[:, None].to(tl.int64) * s_w
+        # the first weight tile (usually the only one) before the wait: no kernel writes the weight
+        offs_k = k_begin + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_end
+        wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        pdl_wait(PDL)
+        xv = tl.load(x_ptr + t * s_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        acc = tl.sum(wv * xv[None, :], axis=1)
+        for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_end
             xv = tl.load(x_ptr + t * s_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * s_w + offs_k[None, :],
-                         mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(wv * xv[None, :], axis=1)
         tl.store(out_ptr + (split * T + t) * E + offs_e, acc, mask=e_ok)
 
@@ -233,7 +243,8 @@ if HAS_TRITON:
     def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, s_split, scale, TOP_K: tl.constexpr,
                       KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                       NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr):
+                      NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         # One token per program: the k best experts by repeated argmax over the row (E <= a few
         # hundred); KP, EP, SP: k, E and NUM_SHARED padded to powers of two for the register tiles.
         # The logits are the sum of NUM_SPLITS partial rows s_split apart (1: the logits themselves),
@@ -309,7 +320,8 @@ def _route_rows(logits, s_l, s_split, num_splits, round_to, T, E, top_k, *, sigm
                             TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
                             SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize,
                             NUM_SHARED=num_shared, SP=triton.next_power_of_2(max(num_shared, 1)),
-                            NUM_SPLITS=num_splits, ROUND=round_to, num_warps=1 if E <= 256 else 4)
+                            NUM_SPLITS=num_splits, ROUND=round_to, num_warps=1 if E <= 256 else 4,
+                            **pdl_options(logits.device))
     return idx, w
 
 
@@ -346,7 +358,7 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_dt
     partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
     _router_partial_kernel[(T, cdiv(E, _ROUTER_BLOCK_E), splits)](
         x, weight, partial, T, E, H, x.stride(0), weight.stride(0), k_per_split,
-        BLOCK_E=_ROUTER_BLOCK_E, BLOCK_K=_ROUTER_BLOCK_K, num_warps=4)
+        BLOCK_E=_ROUTER_BLOCK_E, BLOCK_K=_ROUTER_BLOCK_K, num_warps=4, **pdl_options(x.device))
     return _route_rows(partial, E, T * E, splits, _ROUND[logits_dtype], T, E, top_k, sigmoid=sigmoid, bias=bias,
                        normalize=normalize, scale=scale, num_shared=num_shared)
 
@@ -388,7 +400,7 @@ def align(flat_ids: torch.Tensor, num_experts: int, block_m: int, method: str | 
     total = torch.empty(1, dtype=torch.int32, device=dev)
     ep = triton.next_power_of_2(num_experts)
     _align_kernel[(1,)](flat_ids, n, pairs, block_expert, total, nb * block_m, nb, BLOCK_M=block_m, EP=ep,
-                        CHUNK=max(16, min(128, 8192 // ep)), num_warps=8)
+                        CHUNK=max(16, min(128, 8192 // ep)), num_warps=8, **pdl_options(dev))
     return pairs, block_expert, total
 
 
@@ -428,6 +440,7 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
         s_sn, s_se, s_up, out.stride(0),
         ACT=act, MUL_W=weights is not None, HAS_SHARED=shared is not None, IEEE=a.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages,
+        **pdl_options(a.device),
     )
 
 
@@ -465,7 +478,7 @@ class ExpertRows:
             block = min(1024, triton.next_power_of_2(H))
             _sum_k_kernel[(T, cdiv(H, block))](self.y, self.add if self.add is not None else self.y, out, H,
                                                   TOP_K=self.top_k, HAS_ADD=self.add is not None, BLOCK=block,
-                                                  num_warps=4)
+                                                  num_warps=4, **pdl_options(self.y.device))
         return out
 
 

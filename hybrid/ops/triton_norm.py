@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.ops.triton_guard import HAS_TRITON, require, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 
 
 def is_available() -> bool:
@@ -27,6 +27,7 @@ def is_available() -> bool:
 
 
 if HAS_TRITON:
+    from hybrid.ops.triton_guard import pdl_wait
     from hybrid.ops.triton_moe import expert_sum
 
     @triton.jit
@@ -42,7 +43,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, H, eps,
-                         BLOCK: tl.constexpr, W_FP32: tl.constexpr):
+                         BLOCK: tl.constexpr, W_FP32: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
@@ -52,7 +54,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_x, s_r, s_o, H, eps, scale,
-                             BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr):
+                             BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
@@ -69,7 +72,8 @@ if HAS_TRITON:
     @triton.jit
     def _sum_add_rms_norm_kernel(y_ptr, add_ptr, res_ptr, w_ptr, out_ptr, s_r, s_o, H, eps, scale,
                                  TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr,
-                                 W_FP32: tl.constexpr, SCALED: tl.constexpr):
+                                 W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         # _sum_k_kernel (hybrid/ops/triton_moe.py) then _add_rms_norm_kernel, in one program a row,
         # rounding where they round: the sum over k in fp32, stored in y's dtype; then the add
         row = tl.program_id(0).to(tl.int64)
@@ -87,7 +91,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, eps,
-                               BLOCK: tl.constexpr):
+                               BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
@@ -114,7 +119,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     if T:
         block = triton.next_power_of_2(H)
         _rms_norm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), H, eps,
-                               BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block))
+                               BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block), **pdl_options(x.device))
     return out
 
 
@@ -129,7 +134,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         block = triton.next_power_of_2(H)
         _add_rms_norm_kernel[(T,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), H, eps,
                                    float(scale), BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
-                                   num_warps=_warps(block))
+                                   num_warps=_warps(block), **pdl_options(x.device))
     return out
 
 
@@ -147,7 +152,8 @@ def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: fl
         block = triton.next_power_of_2(H)
         _sum_add_rms_norm_kernel[(T,)](y, add if add is not None else y, residual, weight, out, residual.stride(0),
                                        out.stride(0), H, eps, float(scale), TOP_K=rows.top_k, HAS_ADD=add is not None,
-                                       BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block))
+                                       BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block),
+                                       **pdl_options(y.device))
     return out
 
 
@@ -161,5 +167,5 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         group = inner // n_groups
         block = triton.next_power_of_2(group)
         _gated_rms_norm_kernel[(T, n_groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), group, eps,
-                                              BLOCK=block, num_warps=_warps(block))
+                                              BLOCK=block, num_warps=_warps(block), **pdl_options(y.device))
     return out
