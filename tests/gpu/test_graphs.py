@@ -97,6 +97,25 @@ def test_replay_equals_eager(llm, slots):
     assert torch.equal(out.argmax(-1), eager_unpadded.argmax(-1)) or rel_err(out, eager_unpadded) < 5e-3
 
 
+def test_programmatic_dependent_launch_changes_no_bit(llm, monkeypatch):
+    """PDL (hybrid/ops/triton_guard.py) only lets a kernel start before its predecessor ends: a
+    replay with it on equals an eager run with it off, logits and every slot bit for bit (a kernel
+    that read step data before its wait would race and differ)."""
+    from hybrid.ops import triton_guard
+
+    assert triton_guard.pdl_options(llm.device)["PDL"], "PDL is off on this device"
+    slots = list(range(NUM_SLOTS))
+    batch, s0, _, _, out_on, s_on = replay_and_padded_eager(llm, slots, PAGE)
+    monkeypatch.setenv("HYBRID_PDL", "0")
+    monkeypatch.setattr(triton_guard, "_pdl_by_device", {})
+    assert not triton_guard.pdl_options(llm.device)["PDL"]
+    restore(llm, s0)
+    out_off = llm.runner.model(pad_decode_batch(batch, NUM_SLOTS, PAGE), llm.runner.ctx)[:NUM_SLOTS]
+    s_off = snap(llm)
+    assert torch.equal(out_on, out_off)
+    assert torch.equal(s_on[0], s_off[0]) and torch.equal(s_on[1], s_off[1]) and torch.equal(s_on[2], s_off[2])
+
+
 def test_prefill_and_large_batches_run_eager(llm):
     e = llm.runner.stats["eager"]
     out = llm.generate([[5, 6, 7, 8, 9, 10, 11, 12, 13]] * 3, None, use_tqdm=False)
