@@ -21,19 +21,25 @@ MIN_EXACT = 0.75  # share of tokens that must be the reference's greedy choice e
 
 
 def assert_greedy_under_reference(ref, prompts: list[list[int]], outs: list[list[int]],
-                                  near_tie: float = NEAR_TIE) -> None:
+                                  near_tie: float = NEAR_TIE, logit_bias: dict[int, float] | None = None) -> None:
     """Each outs[i][j] is, for `ref` fed prompts[i] + outs[i][:j], its greedy choice or a near-tie.
-    Valid where prefill and decode compute the same function (no dt clamp: time_step_limit (0, inf))."""
+    Valid where prefill and decode compute the same function (no dt clamp: time_step_limit (0, inf)).
+    With `logit_bias` (the outputs were generated with it), greedy and near-ties are judged on the
+    biased scores (logprobs are of the raw distribution: every token's is asked for)."""
     from hybrid import SamplingParams
 
     prefixes = [p + o[:j] for p, o in zip(prompts, outs) for j in range(len(o))]
     expected = [t for o in outs for t in o]
-    res = ref.generate(prefixes, SamplingParams(max_tokens=1, logprobs=5, **GREEDY), use_tqdm=False)
+    bias = logit_bias or {}
+    k = ref.config.vocab_size if bias else 5
+    res = ref.generate(prefixes, SamplingParams(max_tokens=1, logprobs=k, logit_bias=logit_bias, **GREEDY),
+                       use_tqdm=False)
     exact = 0
     for prefix, want, r in zip(prefixes, expected, res):
         choice = r.outputs[0].token_ids[0]
         lp = r.outputs[0].logprobs[0]
         exact += choice == want
-        assert want in lp, f"token {want} after {len(prefix)} tokens is not in the reference's top 5: {lp}"
-        assert lp[choice] - lp[want] <= near_tie, (want, choice, lp)
+        assert want in lp, f"token {want} after {len(prefix)} tokens is not in the reference's top {k}: {lp}"
+        score = lambda t: lp[t] + bias.get(t, 0.0)  # noqa: E731
+        assert score(choice) - score(want) <= near_tie, (want, choice, {t: lp[t] for t in (want, choice)})
     assert exact >= MIN_EXACT * len(expected), f"only {exact}/{len(expected)} tokens are the greedy choice"

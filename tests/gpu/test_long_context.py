@@ -100,7 +100,7 @@ def test_preemption_and_replay_of_long_requests(name, ckpt):
     prompts = [prompt(6000, 9), prompt(6000, 10), prompt(5000, 11)]
     sp = SamplingParams(max_tokens=48, **GREEDY)
     # pages for ~2.2 of the three long requests: the third forces preemptions (and replays)
-    llm = make(path, num_kv_pages=(6100 * 2 + 1000) // 16 + 2)
+    llm = make(path, max_model_len=6100, num_kv_pages=(6100 * 2 + 1000) // 16 + 2)  # (the cache must hold one)
     got = tokens(llm.generate(prompts, sp, use_tqdm=False))
     assert llm.engine.stats["preemptions"] > 0
     assert_greedy_under_reference(reference(path), prompts, got)

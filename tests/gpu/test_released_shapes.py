@@ -54,6 +54,10 @@ VOCAB = released_shapes.GPU_VOCAB
 PAGE = 16
 MAX_LEN = 256
 UTIL = 0.3  # of the H200's memory per engine (at most a reference + two engines are alive at once)
+# The logits are bf16: at the real widths they reach |8-16|, where a bf16 step is 0.0625, and the
+# engine and the reference (other chunking, other kernels) may round a pair of them 2 steps apart
+# (measured: 0.125 nats on nemotron-h-8b). A near-tie is within 4 steps.
+NEAR_TIE = 0.25
 
 
 def _free() -> None:
@@ -207,7 +211,7 @@ def test_graphs_teacher_forced(released, reference, graphs_llm):
     got = tokens(llm.generate(PROMPTS, sp, use_tqdm=False))
     assert [len(g) for g in got] == [16] * len(PROMPTS)
     assert llm.runner.stats["graph_replays"] > 0, "decode did not replay graphs"
-    assert_greedy_under_reference(reference, PROMPTS, got)
+    assert_greedy_under_reference(reference, PROMPTS, got, NEAR_TIE)
     assert_clean(llm)
 
 
@@ -253,17 +257,25 @@ def test_graph_replay_equals_eager_on_a_decode_batch(released, graphs_llm):
 
 
 def test_speculative_decoding_teacher_forced(released, reference):
+    """ngram speculation, K=3. A random-weight model's greedy tokens rarely recur in a prompt (the
+    vocabulary has 4096 tokens), so the outputs are held to 8 tokens that every prompt contains
+    (logit bias +20): each new token's 1-gram then has an earlier occurrence and drafts exist at
+    every step; which of the 8 is chosen, and so which drafts are accepted, is still the model's."""
     _, path = released
-    prompts = [periodic_prompt(5, 4, 1), periodic_prompt(3, 6, 2), PROMPTS[2]]
+    allowed = random_prompt(8, 99)
+    bias = {t: 20.0 for t in allowed}
+    prompts = [periodic_prompt(5, 4, 1) + allowed, periodic_prompt(3, 6, 2) + allowed, PROMPTS[2] + allowed]
     llm = engine(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     try:
         assert llm.runner.use_graphs
         assert_no_silent_torch_path(llm)
-        got = tokens(llm.generate(prompts, SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False))
+        sp = SamplingParams(max_tokens=20, logit_bias=bias, **GREEDY)
+        got = tokens(llm.generate(prompts, sp, use_tqdm=False))
+        assert all(t in bias for g in got for t in g), got
         assert llm.engine.stats["spec_draft_tokens"] > 0
         print(f"\nspeculation: {llm.engine.stats['spec_accepted_tokens']} of "
               f"{llm.engine.stats['spec_draft_tokens']} drafts accepted")
-        assert_greedy_under_reference(reference, prompts, got)
+        assert_greedy_under_reference(reference, prompts, got, NEAR_TIE, logit_bias=bias)
         assert_clean(llm)
     finally:
         del llm
@@ -284,7 +296,7 @@ def test_prefix_caching_teacher_forced(released, reference):
         assert llm.runner.stats["graph_replays"] > 0
         stats = llm.engine.stats
         assert stats["prefix_cache_hits"] >= 2 and stats["prefix_cache_hit_tokens"] >= 2 * 3 * PAGE, stats
-        assert_greedy_under_reference(reference, [first] + follow, got_first + got)
+        assert_greedy_under_reference(reference, [first] + follow, got_first + got, NEAR_TIE)
         assert_clean(llm)
     finally:
         del llm
