@@ -32,11 +32,6 @@ def require(module: str) -> None:
         raise RuntimeError(f"{module} needs triton, which is not importable here")
 
 
-def compiled(device) -> bool:
-    """Whether Triton kernels on `device` run compiled (CUDA), not in the interpreter."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-
-
 _pdl_by_device: dict = {}
 
 
@@ -48,7 +43,8 @@ def pdl_options(device) -> dict:
     if key not in _pdl_by_device:
         import torch
 
-        on = (compiled(device) and os.environ.get("HYBRID_PDL", "1") != "0"
+        on = (device.type == "cuda" and os.environ.get("HYBRID_PDL", "1") != "0"
+              and os.environ.get("TRITON_INTERPRET", "0") != "1"
               and torch.cuda.get_device_capability(device)[0] >= 9)
         _pdl_by_device[key] = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
     return _pdl_by_device[key]

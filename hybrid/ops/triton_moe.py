@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.ops.triton_guard import HAS_TRITON, compiled, pdl_options, require, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 from state_pool.util import cdiv
 
 NAIVE_MAX_PAIRS = 32
@@ -212,11 +212,11 @@ if HAS_TRITON:
 if HAS_TRITON:
 
     @triton.jit
-    def _router_partial(x_ptr, w_ptr, out_ptr, T, E, K, s_x, s_w, k_per_split,
-                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        # partial[s, t, e] = sum over split s's slice of K of x[t, k] * w[e, k], in fp32, for program
-        # (t, e block, s). A step of few tokens reads the router weight from many programs at once (a
-        # [T, E] GEMM has too few output tiles to fill the GPU); the splits are added in a fixed order.
+    def _router_partial_kernel(x_ptr, w_ptr, out_ptr, T, E, K, s_x, s_w, k_per_split,
+                               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # partial[s, t, e] = sum over split s's slice of K of x[t, k] * w[e, k], in fp32. A step of few
+        # tokens reads the router weight from many programs at once (a [T, E] GEMM has too few output
+        # tiles to fill the GPU); _route_kernel adds the splits in a fixed order (no atomics).
         t = tl.program_id(0).to(tl.int64)
         offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
         split = tl.program_id(2)
@@ -240,21 +240,22 @@ if HAS_TRITON:
         tl.store(out_ptr + (split * T + t) * E + offs_e, acc, mask=e_ok)
 
     @triton.jit
-    def _route_token(logits_ptr, bias_ptr, idx_ptr, w_ptr, t, E, s_l, s_split, scale, TOP_K: tl.constexpr,
-                     KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr):
-        # Token t: the k best experts by repeated argmax over the row (E <= a few hundred); KP, EP,
-        # SP: k, E and NUM_SHARED padded to powers of two for the register tiles. The logits are the
-        # sum of NUM_SPLITS partial rows s_split apart (1: the logits themselves), in split order,
+    def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, s_split, scale, TOP_K: tl.constexpr,
+                      KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
+        # One token per program: the k best experts by repeated argmax over the row (E <= a few
+        # hundred); KP, EP, SP: k, E and NUM_SHARED padded to powers of two for the register tiles.
+        # The logits are the sum of NUM_SPLITS partial rows s_split apart (1: the logits themselves),
         # rounded to bf16 (ROUND 1) or fp16 (2) first where the reference router computes in that dtype.
-        # Output row: the k routed (id, weight), then the shared pseudo-experts (E + s, 1.0). The
-        # loads go to L2 (.cg): in _router_kernel other programs of this launch wrote the partials.
+        # Output row: the k routed (id, weight), then the shared pseudo-experts (E + s, 1.0).
+        t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, EP)
         ok = e < E
-        logits = tl.load(logits_ptr + t * s_l + e, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        logits = tl.load(logits_ptr + t * s_l + e, mask=ok, other=0.0).to(tl.float32)
         for s in tl.static_range(1, NUM_SPLITS):
-            logits += tl.load(logits_ptr + s * s_split + t * s_l + e, mask=ok, other=0.0, cache_modifier=".cg")
+            logits += tl.load(logits_ptr + s * s_split + t * s_l + e, mask=ok, other=0.0)
         if ROUND == 1:
             logits = logits.to(tl.bfloat16).to(tl.float32)
         if ROUND == 2:
@@ -293,44 +294,6 @@ if HAS_TRITON:
             tl.store(idx_ptr + row + TOP_K + ss, E + ss, mask=ss < NUM_SHARED)
             tl.store(w_ptr + row + TOP_K + ss, tl.full([SP], 1.0, tl.float32), mask=ss < NUM_SHARED)
 
-    @triton.jit
-    def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, s_split, scale, TOP_K: tl.constexpr,
-                      KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
-        pdl_wait(PDL)
-        _route_token(logits_ptr, bias_ptr, idx_ptr, w_ptr, tl.program_id(0).to(tl.int64), E, s_l, s_split, scale,
-                     TOP_K, KP, EP, SIGMOID, HAS_BIAS, NORMALIZE, NUM_SHARED, SP, NUM_SPLITS, ROUND)
-
-    @triton.jit
-    def _gpu_fence(ON: tl.constexpr):
-        """A GPU-scope memory fence by every thread (off in the interpreter, which runs programs
-        one after another)."""
-        if ON:
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _router_kernel(x_ptr, w_ptr, partial_ptr, count_ptr, bias_ptr, idx_ptr, wout_ptr, T, E, K, s_x, s_w,
-                       k_per_split, scale, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PROGRAMS_PER_TOKEN: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
-                       EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
-                       NUM_SHARED: tl.constexpr, SP: tl.constexpr, NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr,
-                       FENCE: tl.constexpr, PDL: tl.constexpr):
-        # The router of a step of few tokens in one launch: each program writes its split-K partial
-        # (_router_partial), and the token's last program to finish (a per-token arrival
-        # counter) sums them and routes the token (_route_token), then zeroes the counter for the
-        # next launch. The partials are added in split order, as _route_kernel adds them.
-        _router_partial(x_ptr, w_ptr, partial_ptr, T, E, K, s_x, s_w, k_per_split, BLOCK_E, BLOCK_K, PDL)
-        t = tl.program_id(0).to(tl.int64)
-        _gpu_fence(FENCE)  # every thread's partial is visible GPU-wide before the arrival is counted
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-        if arrived == PROGRAMS_PER_TOKEN - 1:
-            _gpu_fence(FENCE)
-            _route_token(partial_ptr, bias_ptr, idx_ptr, wout_ptr, t, E, E, T * E, scale, TOP_K, KP, EP, SIGMOID,
-                         HAS_BIAS, NORMALIZE, NUM_SHARED, SP, NUM_SPLITS, ROUND)
-            tl.store(count_ptr + t, 0)
-
 
 def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor | None = None,
           normalize: bool = False, scale: float = 1.0, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,10 +325,10 @@ def _route_rows(logits, s_l, s_split, num_splits, round_to, T, E, top_k, *, sigm
     return idx, w
 
 
-# Steps of at most this many tokens route in one launch (_router_kernel): the router logits in split-K
-# partials (split over the hidden size, so that even one token reads the router weight from many
-# SMs), summed and routed by each token's last program. That replaces the GEMM (and for NemotronH's
-# fp32 router, the cast of x) and the routing launch. Past it a [T, E] GEMM has tiles enough of its own.
+# Steps of at most this many tokens compute the router logits with _router_partial_kernel (split over
+# the hidden size, so that even one token reads the router weight from many SMs), which the routing
+# launch then sums: two launches in place of the GEMM (and for NemotronH's fp32 router, the cast of x)
+# plus the routing one. Past it a [T, E] GEMM has tiles enough of its own.
 ROUTER_FUSED_MAX_TOKENS = 16
 # One [16, 64] weight tile per program (up to 64 K splits): the H200 profile of (32, 128, 8 splits)
 # showed 6.7 us a layer for NemotronH's 1.4 MB fp32 router (28 programs, each looping over three
@@ -379,7 +342,7 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_dt
                  num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` of the router logits x [T, H] @ weight [E, H].T computed as the reference does in
     `logits_dtype` (NemotronH: fp32 from fp32 x and weight; Granite: the model dtype, i.e. an fp32
-    sum rounded once): for few tokens in one launch (see ROUTER_FUSED_MAX_TOKENS), else a GEMM
+    sum rounded once): for few tokens in two launches (see ROUTER_FUSED_MAX_TOKENS), else a GEMM
     and the routing launch."""
     require(__name__)
     T, H = x.shape
@@ -392,31 +355,12 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_dt
     k_blocks = cdiv(H, _ROUTER_BLOCK_K)
     k_per_split = cdiv(k_blocks, _ROUTER_SPLITS) * _ROUTER_BLOCK_K
     splits = cdiv(H, k_per_split)
-    e_blocks = cdiv(E, _ROUTER_BLOCK_E)
     partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
-    width = top_k + num_shared
-    idx = torch.empty(T, width, dtype=torch.int32, device=x.device)
-    w = torch.empty(T, width, dtype=torch.float32, device=x.device)
-    _router_kernel[(T, e_blocks, splits)](
-        x, weight, partial, _arrival_counters(x.device), bias if bias is not None else partial, idx, w,
-        T, E, H, x.stride(0), weight.stride(0), k_per_split, scale,
-        BLOCK_E=_ROUTER_BLOCK_E, BLOCK_K=_ROUTER_BLOCK_K, PROGRAMS_PER_TOKEN=e_blocks * splits,
-        TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E), SIGMOID=sigmoid,
-        HAS_BIAS=bias is not None, NORMALIZE=normalize, NUM_SHARED=num_shared,
-        SP=triton.next_power_of_2(max(num_shared, 1)), NUM_SPLITS=splits, ROUND=_ROUND[logits_dtype],
-        FENCE=compiled(x.device), num_warps=4, **pdl_options(x.device))
-    return idx, w
-
-
-_counters: dict = {}
-
-
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """_router_kernel's per-token arrival counters on `device`: zero between launches (each launch's
-    last program per token resets its own), so one buffer serves every router call and graph."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(ROUTER_FUSED_MAX_TOKENS, dtype=torch.int32, device=device)
-    return _counters[device]
+    _router_partial_kernel[(T, cdiv(E, _ROUTER_BLOCK_E), splits)](
+        x, weight, partial, T, E, H, x.stride(0), weight.stride(0), k_per_split,
+        BLOCK_E=_ROUTER_BLOCK_E, BLOCK_K=_ROUTER_BLOCK_K, num_warps=4, **pdl_options(x.device))
+    return _route_rows(partial, E, T * E, splits, _ROUND[logits_dtype], T, E, top_k, sigmoid=sigmoid, bias=bias,
+                       normalize=normalize, scale=scale, num_shared=num_shared)
 
 
 # Kernel configurations per regime: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).

@@ -135,17 +135,6 @@ def test_route_hidden_vs_router_gemm(H, E, top_k, dtype, T):
     logits = torch.nn.functional.linear(x.to(dtype), weight)
     ref_idx, ref_w = triton_moe.route(logits, top_k, sigmoid=sigmoid, num_shared=2, **kw)
     idx, w = triton_moe.route_hidden(x, weight, top_k, logits_dtype=dtype, sigmoid=sigmoid, num_shared=2, **kw)
-    # the one-launch router (T <= 16) counts each token's programs in and resets its counters: replays
-    # of a captured call route the same, bit for bit, and leave the counters at zero
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_idx, g_w = triton_moe.route_hidden(x, weight, top_k, logits_dtype=dtype, sigmoid=sigmoid, num_shared=2, **kw)
-    for _ in range(3):
-        g_idx.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(g_idx, idx) and torch.equal(g_w, w)
-    assert not triton_moe._arrival_counters(x.device).any()
     if sigmoid:
         assert torch.equal(idx, ref_idx)
         torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
