@@ -340,30 +340,42 @@ def prefill_ttft(llm, args, dev: torch.device) -> dict:
     return dict(prompt=args.prompt, ttft_ms=best * 1e3, prefill_tok_s=args.prompt / best)
 
 
-def pdl_off_decode(llm, rows: list[dict], args, dev: torch.device) -> None:
-    """The graph-replay decode timing again with programmatic dependent launch off (HYBRID_PDL=0,
-    hybrid/ops/triton_guard.py): the graphs recaptured, each row's `pdl_off_ms` / `pdl_off_tok_s`
-    next to its PDL-on figures; then PDL back on as it was (recaptured again)."""
-    from hybrid.ops import triton_guard
+def variant_decode(llm, rows: list[dict], args, dev: torch.device, env: dict[str, str], key: str) -> None:
+    """The graph-replay decode timing again under other kernel switches (`env`: HYBRID_PDL,
+    HYBRID_DECODE_LINEAR), the graphs recaptured; each row gets `{key}_ms` / `{key}_tok_s` next to
+    its default figures. Then the switches as they were, recaptured again."""
+    from hybrid.ops import triton_gemv, triton_guard
 
-    def recapture(pdl: str) -> None:
-        os.environ["HYBRID_PDL"] = pdl
+    def recapture(values: dict[str, str | None]) -> None:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         triton_guard._pdl_by_device.clear()
+        triton_gemv.reset_switch()
         runner.graphs.clear()
         free_memory()
         runner.capture(progress=False)
 
     runner = llm.runner
-    before = os.environ.get("HYBRID_PDL", "1")
-    recapture("0")
+    before = {name: os.environ.get(name) for name in env}
+    recapture(env)
     for row in rows:
         if "graph_ms" not in row:
             continue
         batch = decode_batch(llm, row["batch"], args.ctx)
         t = time_steps(lambda: runner.execute(batch).argmax(-1), args.steps, dev)
-        row.update(pdl_off_ms=t * 1e3, pdl_off_tok_s=row["batch"] / t)
+        row.update({f"{key}_ms": t * 1e3, f"{key}_tok_s": row["batch"] / t})
         del batch
     recapture(before)
+
+
+VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report calls it)
+    "pdl_ab": ("pdl_off", {"HYBRID_PDL": "0"}, "programmatic dependent launch off (HYBRID_PDL=0)"),
+    "linear_ab": ("triton_linear", {"HYBRID_DECODE_LINEAR": "triton"},
+                  "decode projections through the Triton linear (HYBRID_DECODE_LINEAR=triton)"),
+}
 
 
 def run_shape(name: str, cfg_dict: dict, args, dev: torch.device, save: Callable[[dict], None]) -> dict:
@@ -439,11 +451,12 @@ def run_shape(name: str, cfg_dict: dict, args, dev: torch.device, save: Callable
         print(f"[{name}] decode {row}", flush=True)
         res["decode"] = rows
         save(res)
-    if args.pdl_ab and dev.type == "cuda" and runner.use_graphs:
-        pdl_off_decode(llm, rows, args, dev)
-        print(f"[{name}] PDL off: " + ", ".join(f"batch {r['batch']} {r.get('pdl_off_tok_s', 0):.0f} tok/s "
-                                                 f"(on: {r.get('graph_tok_s', 0):.0f})" for r in rows), flush=True)
-        save(res)
+    for flag, (key, env, what) in VARIANTS.items():
+        if getattr(args, flag) and dev.type == "cuda" and runner.use_graphs:
+            variant_decode(llm, rows, args, dev, env, key)
+            print(f"[{name}] {what}: " + ", ".join(f"batch {r['batch']} {r.get(key + '_tok_s', 0):.0f} tok/s "
+                                                    f"(default: {r.get('graph_tok_s', 0):.0f})" for r in rows), flush=True)
+            save(res)
     for s in list(llm.state_pool.live_slots):  # the engine runs below: give the synthetic slots back
         llm.state_pool.free(s)
 
@@ -577,10 +590,11 @@ def table(name: str, res: dict | None, peer: dict | None, note: str = "") -> str
     if skewed:
         lines.append(f"WARNING: routing is skewed at batch {skewed}: fewer experts are read than the floor "
                      "assumes, so these tok/s flatter the MoE kernels")
-    pdl_off = [f"{r['batch']}: {r['pdl_off_tok_s']:,.0f} tok/s ({r['graph_tok_s'] / r['pdl_off_tok_s'] - 1:+.1%} with PDL)"
-               for r in res.get("decode", []) if r.get("pdl_off_tok_s")]
-    if pdl_off:
-        lines.append("graphs with programmatic dependent launch off (HYBRID_PDL=0), by batch: " + "; ".join(pdl_off))
+    for key, _, what in VARIANTS.values():
+        alt = [f"{r['batch']}: {r[key + '_tok_s']:,.0f} tok/s ({r[key + '_tok_s'] / r['graph_tok_s'] - 1:+.1%})"
+               for r in res.get("decode", []) if r.get(key + "_tok_s")]
+        if alt:
+            lines.append(f"graphs with {what}, by batch (vs the default): " + "; ".join(alt))
     for g in res.get("generate", []):
         if "error" in g:
             lines.append(f"generate batch {g['batch']}: {g['error']}")
@@ -707,7 +721,7 @@ def worker_args(args) -> list[str]:
            "--util", str(args.util), "--decode-kernels", args.decode_kernels, "--gen-batches", *map(str, args.gen_batches),
            "--gen-prompt", str(args.gen_prompt), "--gen-new", str(args.gen_new), "--gen-seconds", str(args.gen_seconds),
            "--peer-prompt", str(args.peer_prompt), "--peer-new", str(args.peer_new), "--peer-cap", str(args.peer_cap)]
-    for flag in ("no_eager", "profile", "no_fused_ops", "pdl_ab"):
+    for flag in ("no_eager", "profile", "no_fused_ops", *VARIANTS):
         if getattr(args, flag):
             out.append("--" + flag.replace("_", "-"))
     return out
@@ -728,6 +742,8 @@ def main() -> int:
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode timing")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="time the graph decode again with programmatic dependent launch off (recaptured)")
+    ap.add_argument("--linear-ab", action="store_true",
+                    help="time the graph decode again with the decode projections on the Triton linear")
     ap.add_argument("--profile", action="store_true", help="kernel profile of one graph replay per batch size (and the prefill)")
     ap.add_argument("--gen-batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--gen-prompt", type=int, default=512)

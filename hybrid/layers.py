@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hybrid.batch import StepBatch
 from hybrid.config import GATE_ONLY, GATE_THEN_NORM, AttentionConfig, MambaConfig, MoEConfig
 from hybrid.mamba_metadata import step_metadata
-from hybrid.ops import mamba_torch, triton_act, triton_moe, triton_norm
+from hybrid.ops import mamba_torch, triton_act, triton_gemv, triton_moe, triton_norm
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -21,8 +21,13 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        # decode-sized steps through the one-launch Triton linear when HYBRID_DECODE_LINEAR=triton
+        # (hybrid/ops/triton_gemv.py; see use_fused_ops)
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and triton_gemv.enabled() and triton_gemv.eligible(x, self.weight):
+            return triton_gemv.small_m_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -453,14 +458,14 @@ class GraniteMoE(nn.Module):
 
 def use_fused_ops(model: nn.Module) -> int:
     """Switch the model's norms (with the residual add before them), the Mamba gated norm, the
-    relu2 / SwiGLU activations of the dense MLPs and the routed experts to their Triton kernels;
-    returns how many modules. Same math as the torch chains they replace; the norms and activations
+    relu2 / SwiGLU activations of the dense MLPs and the routed experts to their Triton kernels (and
+    the projections of decode-sized steps, when HYBRID_DECODE_LINEAR=triton); returns how many modules. Same math as the torch chains they replace; the norms and activations
     round at the same points, the experts accumulate in fp32 and round once."""
     if not (triton_norm.is_available() and triton_act.is_available() and triton_moe.is_available()):
         raise RuntimeError("triton is not importable: the fused ops are unavailable")
     count = 0
     for m in model.modules():
-        if isinstance(m, (RMSNorm, Mamba2Mixer)) or (isinstance(m, (DenseMLP, GatedMLP, Experts)) and m.can_fuse):
+        if isinstance(m, (RMSNorm, Mamba2Mixer, Linear)) or (isinstance(m, (DenseMLP, GatedMLP, Experts)) and m.can_fuse):
             m.fused = True
             count += 1
         if isinstance(m, Experts) and m.fused:

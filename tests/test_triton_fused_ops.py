@@ -85,7 +85,7 @@ def test_gated_norm_matches_the_mixer(tiny_ckpt, make_llm, dtype):
 @pytest.mark.parametrize("name", ["granite_dense", "nemotron_h", "granite_moe"])  # the last two: MoE
 def test_model_forward_with_fused_ops(tiny_ckpt, make_llm, name):
     from hybrid import SamplingParams
-    from hybrid.layers import DenseMLP, Experts, GatedMLP, Mamba2Mixer
+    from hybrid.layers import DenseMLP, Experts, GatedMLP, Linear, Mamba2Mixer
 
     path = tiny_ckpt(name)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -97,9 +97,10 @@ def test_model_forward_with_fused_ops(tiny_ckpt, make_llm, name):
     mixers = sum(isinstance(m, Mamba2Mixer) for m in mods)
     mlps = sum(isinstance(m, (DenseMLP, GatedMLP)) for m in mods)
     experts = sum(isinstance(m, Experts) for m in mods)
-    assert norms and mixers and mlps and (experts > 0) == (name != "granite_dense")
-    assert all(m.fused for m in mods if isinstance(m, (RMSNorm, Mamba2Mixer, DenseMLP, GatedMLP, Experts)))
-    assert use_fused_ops(llm.model) == norms + mixers + mlps + experts
+    linears = sum(isinstance(m, Linear) for m in mods)
+    assert norms and mixers and mlps and linears and (experts > 0) == (name != "granite_dense")
+    assert all(m.fused for m in mods if isinstance(m, (RMSNorm, Mamba2Mixer, DenseMLP, GatedMLP, Experts, Linear)))
+    assert use_fused_ops(llm.model) == norms + mixers + mlps + experts + linears
     # the experts hand their rows unsummed to the next norm, which sums them in its own launch
     assert all(m.defer_sum for m in mods if isinstance(m, Experts))
     got = llm.generate(prompts, sp, use_tqdm=False)

@@ -32,6 +32,35 @@ def test_matches_torch(m, n, k, block_n, block_k, bias):
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pre_k", [16, 32, 128])
+def test_any_prefetched_slab(pre_k):
+    """The columns loaded before the PDL wait (pre_k) and the loop after them cover K once: a
+    short, an exact and a past-the-end first slab."""
+    g = torch.Generator().manual_seed(pre_k)
+    x = torch.randn(5, 100, generator=g)
+    w = torch.randn(48, 100, generator=g) / 10
+    got = small_m_linear(x, w, block_n=16, block_k=32, pre_k=pre_k)
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-4)
+
+
+def test_layers_use_it_only_when_asked_and_eligible(monkeypatch):
+    """Linear takes the kernel for fused modules, HYBRID_DECODE_LINEAR=triton and eligible inputs
+    (CUDA, <= 16 rows, 16-bit): here on CPU it never applies, and the switch is read once."""
+    from hybrid.ops import triton_gemv
+
+    monkeypatch.setenv("HYBRID_DECODE_LINEAR", "triton")
+    triton_gemv.reset_switch()
+    try:
+        assert triton_gemv.enabled()
+        x, w = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)
+        assert not triton_gemv.eligible(x, w)  # not CUDA
+        monkeypatch.setenv("HYBRID_DECODE_LINEAR", "cublas")
+        assert triton_gemv.enabled()  # cached until reset_switch
+    finally:
+        triton_gemv.reset_switch()
+    assert not triton_gemv.enabled()
+
+
 def test_strided_rows_and_out_buffer():
     """x may be a row-strided view (a slice of a wider activation); `out` is written in place."""
     g = torch.Generator().manual_seed(5)
