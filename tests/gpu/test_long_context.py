@@ -103,7 +103,11 @@ def test_preemption_and_replay_of_long_requests(name, ckpt):
     llm = make(path, max_model_len=6100, num_kv_pages=(6100 * 2 + 1000) // 16 + 2)  # (the cache must hold one)
     got = tokens(llm.generate(prompts, sp, use_tqdm=False))
     assert llm.engine.stats["preemptions"] > 0
-    assert_greedy_under_reference(reference(path), prompts, got)
+    # A replay recomputes the generated tokens as prefill chunks where they were decoded: other
+    # kernels, other bf16 roundings over a 6K context. Measured on the H200: one choice 0.25 nats
+    # below the reference's (4 bf16 steps of these logits, which reach 8-16), so near-ties within 4
+    # steps here, as tests/gpu/test_released_shapes.py allows; a wrong replay is off by whole tokens.
+    assert_greedy_under_reference(reference(path), prompts, got, near_tie=0.25)
     assert_clean(llm)
 
 
