@@ -127,12 +127,18 @@ if HAS_TRITON:
                          N, K, num_pairs, a_div, num_m_blocks, num_experts, s_am, s_be, s_bn, s_sn, s_se,
                          s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr, HAS_SHARED: tl.constexpr,
                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
-        pdl_wait(PDL)
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EARLY_B: tl.constexpr,
+                         PDL: tl.constexpr):
         # C[p, :N] = act(A[p // a_div] @ W_e.T) (* w[p]) for the pairs p of each block (expert e).
         # W_e: b + e*s_be (rows s_bn apart; gated: the up rows N rows below the gate rows), or for
         # e >= num_experts the shared pseudo-expert s = e - num_experts: s_ptr + s*s_se (rows s_sn
         # apart; up rows s_up further). K is contiguous in both.
+        # EARLY_B (the second GEMM): the blocks, pairs and routing weights were written before the
+        # first GEMM, i.e. (under PDL) by kernels that are complete when this one starts, and nothing
+        # writes W: they and the first W tile load before the wait; only A (the first GEMM's
+        # output) waits. Otherwise the wait comes first.
+        if not EARLY_B:
+            pdl_wait(PDL)
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * num_n  # GROUP_M row blocks walk the column tiles together (L2 reuse)
@@ -140,8 +146,10 @@ if HAS_TRITON:
         group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
         pid_m = first_m + (pid % per_group) % group_rows
         pid_n = (pid % per_group) // group_rows
-        if pid_m * BLOCK_M >= tl.load(total_ptr):
-            return
+        live = pid_m * BLOCK_M < tl.load(total_ptr)  # blocks past the padded total have no expert
+        if not EARLY_B:
+            if not live:
+                return
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = pair < num_pairs
@@ -161,22 +169,46 @@ if HAS_TRITON:
         b_ptrs = w_base + offs_n[None, :].to(tl.int64) * row_stride + offs_k[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
+        if EARLY_B:  # (ACT_NONE: one W tile a step) the first K step peeled, its W tile before the wait
+            k_ok = offs_k < K
+            b = tl.load(b_ptrs, mask=live & k_ok[:, None] & n_ok[None, :], other=0.0)
+            pdl_wait(PDL)
+            if not live:
+                return
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-            if ACT == 2:
-                b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                if IEEE:
-                    acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
-                else:
-                    acc_up = tl.dot(a, b_up, acc_up)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                k_ok = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+                if ACT == 2:
+                    b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    if IEEE:
+                        acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+                    else:
+                        acc_up = tl.dot(a, b_up, acc_up)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
         if ACT == 1:
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
@@ -416,10 +448,12 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count[device]
 
 
-def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div, act, cfg, narrow: bool) -> None:
+def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div, act, cfg, narrow: bool,
+                  early_b: bool = False) -> None:
     """One grouped GEMM launch. `shared`: (tensor, row stride, pseudo-expert stride, up-row offset)
     or None. `narrow`: halve BLOCK_N (down to 16) while the launch has under two programs per SM,
-    so that a decode step with few pairs still streams the weights from every SM."""
+    so that a decode step with few pairs still streams the weights from every SM. `early_b`: the
+    blocks were aligned before the previous launch (the second GEMM): see _moe_gemm_kernel."""
     bm, bn, bk, gm, warps, stages = cfg
     # fp32 operands (tests, fp32 models) take twice the shared memory of the bf16 tiles the configs
     # were tuned for: fewer pipeline stages, then shorter K steps, until the buffers fit
@@ -434,13 +468,14 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
         while bn > 32 and nb * cdiv(n_out, bn) < 2 * _num_sms(a.device):
             bn //= 2
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
+    pdl = pdl_options(a.device)
     _moe_gemm_kernel[(nb * cdiv(n_out, bn),)](
         a, w, s_t, out, weights if weights is not None else out, pairs, block_expert, total,
         n_out, a.shape[1], out.shape[0], a_div, nb, w.shape[0], a.stride(0), w.stride(0), w.stride(1),
         s_sn, s_se, s_up, out.stride(0),
         ACT=act, MUL_W=weights is not None, HAS_SHARED=shared is not None, IEEE=a.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages,
-        **pdl_options(a.device),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early_b and act == ACT_NONE,
+        num_warps=warps, num_stages=stages, **pdl,
     )
 
 
@@ -522,7 +557,7 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
                   ACT_SILU_MUL if gated else ACT_RELU2, cfg, narrow)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,
-                  ACT_NONE, cfg, narrow)
+                  ACT_NONE, cfg, narrow, early_b=True)
     if add is not None:
         assert add.shape == (T, H) and add.stride(1) == 1 and add.stride(0) == H
     rows = ExpertRows(y, add, top_k)
