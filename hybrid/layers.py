@@ -124,6 +124,19 @@ class Mamba2Mixer(nn.Module):
             return self.norm_weight * h.to(self.norm_weight.dtype)
         return (self.norm_weight * h * F.silu(z.float())).to(z.dtype)  # Falcon-H1 order: weight, then gate
 
+    def project_out(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """out_proj(gated_norm(y, z)) in `dtype`. A decode-sized step on the Triton linear
+        (HYBRID_DECODE_LINEAR=triton) with the norm-then-weight gate takes both in one launch
+        (triton_gemv.gated_norm_linear), unless tensor parallelism splits the groups or the projection."""
+        cfg, proj = self.cfg, self.out_proj
+        if (self.fused and proj.fused and type(proj) is Linear and self.norm_stats is None
+                and cfg.gate == GATE_THEN_NORM and triton_gemv.enabled() and triton_gemv.eligible(z, proj.weight)
+                and self.norm_weight.dtype == dtype == proj.weight.dtype and y.stride(-1) == 1
+                and triton_gemv.gated_norm_block_k(cfg.intermediate_size // cfg.n_groups) is not None):
+            return triton_gemv.gated_norm_linear(y, z, self.norm_weight, cfg.norm_eps, cfg.n_groups, proj.weight,
+                                                 proj.bias)
+        return proj(self.gated_norm(y, z).to(dtype))
+
     def forward(self, hidden: torch.Tensor, batch: StepBatch, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -161,8 +174,7 @@ class Mamba2Mixer(nn.Module):
             ssm_state[slot] = final.to(ssm_state.dtype)
             y[rows] = out
 
-        out = self.gated_norm(y.reshape(-1, inner), z)
-        return self.out_proj(out.to(hidden.dtype))
+        return self.project_out(y.reshape(-1, inner), z, hidden.dtype)
 
     def _recurrence_step(self, xBC: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, conv_buf: torch.Tensor,
                          ssm_buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -77,3 +77,33 @@ def test_refuses_what_it_does_not_handle():
         small_m_linear(torch.zeros(MAX_ROWS + 1, 8), torch.zeros(4, 8))
     with pytest.raises(ValueError, match="shapes/strides"):
         small_m_linear(torch.zeros(2, 8), torch.zeros(4, 6))
+
+
+@pytest.mark.parametrize("m,k,n_groups,n", [(1, 96, 1, 40), (3, 128, 2, 64), (16, 256, 4, 33), (2, 512, 1, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_norm_linear_matches_the_two_launches(m, k, n_groups, n, bias):
+    """gated_norm_linear == out_proj(gated_rms_norm(y, z)): group sizes that take one K step, several,
+    and the prefetched slab; rows past M and columns past N masked."""
+    from hybrid.ops import triton_norm
+    from hybrid.ops.triton_gemv import gated_norm_block_k, gated_norm_linear
+
+    g = torch.Generator().manual_seed(m * 100 + k + n_groups)
+    y = torch.randn(m, k, generator=g)
+    wide = torch.randn(m, k + 24, generator=g)
+    z = wide[:, 8:8 + k]  # a strided view, as the layer's z is a slice of in_proj's output
+    nw = 0.5 + torch.rand(k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    assert gated_norm_block_k(k // n_groups) is not None
+    got = gated_norm_linear(y, z, nw, 1e-5, n_groups, w, b, block_n=16)
+    ref = torch.nn.functional.linear(triton_norm.gated_rms_norm(y, z, nw, 1e-5, n_groups), w, b)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gated_norm_linear_refuses_groups_it_cannot_step():
+    from hybrid.ops.triton_gemv import gated_norm_block_k, gated_norm_linear
+
+    assert gated_norm_block_k(3072) == 256 and gated_norm_block_k(512) == 256 and gated_norm_block_k(24) is None
+    with pytest.raises(ValueError, match="gated_norm_linear"):
+        gated_norm_linear(torch.zeros(1, 24), torch.zeros(1, 24), torch.ones(24), 1e-5, 1, torch.zeros(8, 24))

@@ -151,8 +151,7 @@ class MambaCudaKernels:
             else:
                 y[rows] = out_y[0].to(y.dtype)
 
-        out = mixer.gated_norm(y.reshape(T, inner), z)
-        return mixer.out_proj(out.to(hidden.dtype))
+        return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
 
     def _library_conv_prefill(self, mixer, x: torch.Tensor, conv_state: torch.Tensor, slot: int,
                               has_init: bool) -> torch.Tensor:

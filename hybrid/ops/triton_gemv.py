@@ -64,6 +64,67 @@ if HAS_TRITON:
                  mask=mask_m[:, None] & mask_n[None, :])
 
 
+    @triton.jit
+    def _gated_rows(y_ptr, z_ptr, offs_m, offs_k, mask_m, mask_k, s_y, s_z):
+        """h = y * silu(z) in fp32 for rows offs_m, columns offs_k (triton_norm's gated norm's h)."""
+        mask = mask_m[:, None] & mask_k[None, :]
+        y = tl.load(y_ptr + offs_m[:, None] * s_y + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs_m[:, None] * s_z + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        return y * (z / (1.0 + tl.exp(-z)))
+
+    @triton.jit
+    def _gated_normed(y_ptr, z_ptr, nw_ptr, offs_m, offs_k, mask_m, mask_k, s_y, s_z, ms_eps):
+        """The gated norm's output at these columns, rounded where triton_norm.gated_rms_norm rounds
+        (r to the norm weight's dtype, the product stored in it); ms_eps [BLOCK_M]: the group's mean
+        square plus eps."""
+        h = _gated_rows(y_ptr, z_ptr, offs_m, offs_k, mask_m, mask_k, s_y, s_z)
+        r = h / tl.sqrt(ms_eps)[:, None]
+        nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)
+        return (nw.to(tl.float32)[None, :] * r.to(nw.dtype).to(tl.float32)).to(nw.dtype)
+
+    @triton.jit
+    def _gated_norm_linear_kernel(y_ptr, z_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, G, eps,
+                                  s_y, s_z, s_wn, s_o, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE_K: tl.constexpr,
+                                  GP: tl.constexpr, PDL: tl.constexpr):
+        # out = gated_rms_norm(y, z) @ w.T (+ bias): every program first takes each row's mean square
+        # per group (G columns; BLOCK_K and PRE_K divide G, so a K step lies in one group), then
+        # feeds the normalised columns to the dot as _small_m_linear_kernel does.
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_n = offs_n < N
+        mask_m = offs_m < M
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
+        offs_pk = tl.arange(0, PRE_K)
+        mask_pk = offs_pk < K
+        w = tl.load(w_rows + offs_pk[None, :], mask=mask_n[:, None] & mask_pk[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        pdl_wait(PDL)
+        groups = tl.arange(0, GP)
+        sum_sq = tl.zeros((BLOCK_M, GP), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            h = _gated_rows(y_ptr, z_ptr, offs_m, offs_k, mask_m, offs_k < K, s_y, s_z)
+            sum_sq += tl.where(groups[None, :] == k0 // G, tl.sum(h * h, axis=1)[:, None], 0.0)
+        ms_eps = sum_sq / G + eps  # [BLOCK_M, GP]
+        a = _gated_normed(y_ptr, z_ptr, nw_ptr, offs_m, offs_pk, mask_m, mask_pk, s_y, s_z,
+                          tl.sum(tl.where(groups[None, :] == 0, ms_eps, 0.0), axis=1))
+        acc = tl.dot(a.to(w.dtype), tl.trans(w))
+        for k0 in range(PRE_K, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            a = _gated_normed(y_ptr, z_ptr, nw_ptr, offs_m, offs_k, mask_m, mask_k, s_y, s_z,
+                              tl.sum(tl.where(groups[None, :] == k0 // G, ms_eps, 0.0), axis=1))
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * s_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+
 _enabled: bool | None = None
 
 
@@ -108,5 +169,46 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
+    )
+    return out
+
+
+def gated_norm_block_k(group: int, block_k: int = 256) -> int | None:
+    """The K step of gated_norm_linear for groups of `group` channels: the largest power of two
+    <= block_k that divides the group (>= 16, tl.dot's smallest), or None (not fusable)."""
+    bk = block_k
+    while bk >= 16 and group % bk:
+        bk //= 2
+    return bk if bk >= 16 else None
+
+
+def gated_norm_linear(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, n_groups: int,
+                      weight: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int = 32,
+                      block_k: int = 256, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """weight-projection of the Mamba2 gated norm in one launch: small_m_linear(
+    triton_norm.gated_rms_norm(y, z, norm_weight, eps, n_groups).to(weight.dtype), weight, bias)
+    for y, z [M, K] (M <= MAX_ROWS, last dim contiguous), K split in n_groups groups whose size
+    gated_norm_block_k accepts. Output [M, N] in weight's dtype."""
+    require(__name__)
+    M, K = y.shape
+    N = weight.shape[0]
+    group = K // n_groups
+    bk = gated_norm_block_k(group, block_k)
+    if M > MAX_ROWS or z.shape != (M, K) or weight.shape[1] != K or K % n_groups or bk is None:
+        raise ValueError(f"gated_norm_linear: y {tuple(y.shape)}, z {tuple(z.shape)}, weight {tuple(weight.shape)}, "
+                         f"{n_groups} groups")
+    if y.stride(-1) != 1 or z.stride(-1) != 1 or weight.stride(-1) != 1 or norm_weight.stride(-1) != 1:
+        raise ValueError("gated_norm_linear needs y, z, norm_weight and weight contiguous along K")
+    pre_k = bk
+    while pre_k * 2 <= group and pre_k * 2 * block_n <= PREFETCH_ELEMENTS:
+        pre_k *= 2  # (a power of two times bk that divides the group: the slab lies in group 0)
+    if group % pre_k:
+        pre_k = bk
+    out = torch.empty(M, N, dtype=weight.dtype, device=y.device)
+    _gated_norm_linear_kernel[(cdiv(N, block_n),)](
+        y, z, norm_weight, weight, bias if bias is not None else weight, out, M, N, K, group, eps,
+        y.stride(0), z.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=bk, PRE_K=pre_k, GP=triton.next_power_of_2(n_groups),
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(y.device),
     )
     return out

@@ -108,6 +108,31 @@ def test_small_m_linear_real_shapes(m, n, k):
         assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("inner,n_groups,hidden", [(3072, 1, 1536), (4096, 8, 2688), (8192, 8, 4096)])
+def test_gated_norm_linear_real_dims(m, inner, n_groups, hidden):
+    """The Mamba2 gated norm and out_proj in one launch (Granite-4.0-H-Tiny, Nemotron-3-Nano, the
+    8B's dims) against the two launches in bf16; replayed from a CUDA graph equal to eager."""
+    from hybrid.ops import triton_norm
+    from hybrid.ops.triton_gemv import gated_norm_linear
+
+    g = torch.Generator(device=DEV).manual_seed(m + inner)
+    y = torch.randn(m, inner, generator=g, device=DEV).bfloat16()
+    z = torch.randn(m, 2 * inner, generator=g, device=DEV).bfloat16()[:, :inner]
+    nw = (0.5 + torch.rand(inner, generator=g, device=DEV)).bfloat16()
+    w = (torch.randn(hidden, inner, generator=g, device=DEV) * inner ** -0.5).bfloat16()
+    got = gated_norm_linear(y, z, nw, 1e-5, n_groups, w)
+    ref = torch.nn.functional.linear(triton_norm.gated_rms_norm(y, z, nw, 1e-5, n_groups), w)
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gated_norm_linear(y, z, nw, 1e-5, n_groups, w)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+
+
 def test_engine_with_the_triton_decode_linear(tiny_ckpt, monkeypatch):
     """HYBRID_DECODE_LINEAR=triton: decode steps' projections through the Triton linear, under CUDA
     graphs; every token the cuBLAS engine's greedy choice given the same prefix (or a bf16 near-tie)."""
