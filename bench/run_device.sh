@@ -97,6 +97,15 @@ if [[ $what == moe-profile ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile \
       --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_profile.log" || rc=1
 fi
+# linear   the 8B shape's decode (graphs, bf16 state, batch 1 / 8 / 16) with the projections on cuBLAS and then on
+#          the Triton decode linear (HYBRID_DECODE_LINEAR=triton), each its own process (~3 minutes)
+if [[ $what == linear ]]; then
+  for impl in cublas triton; do
+    HYBRID_DECODE_LINEAR=$impl timeout 200 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 \
+        --batches 1 8 16 --json "$OUT/decode_linear_$impl.json" 2>&1 | tee "$OUT/decode_linear_$impl.log" \
+        | grep -v Warn | tail -6 || rc=1
+  done
+fi
 if [[ $what == moe-pdl ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --pdl-ab --linear-ab \
       --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_pdl.log" || rc=1
