@@ -22,7 +22,10 @@ from bench.bench_decode import copy_bandwidth  # noqa: E402
 SHAPES = {"nemotron3_nano": (128, 6, 2688, 1856, False), "granite4_tiny": (64, 6, 1536, 512, True),
           "granite4_small": (72, 10, 4096, 768, True)}
 DECODE_CONFIGS = [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 4),
-                  (16, 64, 64, 1, 4, 6), (16, 32, 256, 1, 4, 4), (32, 64, 128, 1, 4, 4)]
+                  (16, 64, 64, 1, 4, 6), (16, 32, 256, 1, 4, 4), (32, 64, 128, 1, 4, 4),
+                  # narrower and thinner tiles for the few-pair steps (batch 1: 8 blocks; gemm 1 has 128
+                  # programs at BLOCK_N 32, under one per SM): not measured yet
+                  (16, 16, 128, 1, 4, 4), (16, 16, 256, 1, 4, 4), (16, 32, 128, 1, 2, 4), (16, 16, 128, 1, 2, 6)]
 PREFILL_CONFIGS = [(64, 128, 64, 8, 4, 3), (128, 128, 64, 8, 8, 3), (64, 64, 64, 8, 4, 4), (128, 64, 64, 8, 4, 3),
                    (128, 256, 64, 8, 8, 3), (64, 128, 128, 8, 4, 3)]
 
