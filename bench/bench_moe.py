@@ -344,7 +344,7 @@ def variant_decode(llm, rows: list[dict], args, dev: torch.device, env: dict[str
     """The graph-replay decode timing again under other kernel switches (`env`: HYBRID_PDL,
     HYBRID_DECODE_LINEAR), the graphs recaptured; each row gets `{key}_ms` / `{key}_tok_s` next to
     its default figures. Then the switches as they were, recaptured again."""
-    from hybrid.ops import triton_gemv, triton_guard
+    from hybrid.ops import triton_guard
 
     def recapture(values: dict[str, str | None]) -> None:
         for name, value in values.items():
@@ -352,8 +352,7 @@ def variant_decode(llm, rows: list[dict], args, dev: torch.device, env: dict[str
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        triton_guard._pdl_by_device.clear()
-        triton_gemv.reset_switch()
+        triton_guard.reset_switches()
         runner.graphs.clear()
         free_memory()
         runner.capture(progress=False)
@@ -375,6 +374,10 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "pdl_ab": ("pdl_off", {"HYBRID_PDL": "0"}, "programmatic dependent launch off (HYBRID_PDL=0)"),
     "linear_ab": ("triton_linear", {"HYBRID_DECODE_LINEAR": "triton"},
                   "decode projections through the Triton linear (HYBRID_DECODE_LINEAR=triton)"),
+    "norm_router_ab": ("norm_router", {"HYBRID_NORM_ROUTER": "1"},
+                       "the norm before each MoE layer in its router's launch (HYBRID_NORM_ROUTER=1)"),
+    "all_ab": ("all_switches", {"HYBRID_DECODE_LINEAR": "triton", "HYBRID_NORM_ROUTER": "1"},
+               "both switches on"),
 }
 
 
@@ -744,6 +747,9 @@ def main() -> int:
                     help="time the graph decode again with programmatic dependent launch off (recaptured)")
     ap.add_argument("--linear-ab", action="store_true",
                     help="time the graph decode again with the decode projections on the Triton linear")
+    ap.add_argument("--norm-router-ab", action="store_true",
+                    help="time the graph decode again with the norm before each MoE layer in its router's launch")
+    ap.add_argument("--all-ab", action="store_true", help="time the graph decode again with both switches on")
     ap.add_argument("--profile", action="store_true", help="kernel profile of one graph replay per batch size (and the prefill)")
     ap.add_argument("--gen-batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--gen-prompt", type=int, default=512)

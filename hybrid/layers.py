@@ -9,6 +9,7 @@ from hybrid.batch import StepBatch
 from hybrid.config import GATE_ONLY, GATE_THEN_NORM, AttentionConfig, MambaConfig, MoEConfig
 from hybrid.mamba_metadata import step_metadata
 from hybrid.ops import mamba_torch, triton_act, triton_gemv, triton_moe, triton_norm
+from hybrid.ops.triton_guard import switch
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -26,7 +27,7 @@ class Linear(nn.Module):
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and triton_gemv.enabled() and triton_gemv.eligible(x, self.weight):
+        if self.fused and switch("decode_linear") and triton_gemv.eligible(x, self.weight):
             return triton_gemv.small_m_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -130,7 +131,7 @@ class Mamba2Mixer(nn.Module):
         (triton_gemv.gated_norm_linear), unless tensor parallelism splits the groups or the projection."""
         cfg, proj = self.cfg, self.out_proj
         if (self.fused and proj.fused and type(proj) is Linear and self.norm_stats is None
-                and cfg.gate == GATE_THEN_NORM and triton_gemv.enabled() and triton_gemv.eligible(z, proj.weight)
+                and cfg.gate == GATE_THEN_NORM and switch("decode_linear") and triton_gemv.eligible(z, proj.weight)
                 and self.norm_weight.dtype == dtype == proj.weight.dtype and y.stride(-1) == 1
                 and triton_gemv.gated_norm_block_k(cfg.intermediate_size // cfg.n_groups) is not None):
             return triton_gemv.gated_norm_linear(y, z, self.norm_weight, cfg.norm_eps, cfg.n_groups, proj.weight,
@@ -407,14 +408,23 @@ class NemotronMoE(nn.Module):
         self.experts = Experts(hidden_size, cfg, act, gated=False)
         self.shared = DenseMLP(hidden_size, cfg.shared_intermediate_size, act)
 
+    def router_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, int, dict] | None:
+        """(router weight, k, keyword arguments) of triton_moe.route_hidden for this router, or None
+        where the Triton routing does not apply (the torch path; group masking)."""
+        cfg = self.cfg
+        if not (self.experts.fused and cfg.topk_group == cfg.n_group):
+            return None
+        return self.router_weight, cfg.top_k, dict(logits_dtype=torch.float32, sigmoid=True, bias=self.router_bias,
+                                                   normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+
     def route(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(top_idx, top_w) [T, k + num_shared]: the routed experts, then the shared expert's slices
         (ids E.., weight 1; see Experts.shared_slices)."""
         cfg = self.cfg
-        if self.experts.fused and cfg.topk_group == cfg.n_group:  # no group masking: Triton launches
-            return triton_moe.route_hidden(x, self.router_weight, cfg.top_k, logits_dtype=torch.float32,
-                                           sigmoid=True, bias=self.router_bias, normalize=cfg.norm_topk_prob,
-                                           scale=cfg.routed_scaling_factor, num_shared=num_shared)
+        args = self.router_args(x.dtype)
+        if args is not None:  # no group masking: Triton launches
+            weight, top_k, kw = args
+            return triton_moe.route_hidden(x, weight, top_k, num_shared=num_shared, **kw)
         logits = F.linear(x.float(), self.router_weight.float())
         scores = logits.sigmoid()
         choice = scores + self.router_bias.float()
@@ -436,9 +446,10 @@ class NemotronMoE(nn.Module):
             top_w = torch.cat([top_w, top_w.new_ones(n, num_shared)], dim=1)
         return top_idx, top_w
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`routing`: (top_idx, top_w) already computed with the norm before (add_norm_route)."""
         slices = self.experts.shared_slices(self.shared, x.shape[0])
-        top_idx, top_w = self.route(x, slices)
+        top_idx, top_w = routing if routing is not None else self.route(x, slices)
         if slices:
             return self.experts(x, top_idx, top_w, shared=self.shared)
         return self.experts(x, top_idx, top_w, add=self.shared(x))
@@ -453,12 +464,24 @@ class GraniteMoE(nn.Module):
         self.router_weight = _param(cfg.num_experts, hidden_size)
         self.experts = Experts(hidden_size, cfg, act, gated=True)
 
-    def forward(self, x: torch.Tensor, shared: nn.Module | None = None) -> torch.Tensor:
-        """The routed experts' output plus the block's shared MLP `shared` (if any)."""
+    def router_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, int, dict] | None:
+        """(router weight, k, keyword arguments) of triton_moe.route_hidden for activations of
+        `dtype`, or None on the torch path."""
+        if not self.experts.fused:
+            return None
+        return self.router_weight, self.cfg.top_k, dict(logits_dtype=dtype, sigmoid=False)
+
+    def forward(self, x: torch.Tensor, shared: nn.Module | None = None,
+                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The routed experts' output plus the block's shared MLP `shared` (if any). `routing`:
+        (top_idx, top_w) already computed with the norm before (add_norm_route)."""
         if self.experts.fused:  # Triton routing; the shared MLP inside the expert launches if it fits
             slices = self.experts.shared_slices(shared, x.shape[0])
-            top_idx, top_w = triton_moe.route_hidden(x, self.router_weight, self.cfg.top_k, logits_dtype=x.dtype,
-                                                     sigmoid=False, num_shared=slices)
+            if routing is not None:
+                top_idx, top_w = routing
+            else:
+                weight, top_k, kw = self.router_args(x.dtype)
+                top_idx, top_w = triton_moe.route_hidden(x, weight, top_k, num_shared=slices, **kw)
             if slices:
                 return self.experts(x, top_idx, top_w, shared=shared)
         else:
@@ -468,11 +491,33 @@ class GraniteMoE(nn.Module):
         return self.experts(x, top_idx, top_w, add=shared(x) if shared is not None else None)
 
 
+def add_norm_route(norm: RMSNorm, x, residual: torch.Tensor | None, scale: float, moe: nn.Module,
+                   shared: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+    """norm.add_norm(x, residual, scale) before an MoE layer `moe` (whose shared MLP is `shared`),
+    plus the layer's routing when it was computed in the same launch: with the "norm_router" switch
+    on (HYBRID_NORM_ROUTER=1), the Triton router and a step of few tokens, the add and norm run
+    inside the router's split-K launch (triton_norm.add_rms_norm_route). Returns (x, residual,
+    routing or None), for moe(x, ..., routing=routing)."""
+    if (switch("norm_router") and norm.fused and residual is not None and isinstance(x, torch.Tensor)
+            and 0 < x.shape[0] <= triton_moe.ROUTER_FUSED_MAX_TOKENS and x.stride(-1) == 1):
+        args = moe.router_args(residual.dtype)
+        if args is not None:
+            weight, top_k, kw = args
+            kw = dict(kw, route_scale=kw.pop("scale", 1.0))
+            slices = moe.experts.shared_slices(shared, x.shape[0])
+            normed, residual, top_idx, top_w = triton_norm.add_rms_norm_route(
+                x, residual, norm.weight, norm.eps, norm.weight_in_fp32, scale, weight, top_k, num_shared=slices, **kw)
+            return normed, residual, (top_idx, top_w)
+    x, residual = norm.add_norm(x, residual, scale)
+    return x, residual, None
+
+
 def use_fused_ops(model: nn.Module) -> int:
     """Switch the model's norms (with the residual add before them), the Mamba gated norm, the
     relu2 / SwiGLU activations of the dense MLPs and the routed experts to their Triton kernels (and
-    the projections of decode-sized steps, when HYBRID_DECODE_LINEAR=triton); returns how many modules. Same math as the torch chains they replace; the norms and activations
-    round at the same points, the experts accumulate in fp32 and round once."""
+    the projections of decode-sized steps, with the "decode_linear" switch: triton_guard); returns
+    how many modules. Same math as the torch chains they replace; the norms and activations round
+    at the same points, the experts accumulate in fp32 and round once."""
     if not (triton_norm.is_available() and triton_act.is_available() and triton_moe.is_available()):
         raise RuntimeError("triton is not importable: the fused ops are unavailable")
     count = 0

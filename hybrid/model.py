@@ -9,6 +9,7 @@ from hybrid.batch import StepBatch
 from hybrid.config import ATTENTION, HYBRID, MAMBA, MLP, PARALLEL, ModelConfig
 from hybrid.layers import (
     Attention, DenseMLP, GatedMLP, GraniteMoE, Linear, LowRankAdapter, Mamba2Mixer, NemotronMoE, RMSNorm, _param,
+    add_norm_route,
 )
 from hybrid.ops import triton_moe
 
@@ -35,6 +36,9 @@ class NemotronHBlock(nn.Module):
             self.mixer = NemotronMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act)
 
     def forward(self, x, residual, batch, ctx):
+        if isinstance(self.mixer, NemotronMoE):
+            x, residual, routing = add_norm_route(self.norm, x, residual, 1.0, self.mixer, self.mixer.shared)
+            return self.mixer(x, routing=routing), residual
         x, residual = self.norm.add_norm(x, residual)
         if self.kind == MAMBA:
             x = self.mixer(x, batch, *ctx.mamba_state(self.mixer.layer_index))
@@ -69,9 +73,11 @@ class TwoStageBlock(nn.Module):
             x = self.mixer(x, batch, *ctx.mamba_state(self.mixer.layer_index))
         else:
             x = self.mixer(x, batch, ctx.kv_layer(self.mixer.layer_index), ctx.attention_backend)
-        x, residual = self.ffn_norm.add_norm(x, residual, m)
-        x = self.moe(x, shared=self.mlp) if self.moe is not None else self.mlp(x)
-        return x, residual
+        if self.moe is None:
+            x, residual = self.ffn_norm.add_norm(x, residual, m)
+            return self.mlp(x), residual
+        x, residual, routing = add_norm_route(self.ffn_norm, x, residual, m, self.moe, self.mlp)
+        return self.moe(x, shared=self.mlp, routing=routing), residual
 
 
 class ParallelBlock(nn.Module):

@@ -138,3 +138,65 @@ def test_sum_add_rms_norm_equals_the_two_launches(dtype, has_add, scale):
     fused_out, _ = norm.add_norm(rows, fused_res, scale)
     torch.testing.assert_close(fused_out.float(), plain_out.float(), **_tol(dtype))
     torch.testing.assert_close(fused_res.float(), plain_res.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_in_fp32,scale,sigmoid", [(True, 1.0, True), (False, 0.22, False)])
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_add_rms_norm_route_equals_the_two_launches(dtype, weight_in_fp32, scale, sigmoid, T):
+    """The residual add and norm inside the router's launch (NemotronH: weight in fp32, sigmoid
+    routing with a bias; Granite: the residual multiplier, softmax routing): the normed rows, the new
+    residual and the routing are those of add_rms_norm then route_hidden, bit for bit; the residual
+    passed in is left as it was."""
+    tm = pytest.importorskip("hybrid.ops.triton_moe")
+    H, E, top_k = 200, 20, 3  # H: several router K splits, the last partial
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    residual = (torch.randn(T, H, generator=g) * 3).to(dtype)
+    weight = (0.5 + torch.rand(H, generator=g)).to(dtype)
+    logits_dtype = torch.float32 if sigmoid else dtype
+    router = (torch.randn(E, H, generator=g) * H ** -0.5).to(logits_dtype)
+    kw = dict(bias=torch.randn(E, generator=g) * 0.1, normalize=True) if sigmoid else {}
+    res_ref = residual.clone()
+    want = tn.add_rms_norm(x, res_ref, weight, 1e-5, weight_in_fp32, scale)
+    want_idx, want_w = tm.route_hidden(want, router, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid,
+                                       num_shared=2, scale=1.5, **kw)
+    before = residual.clone()
+    normed, new_res, idx, w = tn.add_rms_norm_route(x, residual, weight, 1e-5, weight_in_fp32, scale, router, top_k,
+                                                    logits_dtype=logits_dtype, sigmoid=sigmoid, num_shared=2,
+                                                    route_scale=1.5, **kw)
+    assert torch.equal(normed, want) and torch.equal(new_res, res_ref) and torch.equal(residual, before)
+    assert torch.equal(idx, want_idx) and torch.equal(w, want_w)
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "granite_moe"])
+def test_moe_models_with_the_norm_in_the_router(tiny_ckpt, make_llm, name, monkeypatch, tmp_path):
+    """HYBRID_NORM_ROUTER=1: the norm before each MoE layer runs in its router's launch for steps
+    of few tokens; the engine gives the same tokens and logprobs as with the separate launches.
+    (NemotronH without group masking, which the Triton router does not do.)"""
+    import tiny_checkpoints
+
+    from hybrid import SamplingParams
+    from hybrid.ops import triton_guard
+
+    path = tiny_ckpt(name)
+    if name == "nemotron_h":
+        path = tiny_checkpoints.copy_checkpoint(path, tmp_path)
+        tiny_checkpoints.rewrite_config(path, lambda cfg: cfg.update(topk_group=cfg["n_group"]))
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [[5, 6, 7, 8, 9], [11], list(range(20, 45))]
+    ref = make_llm(path, fused_ops=True).generate(prompts, sp, use_tqdm=False)
+    monkeypatch.setenv("HYBRID_NORM_ROUTER", "1")
+    triton_guard.reset_switches()
+    try:
+        calls = []
+        real = tn.add_rms_norm_route
+        monkeypatch.setattr(tn, "add_rms_norm_route", lambda *a, **k: calls.append(1) or real(*a, **k))
+        got = make_llm(path, fused_ops=True).generate(prompts, sp, use_tqdm=False)
+    finally:
+        monkeypatch.delenv("HYBRID_NORM_ROUTER")
+        triton_guard.reset_switches()
+    assert calls, "the fused norm + router never ran"
+    for r, o in zip(ref, got):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        assert o.outputs[0].logprobs == r.outputs[0].logprobs

@@ -46,19 +46,19 @@ def test_any_prefetched_slab(pre_k):
 def test_layers_use_it_only_when_asked_and_eligible(monkeypatch):
     """Linear takes the kernel for fused modules, HYBRID_DECODE_LINEAR=triton and eligible inputs
     (CUDA, <= 16 rows, 16-bit): here on CPU it never applies, and the switch is read once."""
-    from hybrid.ops import triton_gemv
+    from hybrid.ops import triton_gemv, triton_guard
 
     monkeypatch.setenv("HYBRID_DECODE_LINEAR", "triton")
-    triton_gemv.reset_switch()
+    triton_guard.reset_switches()
     try:
-        assert triton_gemv.enabled()
+        assert triton_guard.switch("decode_linear") and not triton_guard.switch("norm_router")
         x, w = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)
         assert not triton_gemv.eligible(x, w)  # not CUDA
         monkeypatch.setenv("HYBRID_DECODE_LINEAR", "cublas")
-        assert triton_gemv.enabled()  # cached until reset_switch
+        assert triton_guard.switch("decode_linear")  # cached until reset_switches
     finally:
-        triton_gemv.reset_switch()
-    assert not triton_gemv.enabled()
+        triton_guard.reset_switches()
+    assert not triton_guard.switch("decode_linear")
 
 
 def test_strided_rows_and_out_buffer():

@@ -13,13 +13,11 @@ With programmatic dependent launch (hybrid/ops/triton_guard.py) each program loa
 PRE_K columns of its slab before waiting for the previous kernel (no kernel writes weights), so the
 first weight fetch, the latency a projection of a few MB is bound by, overlaps the kernel before it.
 
-The layers use it for steps of at most MAX_ROWS tokens when HYBRID_DECODE_LINEAR=triton (off by
-default until bench/bench_moe.py --linear-ab has measured it in the model: bench/bench_gemv.py
-measured it alone, tying cuBLAS). CPU tests run it through Triton's interpreter (tests/test_triton_gemv.py).
+The layers use it for steps of at most MAX_ROWS tokens when the "decode_linear" switch is on
+(HYBRID_DECODE_LINEAR=triton, triton_guard.switch; off by default until bench/bench_moe.py
+--linear-ab has measured it in the model: bench/bench_gemv.py measured it alone, tying cuBLAS). CPU tests run it through Triton's interpreter (tests/test_triton_gemv.py).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -123,23 +121,6 @@ if HAS_TRITON:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * s_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask_m[:, None] & mask_n[None, :])
-
-
-_enabled: bool | None = None
-
-
-def enabled() -> bool:
-    """Whether the layers use this kernel for decode-sized steps (HYBRID_DECODE_LINEAR=triton)."""
-    global _enabled
-    if _enabled is None:
-        _enabled = os.environ.get("HYBRID_DECODE_LINEAR", "cublas") == "triton"
-    return _enabled
-
-
-def reset_switch() -> None:
-    """Read HYBRID_DECODE_LINEAR again at the next call (benchmarks that compare both)."""
-    global _enabled
-    _enabled = None
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -10,6 +10,14 @@ which would otherwise start only after the one before it has finished and flushe
 kernel of the step writes (weights, a layer's own Mamba state, which only that layer's kernel
 writes) may be read before the wait, so that its latency overlaps the previous kernel's tail.
 HYBRID_PDL=0 turns it off.
+
+Kernel switches (`switch(name)`), read from the environment once (`reset_switches()` reads them
+again: benchmarks comparing both):
+- "decode_linear" (HYBRID_DECODE_LINEAR=triton): decode-sized projections on the Triton linear
+  (hybrid/ops/triton_gemv.py), the Mamba gated norm fused into out_proj;
+- "norm_router" (HYBRID_NORM_ROUTER=1): the residual add and norm before an MoE layer computed in its
+  router's launch (triton_norm.add_rms_norm_route).
+Both off by default until measured in the model (bench/bench_moe.py --linear-ab / --norm-router-ab).
 """
 from __future__ import annotations
 
@@ -30,6 +38,24 @@ def require(module: str) -> None:
     """Raise a clear error when a kernel of `module` is called without triton."""
     if not HAS_TRITON:
         raise RuntimeError(f"{module} needs triton, which is not importable here")
+
+
+_SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "norm_router": ("HYBRID_NORM_ROUTER", "1")}
+_switch_values: dict[str, bool] = {}
+
+
+def switch(name: str) -> bool:
+    """Whether kernel switch `name` is on (see the module docstring)."""
+    if name not in _switch_values:
+        env, on = _SWITCHES[name]
+        _switch_values[name] = os.environ.get(env, "") == on
+    return _switch_values[name]
+
+
+def reset_switches() -> None:
+    """Read the switches and HYBRID_PDL from the environment again at their next use."""
+    _switch_values.clear()
+    _pdl_by_device.clear()
 
 
 _pdl_by_device: dict = {}

@@ -384,15 +384,28 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_dt
         return route(logits, top_k, sigmoid=sigmoid, bias=bias, normalize=normalize, scale=scale,
                      num_shared=num_shared)
     assert x.stride(1) == 1 and weight.stride(1) == 1 and top_k <= E
+    bk, be, splits, k_per_split = router_tiling(H, E)
+    partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
+    _router_partial_kernel[(T, cdiv(E, be), splits)](
+        x, weight, partial, T, E, H, x.stride(0), weight.stride(0), k_per_split,
+        BLOCK_E=be, BLOCK_K=bk, num_warps=4, **pdl_options(x.device))
+    return route_partials(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, bias=bias,
+                          normalize=normalize, scale=scale, num_shared=num_shared)
+
+
+def router_tiling(H: int, E: int) -> tuple[int, int, int, int]:
+    """(BLOCK_K, BLOCK_E, splits, k_per_split) of the split-K router launch over hidden size H."""
     k_blocks = cdiv(H, _ROUTER_BLOCK_K)
     k_per_split = cdiv(k_blocks, _ROUTER_SPLITS) * _ROUTER_BLOCK_K
-    splits = cdiv(H, k_per_split)
-    partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
-    _router_partial_kernel[(T, cdiv(E, _ROUTER_BLOCK_E), splits)](
-        x, weight, partial, T, E, H, x.stride(0), weight.stride(0), k_per_split,
-        BLOCK_E=_ROUTER_BLOCK_E, BLOCK_K=_ROUTER_BLOCK_K, num_warps=4, **pdl_options(x.device))
-    return _route_rows(partial, E, T * E, splits, _ROUND[logits_dtype], T, E, top_k, sigmoid=sigmoid, bias=bias,
-                       normalize=normalize, scale=scale, num_shared=num_shared)
+    return _ROUTER_BLOCK_K, _ROUTER_BLOCK_E, cdiv(H, k_per_split), k_per_split
+
+
+def route_partials(partial: torch.Tensor, T: int, E: int, top_k: int, *, logits_dtype: torch.dtype, sigmoid: bool,
+                   bias: torch.Tensor | None, normalize: bool, scale: float,
+                   num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing launch over the split-K partials [splits, T, E] of the router logits."""
+    return _route_rows(partial, E, T * E, partial.shape[0], _ROUND[logits_dtype], T, E, top_k, sigmoid=sigmoid,
+                       bias=bias, normalize=normalize, scale=scale, num_shared=num_shared)
 
 
 # Kernel configurations per regime: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).

@@ -11,6 +11,9 @@ torch ops (which, at decode batch sizes, cost more in launches than in bytes):
   over k (triton_moe.ExpertRows), the sum folded in: one launch for the two.
 - `gated_rms_norm(y, z, weight, eps, n_groups)`: the Mamba2 output norm, RMSNorm(y * silu(z)) over
   each contiguous group of I/G channels, in fp32, times the weight; output dtype: the weight's.
+- `add_rms_norm_route(x, residual, ..., router_weight, top_k, ...)`: add_rms_norm then
+  triton_moe.route_hidden of its output, for steps of few tokens, with the add and norm inside the
+  router's split-K launch (one launch fewer an MoE layer); the residual is returned out of place.
 
 Same math as hybrid.layers.RMSNorm / Mamba2Mixer.gated_norm (the reductions add in another order).
 Triton is imported guarded (hybrid/ops/triton_guard.py).
@@ -31,15 +34,21 @@ if HAS_TRITON:
     from hybrid.ops.triton_moe import expert_sum
 
     @triton.jit
-    def _normalised_row(hf, like, w_ptr, offs, mask, H, eps, W_FP32: tl.constexpr):
-        """weight * RMS-normalised fp32 row hf; without W_FP32 the row is rounded to like's dtype first."""
-        r = hf / tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps)
+    def _normalised_cols(hf, like, w_ptr, offs, mask, rms, W_FP32: tl.constexpr):
+        """weight * hf / rms at columns offs (rms: the row's, a scalar); without W_FP32 the normalised
+        values are rounded to like's dtype first."""
+        r = hf / rms
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if W_FP32:
             y = w * r
         else:
             y = w * r.to(like.dtype).to(tl.float32)
         return y
+
+    @triton.jit
+    def _normalised_row(hf, like, w_ptr, offs, mask, H, eps, W_FP32: tl.constexpr):
+        """weight * RMS-normalised fp32 row hf; without W_FP32 the row is rounded to like's dtype first."""
+        return _normalised_cols(hf, like, w_ptr, offs, mask, tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps), W_FP32)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, H, eps,
@@ -53,18 +62,24 @@ if HAS_TRITON:
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _added_row(x_ptr, res_ptr, row, offs, mask, s_x, s_r, scale, SCALED: tl.constexpr):
+        """residual + x * scale at columns offs of a row, in the residual's dtype (torch rounds x * scale
+        to x's dtype before the add)."""
+        x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
+        res = tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        if SCALED:
+            xf = (xf * scale).to(x.dtype).to(tl.float32)
+        return (res.to(tl.float32) + xf).to(res.dtype)
+
+    @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_x, s_r, s_o, H, eps, scale,
                              BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
-        x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
-        res = tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)
-        xf = x.to(tl.float32)
-        if SCALED:  # torch rounds x * scale to x's dtype before the add
-            xf = (xf * scale).to(x.dtype).to(tl.float32)
-        h = (res.to(tl.float32) + xf).to(res.dtype)
+        h = _added_row(x_ptr, res_ptr, row, offs, mask, s_x, s_r, scale, SCALED)
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
         y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -88,6 +103,48 @@ if HAS_TRITON:
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
         y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, normed_ptr, new_res_ptr, rw_ptr, partial_ptr,
+                                    T, E, H, s_x, s_r, s_rw, eps, scale, k_per_split,
+                                    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+        # Program (t, e block, split) of the router's split-K launch (triton_moe.route_hidden) over the
+        # normed row of _add_rms_norm_kernel. Each program takes the whole row's mean square (a few KB
+        # read), program (t, 0, 0) stores the updated residual and the normed row (into new buffers:
+        # the other programs still read the old residual), and each normalises only its K slice, as
+        # _normalised_row does, for its partial dot with the router weight [E, H].
+        t = tl.program_id(0).to(tl.int64)
+        offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+        split = tl.program_id(2)
+        e_ok = offs_e < E
+        k_begin = split * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, H)
+        w_rows = rw_ptr + offs_e[:, None].to(tl.int64) * s_rw
+        offs_k = k_begin + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_end
+        wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        pdl_wait(PDL)  # (the router weight's first tile is read before: no kernel writes it)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        h = _added_row(x_ptr, res_ptr, t, offs, mask, s_x, s_r, scale, SCALED)
+        hf = h.to(tl.float32)
+        rms = tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps)
+        if (tl.program_id(1) == 0) & (split == 0):
+            tl.store(new_res_ptr + t * H + offs, h, mask=mask)
+            y = _normalised_row(hf, h, nw_ptr, offs, mask, H, eps, W_FP32)
+            tl.store(normed_ptr + t * H + offs, y.to(normed_ptr.dtype.element_ty), mask=mask)
+        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_end
+            if k0 > k_begin:
+                wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            hk = _added_row(x_ptr, res_ptr, t, offs_k, k_ok, s_x, s_r, scale, SCALED)
+            xv = _normalised_cols(hk.to(tl.float32), hk, nw_ptr, offs_k, k_ok, rms, W_FP32)
+            xv = xv.to(normed_ptr.dtype.element_ty).to(tl.float32)  # the router reads the stored row
+            acc += tl.sum(wv * xv[None, :], axis=1)
+        tl.store(partial_ptr + (split * T + t) * E + offs_e, acc, mask=e_ok)
 
     @triton.jit
     def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, eps,
@@ -155,6 +212,36 @@ def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: fl
                                        BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block),
                                        **pdl_options(y.device))
     return out
+
+
+def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       weight_in_fp32: bool, scale: float, router_weight: torch.Tensor, top_k: int, *,
+                       logits_dtype: torch.dtype, sigmoid: bool, bias: torch.Tensor | None = None,
+                       normalize: bool = False, route_scale: float = 1.0, num_shared: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm(x, residual, ...) and triton_moe.route_hidden of its output for a step of at
+    most triton_moe.ROUTER_FUSED_MAX_TOKENS tokens, the add and norm inside the router's split-K
+    launch: (normed, new residual, top_idx, top_w), the same values as the two calls. The residual
+    is not updated in place: the new one is returned."""
+    from hybrid.ops import triton_moe
+
+    require(__name__)
+    T, H = residual.shape
+    E = router_weight.shape[0]
+    assert 0 < T <= triton_moe.ROUTER_FUSED_MAX_TOKENS and x.shape == (T, H) and weight.shape == (H,)
+    assert x.stride(-1) == 1 and residual.stride(-1) == 1 and router_weight.stride(-1) == 1 and top_k <= E
+    normed = torch.empty(T, H, dtype=residual.dtype, device=residual.device)
+    new_res = torch.empty_like(normed)
+    block = triton.next_power_of_2(H)
+    bk, be, splits, k_per_split = triton_moe.router_tiling(H, E)
+    partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
+    _add_rms_norm_router_kernel[(T, triton.cdiv(E, be), splits)](
+        x, residual, weight, normed, new_res, router_weight, partial, T, E, H, x.stride(0), residual.stride(0),
+        router_weight.stride(0), eps, float(scale), k_per_split, BLOCK=block, BLOCK_E=be, BLOCK_K=bk,
+        W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block), **pdl_options(x.device))
+    idx, w = triton_moe.route_partials(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, bias=bias,
+                                       normalize=normalize, scale=route_scale, num_shared=num_shared)
+    return normed, new_res, idx, w
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int) -> torch.Tensor:

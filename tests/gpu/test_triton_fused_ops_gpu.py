@@ -137,7 +137,7 @@ def test_engine_with_the_triton_decode_linear(tiny_ckpt, monkeypatch):
     """HYBRID_DECODE_LINEAR=triton: decode steps' projections through the Triton linear, under CUDA
     graphs; every token the cuBLAS engine's greedy choice given the same prefix (or a bf16 near-tie)."""
     from hybrid import LLM, SamplingParams
-    from hybrid.ops import triton_gemv
+    from hybrid.ops import triton_guard
 
     path = tiny_ckpt("granite_moe")
     sp = SamplingParams(max_tokens=16, **GREEDY)
@@ -145,14 +145,44 @@ def test_engine_with_the_triton_decode_linear(tiny_ckpt, monkeypatch):
     kw = dict(device="cuda", max_num_seqs=4, max_model_len=128, gpu_memory_utilization=0.3)
     reference = LLM(path, **kw)
     monkeypatch.setenv("HYBRID_DECODE_LINEAR", "triton")
-    triton_gemv.reset_switch()
+    triton_guard.reset_switches()
     try:
         llm = LLM(path, **kw)
         from hybrid.layers import Linear
 
-        assert triton_gemv.enabled() and all(m.fused for m in llm.model.modules() if isinstance(m, Linear))
+        assert triton_guard.switch("decode_linear") and all(m.fused for m in llm.model.modules() if isinstance(m, Linear))
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert llm.runner.stats["graph_replays"] > 0
     finally:
-        triton_gemv.reset_switch()
+        triton_guard.reset_switches()
     assert_greedy_under_reference(reference, prompts, got)
+
+
+@pytest.mark.parametrize("T", [1, 8, 16])
+@pytest.mark.parametrize("H,E,top_k,router_dtype", [(2688, 128, 6, torch.float32), (1536, 64, 6, torch.bfloat16)])
+def test_add_rms_norm_route_real_dims(T, H, E, top_k, router_dtype):
+    """The norm before an MoE layer inside its router's launch (Nemotron-3-Nano: fp32 router, sigmoid;
+    Granite-4.0-H-Tiny: bf16, softmax, the residual multiplier) against add_rms_norm then route_hidden:
+    the normed rows and the new residual bit for bit; the fp32 router's choices exactly, the bf16
+    one's where the two agree (their partial sums add in another order), weights within a rounding."""
+    from hybrid.ops import triton_moe
+
+    g = torch.Generator(device=DEV).manual_seed(T + H)
+    x = torch.randn(T, H, generator=g, device=DEV).bfloat16()
+    residual = (torch.randn(T, H, generator=g, device=DEV) * 3).bfloat16()
+    weight = (0.5 + torch.rand(H, generator=g, device=DEV)).bfloat16()
+    router = (torch.randn(E, H, generator=g, device=DEV) * H ** -0.5).to(router_dtype)
+    sigmoid = router_dtype == torch.float32
+    w_fp32, scale = (True, 1.0) if sigmoid else (False, 0.22)
+    kw = dict(bias=torch.randn(E, generator=g, device=DEV) * 0.1, normalize=True) if sigmoid else {}
+    res_ref = residual.clone()
+    want = tn.add_rms_norm(x, res_ref, weight, 1e-5, w_fp32, scale)
+    want_idx, want_w = triton_moe.route_hidden(want, router, top_k, logits_dtype=router_dtype, sigmoid=sigmoid,
+                                               num_shared=2, scale=2.5, **kw)
+    normed, new_res, idx, w = tn.add_rms_norm_route(x, residual, weight, 1e-5, w_fp32, scale, router, top_k,
+                                                    logits_dtype=router_dtype, sigmoid=sigmoid, num_shared=2,
+                                                    route_scale=2.5, **kw)
+    assert torch.equal(normed, want) and torch.equal(new_res, res_ref)
+    same = (idx == want_idx).all(-1)
+    assert bool(same.all()) if sigmoid else same.float().mean().item() >= 0.75
+    torch.testing.assert_close(w[same], want_w[same], rtol=1e-5, atol=1e-2 if not sigmoid else 1e-6)
