@@ -40,14 +40,14 @@ if HAS_TRITON:
         mask_n = offs_n < N
         mask_m = offs_m < M
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
-        offs_k = tl.arange(0, PRE_K)
-        mask_k = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        offs_pk = tl.arange(0, PRE_K)
+        mask_pk = offs_pk < K
+        w_first = tl.load(w_rows + offs_pk[None, :], mask=mask_n[:, None] & mask_pk[None, :], other=0.0,
+                          eviction_policy="evict_first")
         pdl_wait(PDL)
-        x = tl.load(x_ptr + offs_m[:, None] * s_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0)
-        acc = tl.dot(x, tl.trans(w))
+        x_first = tl.load(x_ptr + offs_m[:, None] * s_xm + offs_pk[None, :], mask=mask_m[:, None] & mask_pk[None, :],
+                          other=0.0)
+        acc = tl.dot(x_first, tl.trans(w_first))
         for k0 in range(PRE_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
@@ -96,8 +96,8 @@ if HAS_TRITON:
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
         offs_pk = tl.arange(0, PRE_K)
         mask_pk = offs_pk < K
-        w = tl.load(w_rows + offs_pk[None, :], mask=mask_n[:, None] & mask_pk[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        w_first = tl.load(w_rows + offs_pk[None, :], mask=mask_n[:, None] & mask_pk[None, :], other=0.0,
+                          eviction_policy="evict_first")
         pdl_wait(PDL)
         groups = tl.arange(0, GP)
         sum_sq = tl.zeros((BLOCK_M, GP), dtype=tl.float32)
@@ -106,9 +106,9 @@ if HAS_TRITON:
             h = _gated_rows(y_ptr, z_ptr, offs_m, offs_k, mask_m, offs_k < K, s_y, s_z)
             sum_sq += tl.where(groups[None, :] == k0 // G, tl.sum(h * h, axis=1)[:, None], 0.0)
         ms_eps = sum_sq / G + eps  # [BLOCK_M, GP]
-        a = _gated_normed(y_ptr, z_ptr, nw_ptr, offs_m, offs_pk, mask_m, mask_pk, s_y, s_z,
-                          tl.sum(tl.where(groups[None, :] == 0, ms_eps, 0.0), axis=1))
-        acc = tl.dot(a.to(w.dtype), tl.trans(w))
+        a_first = _gated_normed(y_ptr, z_ptr, nw_ptr, offs_m, offs_pk, mask_m, mask_pk, s_y, s_z,
+                                tl.sum(tl.where(groups[None, :] == 0, ms_eps, 0.0), axis=1))
+        acc = tl.dot(a_first.to(w_first.dtype), tl.trans(w_first))
         for k0 in range(PRE_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K

@@ -1,0 +1,131 @@
+"""The compile cases of tests/test_triton_compile.py, run in a process of their own: Triton must not
+be in interpreter mode (the CPU test session switches it on before triton is imported). Prints one
+JSON line {case: null or the error}. `python tests/triton_compile_cases.py`."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from hybrid.ops import triton_gemv, triton_mamba, triton_moe, triton_norm  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+FLOATS = {"eps", "scale"}
+
+
+def signature(fn, constexprs: dict, ptr_types: dict[str, str], default_ptr: str = "*bf16") -> dict[str, str]:
+    """Argument types of `fn`: pointers (names ending in _ptr) bf16 unless ptr_types says, the names
+    in FLOATS fp32, the other runtime arguments int32."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = ptr_types.get(name, default_ptr)
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    return sig
+
+
+def compiles(fn, constexprs: dict, ptr_types: dict[str, str] | None = None, num_warps: int = 4,
+             num_stages: int = 3) -> None:
+    src = ASTSource(fn, signature(fn, constexprs, ptr_types or {}), constexprs=constexprs)
+    triton.compile(src, target=SM90, options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=True))
+
+
+MOE_PTRS = dict(w_ptr="*fp32", pairs_ptr="*i32", block_expert_ptr="*i32", total_ptr="*i32")
+CASES = {}
+
+
+def case(name):
+    def register(fn):
+        CASES[name] = fn
+        return fn
+    return register
+
+
+for _config in ("decode", "prefill_gated"):
+    for _act, _early in ((triton_moe.ACT_NONE, False), (triton_moe.ACT_NONE, True), (triton_moe.ACT_RELU2, False),
+                         (triton_moe.ACT_SILU_MUL, False)):
+        def _moe(config=_config, act=_act, early=_early):
+            bm, bn, bk, gm, warps, stages = triton_moe.CONFIGS[config]
+            compiles(triton_moe._moe_gemm_kernel,
+                     dict(ACT=act, MUL_W=act == triton_moe.ACT_NONE, HAS_SHARED=True, IEEE=False, BLOCK_M=bm,
+                          BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early, PDL=True), MOE_PTRS, warps, stages)
+        CASES[f"moe_gemm-{_config}-act{_act}-early{int(_early)}"] = _moe
+
+
+@case("router")
+def _router():
+    compiles(triton_moe._router_partial_kernel, dict(BLOCK_E=16, BLOCK_K=64, PDL=True),
+             dict(w_ptr="*fp32", out_ptr="*fp32"))
+    compiles(triton_moe._route_kernel,
+             dict(TOP_K=6, KP=8, EP=128, SIGMOID=True, HAS_BIAS=True, NORMALIZE=True, NUM_SHARED=2, SP=2,
+                  NUM_SPLITS=42, ROUND=0, PDL=True),
+             dict(logits_ptr="*fp32", bias_ptr="*fp32", idx_ptr="*i32", w_ptr="*fp32"), num_warps=1)
+    compiles(triton_moe._align_kernel, dict(BLOCK_M=16, EP=64, CHUNK=128, PDL=True),
+             dict(ids_ptr="*i32", pairs_ptr="*i32", block_expert_ptr="*i32", total_ptr="*i32"), num_warps=8)
+
+
+for _router_type in ("*fp32", "*bf16"):  # NemotronH's fp32 router, Granite's bf16
+    def _norm_router(router=_router_type):
+        compiles(triton_norm._add_rms_norm_router_kernel,
+                 dict(BLOCK=4096, BLOCK_E=16, BLOCK_K=64, W_FP32=router == "*fp32", SCALED=router != "*fp32",
+                      PDL=True), dict(rw_ptr=router, partial_ptr="*fp32"), num_warps=8)
+    CASES[f"norm_router-{_router_type[1:]}"] = _norm_router
+
+
+@case("norms")
+def _norms():
+    compiles(triton_norm._rms_norm_kernel, dict(BLOCK=4096, W_FP32=True, PDL=True), num_warps=8)
+    compiles(triton_norm._add_rms_norm_kernel, dict(BLOCK=2048, W_FP32=False, SCALED=True, PDL=True))
+    compiles(triton_norm._sum_add_rms_norm_kernel,
+             dict(TOP_K=8, HAS_ADD=False, BLOCK=4096, W_FP32=True, SCALED=False, PDL=True), num_warps=8)
+    compiles(triton_norm._gated_rms_norm_kernel, dict(BLOCK=4096, PDL=True), num_warps=8)
+
+
+for _pre_k in (256, 512, 2048):
+    def _linears(pre_k=_pre_k):
+        compiles(triton_gemv._small_m_linear_kernel,
+                 dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PRE_K=pre_k, PDL=True), num_stages=4)
+        compiles(triton_gemv._gated_norm_linear_kernel,
+                 dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PRE_K=min(pre_k, 512), GP=8, PDL=True))
+    CASES[f"decode_linears-pre{_pre_k}"] = _linears
+
+
+for _inter in (False, True):
+    def _mamba(inter=_inter):
+        compiles(triton_mamba._ssm_update_kernel,
+                 dict(BLOCK_P=16, BLOCK_N=128, HAS_D=True, HAS_DT_BIAS=True, HAS_INTER=inter, HAS_INTER_IDX=False,
+                      PDL=True), dict(state_ptr="*fp32", A_ptr="*fp32", idx_ptr="*i64", inter_ptr="*fp32",
+                                      inter_idx_ptr="*i64"))
+        compiles(triton_mamba._conv_update_kernel,
+                 dict(K=4, KP=4, BLOCK_C=256, HAS_BIAS=True, SILU=True, HAS_INTER=inter, HAS_INTER_IDX=False,
+                      PDL=True), dict(idx_ptr="*i64", inter_idx_ptr="*i64"))
+        compiles(triton_mamba._conv_prefill_kernel,
+                 dict(K=4, BLOCK_L=64, BLOCK_C=128, HAS_HIST=True, HAS_BIAS=True, PDL=True))
+    CASES[f"mamba_decode-inter{int(_inter)}"] = _mamba
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--names"]:
+        print(json.dumps(sorted(CASES)))
+        sys.exit(0)
+    results = {}
+    for name, run in CASES.items():
+        try:
+            run()
+            results[name] = None
+        except FileNotFoundError as e:  # a triton wheel without ptxas: nothing to check here
+            results[name] = f"SKIP {e}"
+        except Exception:  # noqa: BLE001 - reported per case
+            results[name] = traceback.format_exc()[-3000:]
+    print(json.dumps(results))
