@@ -133,27 +133,42 @@ def test_gated_norm_linear_real_dims(m, inner, n_groups, hidden):
     assert torch.equal(out, got)
 
 
-def test_engine_with_the_triton_decode_linear(tiny_ckpt, monkeypatch):
-    """HYBRID_DECODE_LINEAR=triton: decode steps' projections through the Triton linear, under CUDA
-    graphs; every token the cuBLAS engine's greedy choice given the same prefix (or a bf16 near-tie)."""
+SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router": {"HYBRID_NORM_ROUTER": "1"},
+               "both": {"HYBRID_DECODE_LINEAR": "triton", "HYBRID_NORM_ROUTER": "1"}}
+
+
+@pytest.mark.parametrize("switches", list(SWITCH_SETS))
+@pytest.mark.parametrize("name", ["granite_moe", "nemotron_h"])
+def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switches, name):
+    """HYBRID_DECODE_LINEAR=triton (decode projections on the Triton linear, the gated norm in
+    out_proj) and HYBRID_NORM_ROUTER=1 (the norm before each MoE layer in its router's launch), under
+    CUDA graphs: every token the default engine's greedy choice given the same prefix (or a bf16
+    near-tie). NemotronH without group masking, so that its router is the Triton one."""
+    import tiny_checkpoints
+
     from hybrid import LLM, SamplingParams
+    from hybrid.layers import Linear
     from hybrid.ops import triton_guard
 
-    path = tiny_ckpt("granite_moe")
+    path = tiny_ckpt(name)
+    if name == "nemotron_h":
+        path = tiny_checkpoints.copy_checkpoint(path, tmp_path)
+        tiny_checkpoints.rewrite_config(path, lambda cfg: cfg.update(topk_group=cfg["n_group"]))
     sp = SamplingParams(max_tokens=16, **GREEDY)
     prompts = [[5, 6, 7, 8, 9], [11], list(range(20, 50))]
     kw = dict(device="cuda", max_num_seqs=4, max_model_len=128, gpu_memory_utilization=0.3)
-    reference = LLM(path, **kw)
-    monkeypatch.setenv("HYBRID_DECODE_LINEAR", "triton")
+    reference = LLM(str(path), **kw)
+    for env, value in SWITCH_SETS[switches].items():
+        monkeypatch.setenv(env, value)
     triton_guard.reset_switches()
     try:
-        llm = LLM(path, **kw)
-        from hybrid.layers import Linear
-
-        assert triton_guard.switch("decode_linear") and all(m.fused for m in llm.model.modules() if isinstance(m, Linear))
+        llm = LLM(str(path), **kw)
+        assert all(m.fused for m in llm.model.modules() if isinstance(m, Linear))
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert llm.runner.stats["graph_replays"] > 0
     finally:
+        for env in SWITCH_SETS[switches]:
+            monkeypatch.delenv(env)
         triton_guard.reset_switches()
     assert_greedy_under_reference(reference, prompts, got)
 
