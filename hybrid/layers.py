@@ -503,10 +503,11 @@ def add_norm_route(norm: RMSNorm, x, residual: torch.Tensor | None, scale: float
         args = moe.router_args(residual.dtype)
         if args is not None:
             weight, top_k, kw = args
-            kw = dict(kw, route_scale=kw.pop("scale", 1.0))
+            route_scale = kw.pop("scale", 1.0)  # (route_hidden's `scale` is the routing weights')
             slices = moe.experts.shared_slices(shared, x.shape[0])
             normed, residual, top_idx, top_w = triton_norm.add_rms_norm_route(
-                x, residual, norm.weight, norm.eps, norm.weight_in_fp32, scale, weight, top_k, num_shared=slices, **kw)
+                x, residual, norm.weight, norm.eps, norm.weight_in_fp32, scale, weight, top_k, num_shared=slices,
+                route_scale=route_scale, **kw)
             return normed, residual, (top_idx, top_w)
     x, residual = norm.add_norm(x, residual, scale)
     return x, residual, None
