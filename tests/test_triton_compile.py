@@ -39,7 +39,8 @@ def results() -> dict:
 
 NAMES = ["moe_gemm-decode-act0-early0", "moe_gemm-decode-act0-early1", "moe_gemm-decode-act1-early0",
          "moe_gemm-decode-act2-early0", "moe_gemm-prefill_gated-act0-early0", "moe_gemm-prefill_gated-act0-early1",
-         "moe_gemm-prefill_gated-act1-early0", "moe_gemm-prefill_gated-act2-early0", "router", "norm_router-fp32",
+         "moe_gemm-prefill_gated-act1-early0", "moe_gemm-prefill_gated-act2-early0", "router", "counting_alignment",
+         "norm_router-fp32",
          "norm_router-bf16", "norms", "decode_linears-pre256", "decode_linears-pre512", "decode_linears-pre2048",
          "mamba_decode-inter0", "mamba_decode-inter1"]
 

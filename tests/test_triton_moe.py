@@ -2,7 +2,8 @@
 through Triton's interpreter (see tests/test_triton_kernels.py for why the variable is set here).
 
 Routings: random (some experts unused), every expert hit, no pair on most experts, all tokens on
-one expert; every alignment method (naive, the one-program kernel, torch ops); relu2 and SwiGLU;
+one expert; every alignment method (naive, the one-program kernel, the counting sort, torch ops);
+relu2 and SwiGLU;
 with and without the shared-expert add. GPU runs of the same checks: tests/gpu/test_moe_gpu.py.
 """
 import os
@@ -54,11 +55,30 @@ def test_align_methods_agree(kind, block_m):
     assert torch.equal(out[1][:blocks], ref[1][:blocks])
     assert torch.equal(out[0][: int(ref[2][0])], ref[0][: int(ref[2][0])]), "both keep pair order per expert"
     _check_layout(ids, *tmoe.align(ids, E, block_m, method="naive"), block_m)
+    out = tmoe.align(ids, E, block_m, method="counting")
+    _check_layout(ids, *out, block_m)
+    assert torch.equal(out[2], ref[2]) and torch.equal(out[1][:blocks], ref[1][:blocks])
+    assert torch.equal(out[0], ref[0]), "the counting sort lays the pairs out as the stable sort does"
+
+
+@pytest.mark.parametrize("n_tokens,num_experts", [(3000, 8), (5000, 66), (700, 130)])
+def test_counting_alignment_at_prefill_sizes(n_tokens, num_experts):
+    """The prefill chunks' alignment (over tmoe.TRITON_ALIGN_MAX_PAIRS pairs by default): many
+    programs, the last one's slice partial, experts padded to a power of two (66: Granite's 64 with
+    two shared slices); the same layout as the stable sort, pair for pair."""
+    g = torch.Generator().manual_seed(n_tokens)
+    ids = torch.randint(0, num_experts, (n_tokens * 2,), generator=g, dtype=torch.int32)
+    ids[: n_tokens // 3] = 1  # a crowded expert, spanning several programs
+    ref = tmoe.align_torch(ids, num_experts, 64)
+    out = tmoe.align(ids, num_experts, 64, method="counting" if ids.numel() <= tmoe.TRITON_ALIGN_MAX_PAIRS else None)
+    blocks = int(ref[2][0]) // 64
+    assert torch.equal(out[2], ref[2]) and torch.equal(out[1][:blocks], ref[1][:blocks])
+    assert torch.equal(out[0], ref[0])
 
 
 @pytest.mark.parametrize("kind", ROUTINGS)
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("method", ["naive", "triton", "torch"])
+@pytest.mark.parametrize("method", ["naive", "triton", "counting", "torch"])
 def test_fused_experts_match_torch_loop(kind, gated, method):
     check_fused_experts(kind, gated, method, T=13, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,
                         device="cpu", config=(16, 16, 16, 2, 1, 1))

@@ -75,6 +75,15 @@ def _router():
              dict(ids_ptr="*i32", pairs_ptr="*i32", block_expert_ptr="*i32", total_ptr="*i32"), num_warps=8)
 
 
+@case("counting_alignment")
+def _counting():
+    ints = dict(ids_ptr="*i64", counts_ptr="*i32", base_ptr="*i32", pairs_ptr="*i32", block_expert_ptr="*i32",
+                total_ptr="*i32")
+    compiles(triton_moe._align_count_kernel, dict(EP=128, CHUNK=64, PDL=True), ints)
+    compiles(triton_moe._align_offsets_kernel, dict(BLOCK_M=128, EP=128, PP=64, CHUNK=64, PDL=True), ints, num_warps=8)
+    compiles(triton_moe._align_place_kernel, dict(EP=128, CHUNK=64, PDL=True), ints)
+
+
 for _router_type in ("*fp32", "*bf16"):  # NemotronH's fp32 router, Granite's bf16
     def _norm_router(router=_router_type):
         compiles(triton_norm._add_rms_norm_router_kernel,

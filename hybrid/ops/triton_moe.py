@@ -17,7 +17,11 @@ The n = T*k pairs are numbered p = t*k + j. Steps, every one a launch whose shap
    - `naive` (decode at small batch, n <= NAIVE_MAX_PAIRS): every pair is its own block (its row 0),
      nothing to sort; an expert chosen twice is streamed twice, which at these sizes is rare;
    - one-program Triton kernel (n <= TRITON_ALIGN_MAX_PAIRS: decode batches, verify);
-   - torch ops around a stable sort (prefill chunks; also the reference of the kernel).
+   - `counting` (prefill chunks): a counting sort in three launches over P programs (each counts its
+     slice of the pairs per expert; one program turns the counts into each expert's padded offset and
+     each program's base within it, the block experts and the total; each program places its pairs),
+     with the pairs of an expert in pair order as the others keep them;
+   - torch ops around a stable sort (the reference of the kernels; `method="torch"`).
 2. GEMM 1: each block's rows x[p // k] against its expert's up rows -> h [n, I] in x.dtype, relu2
    or silu(gate) * up applied in fp32 in the epilogue (gate and up tiles of the same columns in one
    program).
@@ -120,6 +124,64 @@ if HAS_TRITON:
             earlier = tl.cumsum(hit, axis=0) - hit
             dest = tl.sum(hit * (earlier + next_row[None, :]), axis=1)
             tl.store(pairs_ptr + dest, offs, mask=offs < n)
+            next_row += tl.sum(hit, axis=0)
+
+    @triton.jit
+    def _align_count_kernel(ids_ptr, n, counts_ptr, per_program, EP: tl.constexpr, CHUNK: tl.constexpr,
+                            PDL: tl.constexpr):
+        # counts[p, e]: the pairs of program p's slice [p * per_program, ...) routed to expert e
+        pdl_wait(PDL)
+        p = tl.program_id(0)
+        experts = tl.arange(0, EP)
+        counts = tl.zeros([EP], dtype=tl.int32)
+        begin = p * per_program
+        end = tl.minimum(begin + per_program, n)
+        for start in range(begin, end, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + offs, mask=offs < end, other=-1).to(tl.int32)
+            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        tl.store(counts_ptr + p * EP + experts, counts)
+
+    @triton.jit
+    def _align_offsets_kernel(counts_ptr, base_ptr, block_expert_ptr, total_ptr, num_programs, num_blocks,
+                              BLOCK_M: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr,
+                              PDL: tl.constexpr):
+        # One program: each expert's group padded to BLOCK_M and laid out in expert order (as
+        # _align_kernel does); base[p, e]: where program p's pairs of expert e start.
+        pdl_wait(PDL)
+        experts = tl.arange(0, EP)
+        progs = tl.arange(0, PP)
+        counts = tl.load(counts_ptr + progs[:, None] * EP + experts[None, :], mask=(progs < num_programs)[:, None],
+                         other=0)
+        per_expert = tl.sum(counts, axis=0)
+        padded = (per_expert + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pad_end = tl.cumsum(padded, axis=0)
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+        base = (pad_end - padded)[None, :] + tl.cumsum(counts, axis=0) - counts
+        tl.store(base_ptr + progs[:, None] * EP + experts[None, :], base, mask=(progs < num_programs)[:, None])
+        for start in range(0, num_blocks, CHUNK):
+            b = start + tl.arange(0, CHUNK)
+            e = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, e, mask=b < num_blocks)
+
+    @triton.jit
+    def _align_place_kernel(ids_ptr, n, base_ptr, pairs_ptr, per_program, EP: tl.constexpr, CHUNK: tl.constexpr,
+                            PDL: tl.constexpr):
+        # program p's pairs into their places, chunk by chunk in pair order (the rows past each
+        # expert's pairs keep the sentinel the caller filled in)
+        pdl_wait(PDL)
+        p = tl.program_id(0)
+        experts = tl.arange(0, EP)
+        next_row = tl.load(base_ptr + p * EP + experts)
+        begin = p * per_program
+        end = tl.minimum(begin + per_program, n)
+        for start in range(begin, end, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + offs, mask=offs < end, other=-1).to(tl.int32)
+            hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+            earlier = tl.cumsum(hit, axis=0) - hit
+            dest = tl.sum(hit * (earlier + next_row[None, :]), axis=1)
+            tl.store(pairs_ptr + dest, offs, mask=offs < end)
             next_row += tl.sum(hit, axis=0)
 
     @triton.jit
@@ -427,16 +489,46 @@ def pick_config(num_pairs: int, num_experts: int, gated: bool) -> str:
     return "prefill_gated" if gated else "prefill"
 
 
+ALIGN_PROGRAMS = 64  # the counting sort's programs (at most): each places n / 64 pairs
+
+
+def align_counting(flat_ids: torch.Tensor, num_experts: int, block_m: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The counting-sort alignment (module docstring): three launches and a fill, for any n."""
+    require(__name__)
+    n = flat_ids.numel()
+    nb = max_blocks(n, num_experts, block_m)
+    dev = flat_ids.device
+    ep = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(128, 8192 // ep))
+    per_program = chunk * cdiv(cdiv(n, ALIGN_PROGRAMS), chunk)
+    programs = cdiv(n, per_program)
+    counts = torch.empty(programs, ep, dtype=torch.int32, device=dev)
+    base = torch.empty(programs, ep, dtype=torch.int32, device=dev)
+    pairs = torch.full((nb * block_m,), n, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    pdl = pdl_options(dev)
+    _align_count_kernel[(programs,)](flat_ids, n, counts, per_program, EP=ep, CHUNK=chunk, num_warps=4, **pdl)
+    _align_offsets_kernel[(1,)](counts, base, block_expert, total, programs, nb, BLOCK_M=block_m, EP=ep,
+                                PP=triton.next_power_of_2(programs), CHUNK=chunk, num_warps=8, **pdl)
+    _align_place_kernel[(programs,)](flat_ids, n, base, pairs, per_program, EP=ep, CHUNK=chunk, num_warps=4, **pdl)
+    return pairs, block_expert, total
+
+
 def align(flat_ids: torch.Tensor, num_experts: int, block_m: int, method: str | None = None
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pairs, block_expert, total): see the module docstring; `method` forces naive|triton|torch."""
+    """(pairs, block_expert, total): see the module docstring; `method` forces
+    naive|triton|counting|torch."""
     n = flat_ids.numel()
     if method is None:
-        method = "naive" if n <= NAIVE_MAX_PAIRS else "triton" if n <= TRITON_ALIGN_MAX_PAIRS else "torch"
+        method = "naive" if n <= NAIVE_MAX_PAIRS else "triton" if n <= TRITON_ALIGN_MAX_PAIRS else "counting"
     if method == "naive":
         return align_naive(flat_ids, block_m)
     if method == "torch":
         return align_torch(flat_ids, num_experts, block_m)
+    if method == "counting":
+        return align_counting(flat_ids, num_experts, block_m)
     require(__name__)
     nb = max_blocks(n, num_experts, block_m)
     dev = flat_ids.device

@@ -35,15 +35,18 @@ def test_every_alignment_on_decode_tiles(method):
                         top_k=6)
 
 
-@pytest.mark.parametrize("n_tokens", [5, 200, 680])
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_align_kernel_equals_torch(n_tokens, block_m):
+@pytest.mark.parametrize("n_tokens,method", [(5, "triton"), (200, "triton"), (680, "triton"), (5, "counting"),
+                                             (680, "counting"), (8192, "counting")])
+@pytest.mark.parametrize("block_m", [16, 64, 128])
+def test_align_kernel_equals_torch(n_tokens, block_m, method):
+    """The one-program alignment (decode sizes) and the counting sort (the default past 4096 pairs:
+    an 8192-token prefill chunk at top-6) lay the pairs out as the stable sort does."""
     from hybrid.ops import triton_moe
 
     for kind in ROUTINGS:
         ids = routing(kind, n_tokens, 128, 6, seed=n_tokens, device="cuda")[0].reshape(-1)
         ref = triton_moe.align_torch(ids, 128, block_m)
-        got = triton_moe.align(ids, 128, block_m, method="triton")
+        got = triton_moe.align(ids, 128, block_m, method=method)
         total = int(ref[2][0])
         assert int(got[2][0]) == total
         assert torch.equal(got[0][:total], ref[0][:total])
