@@ -62,6 +62,11 @@ fi
 if [[ $what == tests-released ]]; then
   gpu_pytest 540 gpu_tests_released.log tests/gpu/test_released_shapes.py
 fi
+# tests-kernels  the fused-op, MoE and graph files (the kernel switches, the alignments, PDL)
+if [[ $what == tests-kernels ]]; then
+  gpu_pytest 540 gpu_tests_kernels.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_moe_gpu.py \
+      tests/gpu/test_graphs.py
+fi
 if [[ $what == tests-selected ]]; then
   gpu_pytest 540 gpu_tests_selected.log $(cat .devkit/sel.txt)
 fi
