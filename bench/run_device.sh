@@ -31,8 +31,8 @@ what=${1:-tests}
 rc=0
 python3 -c "import torch; print(torch.cuda.get_device_name(0), torch.__version__)"
 # tests: one line per test (-v), so a run cut by its time limit still names what passed and failed;
-# the tracebacks of failures print as they happen (--tb=short with -x off is at the end, so the log
-# also keeps -rfE's summary when the run completes). `tests` leaves out the long-context and
+# the tracebacks of failures print as they happen (tests/gpu/conftest.py), and again in -rfE's summary
+# when the run completes. `tests` leaves out the long-context and
 # released-shape files (`tests-long`, `tests-released`: their own calls). A list of node ids in
 # .devkit/sel.txt (one per line) runs just those: `tests-selected`.
 gpu_pytest() {  # $1: time limit, $2: log name, the rest: pytest arguments
