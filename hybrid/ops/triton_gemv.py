@@ -31,19 +31,40 @@ if HAS_TRITON:
     from hybrid.ops.triton_guard import pdl_wait
 
     @triton.jit
-    def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
-                               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _program_slab(w_ptr, M, N, K, s_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRE_K: tl.constexpr):
+        """This program's BLOCK_N output columns: (offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk,
+        mask_pk, w_first), w_first the first PRE_K columns of its weight slab, loaded at once (no
+        kernel writes weights: before the PDL wait)."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         mask_n = offs_n < N
         mask_m = offs_m < M
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
         offs_pk = tl.arange(0, PRE_K)
         mask_pk = offs_pk < K
-        w_first = tl.load(w_rows + offs_pk[None, :], mask=mask_n[:, None] & mask_pk[None, :], other=0.0,
-                          eviction_policy="evict_first")
+        w_first = _weight_tile(w_rows, offs_pk, mask_n, mask_pk)
+        return offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first
+
+    @triton.jit
+    def _weight_tile(w_rows, offs_k, mask_n, mask_k):
+        """[BLOCK_N, len(offs_k)] of the weight slab (evict-first: streamed once)."""
+        return tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                       eviction_policy="evict_first")
+
+    @triton.jit
+    def _store_rows(acc, bias_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, s_o, HAS_BIAS: tl.constexpr):
+        """acc (+ bias) into the M x BLOCK_N output tile, in the output's dtype."""
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * s_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
+                               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
+        offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
+            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K)
         pdl_wait(PDL)
         x_first = tl.load(x_ptr + offs_m[:, None] * s_xm + offs_pk[None, :], mask=mask_m[:, None] & mask_pk[None, :],
                           other=0.0)
@@ -53,14 +74,9 @@ if HAS_TRITON:
             mask_k = offs_k < K
             x = tl.load(x_ptr + offs_m[:, None] * s_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                         other=0.0)
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            w = _weight_tile(w_rows, offs_k, mask_n, mask_k)
             acc = tl.dot(x, tl.trans(w), acc)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * s_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_n[None, :])
-
+        _store_rows(acc, bias_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, s_ym, HAS_BIAS)
 
     @triton.jit
     def _gated_rows(y_ptr, z_ptr, offs_m, offs_k, mask_m, mask_k, s_y, s_z):
@@ -88,16 +104,8 @@ if HAS_TRITON:
         # out = gated_rms_norm(y, z) @ w.T (+ bias): every program first takes each row's mean square
         # per group (G columns; BLOCK_K and PRE_K divide G, so a K step lies in one group), then
         # feeds the normalised columns to the dot as _small_m_linear_kernel does.
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
-        mask_n = offs_n < N
-        mask_m = offs_m < M
-        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
-        offs_pk = tl.arange(0, PRE_K)
-        mask_pk = offs_pk < K
-        w_first = tl.load(w_rows + offs_pk[None, :], mask=mask_n[:, None] & mask_pk[None, :], other=0.0,
-                          eviction_policy="evict_first")
+        offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
+            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K)
         pdl_wait(PDL)
         groups = tl.arange(0, GP)
         sum_sq = tl.zeros((BLOCK_M, GP), dtype=tl.float32)
@@ -114,13 +122,9 @@ if HAS_TRITON:
             mask_k = offs_k < K
             a = _gated_normed(y_ptr, z_ptr, nw_ptr, offs_m, offs_k, mask_m, mask_k, s_y, s_z,
                               tl.sum(tl.where(groups[None, :] == k0 // G, ms_eps, 0.0), axis=1))
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            w = _weight_tile(w_rows, offs_k, mask_n, mask_k)
             acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * s_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_n[None, :])
+        _store_rows(acc, bias_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, s_o, HAS_BIAS)
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:

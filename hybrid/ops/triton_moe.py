@@ -93,17 +93,45 @@ if HAS_TRITON:
     from hybrid.ops.triton_guard import pdl_wait
 
     @triton.jit
+    def _count_experts(ids_ptr, begin, end, EP: tl.constexpr, CHUNK: tl.constexpr):
+        """[EP] the pairs in [begin, end) routed to each expert."""
+        experts = tl.arange(0, EP)
+        counts = tl.zeros([EP], dtype=tl.int32)
+        for start in range(begin, end, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + offs, mask=offs < end, other=-1).to(tl.int32)
+            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        return counts
+
+    @triton.jit
+    def _store_block_experts(block_expert_ptr, pad_end, num_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+        """Each block's expert: the one whose padded group [pad_end - padded, pad_end) holds its first row."""
+        for start in range(0, num_blocks, CHUNK):
+            b = start + tl.arange(0, CHUNK)
+            e = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, e, mask=b < num_blocks)
+
+    @triton.jit
+    def _place_pairs(ids_ptr, pairs_ptr, begin, end, next_row, EP: tl.constexpr, CHUNK: tl.constexpr):
+        """The pairs in [begin, end) into their rows, chunk by chunk in pair order: a pair's row is
+        next_row[its expert] (the expert's first free row) plus the same-expert pairs before it."""
+        experts = tl.arange(0, EP)
+        for start in range(begin, end, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + offs, mask=offs < end, other=-1).to(tl.int32)
+            hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+            earlier = tl.cumsum(hit, axis=0) - hit
+            dest = tl.sum(hit * (earlier + next_row[None, :]), axis=1)
+            tl.store(pairs_ptr + dest, offs, mask=offs < end)
+            next_row += tl.sum(hit, axis=0)
+
+    @triton.jit
     def _align_kernel(ids_ptr, n, pairs_ptr, block_expert_ptr, total_ptr, num_rows, num_blocks,
                       BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         # One program: counts per expert, padded offsets, then each pair's place (its expert's offset
         # plus the number of same-expert pairs before it), chunk by chunk in pair order.
-        experts = tl.arange(0, EP)
-        counts = tl.zeros([EP], dtype=tl.int32)
-        for start in range(0, n, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
-            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        counts = _count_experts(ids_ptr, 0, n, EP, CHUNK)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         pad_end = tl.cumsum(padded, axis=0)
         tl.store(total_ptr, tl.sum(padded, axis=0))
@@ -111,20 +139,9 @@ if HAS_TRITON:
         for start in range(0, num_rows, CHUNK):
             offs = start + tl.arange(0, CHUNK)
             tl.store(pairs_ptr + offs, sentinel, mask=offs < num_rows)
-        for start in range(0, num_blocks, CHUNK):
-            b = start + tl.arange(0, CHUNK)
-            e = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-            tl.store(block_expert_ptr + b, e, mask=b < num_blocks)
+        _store_block_experts(block_expert_ptr, pad_end, num_blocks, BLOCK_M, CHUNK)
         tl.debug_barrier()  # the sentinel fill above must land before the pairs below
-        next_row = pad_end - padded
-        for start in range(0, n, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
-            hit = (ids[:, None] == experts[None, :]).to(tl.int32)
-            earlier = tl.cumsum(hit, axis=0) - hit
-            dest = tl.sum(hit * (earlier + next_row[None, :]), axis=1)
-            tl.store(pairs_ptr + dest, offs, mask=offs < n)
-            next_row += tl.sum(hit, axis=0)
+        _place_pairs(ids_ptr, pairs_ptr, 0, n, pad_end - padded, EP, CHUNK)
 
     @triton.jit
     def _align_count_kernel(ids_ptr, n, counts_ptr, per_program, EP: tl.constexpr, CHUNK: tl.constexpr,
@@ -132,15 +149,9 @@ if HAS_TRITON:
         # counts[p, e]: the pairs of program p's slice [p * per_program, ...) routed to expert e
         pdl_wait(PDL)
         p = tl.program_id(0)
-        experts = tl.arange(0, EP)
-        counts = tl.zeros([EP], dtype=tl.int32)
         begin = p * per_program
-        end = tl.minimum(begin + per_program, n)
-        for start in range(begin, end, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + offs, mask=offs < end, other=-1).to(tl.int32)
-            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-        tl.store(counts_ptr + p * EP + experts, counts)
+        counts = _count_experts(ids_ptr, begin, tl.minimum(begin + per_program, n), EP, CHUNK)
+        tl.store(counts_ptr + p * EP + tl.arange(0, EP), counts)
 
     @triton.jit
     def _align_offsets_kernel(counts_ptr, base_ptr, block_expert_ptr, total_ptr, num_programs, num_blocks,
@@ -159,30 +170,18 @@ if HAS_TRITON:
         tl.store(total_ptr, tl.sum(padded, axis=0))
         base = (pad_end - padded)[None, :] + tl.cumsum(counts, axis=0) - counts
         tl.store(base_ptr + progs[:, None] * EP + experts[None, :], base, mask=(progs < num_programs)[:, None])
-        for start in range(0, num_blocks, CHUNK):
-            b = start + tl.arange(0, CHUNK)
-            e = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-            tl.store(block_expert_ptr + b, e, mask=b < num_blocks)
+        _store_block_experts(block_expert_ptr, pad_end, num_blocks, BLOCK_M, CHUNK)
 
     @triton.jit
     def _align_place_kernel(ids_ptr, n, base_ptr, pairs_ptr, per_program, EP: tl.constexpr, CHUNK: tl.constexpr,
                             PDL: tl.constexpr):
-        # program p's pairs into their places, chunk by chunk in pair order (the rows past each
-        # expert's pairs keep the sentinel the caller filled in)
+        # program p's pairs into their places (the rows past each expert's pairs keep the sentinel
+        # the caller filled in)
         pdl_wait(PDL)
         p = tl.program_id(0)
-        experts = tl.arange(0, EP)
-        next_row = tl.load(base_ptr + p * EP + experts)
         begin = p * per_program
-        end = tl.minimum(begin + per_program, n)
-        for start in range(begin, end, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + offs, mask=offs < end, other=-1).to(tl.int32)
-            hit = (ids[:, None] == experts[None, :]).to(tl.int32)
-            earlier = tl.cumsum(hit, axis=0) - hit
-            dest = tl.sum(hit * (earlier + next_row[None, :]), axis=1)
-            tl.store(pairs_ptr + dest, offs, mask=offs < end)
-            next_row += tl.sum(hit, axis=0)
+        _place_pairs(ids_ptr, pairs_ptr, begin, tl.minimum(begin + per_program, n),
+                     tl.load(base_ptr + p * EP + tl.arange(0, EP)), EP, CHUNK)
 
     @triton.jit
     def _moe_gemm_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, pairs_ptr, block_expert_ptr, total_ptr,
@@ -306,32 +305,37 @@ if HAS_TRITON:
 if HAS_TRITON:
 
     @triton.jit
+    def router_split(w_ptr, s_w, E, K, k_per_split, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (t, e block, split) of a split-K router launch over the router weight [E, K]:
+        (offs_e, e_ok, k_begin, k_end, w_rows, wv) with wv its first [BLOCK_E, BLOCK_K] weight tile in
+        fp32 (usually its only one), read at once: no kernel writes the weight, so before the PDL wait."""
+        offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = offs_e < E
+        k_begin = tl.program_id(2) * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, K)
+        w_rows = w_ptr + offs_e[:, None].to(tl.int64) * s_w
+        offs_k = k_begin + tl.arange(0, BLOCK_K)
+        wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & (offs_k < k_end)[None, :], other=0.0)
+        return offs_e, e_ok, k_begin, k_end, w_rows, wv.to(tl.float32)
+
+    @triton.jit
     def _router_partial_kernel(x_ptr, w_ptr, out_ptr, T, E, K, s_x, s_w, k_per_split,
                                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # partial[s, t, e] = sum over split s's slice of K of x[t, k] * w[e, k], in fp32. A step of few
         # tokens reads the router weight from many programs at once (a [T, E] GEMM has too few output
         # tiles to fill the GPU); _route_kernel adds the splits in a fixed order (no atomics).
         t = tl.program_id(0).to(tl.int64)
-        offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-        split = tl.program_id(2)
-        e_ok = offs_e < E
-        k_begin = split * k_per_split
-        k_end = tl.minimum(k_begin + k_per_split, K)
-        w_rows = w_ptr + offs_e[:, None].to(tl.int64) * s_w
-        # the first weight tile (usually the only one) before the wait: no kernel writes the weight
-        offs_k = k_begin + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < k_end
-        wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        offs_e, e_ok, k_begin, k_end, w_rows, wv = router_split(w_ptr, s_w, E, K, k_per_split, BLOCK_E, BLOCK_K)
         pdl_wait(PDL)
-        xv = tl.load(x_ptr + t * s_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        acc = tl.sum(wv * xv[None, :], axis=1)
-        for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_end
+            if k0 > k_begin:
+                wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             xv = tl.load(x_ptr + t * s_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(wv * xv[None, :], axis=1)
-        tl.store(out_ptr + (split * T + t) * E + offs_e, acc, mask=e_ok)
+        tl.store(out_ptr + (tl.program_id(2) * T + t) * E + offs_e, acc, mask=e_ok)
 
     @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, s_split, scale, TOP_K: tl.constexpr,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.ops import triton_moe
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 
 
@@ -31,7 +32,7 @@ def is_available() -> bool:
 
 if HAS_TRITON:
     from hybrid.ops.triton_guard import pdl_wait
-    from hybrid.ops.triton_moe import expert_sum
+    from hybrid.ops.triton_moe import expert_sum, router_split
 
     @triton.jit
     def _normalised_cols(hf, like, w_ptr, offs, mask, rms, W_FP32: tl.constexpr):
@@ -62,15 +63,20 @@ if HAS_TRITON:
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _added_row(x_ptr, res_ptr, row, offs, mask, s_x, s_r, scale, SCALED: tl.constexpr):
+    def _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED: tl.constexpr):
         """residual + x * scale at columns offs of a row, in the residual's dtype (torch rounds x * scale
         to x's dtype before the add)."""
-        x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
         res = tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)
         xf = x.to(tl.float32)
         if SCALED:
             xf = (xf * scale).to(x.dtype).to(tl.float32)
         return (res.to(tl.float32) + xf).to(res.dtype)
+
+    @triton.jit
+    def _added_row(x_ptr, res_ptr, row, offs, mask, s_x, s_r, scale, SCALED: tl.constexpr):
+        """_plus_residual of x's row `row`."""
+        x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
+        return _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED)
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_x, s_r, s_o, H, eps, scale,
@@ -95,11 +101,7 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         x = expert_sum(y_ptr, add_ptr, row, offs, mask, H, TOP_K, HAS_ADD).to(y_ptr.dtype.element_ty)
-        res = tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)
-        xf = x.to(tl.float32)
-        if SCALED:
-            xf = (xf * scale).to(x.dtype).to(tl.float32)
-        h = (res.to(tl.float32) + xf).to(res.dtype)
+        h = _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED)
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
         y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -115,16 +117,9 @@ if HAS_TRITON:
         # the other programs still read the old residual), and each normalises only its K slice, as
         # _normalised_row does, for its partial dot with the router weight [E, H].
         t = tl.program_id(0).to(tl.int64)
-        offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
         split = tl.program_id(2)
-        e_ok = offs_e < E
-        k_begin = split * k_per_split
-        k_end = tl.minimum(k_begin + k_per_split, H)
-        w_rows = rw_ptr + offs_e[:, None].to(tl.int64) * s_rw
-        offs_k = k_begin + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < k_end
-        wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        pdl_wait(PDL)  # (the router weight's first tile is read before: no kernel writes it)
+        offs_e, e_ok, k_begin, k_end, w_rows, wv = router_split(rw_ptr, s_rw, E, H, k_per_split, BLOCK_E, BLOCK_K)
+        pdl_wait(PDL)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         h = _added_row(x_ptr, res_ptr, t, offs, mask, s_x, s_r, scale, SCALED)
@@ -223,8 +218,6 @@ def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     most triton_moe.ROUTER_FUSED_MAX_TOKENS tokens, the add and norm inside the router's split-K
     launch: (normed, new residual, top_idx, top_w), the same values as the two calls. The residual
     is not updated in place: the new one is returned."""
-    from hybrid.ops import triton_moe
-
     require(__name__)
     T, H = residual.shape
     E = router_weight.shape[0]
