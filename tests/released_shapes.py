@@ -158,8 +158,14 @@ def build_checkpoint(e: dict[str, Any], path, *, device: str | torch.device = "c
         # dt far above time_step_min: the NemotronH prefill clamp (time_step_min, inf) never bites
         kw = dict(dt_range=(0.03, 0.3), lm_head_std=6.0 / math.sqrt(cfg["hidden_size"]))
     elif family == "granitemoehybrid":
-        # embedding x12 and residual branches x0.22 (tests/tiny_checkpoints.build_granite_hybrid)
-        kw = dict(embed_std=0.03, branch_out_scale=60.0, final_norm_scale=60.0)
+        # embedding x12 and residual branches x0.22 (tests/tiny_checkpoints.build_granite_hybrid),
+        # but the final norm sized to the width: tied logits emb @ norm(h) / logits_scaling of std
+        # ~4. The tiny CPU checkpoints' final norm x60 gives logits of std ~16 at widths of
+        # 768-4096: a model so peaked that bf16 rounding moves its choices by nats, and a +20 logit
+        # bias no longer decides between tokens.
+        embed_std = 0.03
+        kw = dict(embed_std=embed_std, branch_out_scale=60.0,
+                  final_norm_scale=4.0 * cfg["logits_scaling"] / (embed_std * math.sqrt(cfg["hidden_size"])))
     redraw_weights(model, seed, **kw)
     if cfg.get("tie_word_embeddings"):
         model.tie_weights()

@@ -60,6 +60,13 @@ UTIL = 0.3  # of the H200's memory per engine (at most a reference + two engines
 NEAR_TIE = 0.25
 
 
+def flips(e: dict) -> int:
+    """Routing flips a test's tokens may show (gpu_util.assert_greedy_under_reference): two for an
+    MoE shape (granite-4.0-h-tiny showed one of 0.5 nats in 64 tokens on the H200), none for a dense one."""
+    cfg = e["config"]
+    return 2 if (cfg.get("num_local_experts") or cfg.get("n_routed_experts")) else 0
+
+
 def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -211,7 +218,7 @@ def test_graphs_teacher_forced(released, reference, graphs_llm):
     got = tokens(llm.generate(PROMPTS, sp, use_tqdm=False))
     assert [len(g) for g in got] == [16] * len(PROMPTS)
     assert llm.runner.stats["graph_replays"] > 0, "decode did not replay graphs"
-    assert_greedy_under_reference(reference, PROMPTS, got, NEAR_TIE)
+    assert_greedy_under_reference(reference, PROMPTS, got, NEAR_TIE, routing_flips=flips(e))
     assert_clean(llm)
 
 
@@ -261,7 +268,7 @@ def test_speculative_decoding_teacher_forced(released, reference):
     vocabulary has 4096 tokens), so the outputs are held to 8 tokens that every prompt contains
     (logit bias +20): each new token's 1-gram then has an earlier occurrence and drafts exist at
     every step; which of the 8 is chosen, and so which drafts are accepted, is still the model's."""
-    _, path = released
+    e, path = released
     allowed = random_prompt(8, 99)
     bias = {t: 20.0 for t in allowed}
     prompts = [periodic_prompt(5, 4, 1) + allowed, periodic_prompt(3, 6, 2) + allowed, PROMPTS[2] + allowed]
@@ -275,7 +282,7 @@ def test_speculative_decoding_teacher_forced(released, reference):
         assert llm.engine.stats["spec_draft_tokens"] > 0
         print(f"\nspeculation: {llm.engine.stats['spec_accepted_tokens']} of "
               f"{llm.engine.stats['spec_draft_tokens']} drafts accepted")
-        assert_greedy_under_reference(reference, prompts, got, NEAR_TIE, logit_bias=bias)
+        assert_greedy_under_reference(reference, prompts, got, NEAR_TIE, logit_bias=bias, routing_flips=flips(e))
         assert_clean(llm)
     finally:
         del llm
@@ -283,7 +290,7 @@ def test_speculative_decoding_teacher_forced(released, reference):
 
 
 def test_prefix_caching_teacher_forced(released, reference):
-    _, path = released
+    e, path = released
     first = random_prompt(3 * PAGE + 1, 7)  # cached at its last page boundary (48 tokens)
     follow = [first + random_prompt(9, 8), first + random_prompt(30, 9)]
     llm = engine(path, enable_prefix_caching=True)
@@ -296,7 +303,7 @@ def test_prefix_caching_teacher_forced(released, reference):
         assert llm.runner.stats["graph_replays"] > 0
         stats = llm.engine.stats
         assert stats["prefix_cache_hits"] >= 2 and stats["prefix_cache_hit_tokens"] >= 2 * 3 * PAGE, stats
-        assert_greedy_under_reference(reference, [first] + follow, got_first + got, NEAR_TIE)
+        assert_greedy_under_reference(reference, [first] + follow, got_first + got, NEAR_TIE, routing_flips=flips(e))
         assert_clean(llm)
     finally:
         del llm
