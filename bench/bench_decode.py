@@ -92,7 +92,7 @@ def quantize_projections(model, scheme: str) -> int:
 
 def make_llm(args, enforce_eager, **llm_kwargs):
     import hybrid.llm as L
-    from hybrid.config import parse_config
+    from hybrid.config_parse import parse_config
 
     cfg = parse_config(CONFIG)
     L.load_config = lambda d: cfg

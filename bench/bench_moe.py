@@ -34,7 +34,7 @@ zeroed for that: random_model's N(0, 1) draw would send every token to the same 
 decode rows also report the distinct experts per MoE layer actually hit in one eager step (read from
 the top_idx argument of the routed-experts module, while it has one).
 
-Shapes (the config.json keys hybrid.config.parse_config reads):
+Shapes (the config.json keys hybrid.config_parse.parse_config reads):
   nemotron-nano  NVIDIA-Nemotron-3-Nano-30B-A3B: H2688, 52 layers MEMEM*EMEMEM*..., 32q/2kv x 128,
                  Mamba 64 heads x 64, 8 groups, state 128; 128 experts top-6 (I 1856, shared 3712),
                  sigmoid routing, scaling 2.5, relu2, vocab 131072, untied.
@@ -242,7 +242,7 @@ def random_moe_model(cfg, device: torch.device, dtype: torch.dtype) -> torch.nn.
 
 def make_llm(cfg_dict: dict, args, dev: torch.device, max_num_seqs: int, graph_sizes: list[int]):
     import hybrid.llm as L
-    from hybrid.config import parse_config
+    from hybrid.config_parse import parse_config
 
     cfg = parse_config(cfg_dict)
     L.load_config = lambda d: cfg
@@ -655,7 +655,7 @@ def dry_run(args) -> int:
     """CPU: every full-size config parses and builds (on the meta device: parameter counts and the
     floors at nominal H200 rates), then a shrunken copy of each runs the whole per-shape benchmark
     and the transformers peer on the CPU."""
-    from hybrid.config import parse_config
+    from hybrid.config_parse import parse_config
     from hybrid.model import HybridModel
     from state_pool.pool import StateShapes
 

@@ -1,5 +1,5 @@
 """Reading config.json: the file itself (either spelling of infinity) and its fields, each checked for
-its type and range, with errors that name the key (hybrid/config.py maps the fields onto ModelConfig)."""
+its type and range, with errors that name the key (hybrid/config_parse.py maps the fields onto ModelConfig)."""
 from __future__ import annotations
 
 import json

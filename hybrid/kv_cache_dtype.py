@@ -41,7 +41,7 @@ def parse_kv_cache_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
 
 def attention_disk_prefixes(model: torch.nn.Module, plan: dict) -> dict[str, torch.nn.Module]:
     """On-disk prefix (e.g. 'backbone.layers.3.mixer.') -> the model's Attention module, from the load
-    plan (hybrid/loader.tensor_plan: model parameter -> the disk tensors that make it)."""
+    plan (hybrid/tensor_plan.tensor_plan: model parameter -> the disk tensors that make it)."""
     from hybrid.layers import Attention
 
     out = {}
@@ -88,7 +88,8 @@ def load_kv_scales(modules: dict[str, torch.nn.Module], files: dict[str, str]) -
 def kv_cache_dtype_note(model: torch.nn.Module, model_dir: str, cfg, kv_dtype: torch.dtype) -> str:
     """Prepare `model` for a `kv_dtype` cache (an FP8 one: its scales from the checkpoint); what the
     log says about it."""
-    from hybrid.loader import tensor_plan, weight_files
+    from hybrid.loader import weight_files
+    from hybrid.tensor_plan import tensor_plan
 
     if kv_dtype != FP8_KV_DTYPE:
         return ""

@@ -16,10 +16,10 @@ import torch
 from attention.kv_cache import DUMMY_PAGE
 from hybrid.batch import StepBatch, to_device
 from hybrid.errors import NonFiniteLogitsError, StateCorruptionError
+from hybrid.logits_processing import process_logits
 from hybrid.request import ScheduledChunk, Sequence
 from hybrid.resources import ResourceManager
-from hybrid.sampling import (SamplingParams, logprob_dict, logprob_rows, process_logits, sample_row,
-                             sample_tokens, top_logprobs)
+from hybrid.sampling import SamplingParams, logprob_dict, logprob_rows, sample_row, sample_tokens, top_logprobs
 from hybrid.scheduler import SchedulerOutput
 from hybrid.structured_outputs import GrammarCompiler, apply_token_bitmask
 

@@ -11,7 +11,7 @@ import torch
 from attention.backend import select_backend
 from attention.kv_cache import PagedKVCache
 from graphs.runner import ModelRunner
-from hybrid.config import load_config
+from hybrid.config_parse import load_config
 from hybrid.engine import Engine
 from hybrid.engine_config import (  # re-exported: the sizing API is known from here
     CPU_MAX_MODEL_LEN, CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS,

@@ -123,7 +123,7 @@ def read_quant_config(model_dir: str, raw: dict[str, Any]) -> QuantConfig | None
     """The checkpoint's quantization config (config.json `quantization_config`, else
     hf_quant_config.json), None for an unquantized checkpoint. CheckpointError for a format, algo or
     scheme this runtime does not load, naming what was found."""
-    from hybrid.config import read_json
+    from hybrid.config_fields import read_json
 
     qc = raw.get("quantization_config")
     where = os.path.join(model_dir, "config.json") + " quantization_config"
@@ -312,10 +312,11 @@ def _module_of(disk_name: str, where: str) -> str:
 def plan_quantized(qc: QuantConfig, plan: dict, linear_params: set[str], files: dict[str, str],
                    stored_dtype: Callable[[str], str]) -> QuantPlan:
     """Which model parameters load from FP8 tensors, and the scale tensors they need. `plan`: the
-    loader's tensor plan (model parameter -> Source); `linear_params`: the weight parameters of the
-    model's Linear modules (not the LM head); `stored_dtype(name)`: a present tensor's safetensors
-    dtype. CheckpointError, naming the tensor, for an FP8 tensor where none can be, one the config
-    excludes or does not target, a missing scale, or a projection whose parts mix FP8 and float."""
+    tensor plan (hybrid/tensor_plan.py: model parameter -> Source); `linear_params`: the weight
+    parameters of the model's Linear modules (not the LM head); `stored_dtype(name)`: a present
+    tensor's safetensors dtype. CheckpointError, naming the tensor, for an FP8 tensor where none can
+    be, one the config excludes or does not target, a missing scale, or a projection whose parts mix
+    FP8 and float."""
     out = QuantPlan(qc)
 
     def where(name: str) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from hybrid.config import read_json
+from hybrid.config_fields import read_json
 from hybrid.errors import CheckpointError, InvalidRequestError
 
 

@@ -98,7 +98,7 @@ def fake_quant_hooks(llm, act: dict[str, torch.Tensor | None]) -> int:
     quantized to e4m3 with the parts' largest static input scale (divided by the input multiplier
     the loader folds into the weights, Falcon-H1's), or per token. Returns how many were hooked."""
     from hybrid.layers import Linear
-    from hybrid.loader import tensor_plan
+    from hybrid.tensor_plan import tensor_plan
 
     plan = tensor_plan(llm.config)
     hooked = 0

@@ -14,7 +14,8 @@ from safetensors import safe_open
 import hf_oracle
 from tiny_checkpoints import build_falcon_h1
 from hybrid import SamplingParams
-from hybrid.config import GATE_ONLY, GATE_THEN_NORM, NORM_THEN_GATE, PARALLEL, load_config
+from hybrid.config import GATE_ONLY, GATE_THEN_NORM, NORM_THEN_GATE, PARALLEL
+from hybrid.config_parse import load_config
 from hybrid.errors import CheckpointError
 
 torch.set_num_threads(1)  # 2 cores shared by several people: 2 threads here run ~20x slower

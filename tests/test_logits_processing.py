@@ -9,7 +9,8 @@ import torch
 
 from hybrid import SamplingParams
 from hybrid.errors import InvalidRequestError
-from hybrid.sampling import process_logits, sample_tokens
+from hybrid.logits_processing import process_logits
+from hybrid.sampling import sample_tokens
 
 torch.set_num_threads(1)  # 2 cores shared by several people: 2 threads here run ~20x slower
 

@@ -11,7 +11,7 @@ from attention.kv_cache import PagedKVCache
 from graphs.memory import (GRAPH_RESERVE_BYTES, GiB, capture_sizes, graph_reserve_bytes, plan_memory,
                            spec_scratch_bytes, split_budget)
 from graphs.padding import default_capture_sizes
-from hybrid.config import parse_config
+from hybrid.config_parse import parse_config
 from hybrid.errors import CapacityError
 from model_shapes import H200_BYTES, NEMOTRON_H_8B
 from state_pool.pool import StateShapes

@@ -2,7 +2,7 @@
 sources state, and build, at full depth and as few-layer versions, as HybridModel (on the meta
 device: no memory, milliseconds) and as transformers' own classes.
 
-`expect` in the table is written out from the sources independently of hybrid.config, so a parser
+`expect` in the table is written out from the sources independently of hybrid.config_parse, so a parser
 that reads the wrong key, applies the wrong default or derives a head dim the wrong way fails here.
 The few-layer versions (tests/released_shapes.py) are what the GPU test
 (tests/gpu/test_released_shapes.py) saves and serves; here they are checked to keep every per-layer
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import released_shapes
-from hybrid.config import (ATTENTION, MAMBA, MLP, MOE, PARALLEL, load_config, parse_config)
+from hybrid.config import ATTENTION, MAMBA, MLP, MOE, PARALLEL
+from hybrid.config_parse import load_config, parse_config
 from hybrid.model import HybridModel
 
 ENTRIES = released_shapes.entries()

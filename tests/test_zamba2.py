@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 import hf_oracle
 from hybrid import SamplingParams
-from hybrid.config import HYBRID, MAMBA, load_config
+from hybrid.config import HYBRID, MAMBA
+from hybrid.config_parse import load_config
 from hybrid.errors import CheckpointError
 
 torch.set_num_threads(1)

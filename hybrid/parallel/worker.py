@@ -39,7 +39,7 @@ def _serve(rank: int, world_size: int, port: int, conn, spec: protocol.WorkerSpe
     from attention.backend import select_backend
     from attention.kv_cache import PagedKVCache
     from graphs.runner import ModelRunner
-    from hybrid.config import load_config
+    from hybrid.config_parse import load_config
     from hybrid.layers import use_fused_ops
     from hybrid.loader import load_model
     from hybrid.model import ForwardContext

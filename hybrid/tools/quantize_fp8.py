@@ -91,7 +91,7 @@ def calibrate(src: str, prompts: int, tokens: int, seed: int) -> tuple[dict[str,
     of every attention module ({prefix + 'k'|'v': amax})."""
     from hybrid import LLM, SamplingParams
     from hybrid.layers import Attention, Experts, Linear, LowRankAdapter
-    from hybrid.loader import tensor_plan
+    from hybrid.tensor_plan import tensor_plan
 
     llm = LLM(src, device="cpu", dtype="float32")
     cfg, model = llm.config, llm.model
@@ -173,11 +173,13 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, per_channel: bool = False,
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from hybrid.config import load_config, read_json
+    from hybrid.config_fields import read_json
+    from hybrid.config_parse import load_config
     from hybrid.layers import Linear
-    from hybrid.loader import tensor_plan, weight_files
+    from hybrid.loader import weight_files
     from hybrid.model import HybridModel
     from hybrid.quantization import read_quant_config
+    from hybrid.tensor_plan import tensor_plan
 
     if fmt not in ("modelopt", "compressed-tensors"):
         raise SystemExit(f"unknown --format {fmt!r} (modelopt | compressed-tensors)")

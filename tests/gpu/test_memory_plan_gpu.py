@@ -19,7 +19,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 @pytest.fixture
 def model_8b(monkeypatch):
     import hybrid.llm as L
-    from hybrid.config import parse_config
+    from hybrid.config_parse import parse_config
     from hybrid.model import HybridModel
 
     cfg = parse_config(NEMOTRON_H_8B)
