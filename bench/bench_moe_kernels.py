@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from hybrid.ops import triton_moe
+    from hybrid.ops import triton_moe, triton_moe_align
 
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -97,7 +97,7 @@ def main() -> None:
             floor_ms = max(touched * expert_bytes / bw, 2 * T * k * expert_bytes / 2 / (tflops * 1e12)) * 1e3
             ref = triton_moe.fused_experts(x, w_up, w_down, top_idx, top_w, gated)
             res = {"shape": name, "tokens": T, "experts_touched": touched, "floor_ms": floor_ms}
-            configs = DECODE_CONFIGS if T * k <= triton_moe.TRITON_ALIGN_MAX_PAIRS else PREFILL_CONFIGS
+            configs = DECODE_CONFIGS if T * k <= triton_moe_align.TRITON_ALIGN_MAX_PAIRS else PREFILL_CONFIGS
             default = triton_moe.CONFIGS[triton_moe.pick_config(T * k, E, gated)]
             timings = {}
             for cfg in [default] + [c for c in configs if c != default]:

@@ -1,6 +1,6 @@
 """The MoE router of a decode step alone: router logits + top-k routing for T tokens, at the real
 router shapes (Nemotron-3-Nano: H 2688, E 128, fp32 router; Granite-4.0-H-Tiny: H 1536, E 64, bf16),
-through hybrid.ops.triton_moe.route_hidden with several split-K tilings, against the GEMM + route
+through hybrid.ops.triton_moe_route.route_hidden with several split-K tilings, against the GEMM + route
 path (what steps of more than ROUTER_FUSED_MAX_TOKENS tokens use). Kernel time by
 triton.testing.do_bench (L2 flushed between runs, as in a real step where the router weight is cold).
 
@@ -24,7 +24,7 @@ def main() -> int:
     args = ap.parse_args()
     import triton.testing
 
-    from hybrid.ops import triton_moe as tm
+    from hybrid.ops import triton_moe_route as tm
 
     start = time.time()
     shapes = [("nemotron-nano", 2688, 128, 6, torch.float32, True), ("granite-tiny", 1536, 64, 6, torch.bfloat16, False)]

@@ -150,8 +150,8 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
                 conv_dtype: torch.dtype, ssm_dtype: torch.dtype, attention_backend, num_kv_pages: int | None,
                 use_graphs: bool, extra_state_slots: int = 0, num_speculative_tokens: int = 0,
                 cuda_graph_sizes: list[int] | None = None) -> MemoryPlan:
-    from hybrid.layers import Experts
     from hybrid.model import ForwardContext
+    from hybrid.moe import Experts
 
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")

@@ -106,7 +106,7 @@ class ModelRunner:
                 return False
             if hasattr(backend, "graph_safe") and not backend.graph_safe(dtype):
                 return False
-        from hybrid.layers import Experts
+        from hybrid.moe import Experts
 
         if any(isinstance(m, Experts) and not m.fused for m in self.model.modules()):
             # The torch reference loops over torch.unique(top_idx) on the host: not capturable.

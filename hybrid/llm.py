@@ -20,9 +20,8 @@ from hybrid.engine_config import (  # re-exported: the sizing API is known from 
 )
 from hybrid.errors import CapacityError, InvalidRequestError, RequestFailedError
 from hybrid.kv_cache_dtype import kv_cache_dtype_note
-from hybrid.layers import use_fused_ops
 from hybrid.loader import load_model
-from hybrid.model import ForwardContext
+from hybrid.model import ForwardContext, use_fused_ops
 from hybrid.model_source import DEFAULT_MODEL_DIR, resolve_model
 from hybrid.outputs import RequestOutput
 from hybrid.sampling import SamplingParams

@@ -7,11 +7,9 @@ import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
 from hybrid.config import ATTENTION, HYBRID, MAMBA, MLP, PARALLEL, ModelConfig
-from hybrid.layers import (
-    Attention, DenseMLP, GatedMLP, GraniteMoE, Linear, LowRankAdapter, Mamba2Mixer, NemotronMoE, RMSNorm, _param,
-    add_norm_route,
-)
-from hybrid.ops import triton_moe
+from hybrid.layers import Attention, DenseMLP, GatedMLP, Linear, LowRankAdapter, Mamba2Mixer, RMSNorm, _param
+from hybrid.moe import Experts, GraniteMoE, NemotronMoE, add_norm_route
+from hybrid.ops import triton_act, triton_moe, triton_norm
 
 
 class NemotronHBlock(nn.Module):
@@ -242,3 +240,21 @@ class ForwardContext:
 
     def kv_layer(self, index: int) -> torch.Tensor:
         return self.kv_cache.layer(index)
+
+
+def use_fused_ops(model: nn.Module) -> int:
+    """Switch the model's norms (with the residual add before them), the Mamba gated norm, the
+    relu2 / SwiGLU activations of the dense MLPs and the routed experts to their Triton kernels (and
+    the projections of decode-sized steps, with the "decode_linear" switch: triton_guard); returns
+    how many modules. Same math as the torch chains they replace; the norms and activations round
+    at the same points, the experts accumulate in fp32 and round once."""
+    if not (triton_norm.is_available() and triton_act.is_available() and triton_moe.is_available()):
+        raise RuntimeError("triton is not importable: the fused ops are unavailable")
+    count = 0
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, Mamba2Mixer, Linear)) or (isinstance(m, (DenseMLP, GatedMLP, Experts)) and m.can_fuse):
+            m.fused = True
+            count += 1
+        if isinstance(m, Experts) and m.fused:
+            m.defer_sum = m.can_defer_sum  # the next RMSNorm.add_norm sums them, one launch fewer a layer
+    return count

@@ -1,11 +1,11 @@
 """Shared by the CPU-interpreter and GPU tests of the fused MoE kernels: routings of the edge kinds
-and the check of `triton_moe.fused_experts` against the torch loop of `layers.Experts`."""
+and the check of `triton_moe.fused_experts` against the torch loop of `moe.Experts`."""
 from __future__ import annotations
 
 import torch
 
 from hybrid.config import MoEConfig
-from hybrid.layers import Experts
+from hybrid.moe import Experts
 
 ROUTINGS = ["random", "every_expert", "few_experts", "one_expert"]
 

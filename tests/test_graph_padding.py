@@ -75,9 +75,11 @@ class _RowwiseF:
 def rowwise(monkeypatch):
     import hybrid.layers
     import hybrid.model
+    import hybrid.moe
 
     monkeypatch.setattr(hybrid.layers, "F", _RowwiseF())
     monkeypatch.setattr(hybrid.model, "F", _RowwiseF())
+    monkeypatch.setattr(hybrid.moe, "F", _RowwiseF())
 
 
 def randomize(llm, seed):

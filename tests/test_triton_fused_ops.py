@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid.layers import RMSNorm, use_fused_ops
+from hybrid.layers import RMSNorm
+from hybrid.model import use_fused_ops
 
 tn = pytest.importorskip("hybrid.ops.triton_norm")
 ta = pytest.importorskip("hybrid.ops.triton_act")
@@ -85,7 +86,8 @@ def test_gated_norm_matches_the_mixer(tiny_ckpt, make_llm, dtype):
 @pytest.mark.parametrize("name", ["granite_dense", "nemotron_h", "granite_moe"])  # the last two: MoE
 def test_model_forward_with_fused_ops(tiny_ckpt, make_llm, name):
     from hybrid import SamplingParams
-    from hybrid.layers import DenseMLP, Experts, GatedMLP, Linear, Mamba2Mixer
+    from hybrid.layers import DenseMLP, GatedMLP, Linear, Mamba2Mixer
+    from hybrid.moe import Experts
 
     path = tiny_ckpt(name)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -148,7 +150,7 @@ def test_add_rms_norm_route_equals_the_two_launches(dtype, weight_in_fp32, scale
     routing with a bias; Granite: the residual multiplier, softmax routing): the normed rows, the new
     residual and the routing are those of add_rms_norm then route_hidden, bit for bit; the residual
     passed in is left as it was."""
-    tm = pytest.importorskip("hybrid.ops.triton_moe")
+    tm = pytest.importorskip("hybrid.ops.triton_moe_route")
     H, E, top_k = 200, 20, 3  # H: several router K splits, the last partial
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=g).to(dtype)

@@ -1,5 +1,6 @@
-"""The fused MoE kernels (hybrid/ops/triton_moe.py) vs the torch loop of layers.Experts, on CPU
-through Triton's interpreter (see tests/test_triton_kernels.py for why the variable is set here).
+"""The fused MoE kernels (hybrid/ops/triton_moe.py, the alignment of triton_moe_align.py, the routing
+of triton_moe_route.py) vs the torch loop of moe.Experts, on CPU through Triton's interpreter (see
+tests/test_triton_kernels.py for why the variable is set here).
 
 Routings: random (some experts unused), every expert hit, no pair on most experts, all tokens on
 one expert; every alignment method (naive, the one-program kernel, the counting sort, torch ops);
@@ -20,7 +21,8 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("CPU interpreter tests: run in their own process with TRITON_INTERPRET=1", allow_module_level=True)
 
-from hybrid.ops import triton_moe as tmoe  # noqa: E402
+from hybrid.ops import triton_moe_align as talign  # noqa: E402
+from hybrid.ops import triton_moe_route as troute  # noqa: E402
 from tests.moe_reference import ROUTINGS, check_fused_experts, routing  # noqa: E402
 
 E, H, INTER, TOP_K = 8, 32, 16, 2
@@ -46,16 +48,16 @@ def _check_layout(ids: torch.Tensor, pairs, block_expert, total, block_m: int) -
 def test_align_methods_agree(kind, block_m):
     top_idx, _ = routing(kind, 37, E, TOP_K, seed=3)
     ids = top_idx.reshape(-1)
-    ref = tmoe.align_torch(ids, E, block_m)
+    ref = talign.align_torch(ids, E, block_m)
     _check_layout(ids, *ref, block_m)
-    out = tmoe.align(ids, E, block_m, method="triton")
+    out = talign.align(ids, E, block_m, method="triton")
     _check_layout(ids, *out, block_m)
     assert torch.equal(out[2], ref[2])
     blocks = int(ref[2][0]) // block_m
     assert torch.equal(out[1][:blocks], ref[1][:blocks])
     assert torch.equal(out[0][: int(ref[2][0])], ref[0][: int(ref[2][0])]), "both keep pair order per expert"
-    _check_layout(ids, *tmoe.align(ids, E, block_m, method="naive"), block_m)
-    out = tmoe.align(ids, E, block_m, method="counting")
+    _check_layout(ids, *talign.align(ids, E, block_m, method="naive"), block_m)
+    out = talign.align(ids, E, block_m, method="counting")
     _check_layout(ids, *out, block_m)
     assert torch.equal(out[2], ref[2]) and torch.equal(out[1][:blocks], ref[1][:blocks])
     assert torch.equal(out[0], ref[0]), "the counting sort lays the pairs out as the stable sort does"
@@ -63,14 +65,15 @@ def test_align_methods_agree(kind, block_m):
 
 @pytest.mark.parametrize("n_tokens,num_experts", [(3000, 8), (5000, 66), (700, 130)])
 def test_counting_alignment_at_prefill_sizes(n_tokens, num_experts):
-    """The prefill chunks' alignment (over tmoe.TRITON_ALIGN_MAX_PAIRS pairs by default): many
+    """The prefill chunks' alignment (over talign.TRITON_ALIGN_MAX_PAIRS pairs by default): many
     programs, the last one's slice partial, experts padded to a power of two (66: Granite's 64 with
     two shared slices); the same layout as the stable sort, pair for pair."""
     g = torch.Generator().manual_seed(n_tokens)
     ids = torch.randint(0, num_experts, (n_tokens * 2,), generator=g, dtype=torch.int32)
     ids[: n_tokens // 3] = 1  # a crowded expert, spanning several programs
-    ref = tmoe.align_torch(ids, num_experts, 64)
-    out = tmoe.align(ids, num_experts, 64, method="counting" if ids.numel() <= tmoe.TRITON_ALIGN_MAX_PAIRS else None)
+    ref = talign.align_torch(ids, num_experts, 64)
+    method = "counting" if ids.numel() <= talign.TRITON_ALIGN_MAX_PAIRS else None
+    out = talign.align(ids, num_experts, 64, method=method)
     blocks = int(ref[2][0]) // 64
     assert torch.equal(out[2], ref[2]) and torch.equal(out[1][:blocks], ref[1][:blocks])
     assert torch.equal(out[0], ref[0])
@@ -102,24 +105,24 @@ def test_fused_experts_prefill_config_and_add():
 @pytest.mark.parametrize("num_experts", [8, 20])
 def test_route_kernel_matches_torch(top_k, num_experts):
     """The one-launch router: NemotronH's sigmoid + correction bias (normalised, scaled) and Granite's
-    softmax over the top-k logits, against the torch ops of layers.NemotronMoE / GraniteMoE."""
+    softmax over the top-k logits, against the torch ops of moe.NemotronMoE / GraniteMoE."""
     g = torch.Generator().manual_seed(top_k * 100 + num_experts)
     logits = torch.randn(9, num_experts, generator=g) * 2
     bias = torch.randn(num_experts, generator=g) * 0.5
-    idx, w = tmoe.route(logits, top_k, sigmoid=True, bias=bias, normalize=True, scale=2.5)
+    idx, w = troute.route(logits, top_k, sigmoid=True, bias=bias, normalize=True, scale=2.5)
     scores = logits.sigmoid()
     ref_idx = torch.topk(scores + bias, top_k, dim=-1)[1]
     ref_w = scores.gather(1, ref_idx)
     ref_w = ref_w / ref_w.sum(-1, keepdim=True) * 2.5
     assert torch.equal(idx.long(), ref_idx)  # both in descending order of choice
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
-    idx, w = tmoe.route(logits, top_k, sigmoid=False)
+    idx, w = troute.route(logits, top_k, sigmoid=False)
     top, ref_idx = logits.topk(top_k, dim=-1)
     assert torch.equal(idx.long(), ref_idx)
     torch.testing.assert_close(w, torch.softmax(top, dim=-1), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("T", [1, 5, tmoe.ROUTER_FUSED_MAX_TOKENS, tmoe.ROUTER_FUSED_MAX_TOKENS + 1])
+@pytest.mark.parametrize("T", [1, 5, troute.ROUTER_FUSED_MAX_TOKENS, troute.ROUTER_FUSED_MAX_TOKENS + 1])
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
 def test_route_hidden_matches_router_gemm(T, logits_dtype):
     """The router logits computed in split-K partials and summed by the routing launch (few tokens),
@@ -132,8 +135,8 @@ def test_route_hidden_matches_router_gemm(T, logits_dtype):
     bias = torch.randn(n_exp, generator=g) * 0.1
     logits = torch.nn.functional.linear(x.float(), weight.float()).to(logits_dtype)
     for sigmoid, kw in ((True, dict(bias=bias, normalize=True, scale=2.0)), (False, {})):
-        ref_idx, ref_w = tmoe.route(logits, top_k, sigmoid=sigmoid, num_shared=2, **kw)
-        idx, w = tmoe.route_hidden(x, weight, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, num_shared=2, **kw)
+        ref_idx, ref_w = troute.route(logits, top_k, sigmoid=sigmoid, num_shared=2, **kw)
+        idx, w = troute.route_hidden(x, weight, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, num_shared=2, **kw)
         assert torch.equal(idx, ref_idx)
         # bf16: the fp32 sums differ in order, so a logit may round one bf16 step the other way
         tol = dict(rtol=1e-5, atol=1e-6) if logits_dtype == torch.float32 else dict(rtol=0, atol=1e-2)

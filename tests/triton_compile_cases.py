@@ -15,7 +15,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hybrid.ops import triton_gemv, triton_mamba, triton_moe, triton_norm  # noqa: E402
+from hybrid.ops import (  # noqa: E402
+    triton_gemv, triton_mamba, triton_moe, triton_moe_align, triton_moe_route, triton_norm,
+)
 
 SM90 = GPUTarget("cuda", 90, 32)
 FLOATS = {"eps", "scale"}
@@ -65,13 +67,13 @@ for _config in ("decode", "prefill_gated"):
 
 @case("router")
 def _router():
-    compiles(triton_moe._router_partial_kernel, dict(BLOCK_E=16, BLOCK_K=64, PDL=True),
+    compiles(triton_moe_route._router_partial_kernel, dict(BLOCK_E=16, BLOCK_K=64, PDL=True),
              dict(w_ptr="*fp32", out_ptr="*fp32"))
-    compiles(triton_moe._route_kernel,
+    compiles(triton_moe_route._route_kernel,
              dict(TOP_K=6, KP=8, EP=128, SIGMOID=True, HAS_BIAS=True, NORMALIZE=True, NUM_SHARED=2, SP=2,
                   NUM_SPLITS=42, ROUND=0, PDL=True),
              dict(logits_ptr="*fp32", bias_ptr="*fp32", idx_ptr="*i32", w_ptr="*fp32"), num_warps=1)
-    compiles(triton_moe._align_kernel, dict(BLOCK_M=16, EP=64, CHUNK=128, PDL=True),
+    compiles(triton_moe_align._align_kernel, dict(BLOCK_M=16, EP=64, CHUNK=128, PDL=True),
              dict(ids_ptr="*i32", pairs_ptr="*i32", block_expert_ptr="*i32", total_ptr="*i32"), num_warps=8)
 
 
@@ -79,9 +81,10 @@ def _router():
 def _counting():
     ints = dict(ids_ptr="*i64", counts_ptr="*i32", base_ptr="*i32", pairs_ptr="*i32", block_expert_ptr="*i32",
                 total_ptr="*i32")
-    compiles(triton_moe._align_count_kernel, dict(EP=128, CHUNK=64, PDL=True), ints)
-    compiles(triton_moe._align_offsets_kernel, dict(BLOCK_M=128, EP=128, PP=64, CHUNK=64, PDL=True), ints, num_warps=8)
-    compiles(triton_moe._align_place_kernel, dict(EP=128, CHUNK=64, PDL=True), ints)
+    compiles(triton_moe_align._align_count_kernel, dict(EP=128, CHUNK=64, PDL=True), ints)
+    compiles(triton_moe_align._align_offsets_kernel, dict(BLOCK_M=128, EP=128, PP=64, CHUNK=64, PDL=True), ints,
+             num_warps=8)
+    compiles(triton_moe_align._align_place_kernel, dict(EP=128, CHUNK=64, PDL=True), ints)
 
 
 for _router_type in ("*fp32", "*bf16"):  # NemotronH's fp32 router, Granite's bf16

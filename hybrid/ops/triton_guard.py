@@ -1,6 +1,7 @@
 """Triton, imported guarded: hybrid must import, and run its torch path, on machines without it.
-The kernel modules (triton_mamba, triton_norm, triton_act, triton_moe) take `triton`, `tl` and
-`HAS_TRITON` from here and define their kernels only when HAS_TRITON.
+The kernel modules (triton_mamba, triton_norm, triton_act, triton_moe, triton_moe_align,
+triton_moe_route) take `triton`, `tl` and `HAS_TRITON` from here and define their kernels only when
+HAS_TRITON.
 
 Programmatic dependent launch (PDL, sm_90+): a decode step is hundreds of small kernels, each of
 which would otherwise start only after the one before it has finished and flushed. Launched with

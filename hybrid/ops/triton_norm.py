@@ -12,7 +12,7 @@ torch ops (which, at decode batch sizes, cost more in launches than in bytes):
 - `gated_rms_norm(y, z, weight, eps, n_groups)`: the Mamba2 output norm, RMSNorm(y * silu(z)) over
   each contiguous group of I/G channels, in fp32, times the weight; output dtype: the weight's.
 - `add_rms_norm_route(x, residual, ..., router_weight, top_k, ...)`: add_rms_norm then
-  triton_moe.route_hidden of its output, for steps of few tokens, with the add and norm inside the
+  triton_moe_route.route_hidden of its output, for steps of few tokens, with the add and norm inside the
   router's split-K launch (one launch fewer an MoE layer); the residual is returned out of place.
 
 Same math as hybrid.layers.RMSNorm / Mamba2Mixer.gated_norm (the reductions add in another order).
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.ops import triton_moe
+from hybrid.ops import triton_moe_route
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 
 
@@ -32,7 +32,8 @@ def is_available() -> bool:
 
 if HAS_TRITON:
     from hybrid.ops.triton_guard import pdl_wait
-    from hybrid.ops.triton_moe import expert_sum, router_split
+    from hybrid.ops.triton_moe import expert_sum
+    from hybrid.ops.triton_moe_route import router_split
 
     @triton.jit
     def _normalised_cols(hf, like, w_ptr, offs, mask, rms, W_FP32: tl.constexpr):
@@ -111,7 +112,7 @@ if HAS_TRITON:
                                     T, E, H, s_x, s_r, s_rw, eps, scale, k_per_split,
                                     BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                                     W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
-        # Program (t, e block, split) of the router's split-K launch (triton_moe.route_hidden) over the
+        # Program (t, e block, split) of the router's split-K launch (triton_moe_route.route_hidden) over the
         # normed row of _add_rms_norm_kernel. Each program takes the whole row's mean square (a few KB
         # read), program (t, 0, 0) stores the updated residual and the normed row (into new buffers:
         # the other programs still read the old residual), and each normalises only its K slice, as
@@ -214,26 +215,26 @@ def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        logits_dtype: torch.dtype, sigmoid: bool, bias: torch.Tensor | None = None,
                        normalize: bool = False, route_scale: float = 1.0, num_shared: int = 0
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """add_rms_norm(x, residual, ...) and triton_moe.route_hidden of its output for a step of at
-    most triton_moe.ROUTER_FUSED_MAX_TOKENS tokens, the add and norm inside the router's split-K
+    """add_rms_norm(x, residual, ...) and triton_moe_route.route_hidden of its output for a step of at
+    most triton_moe_route.ROUTER_FUSED_MAX_TOKENS tokens, the add and norm inside the router's split-K
     launch: (normed, new residual, top_idx, top_w), the same values as the two calls. The residual
     is not updated in place: the new one is returned."""
     require(__name__)
     T, H = residual.shape
     E = router_weight.shape[0]
-    assert 0 < T <= triton_moe.ROUTER_FUSED_MAX_TOKENS and x.shape == (T, H) and weight.shape == (H,)
+    assert 0 < T <= triton_moe_route.ROUTER_FUSED_MAX_TOKENS and x.shape == (T, H) and weight.shape == (H,)
     assert x.stride(-1) == 1 and residual.stride(-1) == 1 and router_weight.stride(-1) == 1 and top_k <= E
     normed = torch.empty(T, H, dtype=residual.dtype, device=residual.device)
     new_res = torch.empty_like(normed)
     block = triton.next_power_of_2(H)
-    bk, be, splits, k_per_split = triton_moe.router_tiling(H, E)
+    bk, be, splits, k_per_split = triton_moe_route.router_tiling(H, E)
     partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
     _add_rms_norm_router_kernel[(T, triton.cdiv(E, be), splits)](
         x, residual, weight, normed, new_res, router_weight, partial, T, E, H, x.stride(0), residual.stride(0),
         router_weight.stride(0), eps, float(scale), k_per_split, BLOCK=block, BLOCK_E=be, BLOCK_K=bk,
         W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block), **pdl_options(x.device))
-    idx, w = triton_moe.route_partials(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, bias=bias,
-                                       normalize=normalize, scale=route_scale, num_shared=num_shared)
+    idx, w = triton_moe_route.route_partials(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid,
+                                             bias=bias, normalize=normalize, scale=route_scale, num_shared=num_shared)
     return normed, new_res, idx, w
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybrid.layers import Experts, Linear
+from hybrid.layers import Linear
 from hybrid.model import HybridModel
+from hybrid.moe import Experts
 from hybrid.parallel.group import TPGroup
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from hybrid.config import GATE_ONLY, ModelConfig
-from hybrid.layers import Attention, DenseMLP, Experts, GatedMLP, Mamba2Mixer, NemotronMoE
+from hybrid.layers import Attention, DenseMLP, GatedMLP, Mamba2Mixer
 from hybrid.model import HybridModel, TwoStageBlock
+from hybrid.moe import Experts, NemotronMoE
 from hybrid.parallel.group import TPGroup
 from hybrid.parallel.layers import GroupNormStats, ParallelExperts, RowParallelLinear, ShardedHybridModel, retype
 from hybrid.parallel.sharding import Cut, ShardRules, check_shapes, local_config, mamba_group_shared

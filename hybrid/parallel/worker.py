@@ -40,9 +40,8 @@ def _serve(rank: int, world_size: int, port: int, conn, spec: protocol.WorkerSpe
     from attention.kv_cache import PagedKVCache
     from graphs.runner import ModelRunner
     from hybrid.config_parse import load_config
-    from hybrid.layers import use_fused_ops
     from hybrid.loader import load_model
-    from hybrid.model import ForwardContext
+    from hybrid.model import ForwardContext, use_fused_ops
     from hybrid.parallel.group import TPGroup, make_store
     from hybrid.parallel.shard_model import ShardPlan
     from state_pool.pool import MambaStatePool, StateShapes

@@ -90,7 +90,8 @@ def calibrate(src: str, prompts: int, tokens: int, seed: int) -> tuple[dict[str,
     on-disk linear module ({module: amax}, a vector [E] for stacked experts) and of the keys / values
     of every attention module ({prefix + 'k'|'v': amax})."""
     from hybrid import LLM, SamplingParams
-    from hybrid.layers import Attention, Experts, Linear, LowRankAdapter
+    from hybrid.layers import Attention, Linear, LowRankAdapter
+    from hybrid.moe import Experts
     from hybrid.tensor_plan import tensor_plan
 
     llm = LLM(src, device="cpu", dtype="float32")

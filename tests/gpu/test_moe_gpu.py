@@ -1,4 +1,4 @@
-"""The fused MoE path on the GPU (hybrid/ops/triton_moe.py): against the float64 torch loop at model-like
+"""The fused MoE path on the GPU (hybrid/ops/triton_moe*.py): against the float64 torch loop at model-like
 sizes and every regime (naive / one-program alignment / torch alignment; decode and prefill tiles),
 the alignment kernel against its torch reference, padding rows that cannot change a real row, and a
 captured CUDA graph replayed on new routings."""
@@ -41,12 +41,12 @@ def test_every_alignment_on_decode_tiles(method):
 def test_align_kernel_equals_torch(n_tokens, block_m, method):
     """The one-program alignment (decode sizes) and the counting sort (the default past 4096 pairs:
     an 8192-token prefill chunk at top-6) lay the pairs out as the stable sort does."""
-    from hybrid.ops import triton_moe
+    from hybrid.ops import triton_moe_align
 
     for kind in ROUTINGS:
         ids = routing(kind, n_tokens, 128, 6, seed=n_tokens, device="cuda")[0].reshape(-1)
-        ref = triton_moe.align_torch(ids, 128, block_m)
-        got = triton_moe.align(ids, 128, block_m, method=method)
+        ref = triton_moe_align.align_torch(ids, 128, block_m)
+        got = triton_moe_align.align(ids, 128, block_m, method=method)
         total = int(ref[2][0])
         assert int(got[2][0]) == total
         assert torch.equal(got[0][:total], ref[0][:total])
@@ -103,18 +103,18 @@ def test_graph_replay_equals_eager(T):
 
 @pytest.mark.parametrize("E,top_k", [(128, 6), (64, 6), (72, 10)])
 def test_route_kernel_vs_torch(E, top_k):
-    from hybrid.ops import triton_moe
+    from hybrid.ops import triton_moe_route
 
     g = torch.Generator(device="cuda").manual_seed(E + top_k)
     logits = torch.randn(300, E, generator=g, device="cuda") * 2
     bias = torch.randn(E, generator=g, device="cuda") * 0.1
-    idx, w = triton_moe.route(logits, top_k, sigmoid=True, bias=bias, normalize=True, scale=2.5)
+    idx, w = triton_moe_route.route(logits, top_k, sigmoid=True, bias=bias, normalize=True, scale=2.5)
     scores = logits.sigmoid()
     ref_idx = torch.topk(scores + bias, top_k, dim=-1)[1]
     ref_w = scores.gather(1, ref_idx)
     assert torch.equal(idx.long(), ref_idx)
     torch.testing.assert_close(w, ref_w / ref_w.sum(-1, keepdim=True) * 2.5, rtol=1e-5, atol=1e-6)
-    idx, w = triton_moe.route(logits, top_k, sigmoid=False)
+    idx, w = triton_moe_route.route(logits, top_k, sigmoid=False)
     top, ref_idx = logits.topk(top_k, dim=-1)
     assert torch.equal(idx.long(), ref_idx)
     torch.testing.assert_close(w, torch.softmax(top, dim=-1), rtol=1e-5, atol=1e-6)
@@ -127,7 +127,7 @@ def test_route_hidden_vs_router_gemm(H, E, top_k, dtype, T):
     """Router logits from split-K partials (T <= 16) or a GEMM, then routing: NemotronH's fp32 router
     picks exactly what the fp32 GEMM does; with bf16 logits (Granite) a choice may differ only where
     two logits are within a bf16 rounding step, and the weights by that much."""
-    from hybrid.ops import triton_moe
+    from hybrid.ops import triton_moe_route
 
     g = torch.Generator(device="cuda").manual_seed(T * E)
     x = torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16)
@@ -136,8 +136,8 @@ def test_route_hidden_vs_router_gemm(H, E, top_k, dtype, T):
     sigmoid = dtype == torch.float32
     kw = dict(bias=bias, normalize=True, scale=2.5) if sigmoid else {}
     logits = torch.nn.functional.linear(x.to(dtype), weight)
-    ref_idx, ref_w = triton_moe.route(logits, top_k, sigmoid=sigmoid, num_shared=2, **kw)
-    idx, w = triton_moe.route_hidden(x, weight, top_k, logits_dtype=dtype, sigmoid=sigmoid, num_shared=2, **kw)
+    ref_idx, ref_w = triton_moe_route.route(logits, top_k, sigmoid=sigmoid, num_shared=2, **kw)
+    idx, w = triton_moe_route.route_hidden(x, weight, top_k, logits_dtype=dtype, sigmoid=sigmoid, num_shared=2, **kw)
     if sigmoid:
         assert torch.equal(idx, ref_idx)
         torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
@@ -161,7 +161,7 @@ def test_shared_expert_folded_in(shape, T):
 
 def test_memory_plan_names_the_resident_experts(tiny_ckpt):
     from hybrid import LLM
-    from hybrid.layers import Experts
+    from hybrid.moe import Experts
 
     llm = LLM(tiny_ckpt("granite_moe"), device="cuda", max_num_seqs=4, max_model_len=64, gpu_memory_utilization=0.3)
     experts = sum(p.numel() * p.element_size() for m in llm.model.modules() if isinstance(m, Experts)

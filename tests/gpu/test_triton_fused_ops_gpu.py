@@ -180,7 +180,7 @@ def test_add_rms_norm_route_real_dims(T, H, E, top_k, router_dtype):
     Granite-4.0-H-Tiny: bf16, softmax, the residual multiplier) against add_rms_norm then route_hidden:
     the normed rows and the new residual bit for bit; the fp32 router's choices exactly, the bf16
     one's where the two agree (their partial sums add in another order), weights within a rounding."""
-    from hybrid.ops import triton_moe
+    from hybrid.ops import triton_moe_route
 
     g = torch.Generator(device=DEV).manual_seed(T + H)
     x = torch.randn(T, H, generator=g, device=DEV).bfloat16()
@@ -192,8 +192,8 @@ def test_add_rms_norm_route_real_dims(T, H, E, top_k, router_dtype):
     kw = dict(bias=torch.randn(E, generator=g, device=DEV) * 0.1, normalize=True) if sigmoid else {}
     res_ref = residual.clone()
     want = tn.add_rms_norm(x, res_ref, weight, 1e-5, w_fp32, scale)
-    want_idx, want_w = triton_moe.route_hidden(want, router, top_k, logits_dtype=router_dtype, sigmoid=sigmoid,
-                                               num_shared=2, scale=2.5, **kw)
+    want_idx, want_w = triton_moe_route.route_hidden(want, router, top_k, logits_dtype=router_dtype, sigmoid=sigmoid,
+                                                     num_shared=2, scale=2.5, **kw)
     normed, new_res, idx, w = tn.add_rms_norm_route(x, residual, weight, 1e-5, w_fp32, scale, router, top_k,
                                                     logits_dtype=router_dtype, sigmoid=sigmoid, num_shared=2,
                                                     route_scale=2.5, **kw)

@@ -1,0 +1,194 @@
+"""Top-k routing of the MoE layers (Triton): the (top_idx, top_w) that the fused experts
+(hybrid/ops/triton_moe.py) take, one token per program of the routing launch.
+
+- `route(logits, top_k, *, sigmoid, ...)`: from router logits [T, E] in one launch. sigmoid:
+  NemotronH (experts chosen by sigmoid(logit) + correction bias, weighted by sigmoid(logit),
+  optionally normalised over the k, times `scale`); else Granite (the top-k logits, softmax over
+  them). `num_shared` more columns carry the shared expert's slices (ids E.., weight 1).
+- `route_hidden(x, weight, top_k, *, logits_dtype, ...)`: the same from the hidden states, the
+  router logits x @ weight.T computed as the reference does in `logits_dtype`: for steps of at most
+  ROUTER_FUSED_MAX_TOKENS tokens in split-K partial sums (`_router_partial_kernel`) that the
+  routing launch adds in a fixed order (no atomics), else a GEMM and `route`.
+- `router_split`, `router_tiling`, `route_partials`: the split-K launch's program setup, tiling and
+  routing launch, shared with triton_norm.add_rms_norm_route (the residual add and norm before an
+  MoE layer computed inside its router's launch).
+"""
+from __future__ import annotations
+
+import torch
+
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
+from state_pool.util import cdiv
+
+
+if HAS_TRITON:
+    from hybrid.ops.triton_guard import pdl_wait
+
+    @triton.jit
+    def router_split(w_ptr, s_w, E, K, k_per_split, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (t, e block, split) of a split-K router launch over the router weight [E, K]:
+        (offs_e, e_ok, k_begin, k_end, w_rows, wv) with wv its first [BLOCK_E, BLOCK_K] weight tile in
+        fp32 (usually its only one), read at once: no kernel writes the weight, so before the PDL wait."""
+        offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = offs_e < E
+        k_begin = tl.program_id(2) * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, K)
+        w_rows = w_ptr + offs_e[:, None].to(tl.int64) * s_w
+        offs_k = k_begin + tl.arange(0, BLOCK_K)
+        wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & (offs_k < k_end)[None, :], other=0.0)
+        return offs_e, e_ok, k_begin, k_end, w_rows, wv.to(tl.float32)
+
+    @triton.jit
+    def _router_partial_kernel(x_ptr, w_ptr, out_ptr, T, E, K, s_x, s_w, k_per_split,
+                               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # partial[s, t, e] = sum over split s's slice of K of x[t, k] * w[e, k], in fp32. A step of few
+        # tokens reads the router weight from many programs at once (a [T, E] GEMM has too few output
+        # tiles to fill the GPU); _route_kernel adds the splits in a fixed order (no atomics).
+        t = tl.program_id(0).to(tl.int64)
+        offs_e, e_ok, k_begin, k_end, w_rows, wv = router_split(w_ptr, s_w, E, K, k_per_split, BLOCK_E, BLOCK_K)
+        pdl_wait(PDL)
+        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_end
+            if k0 > k_begin:
+                wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + t * s_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            acc += tl.sum(wv * xv[None, :], axis=1)
+        tl.store(out_ptr + (tl.program_id(2) * T + t) * E + offs_e, acc, mask=e_ok)
+
+    @triton.jit
+    def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, s_split, scale, TOP_K: tl.constexpr,
+                      KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
+        # One token per program: the k best experts by repeated argmax over the row (E <= a few
+        # hundred); KP, EP, SP: k, E and NUM_SHARED padded to powers of two for the register tiles.
+        # The logits are the sum of NUM_SPLITS partial rows s_split apart (1: the logits themselves),
+        # rounded to bf16 (ROUND 1) or fp16 (2) first where the reference router computes in that dtype.
+        # Output row: the k routed (id, weight), then the shared pseudo-experts (E + s, 1.0).
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, EP)
+        ok = e < E
+        logits = tl.load(logits_ptr + t * s_l + e, mask=ok, other=0.0).to(tl.float32)
+        for s in tl.static_range(1, NUM_SPLITS):
+            logits += tl.load(logits_ptr + s * s_split + t * s_l + e, mask=ok, other=0.0)
+        if ROUND == 1:
+            logits = logits.to(tl.bfloat16).to(tl.float32)
+        if ROUND == 2:
+            logits = logits.to(tl.float16).to(tl.float32)
+        logits = tl.where(ok, logits, float("-inf"))
+        if SIGMOID:
+            scores = 1.0 / (1.0 + tl.exp(-logits))
+        else:
+            scores = logits
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+        choice = tl.where(ok, choice, float("-inf"))
+        ks = tl.arange(0, KP)
+        real = ks < TOP_K
+        top_idx = tl.zeros([KP], dtype=tl.int32)
+        top_s = tl.zeros([KP], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.argmax(choice, axis=0)
+            top_idx = tl.where(ks == j, best, top_idx)
+            top_s = tl.where(ks == j, tl.sum(tl.where(e == best, scores, 0.0), axis=0), top_s)
+            choice = tl.where(e == best, float("-inf"), choice)
+        if SIGMOID:
+            w = top_s
+            if NORMALIZE:
+                w = w / (tl.sum(tl.where(real, w, 0.0), axis=0) + 1e-20)
+        else:  # softmax over the k chosen logits
+            top_s = tl.where(real, top_s, float("-inf"))
+            w = tl.exp(top_s - tl.max(top_s, axis=0))
+            w = w / tl.sum(w, axis=0)
+        row = t * (TOP_K + NUM_SHARED)
+        tl.store(idx_ptr + row + ks, top_idx, mask=real)
+        tl.store(w_ptr + row + ks, w * scale, mask=real)
+        if NUM_SHARED > 0:
+            ss = tl.arange(0, SP)
+            tl.store(idx_ptr + row + TOP_K + ss, E + ss, mask=ss < NUM_SHARED)
+            tl.store(w_ptr + row + TOP_K + ss, tl.full([SP], 1.0, tl.float32), mask=ss < NUM_SHARED)
+
+
+def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor | None = None,
+          normalize: bool = False, scale: float = 1.0, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing in one launch: (top_idx [T, k + num_shared] int32, top_w [T, k + num_shared] fp32)
+    from router logits [T, E] (any float dtype). sigmoid: NemotronH (experts chosen by sigmoid(logit)
+    + bias, weighted by sigmoid(logit), optionally normalised over the k, times `scale`); else
+    Granite (the top-k logits, softmax over them). The last num_shared columns are the shared
+    expert's slices for triton_moe.fused_experts: ids E .. E+num_shared-1, weight 1."""
+    require(__name__)
+    T, E = logits.shape
+    assert logits.stride(1) == 1 and top_k <= E
+    return _route_rows(logits, logits.stride(0), 0, 1, 0, T, E, top_k, sigmoid=sigmoid, bias=bias,
+                       normalize=normalize, scale=scale, num_shared=num_shared)
+
+
+def _route_rows(logits, s_l, s_split, num_splits, round_to, T, E, top_k, *, sigmoid, bias, normalize, scale,
+                num_shared) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing launch over T rows of logits (or of NUM_SPLITS partial sums): (idx, w)."""
+    width = top_k + num_shared
+    idx = torch.empty(T, width, dtype=torch.int32, device=logits.device)
+    w = torch.empty(T, width, dtype=torch.float32, device=logits.device)
+    if T:
+        _route_kernel[(T,)](logits, bias if bias is not None else logits, idx, w, E, s_l, s_split, scale,
+                            TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
+                            SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize,
+                            NUM_SHARED=num_shared, SP=triton.next_power_of_2(max(num_shared, 1)),
+                            NUM_SPLITS=num_splits, ROUND=round_to, num_warps=1 if E <= 256 else 4,
+                            **pdl_options(logits.device))
+    return idx, w
+
+
+# Steps of at most this many tokens compute the router logits with _router_partial_kernel (split over
+# the hidden size, so that even one token reads the router weight from many SMs), which the routing
+# launch then sums: two launches in place of the GEMM (and for NemotronH's fp32 router, the cast of x)
+# plus the routing one. Past it a [T, E] GEMM has tiles enough of its own.
+ROUTER_FUSED_MAX_TOKENS = 16
+# One [16, 64] weight tile per program (up to 64 K splits): the H200 profile of (32, 128, 8 splits)
+# showed 6.7 us a layer for NemotronH's 1.4 MB fp32 router (28 programs, each looping over three
+# tiles: latency-bound), no faster than the GEMM it replaced; bench/bench_router.py compares tilings.
+_ROUTER_BLOCK_E, _ROUTER_BLOCK_K, _ROUTER_SPLITS = 16, 64, 64
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def route_hidden(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_dtype: torch.dtype, sigmoid: bool,
+                 bias: torch.Tensor | None = None, normalize: bool = False, scale: float = 1.0,
+                 num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` of the router logits x [T, H] @ weight [E, H].T computed as the reference does in
+    `logits_dtype` (NemotronH: fp32 from fp32 x and weight; Granite: the model dtype, i.e. an fp32
+    sum rounded once): for few tokens in two launches (see ROUTER_FUSED_MAX_TOKENS), else a GEMM
+    and the routing launch."""
+    require(__name__)
+    T, H = x.shape
+    E = weight.shape[0]
+    if T > ROUTER_FUSED_MAX_TOKENS or T == 0:
+        logits = torch.nn.functional.linear(x.to(logits_dtype), weight.to(logits_dtype))
+        return route(logits, top_k, sigmoid=sigmoid, bias=bias, normalize=normalize, scale=scale,
+                     num_shared=num_shared)
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and top_k <= E
+    bk, be, splits, k_per_split = router_tiling(H, E)
+    partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
+    _router_partial_kernel[(T, cdiv(E, be), splits)](
+        x, weight, partial, T, E, H, x.stride(0), weight.stride(0), k_per_split,
+        BLOCK_E=be, BLOCK_K=bk, num_warps=4, **pdl_options(x.device))
+    return route_partials(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, bias=bias,
+                          normalize=normalize, scale=scale, num_shared=num_shared)
+
+
+def router_tiling(H: int, E: int) -> tuple[int, int, int, int]:
+    """(BLOCK_K, BLOCK_E, splits, k_per_split) of the split-K router launch over hidden size H."""
+    k_blocks = cdiv(H, _ROUTER_BLOCK_K)
+    k_per_split = cdiv(k_blocks, _ROUTER_SPLITS) * _ROUTER_BLOCK_K
+    return _ROUTER_BLOCK_K, _ROUTER_BLOCK_E, cdiv(H, k_per_split), k_per_split
+
+
+def route_partials(partial: torch.Tensor, T: int, E: int, top_k: int, *, logits_dtype: torch.dtype, sigmoid: bool,
+                   bias: torch.Tensor | None, normalize: bool, scale: float,
+                   num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing launch over the split-K partials [splits, T, E] of the router logits."""
+    return _route_rows(partial, E, T * E, partial.shape[0], _ROUND[logits_dtype], T, E, top_k, sigmoid=sigmoid,
+                       bias=bias, normalize=normalize, scale=scale, num_shared=num_shared)
