@@ -324,14 +324,19 @@ def build_zamba2(path, *, vocab_size: int = 176, seed: int = 8,
     # smaller final-norm weight
     _redraw_weights(model, seed, dt_floor_heads=dt_floor_heads, dt_range=dt_range, branch_out_scale=2.5,
                     final_norm_scale=0.5)
-    with torch.no_grad():
-        # the attention scale (head_dim / 2)^-0.5 and the q adapters make the scores large (near-one-hot
-        # softmax, which amplifies fp32 noise past the logprob tolerance): queries scaled down
-        for name, t in model.named_parameters():
-            if "q_proj" in name or ("linear_q_adapter_list" in name and name.endswith(".1.weight")):
-                t.mul_(query_scale)
+    scale_zamba2_queries(model, query_scale)
     model.tie_weights()
     return _finish(model, path)
+
+
+@torch.no_grad()
+def scale_zamba2_queries(model: torch.nn.Module, scale: float) -> None:
+    """Zamba2's attention scale (head_dim / 2)^-0.5 and its q adapters make the scores large (a
+    near-one-hot softmax, which amplifies rounding noise past the logprob tolerances): the shared
+    blocks' q projections (and the q adapters' up projections) times `scale`."""
+    for name, t in model.named_parameters():
+        if "q_proj" in name or ("linear_q_adapter_list" in name and name.endswith(".1.weight")):
+            t.mul_(scale)
 
 
 def hubify_zamba2(cfg: dict) -> None:
