@@ -4,6 +4,9 @@ shapes of Nemotron-3-Nano-30B-A3B, Granite-4.0-H-Tiny and Granite-4.0-H-Small, n
 decode rows by the bytes of the experts the batch touches over the copy bandwidth, prefill rows by
 their FLOPs over the bf16 matmul rate (both measured in the same run).
 
+Decode rows also time (first GEMM, second GEMM) pairs of configurations, and the model's own
+default (config=None, whose column tiles narrow at few programs).
+
 Usage: python bench/bench_moe_kernels.py [--tokens 1 8 64 256 8192] [--json FILE]
 """
 from __future__ import annotations
@@ -100,7 +103,14 @@ def main() -> None:
             configs = DECODE_CONFIGS if T * k <= triton_moe_align.TRITON_ALIGN_MAX_PAIRS else PREFILL_CONFIGS
             default = triton_moe.CONFIGS[triton_moe.pick_config(T * k, E, gated)]
             timings = {}
-            for cfg in [default] + [c for c in configs if c != default]:
+            candidates = [default] + [c for c in configs if c != default]
+            if T * k <= triton_moe_align.TRITON_ALIGN_MAX_PAIRS:
+                # per-GEMM pairs: each candidate for the first GEMM with the default second, and the
+                # default first with each candidate second (same BLOCK_M: the alignment's)
+                up0, down0 = triton_moe.gemm_configs(default)
+                candidates += [(c, down0) for c in configs if c[0] == up0[0] and c != up0]
+                candidates += [(up0, c) for c in configs if c[0] == up0[0] and c != down0]
+            for cfg in candidates:
                 try:
                     out = triton_moe.fused_experts(x, w_up, w_down, top_idx, top_w, gated, config=cfg)
                     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -108,6 +118,9 @@ def main() -> None:
                     timings[str(cfg)] = (ms, err)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
                     timings[str(cfg)] = (float("nan"), repr(e)[:80])
+            # what the model runs: config=None (the default with its column narrowing at few programs)
+            timings["model default (narrowed)"] = (
+                graph_ms(lambda: triton_moe.fused_experts(x, w_up, w_down, top_idx, top_w, gated)), 0.0)
             try:
                 gm = grouped_mm_experts(x, w_up, w_down, top_idx, top_w, gated)
                 err = ((gm.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -124,7 +137,7 @@ def main() -> None:
                   f"{res['default_ms']:.4f} ms ({floor_ms / res['default_ms']:.0%} of floor); best {best[1]} "
                   f"{best[0]:.4f} ms", flush=True)
             for c, (ms, err) in sorted(timings.items(), key=lambda kv: kv[1][0] if kv[1][0] == kv[1][0] else 1e9):
-                print(f"    {c:28s} {ms:8.4f} ms  err {err}")
+                print(f"    {c:60s} {ms:8.4f} ms  err {err}")
         del w_up, w_down
         torch.cuda.empty_cache()
     if args.json:

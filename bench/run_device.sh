@@ -113,6 +113,12 @@ if [[ $what == linear ]]; then
         | grep -v Warn | tail -6 || rc=1
   done
 fi
+# moe-tiles  bench_moe_kernels.py at the decode sizes of the two target shapes: every candidate tile
+#            configuration, per-GEMM pairs, and the model's default (~2-4 minutes)
+if [[ $what == moe-tiles ]]; then
+  timeout 400 python3 bench/bench_moe_kernels.py --tokens 1 8 64 --shapes granite4_tiny nemotron3_nano \
+      --json "$OUT/moe_tiles.json" 2>&1 | tee "$OUT/moe_tiles.log" || rc=1
+fi
 if [[ $what == moe-pdl ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --pdl-ab --linear-ab --norm-router-ab --all-ab \
       --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_pdl.log" || rc=1

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("CPU interpreter tests: run in their own process with TRITON_INTERPRET=1", allow_module_level=True)
 
+from hybrid.ops import triton_moe  # noqa: E402
 from hybrid.ops import triton_moe_align as talign  # noqa: E402
 from hybrid.ops import triton_moe_route as troute  # noqa: E402
 from tests.moe_reference import ROUTINGS, check_fused_experts, routing  # noqa: E402
@@ -93,6 +94,16 @@ def test_shared_expert_as_pseudo_experts(gated, method):
     # the shared MLP (3 expert widths) inside the expert launches == the MLP run on its own
     check_fused_experts("random", gated, method, T=7, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,
                         device="cpu", config=(16, 16, 16, 2, 1, 1), shared_slices=3, with_add=True)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_per_gemm_configs(gated):
+    # a (first GEMM, second GEMM) pair of tile configurations, column tiles of different widths
+    check_fused_experts("random", gated, "triton", T=9, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,
+                        device="cpu", config=((16, 16, 16, 2, 1, 1), (16, 32, 16, 1, 1, 1)), shared_slices=2,
+                        with_add=True)
+    with pytest.raises(ValueError, match="same BLOCK_M"):
+        triton_moe.gemm_configs(((16, 16, 16, 1, 1, 1), (32, 16, 16, 1, 1, 1)))
 
 
 def test_fused_experts_prefill_config_and_add():

@@ -58,7 +58,8 @@ for _config in ("decode", "prefill_gated"):
     for _act, _early in ((triton_moe.ACT_NONE, False), (triton_moe.ACT_NONE, True), (triton_moe.ACT_RELU2, False),
                          (triton_moe.ACT_SILU_MUL, False)):
         def _moe(config=_config, act=_act, early=_early):
-            bm, bn, bk, gm, warps, stages = triton_moe.CONFIGS[config]
+            up, down = triton_moe.gemm_configs(triton_moe.CONFIGS[config])
+            bm, bn, bk, gm, warps, stages = down if act == triton_moe.ACT_NONE else up  # 2nd GEMM: no activation
             compiles(triton_moe._moe_gemm_kernel,
                      dict(ACT=act, MUL_W=act == triton_moe.ACT_NONE, HAS_SHARED=True, IEEE=False, BLOCK_M=bm,
                           BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early, PDL=True), MOE_PTRS, warps, stages)

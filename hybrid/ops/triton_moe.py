@@ -161,7 +161,8 @@ if HAS_TRITON:
         tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Kernel configurations per regime: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
+# Kernel configurations per regime: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), one
+# for both GEMMs, or a pair (first GEMM's, second GEMM's) with the same BLOCK_M (the alignment's).
 # Decode (few rows per expert): weight streaming, narrow column tiles for enough programs in flight.
 # Prefill: compute-bound tiles. bench/bench_moe_kernels.py sweeps alternatives on the device.
 CONFIGS = {
@@ -170,6 +171,14 @@ CONFIGS = {
     "prefill": (128, 256, 64, 8, 8, 3),
     "prefill_gated": (128, 128, 64, 8, 8, 3),  # two B tiles: (128, 256) is over the shared memory
 }
+
+
+def gemm_configs(config: tuple) -> tuple[tuple, tuple]:
+    """(first GEMM's, second GEMM's) configuration of a CONFIGS value or a `config` argument."""
+    up, down = config if isinstance(config[0], tuple) else (config, config)
+    if up[0] != down[0]:
+        raise ValueError(f"the two GEMMs' configurations need the same BLOCK_M: {up} / {down}")
+    return up, down
 
 
 def pick_config(num_pairs: int, num_experts: int, gated: bool) -> str:
@@ -264,7 +273,7 @@ class ExpertRows:
 def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top_idx: torch.Tensor,
                   top_w: torch.Tensor, gated: bool, add: torch.Tensor | None = None, *,
                   shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-                  config: tuple | None = None, align_method: str | None = None,
+                  config: tuple | tuple[tuple, tuple] | None = None, align_method: str | None = None,
                   defer_sum: bool = False) -> torch.Tensor | ExpertRows:
     """The routed experts' output [T, H] in x.dtype (+ `add`); see the module docstring. With
     `defer_sum`, the ExpertRows that sum to it (for the next norm to add up: ExpertRows).
@@ -273,7 +282,8 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     shared expert (of S times the expert width) joins the same launches as S pseudo-experts
     E .. E+S-1, each an I-wide slice of it: top_idx / top_w then carry S more columns, ids E+s with
     weight 1 (`triton_moe_route.route(..., num_shared=S)` writes them). The slices' outputs add up to
-    the shared MLP's."""
+    the shared MLP's. `config`: one kernel configuration or a (first GEMM, second GEMM) pair (CONFIGS);
+    given, it is used as is (no narrowing)."""
     require(__name__)
     T, H = x.shape
     E, width, _ = w_up.shape
@@ -292,17 +302,17 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     if T == 0:
         return torch.empty(T, H, dtype=x.dtype, device=x.device)
     n = T * top_k
-    cfg = config or CONFIGS[pick_config(n, E + S, gated)]
+    cfg_up, cfg_down = gemm_configs(config or CONFIGS[pick_config(n, E + S, gated)])
     if align_method is None and S and T > 1 and n <= triton_moe_align.NAIVE_MAX_PAIRS:
         align_method = "triton"  # naive blocks would stream the shared slices once per token
-    pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg[0], align_method)
-    narrow = config is None and cfg[0] == 16
+    pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
+    narrow = config is None and cfg_up[0] == 16
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
-                  ACT_SILU_MUL if gated else ACT_RELU2, cfg, narrow)
+                  ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,
-                  ACT_NONE, cfg, narrow, early_b=True)
+                  ACT_NONE, cfg_down, narrow, early_b=True)
     if add is not None:
         assert add.shape == (T, H) and add.stride(1) == 1 and add.stride(0) == H
     rows = ExpertRows(y, add, top_k)
