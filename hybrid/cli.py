@@ -31,6 +31,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="wait for each step before scheduling the next (default on CUDA: overlap them)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many processes (one GPU each on cuda; default 1)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the startup warm-up requests (default on cuda: they compile the kernels the first "
+                        "batch would)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV cache storage: auto (the model's dtype) or fp8 (e4m3: twice the tokens)")
 
@@ -43,7 +46,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
                 enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
                 enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype, warmup=False if args.no_warmup else None)
 
 
 def build_llm(args: argparse.Namespace):

@@ -121,6 +121,7 @@ class EngineConfig:
     async_scheduling: bool = False
     check_weights: bool = False
     tensor_parallel_size: int = 1  # > 1: the model sharded over that many processes (hybrid/parallel/)
+    warmup: bool = False  # throw-away requests at startup, so the first batch compiles nothing (hybrid/warmup.py)
     cache: CacheConfig = CacheConfig()
 
     @property
@@ -169,6 +170,7 @@ def engine_config(
     check_weights: bool = False,
     tensor_parallel_size: int = 1,
     kv_cache_dtype: str | torch.dtype = "auto",
+    warmup: bool | None = None,
 ) -> EngineConfig:
     """The EngineConfig for LLM's arguments (the same keywords and defaults; see LLM and README),
     validated: ConfigurationError names the first bad argument."""
@@ -210,6 +212,8 @@ def engine_config(
         fused_ops = device.type == "cuda" and _fused_kernels_available()
     if async_scheduling is None:  # on CPU every op runs synchronously anyway: nothing to overlap
         async_scheduling = device.type == "cuda"
+    if warmup is None:  # on CPU nothing is compiled at first use
+        warmup = device.type == "cuda"
     if tensor_parallel_size > 1:
         if device.type == "cuda" and (device.index or 0) + tensor_parallel_size > torch.cuda.device_count():
             raise ConfigurationError(f"tensor_parallel_size={tensor_parallel_size} needs that many GPUs from "
@@ -227,7 +231,7 @@ def engine_config(
         cuda_graph_sizes=cuda_graph_sizes, mamba_decode_kernels=mamba_decode_kernels, fused_ops=bool(fused_ops),
         # drafts need the latest tokens on the host, so speculation runs synchronously
         async_scheduling=bool(async_scheduling) and spec is None, check_weights=bool(check_weights),
-        tensor_parallel_size=tensor_parallel_size, cache=cache)
+        tensor_parallel_size=tensor_parallel_size, warmup=bool(warmup), cache=cache)
 
 
 def _fused_kernels_available() -> bool:

@@ -84,6 +84,7 @@ class LLM:
         check_weights: bool = False,  # refuse a checkpoint whose weights hold NaN/Inf (see loader.load_model)
         tensor_parallel_size: int = 1,  # > 1: the model sharded over that many processes (hybrid/parallel/)
         kv_cache_dtype: str = "auto",  # "auto": the model's dtype; "fp8": e4m3 pages (hybrid/kv_cache_dtype.py)
+        warmup: bool | None = None,  # throw-away requests at startup (hybrid/warmup.py); None: on for CUDA
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
         # engine_config takes the same keywords: the one place they are checked and resolved.
@@ -95,7 +96,8 @@ class LLM:
             cuda_graph_sizes=cuda_graph_sizes, mamba_decode_kernels=mamba_decode_kernels, fused_ops=fused_ops,
             async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
             prefix_cache_entries=prefix_cache_entries, prefix_cache_interval=prefix_cache_interval,
-            check_weights=check_weights, tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype))
+            check_weights=check_weights, tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
+            warmup=warmup))
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":
@@ -240,6 +242,13 @@ class LLM:
                              eos_token_ids=eos, tokenizer=self.tokenizer)
         self._ids = itertools.count()
         phases.done("engine")
+        if config.warmup:
+            from hybrid.warmup import warm_up
+
+            warm_up(self.engine, vocab_size=cfg.vocab_size, max_num_batched_tokens=self.max_num_batched_tokens,
+                    max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                    runner_stats=getattr(self.runner, "stats", None))
+            phases.done("warm-up")  # the first-use kernel compiles of the step shapes requests meet
         self.startup_phases = phases.seconds
         logger.info("%s", phases.summary())
 
