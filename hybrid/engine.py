@@ -30,7 +30,7 @@ import torch
 from attention.kv_cache import PagedKVCache
 from hybrid.batch import StepBatch
 from hybrid.engine_config import EngineConfig
-from hybrid.errors import EngineDeadError, InvalidRequestError
+from hybrid.errors import EngineDeadError, InvalidRequestError, is_fatal_device_error
 from hybrid.launcher import LaunchedStep, StepLauncher
 from hybrid.output_processor import OUTPUT_KINDS, OutputProcessor
 from hybrid.outputs import RequestOutput
@@ -47,27 +47,7 @@ from state_pool.pool import MambaStatePool
 from state_pool.sanitizer import ExpectedInputs, device_checks, read_faults
 from state_pool.util import cdiv
 
-# Re-exported: the types other modules and tests know from here.
-__all__ = ["Engine", "Request", "Sequence", "Status", "ScheduledChunk", "SchedulerOutput", "LaunchedStep",
-           "OUTPUT_KINDS", "is_fatal_device_error"]
-
 logger = logging.getLogger("hybrid.engine")
-
-# Messages of device errors after which the CUDA context is unusable (every later call fails too).
-_FATAL_DEVICE_ERRORS = (
-    "illegal memory access", "device-side assert", "unspecified launch failure", "illegal instruction",
-    "misaligned address", "launch timed out", "uncorrectable ECC", "hardware stack error", "illegal address",
-)
-
-
-def is_fatal_device_error(error: BaseException) -> bool:
-    """Whether `error` means the device can no longer be used (out of memory is recoverable)."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return False
-    if isinstance(error, EngineDeadError):  # e.g. a tensor-parallel worker died (hybrid/parallel/driver.py)
-        return True
-    msg = str(error)
-    return any(marker in msg for marker in _FATAL_DEVICE_ERRORS)
 
 
 class Engine:

@@ -350,7 +350,7 @@ def test_fatal_device_error_stops_the_engine(tiny_ckpt, make_llm, monkeypatch):
     ("shape mismatch", False), ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
 ])
 def test_which_device_errors_are_fatal(message, fatal):
-    from hybrid.engine import is_fatal_device_error
+    from hybrid.errors import is_fatal_device_error
 
     assert is_fatal_device_error(RuntimeError(message)) is fatal
     assert not is_fatal_device_error(torch.OutOfMemoryError(FATAL))  # out of memory is recoverable
