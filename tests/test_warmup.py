@@ -7,7 +7,7 @@ from hybrid import LLM, SamplingParams
 from hybrid.engine_config import engine_config
 from hybrid.warmup import warmup_requests
 
-KW = dict(device="cpu", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=48, page_size=8)
+KW = dict(device="cpu", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=48, page_size=8, check_state=True)
 PROMPTS = [[5, 9, 3, 7, 11, 2, 4] * 3, [8, 1, 6], list(range(3, 60))]
 PARAMS = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
           SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, ignore_eos=True),  # unseeded: by arrival
