@@ -9,8 +9,11 @@ KV layout (shared with attention/kv_cache.py, FlashInfer/trtllm "HND"):
   max_seq_len (page-table width * page size), so it is CUDA-graph capturable.
 - prefill / mixed steps: on sm_100 `trtllm_batch_context_with_kv_cache`; on sm_90
   `BatchPrefillWithPagedKVCacheWrapper` (HND, causal bottom-right), planned once per step and
-  reused by every attention layer. Head dims it has no kernel for (other than 64/128/256) and
-  non-16-bit dtypes fall back to the torch reference for that step.
+  reused by every attention layer. Head dims it has no kernel for (other than 64/128/256, e.g.
+  Zamba2-2.7B's 160 and -7B's 224) run our Triton paged prefill kernel instead
+  (attention/triton_prefill.py: no plan, its grid from T and B only; said once per head dim in the
+  log). Non-16-bit model dtypes (and a cache dtype other than the model's or FP8) run the torch
+  reference (attention/reference.py), every step.
 - workspaces: each kernel family has its own (`Workspaces`). XQA keeps semaphores at the start of
   its workspace that must stay zero between calls, while FlashInfer's split-KV prefill writes
   partial outputs from offset 0 of its float workspace: sharing one buffer would let a prefill step
@@ -20,7 +23,8 @@ KV layout (shared with attention/kv_cache.py, FlashInfer/trtllm "HND"):
   used it may still have that copy queued. Plans rotate through PLAN_RING wrappers (each with its
   own workspaces and pinned buffer), and re-planning one first waits on the event recorded after its
   previous plan: with at most one step in flight that wait is already over (`PrefillPlans`).
-flashinfer and triton are imported here only, and this module only on CUDA.
+flashinfer is imported here only, and this module only on CUDA (triton here and in
+attention/triton_prefill.py).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import triton
 import triton.language as tl
 
 from attention.reference import FP8_KV_DTYPE, TorchAttentionBackend
+from attention.triton_prefill import paged_prefill_attention
 from state_pool.util import cdiv
 
 log = logging.getLogger(__name__)
@@ -122,7 +127,7 @@ class TrtllmAttentionBackend:
         self._plans: PrefillPlans | None = None
         self._reference = TorchAttentionBackend()
         self._sm = None
-        self._warned_head_dims: set[int] = set()
+        self._logged_head_dims: set[int] = set()  # head dims the Triton prefill kernel runs (logged once)
 
     def graph_safe(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.bfloat16, torch.float16)
@@ -163,12 +168,13 @@ class TrtllmAttentionBackend:
             out = self.context_sm100(q, kv_layer, batch, scale, kv_scales)
         elif head_dim in _PREFILL_HEAD_DIMS:
             out = self.prefill_sm90(q, kv_layer, batch, scale, kv_scales)
-        else:  # e.g. Zamba2-2.7B / 7B (160 / 224): correct, but the torch path is slower
-            if head_dim not in self._warned_head_dims:
-                self._warned_head_dims.add(head_dim)
-                log.warning("attention head dim %d has no FlashInfer prefill kernel on sm_%d0: prefill "
-                            "attention runs the torch reference (decode still uses XQA)", head_dim, self._sm)
-            return self._reference.attend(q, kv_layer, batch, scale, kv_scales)  # K/V are written already
+        else:  # e.g. Zamba2-2.7B / 7B (160 / 224): our Triton kernel over the pages (K/V are written already)
+            if head_dim not in self._logged_head_dims:
+                self._logged_head_dims.add(head_dim)
+                log.info("attention head dim %d has no FlashInfer prefill kernel on sm_%d0: prefill attention "
+                         "runs the Triton paged prefill kernel (attention/triton_prefill.py); decode uses XQA",
+                         head_dim, self._sm)
+            out = paged_prefill_attention(q, kv_layer, batch, scale, kv_scales)
         return out.reshape(num_tokens, num_heads * head_dim)
 
     def decode(self, q, kv_layer, batch, scale, kv_scales=(1.0, 1.0)):

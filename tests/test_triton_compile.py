@@ -1,7 +1,8 @@
-"""Every decode-path Triton kernel compiles for sm_90 (the H200) with programmatic dependent launch,
-on a machine without a GPU: Triton's wheel carries ptxas, so the compiled path (which the CPU tests
-otherwise never reach: they run the interpreter) is checked for what only the compiler refuses,
-e.g. a loop-carried variable whose shape changes across the loop, which the interpreter runs fine.
+"""Every decode-path Triton kernel, and attention/triton_prefill.py's paged prefill attention, compiles
+for sm_90 (the H200) with programmatic dependent launch, on a machine without a GPU: Triton's wheel
+carries ptxas, so the compiled path (which the CPU tests otherwise never reach: they run the
+interpreter) is checked for what only the compiler refuses, e.g. a loop-carried variable whose shape
+changes across the loop, which the interpreter runs fine.
 The cases (tests/triton_compile_cases.py, the constexprs the launch sites pass at the real model
 shapes) run in one process of their own, outside the interpreter this session uses."""
 from __future__ import annotations
@@ -42,7 +43,8 @@ NAMES = ["moe_gemm-decode-act0-early0", "moe_gemm-decode-act0-early1", "moe_gemm
          "moe_gemm-prefill_gated-act1-early0", "moe_gemm-prefill_gated-act2-early0", "router", "counting_alignment",
          "norm_router-fp32",
          "norm_router-bf16", "norms", "decode_linears-pre256", "decode_linears-pre512", "decode_linears-pre2048",
-         "mamba_decode-inter0", "mamba_decode-inter1"]
+         "mamba_decode-inter0", "mamba_decode-inter1", "prefill_attention-hd160-bf16", "prefill_attention-hd160-fp8",
+         "prefill_attention-hd224-bf16", "prefill_attention-hd224-fp8"]
 
 
 def test_the_cases_are_these():

@@ -4,7 +4,9 @@ run on the GPU: tests/gpu). What is checked here:
   never be written by FlashInfer's split-KV prefill (offset 0 of its float workspace);
 - prefill plans rotate through a ring of wrappers, and a wrapper is re-planned only after waiting
   on the event recorded after its previous plan (its pinned staging copy may still be queued under
-  async scheduling).
+  async scheduling);
+- head dims without a FlashInfer prefill kernel run our Triton paged prefill kernel (through the
+  interpreter here), logged once.
 """
 from __future__ import annotations
 
@@ -126,16 +128,28 @@ def test_prefill_plans_rotate_and_wait_for_their_previous_copies(backend):
         assert log[i - 1] == ("wait", recorded)
 
 
-def test_head_dim_without_prefill_kernel_falls_back_once_with_a_warning(backend, caplog):
-    """Zamba2's 160 / 224-wide heads have no FlashInfer prefill kernel: the prefill runs the torch
-    reference (same result as the CPU path), and the log says so once, not per layer or step."""
+def test_head_dim_without_prefill_kernel_runs_the_triton_kernel_logged_once(backend, caplog):
+    """Zamba2's 160 / 224-wide heads have no FlashInfer prefill kernel: the prefill runs our Triton
+    paged prefill kernel (attention/triton_prefill.py; here through the interpreter), which matches
+    the torch reference over the same pages, and the log says so once, not per layer or step."""
     import logging
+    import os
 
-    batch = _batch([5, 3], [5, 3])
-    with caplog.at_level(logging.WARNING, logger="attention.trtllm"):
-        out = _run(backend, batch, head_dim=160)
-        _run(backend, batch, head_dim=160)
-    warnings = [r for r in caplog.records if "head dim 160" in r.getMessage()]
-    assert len(warnings) == 1
+    from attention.reference import TorchAttentionBackend
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernel on CPU tensors: needs TRITON_INTERPRET=1 (tests/conftest.py)")
+    batch = _batch([1, 5, 3], [30, 37, 3])  # a decode row, a chunk over a history, a first chunk
+    g = torch.Generator().manual_seed(0)
+    # fp16: Triton's interpreter multiplies bf16 tiles as raw bits (tests/test_triton_prefill_attention.py)
+    q = torch.randn(batch.num_tokens, 4, 160, generator=g).half()
+    kv = torch.randn(40, 2, 2, 16, 160, generator=g).half()
+    with caplog.at_level(logging.INFO, logger="attention.trtllm"):
+        out = backend.forward(q, q[:, :2], q[:, :2], kv, batch, 160 ** -0.5)
+        backend.forward(q, q[:, :2], q[:, :2], kv, batch, 160 ** -0.5)
+    logged = [r for r in caplog.records if "head dim 160" in r.getMessage()]
+    assert len(logged) == 1 and "triton_prefill" in logged[0].getMessage()
+    ref = TorchAttentionBackend().attend(q.float(), kv.float(), batch, 160 ** -0.5)
     assert out.shape == (batch.num_tokens, 4 * 160) and torch.isfinite(out).all()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
     assert not backend._plans or not any(w.plans for w in backend._plans._wrappers), "no FlashInfer prefill plan"

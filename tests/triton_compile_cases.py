@@ -11,10 +11,12 @@ import traceback
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from attention import triton_prefill  # noqa: E402
 from hybrid.ops import (  # noqa: E402
     triton_gemv, triton_mamba, triton_moe, triton_moe_align, triton_moe_route, triton_norm,
 )
@@ -126,6 +128,35 @@ for _inter in (False, True):
         compiles(triton_mamba._conv_prefill_kernel,
                  dict(K=4, BLOCK_L=64, BLOCK_C=128, HAS_HIST=True, HAS_BIAS=True, PDL=True))
     CASES[f"mamba_decode-inter{int(_inter)}"] = _mamba
+
+
+SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one block may have on sm_90
+
+
+for _hd in (160, 224):  # Zamba2-2.7B's and -7B's attention heads: no FlashInfer prefill kernel at these
+    for _kv in ("bf16", "fp8"):
+        def _prefill(head_dim=_hd, kv=_kv):
+            """attention/triton_prefill.py's kernel at the launch's own tiles (32 / 32 heads: one query head
+            a KV head; and a GQA-4 tile), bf16 queries over a bf16 or an FP8 e4m3 cache."""
+            fn = triton_prefill._paged_prefill_kernel
+            block_m, block_n, warps, stages = triton_prefill.tiles(head_dim, 32, 32, torch.bfloat16)
+            for gp in (1, 4):
+                constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=256, GP=gp, BLOCK_M=block_m, BLOCK_N=block_n,
+                                  PAGE_SIZE=16, IEEE=False)
+                sig = signature(fn, constexprs, dict(kv_ptr="*fp8e4nv" if kv == "fp8" else "*bf16", qsl_ptr="*i32",
+                                                     seq_lens_ptr="*i32", pt_ptr="*i32"))
+                sig.update(k_mul="fp32", v_mul="fp32")
+                # pointers and strides 16-divisible, as the launch specializes them at these head dims: the
+                # K/V loads vectorize and pipeline (without the hint ptxas spills, and the shared size is
+                # not the launch's)
+                aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                           if name.endswith("_ptr") or name.startswith("stride")}
+                src = ASTSource(fn, sig, constexprs=constexprs, attrs=aligned)
+                kernel = triton.compile(src, target=SM90,
+                                        options=dict(num_warps=warps, num_stages=stages, launch_pdl=True))
+                shared = kernel.metadata.shared
+                assert shared <= SM90_SHARED_BYTES, f"{shared} bytes of shared memory (GP {gp})"
+        CASES[f"prefill_attention-hd{_hd}-{_kv}"] = _prefill
 
 
 if __name__ == "__main__":

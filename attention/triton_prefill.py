@@ -1,0 +1,272 @@
+"""Our Triton paged prefill attention: causal attention of a step's query tokens over the paged KV cache,
+for the shapes FlashInfer's sm_90 prefill has no kernel for (head dims other than 64/128/256, e.g.
+Zamba2-2.7B's 160 and Zamba2-7B's 224). Its reference is attention/reference.py's
+`TorchAttentionBackend.attend`, which computes the same thing with a per-request host loop.
+
+`paged_prefill_attention(q, kv_layer, batch, scale, kv_scales)`:
+    q        [T, num_heads, head_dim]: the step's query tokens, requests concatenated in batch order
+             (batch.query_start_loc [B+1] int32 gives each request's token range)
+    kv_layer [num_pages, 2, num_kv_heads, page_size, head_dim] ("HND", K at [:, 0], V at [:, 1]),
+             already holding this step's K/V (any page size; 16 by default)
+    batch.page_table [B, max_pages] int32, batch.seq_lens [B] int32 (KV length after this step)
+    scale    the softmax scale; kv_scales (k_scale, v_scale): an FP8 e4m3 cache stores K/V divided by
+             them (1.0 for a 16-bit cache)
+    returns  [T, num_heads, head_dim] in q's dtype.
+Causal, bottom-right aligned: query token i of a request with q_len tokens and seq_len KV sees KV
+positions [0, seq_len - q_len + i]. GQA: query head h reads KV head h // (num_heads // num_kv_heads).
+Rows of any kind (decodes, verify / replay rows, prefill chunks) may share the step.
+
+Algorithm (FlashAttention-2's forward): online softmax in fp32 (running row max and row sum, the
+output accumulator rescaled when the max grows), exp2 with log2(e) folded into the scale; the
+q . k products and p . v products run in q's dtype with fp32 accumulation (IEEE fp32 for fp32
+queries). An FP8 cache's K and V are widened to q's dtype in registers; k_scale is folded into the
+softmax scale and v_scale applied once to the normalised output (the fused scales of the XQA /
+FlashInfer calls in attention/trtllm.py).
+
+Grid and tiles:
+- axis 1: one program per KV head; its tile packs the GROUP = num_heads // num_kv_heads query heads
+  that read that KV head (GROUP padded to a power of two, GP) for BLOCK_Q = BLOCK_M // GP query
+  tokens: BLOCK_M rows (token-major, row = token * GP + head-in-group). Each K/V tile is then loaded
+  once for the whole group, and a decode row (q_len 1) fills GROUP rows of the tile, not one.
+- axis 0: the request's query blocks, without any host list: request i's blocks are numbered from
+  query_start_loc[i] // BLOCK_Q + i, which leaves room for its cdiv(q_len, BLOCK_Q) blocks, so a
+  grid of T // BLOCK_Q + B programs covers every block whatever the lengths; each program finds its
+  request by binary search over query_start_loc and programs past their request's last block exit
+  at once. The grid depends only on T and B: no host sync, no per-request host loop.
+- the KV is streamed in BLOCK_N-position tiles, each row's page looked up in the request's
+  page-table row (page = position // PAGE_SIZE, PAGE_SIZE a constexpr, a shift for the usual
+  powers of two): a tile may cover part of a page or several pages. Causal skipping: a query block
+  stops at the KV position its last token sees; tiles entirely visible to all of its tokens run
+  without masks, only the tiles over the diagonal (and the tail of the sequence) apply the causal
+  / length mask.
+- the head-dim tile is head_dim padded to the next power of two (at least 16, for tl.dot) and
+  masked: 160 and 224 run a 256-wide tile. `TILES` holds the default (BLOCK_M, BLOCK_N, warps,
+  stages) per padded head dim; not tuned on the GPU yet. Compiled for sm_90 at 160 / 224 (64 x 64
+  tiles, 8 warps, 2 stages; tests/triton_compile_cases.py): about 200-220 registers, no spills,
+  128-160 KiB of shared memory.
+No split-KV: one program streams its query block's whole KV, so a few decode rows over very long
+histories are served by few programs (FlashInfer's split-KV is what the 64/128/256 path has).
+No programmatic dependent launch (PDL): attention/ imports nothing from hybrid/ (hybrid/ops/
+triton_guard.py has the PDL helpers), the kernel runs in prefill / mixed steps only, where one
+launch's latency is small against its run time, and the fused KV write before it is not PDL-launched
+either (attention/trtllm.py's write_kv_fused).
+
+Triton is imported guarded, as hybrid/ops/triton_guard.py does it (attention/ must not import
+hybrid/): importing this module without triton works, calling the kernel raises. Set
+TRITON_INTERPRET=1 before triton is first imported to run the kernel on CPU tensors
+(tests/test_triton_prefill_attention.py).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+if TYPE_CHECKING:
+    from state_pool.step_batch import StepBatch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn  # as attention/reference.py
+LOG2_E = 1.4426950408889634
+
+# padded head dim -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit queries (fp32 queries
+# halve BLOCK_N: twice the bytes per K/V element). Unmeasured defaults (FlashAttention-2's usual
+# 128 x 64 tiles up to 128-wide heads; a 64-row tile at 256, whose fp32 accumulator alone is 64 KiB).
+TILES: dict[int, tuple[int, int, int, int]] = {
+    16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2),
+}
+
+
+def is_available() -> bool:
+    return HAS_TRITON
+
+
+def require(module: str) -> None:
+    """Raise a clear error when the kernel is called without triton (as hybrid/ops/triton_guard.py)."""
+    if not HAS_TRITON:
+        raise RuntimeError(f"{module} needs triton, which is not importable here")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def tiles(head_dim: int, num_heads: int, num_kv_heads: int, q_dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a launch (see TILES); BLOCK_M at least the
+    padded group of query heads, so that a tile holds at least one token."""
+    block_d = max(16, _next_pow2(head_dim))
+    block_m, block_n, warps, stages = TILES[min(block_d, 256)]
+    if q_dtype == torch.float32:
+        block_n = max(16, block_n // 2)
+    return max(block_m, _next_pow2(num_heads // num_kv_heads)), block_n, warps, stages
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _attend_tile(acc, l_i, m_i, q, kv_base, pt_row, start_n, kv_end, ctx_tok,
+                     stride_kv, stride_page, stride_off, k_mul,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+        """One BLOCK_N tile of KV positions [start_n, start_n + BLOCK_N) into the running softmax:
+        returns (acc, l_i, m_i). MASKED tiles apply the causal mask (position <= ctx_tok, the last
+        position each row sees) and the sequence end (position < kv_end); unmasked ones are known
+        to be visible to every row."""
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        if MASKED:
+            in_seq = offs_n < kv_end
+            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=in_seq, other=0)
+        else:
+            page = tl.load(pt_row + offs_n // PAGE_SIZE)
+        row = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_off  # [BLOCK_N]
+        ptrs = kv_base + row[:, None] + offs_d[None, :]
+        if MASKED:
+            kv_mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(ptrs + stride_kv, mask=kv_mask, other=0.0)
+        elif BLOCK_D == HEAD_DIM:
+            k = tl.load(ptrs)
+            v = tl.load(ptrs + stride_kv)
+        else:
+            d_mask = (offs_d < HEAD_DIM)[None, :]
+            k = tl.load(ptrs, mask=d_mask, other=0.0)
+            v = tl.load(ptrs + stride_kv, mask=d_mask, other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * k_mul  # scale * k_scale * log2(e): s is in log2 units
+        if MASKED:
+            visible = (offs_n[None, :] <= ctx_tok[:, None]) & in_seq[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        return acc, l_i, m_new
+
+    @triton.jit
+    def _paged_prefill_kernel(
+        q_ptr, kv_ptr, out_ptr, qsl_ptr, seq_lens_ptr, pt_ptr,
+        num_seqs, group,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_page, stride_kv, stride_head, stride_off, stride_pt,
+        k_mul, v_mul,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        BLOCK_Q: tl.constexpr = BLOCK_M // GP
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        # the request: the last i with query_start_loc[i] // BLOCK_Q + i <= pid (binary search)
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            below = first <= pid
+            lo = tl.where(below, mid + 1, lo)
+            hi = tl.where(below, hi, mid)
+        req = lo - 1
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
+        q0 = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q  # the block's first token, in the request
+        if q0 >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + req)
+        ctx = seq_len - q_len  # KV positions before the request's first new token
+
+        offs_m = tl.arange(0, BLOCK_M)
+        tok = q0 + offs_m // GP  # token of each row, in the request
+        hg = offs_m % GP  # query head of each row, in the group
+        head = kvh * group + hg
+        row_ok = (tok < q_len) & (hg < group)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a row fully masked in a tile stays NaN-free
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kv_base = kv_ptr + kvh.to(tl.int64) * stride_head
+        pt_row = pt_ptr + req.to(tl.int64) * stride_pt
+        ctx_tok = ctx + tok  # the last KV position each row sees
+        # every position below ctx + q0 + 1 is visible to every token of the block: whole tiles of
+        # those run unmasked; the rest, up to the block's last visible position, masked
+        last_tok = tl.minimum(q0 + BLOCK_Q, q_len)
+        kv_end = ctx + last_tok
+        full_end = ((ctx + q0 + 1) // BLOCK_N) * BLOCK_N
+        for start_n in range(0, full_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, kv_base, pt_row, start_n, kv_end, ctx_tok,
+                                         stride_kv, stride_page, stride_off, k_mul,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, IEEE)
+        for start_n in range(full_end, kv_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, kv_base, pt_row, start_n, kv_end, ctx_tok,
+                                         stride_kv, stride_page, stride_off, k_mul,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, IEEE)
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows only: every real row sees position 0
+        out = acc * (v_mul / l_safe)[:, None]
+        o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: "StepBatch", scale: float,
+                            kv_scales: tuple[float, float] = (1.0, 1.0), *, block_m: int | None = None,
+                            block_n: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None) -> torch.Tensor:
+    """Causal attention of the step's queries over the paged cache (see the module docstring):
+    [T, num_heads, head_dim] in q's dtype. block_m / block_n / num_warps / num_stages override the
+    defaults of `tiles` (tests, tuning)."""
+    require(__name__)
+    T, num_heads, head_dim = q.shape
+    num_pages, two, num_kv_heads, page_size, kv_dim = kv_layer.shape
+    assert two == 2 and kv_dim == head_dim and num_heads % num_kv_heads == 0, (q.shape, kv_layer.shape)
+    assert head_dim <= 256, f"head dim {head_dim}: the kernel's tiles go up to 256"
+    fp8 = kv_layer.dtype == FP8_KV_DTYPE
+    assert fp8 or kv_layer.dtype == q.dtype, (q.dtype, kv_layer.dtype)
+    out = torch.empty(T, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    B = batch.page_table.shape[0]
+    assert batch.query_start_loc.shape == (B + 1,) and batch.seq_lens.shape == (B,), "one row per request"
+    if T == 0 or B == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert kv_layer.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    gp = _next_pow2(group)
+    bm, bn, warps, stages = tiles(head_dim, num_heads, num_kv_heads, q.dtype)
+    bm = max(block_m or bm, gp)
+    bn = block_n or bn
+    block_q = bm // gp
+    k_scale, v_scale = (float(kv_scales[0]), float(kv_scales[1])) if fp8 else (1.0, 1.0)
+    grid = (T // block_q + B, num_kv_heads)
+    _paged_prefill_kernel[grid](
+        q, kv_layer, out, batch.query_start_loc, batch.seq_lens, batch.page_table,
+        B, group,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), batch.page_table.stride(0),
+        float(scale) * k_scale * LOG2_E, v_scale,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)), GP=gp, BLOCK_M=bm, BLOCK_N=bn,
+        PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps or warps, num_stages=num_stages or stages,
+    )
+    return out
