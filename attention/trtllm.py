@@ -7,6 +7,9 @@ KV layout (shared with attention/kv_cache.py, FlashInfer/trtllm "HND"):
 - decode-only steps: `flashinfer.decode.trtllm_batch_decode_with_kv_cache` (XQA on sm_90,
   trtllm-gen on sm_100). It reads only device tensors (page table, seq lens) and a fixed
   max_seq_len (page-table width * page size), so it is CUDA-graph capturable.
+- padded verify steps (every row K+1 tokens, `StepBatch.uniform_q_len`: the verify graphs'
+  shape, graphs/padding.pad_verify_batch): the same decode kernel with q_len_per_req = K+1 and
+  XQA's bit-packed causal mask over each request's new tokens; capturable too.
 - prefill / mixed steps: on sm_100 `trtllm_batch_context_with_kv_cache`; on sm_90
   `BatchPrefillWithPagedKVCacheWrapper` (HND, causal bottom-right), planned once per step and
   reused by every attention layer. Head dims it has no kernel for (other than 64/128/256, e.g.
@@ -128,6 +131,7 @@ class TrtllmAttentionBackend:
         self._reference = TorchAttentionBackend()
         self._sm = None
         self._logged_head_dims: set[int] = set()  # head dims the Triton prefill kernel runs (logged once)
+        self._masks: dict[tuple, torch.Tensor] = {}  # speculative verify masks by (rows, tokens, device)
 
     def graph_safe(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.bfloat16, torch.float16)
@@ -164,6 +168,8 @@ class TrtllmAttentionBackend:
         write_kv_fused(kv_layer, k, v, batch.kv_write_loc, kv_scales)
         if batch.num_prefills == 0 and num_tokens == batch.num_decodes:
             out = self.decode(q, kv_layer, batch, scale, kv_scales)
+        elif batch.uniform_q_len > 1 and batch.num_verify == batch.num_requests:
+            out = self.verify(q, kv_layer, batch, scale, kv_scales)
         elif self._sm >= 10:
             out = self.context_sm100(q, kv_layer, batch, scale, kv_scales)
         elif head_dim in _PREFILL_HEAD_DIMS:
@@ -188,6 +194,39 @@ class TrtllmAttentionBackend:
             max_seq_len=batch.page_table.shape[1] * page_size,
             bmm1_scale=float(scale) * kv_scales[0], bmm2_scale=float(kv_scales[1]), kv_layout="HND",
         )
+
+    def verify(self, q, kv_layer, batch, scale, kv_scales=(1.0, 1.0)):
+        """A padded verify step (every row batch.uniform_q_len tokens, graphs/padding.pad_verify_batch):
+        the decode kernel in its speculative mode, q_len_per_req tokens a request under a causal mask
+        over them (XQA on sm_90; trtllm-gen applies the causal mask itself). Reads only device tensors
+        and a fixed mask, so a verify step is CUDA-graph capturable like a decode step."""
+        from flashinfer.decode import trtllm_batch_decode_with_kv_cache
+
+        page_size, n = kv_layer.shape[3], batch.uniform_q_len
+        extra = {} if self._sm >= 10 else {"mask": self._causal_mask(batch.num_requests, n, q.device)}
+        return trtllm_batch_decode_with_kv_cache(
+            query=q.contiguous(), kv_cache=kv_layer, workspace_buffer=self.workspace("decode", q.device),
+            block_tables=batch.page_table, seq_lens=batch.seq_lens,
+            max_seq_len=batch.page_table.shape[1] * page_size,
+            bmm1_scale=float(scale) * kv_scales[0], bmm2_scale=float(kv_scales[1]), kv_layout="HND",
+            q_len_per_req=n, **extra,
+        )
+
+    def _causal_mask(self, rows: int, n: int, device) -> torch.Tensor:
+        """XQA's speculative-decoding mask [rows, n, words * 2] uint16, bit-packed in 32-bit words: query
+        token i of a request sees its new tokens 0 .. i (everything before them is visible anyway).
+        Cached per shape: a captured graph keeps reading the one it was captured with."""
+        key = (rows, n, device)
+        if key not in self._masks:
+            words = (n + 31) // 32
+            bits = torch.zeros(n, words, dtype=torch.int64)
+            for i in range(n):
+                for j in range(i + 1):
+                    bits[i, j // 32] |= 1 << (j % 32)
+            packed = bits.to(torch.int64).where(bits < 2**31, bits - 2**32).to(torch.int32)  # as signed 32-bit
+            self._masks[key] = packed.view(torch.uint16).reshape(1, n, 2 * words).expand(rows, -1, -1) \
+                .contiguous().to(device)
+        return self._masks[key]
 
     def _paged_indices(self, batch, page_size: int, device):
         n_pages = [cdiv(s, page_size) for s in batch.seq_lens_cpu]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.kv_cache import PagedKVCache
-from graphs.padding import default_capture_sizes, padding_batch
+from graphs.padding import VERIFY_GRAPH_MAX_ROWS, default_capture_sizes, padding_batch, verify_graphs_requested
 from state_pool.errors import CapacityError
 from state_pool.pool import MambaStatePool, StateShapes
 from state_pool.step_batch import StepBatch
@@ -68,11 +68,14 @@ class MemoryPlan:
                 f"max_model_len={max_model_len}")
 
 
-def graph_reserve_bytes(capture_sizes: list[int], vocab_size: int) -> int:
+def graph_reserve_bytes(capture_sizes: list[int], vocab_size: int, verify_q_len: int = 0) -> int:
     """Memory the captured CUDA graphs keep: GRAPH_RESERVE_BYTES plus, for every bucket, its fp32
     logits output [bucket, vocab], which stays alive in the shared graph pool (a sum, not a max:
-    each graph's output tensor is kept, so no later capture can reuse it)."""
-    return GRAPH_RESERVE_BYTES + sum(capture_sizes) * vocab_size * 4
+    each graph's output tensor is kept, so no later capture can reuse it); with verify graphs
+    (verify_q_len = K+1, graphs/runner.py) also theirs, [bucket x (K+1), vocab] each."""
+    verify_rows = sum(s for s in capture_sizes if s <= VERIFY_GRAPH_MAX_ROWS) * verify_q_len
+    return GRAPH_RESERVE_BYTES + (sum(capture_sizes) + verify_rows) * vocab_size * 4
+
 
 
 def capture_sizes(cuda_graph_sizes: list[int] | None, max_num_seqs: int) -> list[int]:
@@ -192,7 +195,8 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
 
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free
-    reserve = (graph_reserve_bytes(capture_sizes(cuda_graph_sizes, max_num_seqs), cfg.vocab_size)
+    verify_q_len = num_speculative_tokens + 1 if verify_graphs_requested(num_speculative_tokens) else 0
+    reserve = (graph_reserve_bytes(capture_sizes(cuda_graph_sizes, max_num_seqs), cfg.vocab_size, verify_q_len)
                if use_graphs else 0)
     budget = int(total * gpu_memory_utilization) - in_use - activation - reserve
     _, spec_bytes, num_kv_pages = split_budget(

@@ -4,16 +4,21 @@ Padding rows: token 0 at position 0, seq_len 1, every page-table entry the dummy
 write lands in the dummy page), Mamba slot PAD_SLOT_ID (the torch path reads zeros and writes
 nothing; the CUDA kernels skip them or point them at the pool's scratch row). The padded batch
 keeps `num_real_requests`, and only the real rows' logits are returned by the runner.
+
+Speculative verify steps are padded the same way, one level further (pad_verify_batch): every
+row's tokens to K+1 (its drafts padded after the real ones), then the batch to a bucket of
+padding rows of K+1 tokens, so that a verify step has one shape per bucket (the verify graphs).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
 from attention.kv_cache import DUMMY_PAGE
 from state_pool.pool import PAD_SLOT_ID
-from state_pool.step_batch import StepBatch
+from state_pool.step_batch import StepBatch, to_device
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -98,4 +103,112 @@ def pad_decode_batch(batch: StepBatch, size: int, page_size: int) -> StepBatch:
         state_slot_cpu=list(batch.state_slot_cpu) + [row["state_slot"]] * pad,
         has_initial_state_cpu=list(batch.has_initial_state_cpu) + [row["has_initial_state"]] * pad,
         num_real_requests=n,
+    )
+
+
+# ---------------------------------------------------------------------------------- verify steps
+# Verify graphs (graphs/runner.py) are captured for buckets up to this many rows: each one's output
+# holds the logits of rows x (K+1) tokens, and speculation pays most at small batches.
+VERIFY_GRAPH_MAX_ROWS = 16
+
+
+def verify_graphs_requested(num_speculative_tokens: int) -> bool:
+    """Whether verify graphs are asked for: HYBRID_VERIFY_GRAPHS=1 with speculation (off by default
+    until they are measured on the GPU)."""
+    return bool(num_speculative_tokens) and os.environ.get("HYBRID_VERIFY_GRAPHS", "0") == "1"
+
+
+def is_plain_verify(batch: StepBatch) -> bool:
+    """A batch of speculative verify rows only (each scores its last sampled token and its drafts, a
+    logits row for every token): the shape the verify graphs capture, once every row is padded to
+    the same q_len (pad_verify_batch)."""
+    return (batch.num_requests > 0 and batch.num_verify == batch.num_requests and batch.num_decodes == 0
+            and batch.num_prefills == 0 and batch.num_replay == 0 and batch.state_scratch is not None
+            and int(batch.logits_indices.shape[0]) == batch.num_tokens)
+
+
+def verify_page_columns(max_pages: int, q_len: int, page_size: int) -> int:
+    """Page-table width of a padded verify batch: a row's padding tokens extend its KV length by up to
+    q_len - 1 positions past max_model_len, all in dummy-page columns."""
+    return max_pages + -(-q_len // page_size)
+
+
+def pad_verify_batch(batch: StepBatch, size: int, q_len: int, page_size: int) -> tuple[StepBatch, torch.Tensor]:
+    """The verify batch with every row's tokens padded to q_len and size - n padding rows appended;
+    returns (padded, rows): rows [T] are the padded batch's token rows of the batch's tokens, in
+    order (its logits rows, as is_plain_verify batches want one for every token).
+
+    Padding tokens come after a row's real ones, so under the causal mask no real token sees them;
+    they repeat the row's last token and position (RoPE stays in range), write their KV into the
+    dummy page, extend the row's KV length (the kernels see q_len tokens per row) in dummy-page
+    columns, and leave their Mamba states in scratch positions the engine never commits. Padding
+    rows are padding_row()'s, q_len tokens long, with the scratch rows the batch does not use (the
+    scratch has a row per sequence, and a step's verify rows take rows 0 .. n-1)."""
+    import numpy as np
+
+    n = batch.num_requests
+    q = np.asarray(batch.query_lens_cpu, dtype=np.int64)
+    if size < n or int(q.max()) > q_len:
+        raise ValueError(f"cannot pad a verify batch of {n} rows (q_len up to {int(q.max())}) to {size} x {q_len}")
+    dev = batch.input_ids.device
+    qsl = np.concatenate([[0], np.cumsum(q)])
+    j = np.arange(q_len)
+    src = np.zeros((size, q_len), dtype=np.int64)
+    src[:n] = np.minimum(j[None, :], q[:, None] - 1) + qsl[:-1, None]
+    real = np.zeros((size, q_len), dtype=bool)
+    real[:n] = j[None, :] < q[:, None]
+    rows = np.flatnonzero(real.ravel())
+    total = size * q_len
+    block = to_device(np.concatenate([src.ravel(), real.ravel().astype(np.int64), rows]), torch.long, dev)
+    gather, real_t, rows_t = block[:total], block[total:2 * total].bool(), block[2 * total:]
+    pad = padding_row(page_size)
+    in_row = (torch.arange(total, device=dev) // q_len) < n
+    input_ids = batch.input_ids[gather].masked_fill(~real_t, pad["input_ids"])
+    positions = torch.where(in_row, batch.positions[gather], pad["positions"])
+    kv_write_loc = torch.where(real_t, batch.kv_write_loc[gather], pad["kv_write_loc"])
+    extra = q_len - q  # each real row's padding tokens: its KV length grows by as many
+    seq_lens_cpu = [int(s + e) for s, e in zip(batch.seq_lens_cpu, extra)] + [q_len] * (size - n)
+    width = verify_page_columns(batch.page_table.shape[1], q_len, page_size)
+    page_table = torch.full((size, width), pad["page_table"], dtype=batch.page_table.dtype, device=dev)
+    page_table[:n, : batch.page_table.shape[1]] = batch.page_table
+    used = set(batch.scratch_index_cpu)
+    spare = [r for r in range(size + n) if r not in used][: size - n]
+    scratch_cpu = list(batch.scratch_index_cpu) + spare
+    slots_cpu = list(batch.state_slot_cpu) + [pad["state_slot"]] * (size - n)
+    small = to_device(seq_lens_cpu + scratch_cpu + slots_cpu, torch.long, dev)
+    return dataclasses.replace(
+        batch,
+        input_ids=input_ids, positions=positions, kv_write_loc=kv_write_loc,
+        query_start_loc=torch.arange(0, total + 1, q_len, dtype=batch.query_start_loc.dtype, device=dev),
+        seq_lens=small[:size].to(batch.seq_lens.dtype), page_table=page_table,
+        state_slot=small[2 * size:], has_initial_state=torch.ones(size, dtype=torch.bool, device=dev),
+        logits_indices=torch.arange(total, dtype=batch.logits_indices.dtype, device=dev),
+        num_decodes=0, num_prefills=0, num_verify=size, num_real_requests=n, uniform_q_len=q_len,
+        scratch_index=small[size:2 * size], scratch_index_cpu=scratch_cpu,
+        query_lens_cpu=[q_len] * size, seq_lens_cpu=seq_lens_cpu, state_slot_cpu=slots_cpu,
+        has_initial_state_cpu=[True] * size,
+    ), rows_t
+
+
+def padding_verify_batch(n: int, q_len: int, page_size: int, device, width: int,
+                         state_scratch: tuple[torch.Tensor, torch.Tensor]) -> StepBatch:
+    """A verify batch of n padding rows of q_len tokens (the verify graphs' capture shape and input
+    buffers): padding_row()'s values, scratch rows 0 .. n-1 (nothing is in flight at capture)."""
+    pad = padding_row(page_size)
+    t = n * q_len
+
+    def full(field: str, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+        return torch.full(shape, pad[field], dtype=dtype, device=device)
+
+    return StepBatch(
+        input_ids=full("input_ids", torch.long, t), positions=full("positions", torch.long, t),
+        query_start_loc=torch.arange(0, t + 1, q_len, dtype=torch.int32, device=device),
+        seq_lens=torch.full((n,), q_len, dtype=torch.int32, device=device),
+        page_table=full("page_table", torch.int32, n, width), kv_write_loc=full("kv_write_loc", torch.long, t),
+        state_slot=full("state_slot", torch.long, n), has_initial_state=full("has_initial_state", torch.bool, n),
+        logits_indices=torch.arange(t, dtype=torch.long, device=device), num_decodes=0, num_prefills=0,
+        query_lens_cpu=[q_len] * n, seq_lens_cpu=[q_len] * n, state_slot_cpu=[pad["state_slot"]] * n,
+        has_initial_state_cpu=[True] * n, num_real_requests=0, num_verify=n,
+        scratch_index=torch.arange(n, dtype=torch.long, device=device), scratch_index_cpu=list(range(n)),
+        state_scratch=state_scratch, uniform_q_len=q_len,
     )

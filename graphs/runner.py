@@ -4,14 +4,19 @@
 - decode-only batches whose size fits a bucket: on CUDA with graphs enabled, the batch is copied
   into persistent buffers (padding rows as in graphs/padding.py) and the bucket's captured graph
   is replayed; with `pad_decode=True` and no graphs (CPU tests) the padded batch runs eagerly;
-- everything else (prefill, mixed, speculative verify, sizes above the largest bucket): eager.
-Only the real rows' logits are returned, whatever path ran.
+- speculative verify steps (verify rows only, at most VERIFY_GRAPH_MAX_ROWS of them): with verify
+  graphs on (HYBRID_VERIFY_GRAPHS=1, off by default until measured on the GPU) every row is padded
+  to K+1 tokens and the batch to a bucket (graphs/padding.pad_verify_batch) and the bucket's verify
+  graph is replayed; with `pad_verify=True` and no graphs (CPU tests) the padded batch runs eagerly;
+- everything else (prefill, mixed, sizes above the largest bucket): eager.
+Only the real rows' (real tokens') logits are returned, whatever path ran.
 
 Graphs are captured per bucket, largest first, into one shared memory pool, with every row a
 padding row (so capture writes no live Mamba slot and only the dummy KV page).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -20,7 +25,8 @@ import torch
 
 from attention.kv_cache import DUMMY_PAGE
 from graphs.padding import (
-    bucket_for, default_capture_sizes, is_plain_decode, pad_decode_batch, padding_batch, padding_row,
+    VERIFY_GRAPH_MAX_ROWS, bucket_for, default_capture_sizes, is_plain_decode, is_plain_verify, pad_decode_batch,
+    pad_verify_batch, padding_batch, padding_row, padding_verify_batch, verify_graphs_requested, verify_page_columns,
 )
 from state_pool.util import cdiv
 
@@ -74,7 +80,7 @@ class ModelRunner:
     def __init__(self, model, ctx, enforce_eager: bool = True, *, max_num_seqs: int | None = None,
                  max_model_len: int | None = None, page_size: int | None = None,
                  cuda_graph_sizes: list[int] | None = None, pad_decode: bool | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, num_speculative_tokens: int = 0, pad_verify: bool | None = None) -> None:
         self.model = model
         self.ctx = ctx
         self.enforce_eager = enforce_eager
@@ -87,10 +93,21 @@ class ModelRunner:
         self.pad_decode = self.use_graphs if pad_decode is None else pad_decode
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.buffers: _Buffers | None = None
-        self.stats = {"graph_replays": 0, "padded_eager": 0, "eager": 0}
-        self._ran: tuple[StepBatch | None, int] = (None, 0)  # (batch, rows) of the last execute; None: buffers
+        self.stats = {"graph_replays": 0, "padded_eager": 0, "eager": 0, "verify_graph_replays": 0,
+                      "padded_verify_eager": 0}
+        self._ran: StepBatch | None = None  # the index tensors the last execute ran on
+        # speculative verify steps: rows padded to K+1 tokens, graphs per bucket (module docstring)
+        self.verify_q_len = num_speculative_tokens + 1 if num_speculative_tokens else 0
+        self.verify_sizes = [s for s in self.capture_sizes if s <= VERIFY_GRAPH_MAX_ROWS] if self.verify_q_len else []
+        self.verify_graphs_on = (self.use_graphs and bool(self.verify_sizes)
+                                 and verify_graphs_requested(num_speculative_tokens))
+        self.pad_verify = self.verify_graphs_on if pad_verify is None else (pad_verify and bool(self.verify_sizes))
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.verify_buffers: StepBatch | None = None
         if self.use_graphs:
             self.capture(progress=progress)
+            if self.verify_graphs_on:
+                self.capture_verify()
 
     # ------------------------------------------------------------------ capability
     def _device(self) -> torch.device:
@@ -144,6 +161,72 @@ class ModelRunner:
         logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB", len(sizes),
                     self.capture_sizes, time.perf_counter() - start, used / 2**20)
 
+    @torch.inference_mode()
+    def capture_verify(self) -> None:
+        """The verify graphs, one per bucket of verify_sizes, on padding rows of K+1 tokens (their
+        scratch rows are free: nothing is in flight at startup), into the decode graphs' pool. A
+        kernel that cannot run the shape (say, no uniform-query attention for this head layout)
+        turns verify graphs off, with a warning: verify steps then run eagerly."""
+        device = self._device()
+        q, ps = self.verify_q_len, self.page_size
+        width = verify_page_columns(cdiv(self.max_model_len, ps), q, ps)
+        self.verify_buffers = padding_verify_batch(max(self.verify_sizes), q, ps, device, width,
+                                                   self.ctx.state_pool.spec_scratch)
+        start = time.perf_counter()
+        try:
+            for size in sorted(self.verify_sizes, reverse=True):
+                batch = self._verify_view(size)
+                for _ in range(2):
+                    self.model(batch, self.ctx)
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.model(batch, self.ctx)
+                self.verify_graphs[size] = (graph, out)
+        except Exception as e:  # noqa: BLE001 - any kernel refusing the shape: verify steps stay eager
+            torch.cuda.synchronize(device)
+            self.verify_graphs.clear()
+            self.verify_graphs_on = self.pad_verify = False
+            logger.warning("verify graphs off (speculative verify steps run eagerly): capture failed: %s", e)
+            return
+        torch.cuda.synchronize(device)
+        logger.info("captured %d verify graphs (batch sizes %s, %d tokens a row) in %.1f s", len(self.verify_graphs),
+                    self.verify_sizes, q, time.perf_counter() - start)
+
+    def _verify_view(self, size: int) -> StepBatch:
+        """The first `size` rows of the verify buffers as a batch (views)."""
+        b, q = self.verify_buffers, self.verify_q_len
+        t = size * q
+        return dataclasses.replace(
+            b, input_ids=b.input_ids[:t], positions=b.positions[:t], kv_write_loc=b.kv_write_loc[:t],
+            logits_indices=b.logits_indices[:t], query_start_loc=b.query_start_loc[:size + 1],
+            seq_lens=b.seq_lens[:size], page_table=b.page_table[:size], state_slot=b.state_slot[:size],
+            has_initial_state=b.has_initial_state[:size], scratch_index=b.scratch_index[:size],
+            scratch_index_cpu=b.scratch_index_cpu[:size], num_verify=size, query_lens_cpu=b.query_lens_cpu[:size],
+            seq_lens_cpu=b.seq_lens_cpu[:size], state_slot_cpu=b.state_slot_cpu[:size],
+            has_initial_state_cpu=b.has_initial_state_cpu[:size])
+
+    def verify_bucket(self, batch: StepBatch) -> int | None:
+        """The bucket a speculative verify step is padded to (graph replay or padded eager), or None."""
+        if not (self.pad_verify and is_plain_verify(batch)) or max(batch.query_lens_cpu) > self.verify_q_len:
+            return None
+        return bucket_for(batch.num_requests, self.verify_sizes)
+
+    def replay_verify(self, batch: StepBatch, size: int) -> torch.Tensor:
+        graph, out = self.verify_graphs[size]
+        with torch.inference_mode():
+            padded, rows = pad_verify_batch(batch, size, self.verify_q_len, self.page_size)
+            view = self._verify_view(size)
+            for f in ("input_ids", "positions", "kv_write_loc", "seq_lens", "state_slot", "scratch_index"):
+                getattr(view, f).copy_(getattr(padded, f), non_blocking=True)
+            width = padded.page_table.shape[1]
+            view.page_table[:, :width].copy_(padded.page_table, non_blocking=True)
+            view.page_table[:, width:].fill_(DUMMY_PAGE)
+        graph.replay()
+        self.stats["verify_graph_replays"] += 1
+        self._ran = view
+        return out[rows]
+
     # ------------------------------------------------------------------ execute
     def bucket(self, batch: StepBatch) -> int | None:
         """The padded size this runner runs `batch` at (graph replay or padded eager), or None (as is)."""
@@ -157,23 +240,30 @@ class ModelRunner:
         if size is not None:
             if self.use_graphs and size in self.graphs and \
                     batch.page_table.shape[1] <= self.buffers.page_table.shape[1]:
-                self._ran = (None, size)
+                self._ran = self.buffers.batch(size)
                 return self.replay(batch, size)
             if self.pad_decode:
                 self.stats["padded_eager"] += 1
                 padded = pad_decode_batch(batch, size, self.page_size)
-                self._ran = (padded, size)
+                self._ran = padded
                 return self.model(padded, self.ctx)[: batch.num_requests]
+        size = self.verify_bucket(batch)
+        if size is not None:
+            if size in self.verify_graphs and batch.page_table.shape[1] <= cdiv(self.max_model_len, self.page_size):
+                return self.replay_verify(batch, size)
+            self.stats["padded_verify_eager"] += 1
+            padded, rows = pad_verify_batch(batch, size, self.verify_q_len, self.page_size)
+            self._ran = padded
+            return self.model(padded, self.ctx)[rows]
         self.stats["eager"] += 1
-        self._ran = (batch, batch.num_requests)
+        self._ran = batch
         return self.model(batch, self.ctx)
 
     def inputs_that_ran(self) -> StepBatch:
         """The index tensors the last `execute` actually ran on: the graph input buffers (their first
         `size` rows, as filled), the padded eager batch, or the batch itself. For the state sanitizer,
         which checks them on the device in stream order (they are not refilled before the next step)."""
-        batch, size = self._ran
-        return batch if batch is not None else self.buffers.batch(size)
+        return self._ran
 
     def replay(self, batch: StepBatch, size: int) -> torch.Tensor:
         graph, out = self.graphs[size]

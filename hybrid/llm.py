@@ -232,7 +232,7 @@ class LLM:
         phases.done("state pool and KV cache")
         self.runner = ModelRunner(self.model, ctx, enforce_eager=enforce_eager,
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, page_size=page_size,
-                                  cuda_graph_sizes=config.cuda_graph_sizes)
+                                  cuda_graph_sizes=config.cuda_graph_sizes, num_speculative_tokens=num_spec)
         if self.runner.use_graphs:
             phases.done("CUDA graph capture")
         if self.parallel is not None:

@@ -107,6 +107,18 @@ class _Block:
         return self.flat[start:start + n].view(shape)
 
 
+def _uniform_verify(batch: StepBatch, T: int, width: int) -> MambaStepMetadata:
+    """Verify rows only, all of T tokens (a padded verify batch, graphs/padding.pad_verify_batch, or
+    one whose rows all have as many drafts): one group, its index tensors derived on the device from
+    the batch's own slot and scratch tensors (no host values, no upload), so that a CUDA graph
+    captured on one batch reads the next one's from the same buffers."""
+    b = batch.num_requests
+    tokens = torch.arange(b * T, device=batch.state_slot.device).view(b, T)
+    slots, scratch = batch.state_slot, batch.scratch_index
+    positions = tuple(TokenPosition(tokens[:, j], slots, scratch * width + j) for j in range(T))
+    return MambaStepMetadata((RowGroup(T, tokens, slots, scratch),), positions)
+
+
 def build(batch: StepBatch) -> MambaStepMetadata:
     """Compute the row groups, positions and prefill rows of `batch` and upload their index tensors
     in one copy (see the module docstring); use step_metadata(batch) to get the cached one."""
@@ -120,9 +132,11 @@ def build(batch: StepBatch) -> MambaStepMetadata:
     if not nv and not nr:  # decodes and prefills only (a captured decode step among them): no upload
         return MambaStepMetadata(prefills=tuple(prefills))
 
-    block = _Block()
     # verify rows: position j of scratch row r is r * width + j in the flat view of a layer's scratch
     width = batch.state_scratch[0].shape[2] if nv else 0  # [layers, rows, K+1, ...]
+    if batch.uniform_q_len:
+        return _uniform_verify(batch, batch.uniform_q_len, width)
+    block = _Block()
     planned = {}
     for kind, first, count in (("verify", nd, nv), ("replay", nd + nv, nr)):
         verify = kind == "verify"

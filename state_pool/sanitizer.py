@@ -81,16 +81,29 @@ class ExpectedInputs:
         want_slot[:n] = to_device(self.slots, slot.dtype, dev)
         pad_ok = (slot == PAD_SLOT_ID) | (slot == self.scratch_slot)
         bad_slot = torch.where(real, slot != want_slot, ~pad_ok)
-        # KV writes: the real rows' tokens come first, one token per padding row after them
+        # KV writes: each real row's real tokens come first in its rows of `ran` (in the order they were
+        # scheduled); every other token (a padding row's, or a padded verify row's padding tokens) may
+        # write only into the dummy page. Where the tokens lie comes from ran's host query lengths.
         loc = ran.kv_write_loc
-        if loc.shape[0] != t + rows - n:  # shapes are host metadata: no sync to see this
+        ran_q = np.asarray(ran.query_lens_cpu, dtype=np.int64)
+        counts = np.bincount(np.asarray(self.token_rows, dtype=np.int64), minlength=n)[:n]
+        if len(ran_q) != rows or loc.shape[0] != int(ran_q.sum()) or (ran_q[:n] < counts).any() \
+                or int(counts.sum()) != t:  # shapes are host metadata: no sync to see this
             kv_faults = torch.ones(rows, dtype=torch.int32, device=dev)
         else:
-            token_row = torch.cat([to_device(self.token_rows, torch.long, dev), torch.arange(n, rows, device=dev)])
+            row_of = np.repeat(np.arange(rows), ran_q)
+            in_row = np.arange(len(row_of)) - np.repeat(np.cumsum(ran_q) - ran_q, ran_q)
+            real_tok = (row_of < n) & (in_row < np.append(counts, 0)[np.minimum(row_of, n)])
+            real_pos, pad_pos = np.flatnonzero(real_tok), np.flatnonzero(~real_tok)
             want_loc = to_device(self.kv_write_loc, loc.dtype, dev)
-            dummy = torch.div(loc[t:], self.page_size, rounding_mode="floor") == self.dummy_page
-            bad_loc = torch.cat([loc[:t] != want_loc, ~(dummy | (loc[t:] < 0))])
-            kv_faults = torch.zeros(rows, dtype=torch.int32, device=dev).index_add_(0, token_row, bad_loc.int())
+            real_i, pad_i = to_device(real_pos, torch.long, dev), to_device(pad_pos, torch.long, dev)
+            pads = loc[pad_i]
+            dummy = torch.div(pads, self.page_size, rounding_mode="floor") == self.dummy_page
+            bad_loc = torch.zeros(len(row_of), dtype=torch.int32, device=dev)
+            bad_loc[real_i] = (loc[real_i] != want_loc).int()
+            bad_loc[pad_i] = (~(dummy | (pads < 0))).int()
+            kv_faults = torch.zeros(rows, dtype=torch.int32, device=dev).index_add_(
+                0, to_device(row_of, torch.long, dev), bad_loc)
         # page tables: the entries a real row reads; every entry of a padding row
         table = ran.page_table
         read = table[to_device(self.page_rows, torch.long, dev), to_device(self.page_cols, torch.long, dev)]

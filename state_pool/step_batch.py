@@ -87,6 +87,10 @@ class StepBatch:
     # Replay (see the module docstring): requests [num_decodes + num_verify, ... + num_replay)
     # rebuild a readmitted sequence's state from its known generated tokens, decode recurrence in place.
     num_replay: int = 0
+    # > 0: every row is a verify row of exactly this many tokens, its drafts padded (the runner's padded
+    # verify batches, graphs/padding.pad_verify_batch): the kernels may then treat the step as uniform
+    # (attention: one query length per request; Mamba: one T-token group from the batch's own tensors)
+    uniform_q_len: int = 0
     # The Mamba layers' per-step index tensors (hybrid/mamba_metadata.py: verify / replay row groups,
     # prefill rows), built once per batch on first use and read by every layer. Not an __init__
     # argument, so dataclasses.replace (a padded batch) starts without it and builds its own.

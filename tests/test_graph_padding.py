@@ -201,7 +201,8 @@ def test_runner_eager_paths_unchanged(llm):
     b = decode_batch([0, 1, 2], [4, 4, 4], [[1], [2], [3]], llm.config.vocab_size, llm.engine.max_pages_per_seq)
     randomize(llm, 3)
     out = runner.execute(b)
-    assert runner.stats == {"graph_replays": 0, "padded_eager": 0, "eager": 1} and out.shape[0] == 3
+    assert runner.stats == {"graph_replays": 0, "padded_eager": 0, "eager": 1, "verify_graph_replays": 0,
+                            "padded_verify_eager": 0} and out.shape[0] == 3
 
 
 def test_torch_decode_pad_rows_read_zero_write_nothing():

@@ -191,3 +191,30 @@ def test_verify_and_replay_paths_read_one_metadata(impl, tiny_ckpt, make_llm, mo
     if impl == "cuda_dispatch":  # per layer: two verify groups (T = 3, 2), two replay groups (T = 4, 1)
         assert launches == [((2, 3), [2, 4], [1, 2]), ((1, 2), [3], [0]), ((1, 4), [5], None),
                             ((1, 1), [6], None)] * len(mixers)
+
+
+def test_uniform_verify_metadata_equals_the_built_one():
+    """A padded verify batch (uniform_q_len set, graphs/padding.pad_verify_batch) gets its one group
+    from the batch's own device tensors, with no upload (what a captured graph needs), holding the
+    same token rows, slots and scratch rows as the host-built metadata of the same batch."""
+    T, n = 3, 4
+    scratch = (torch.zeros(1, 5, T, 2), torch.zeros(1, 5, T, 2))
+    slots, scr = [2, -1, 0, -1], [0, 1, 2, 3]
+    b = StepBatch(
+        input_ids=torch.zeros(n * T, dtype=torch.long), positions=torch.zeros(n * T, dtype=torch.long),
+        query_start_loc=torch.arange(0, n * T + 1, T, dtype=torch.int32), seq_lens=torch.full((n,), 9, dtype=torch.int32),
+        page_table=torch.zeros(n, 2, dtype=torch.int32), kv_write_loc=torch.zeros(n * T, dtype=torch.long),
+        state_slot=torch.tensor(slots), has_initial_state=torch.ones(n, dtype=torch.bool),
+        logits_indices=torch.arange(n * T), num_decodes=0, num_prefills=0, query_lens_cpu=[T] * n,
+        seq_lens_cpu=[9] * n, state_slot_cpu=slots, has_initial_state_cpu=[True] * n, num_verify=n,
+        scratch_index=torch.tensor(scr), scratch_index_cpu=scr, state_scratch=scratch)
+    built = mm.build(b)
+    uniform = mm.build(dataclasses.replace(b, uniform_q_len=T))
+    (g,), (u,) = built.verify_groups, uniform.verify_groups
+    assert u.num_tokens == g.num_tokens == T
+    for a, c in ((u.tokens, g.tokens), (u.slots, g.slots), (u.scratch, g.scratch)):
+        assert torch.equal(a, c)
+    assert len(uniform.verify_positions) == len(built.verify_positions) == T
+    for pu, pb in zip(uniform.verify_positions, built.verify_positions):
+        assert torch.equal(pu.tokens, pb.tokens) and torch.equal(pu.slots, pb.slots)
+        assert torch.equal(pu.scratch, pb.scratch)

@@ -159,3 +159,119 @@ def test_speculation_with_forks_stops_and_tight_pages(repetitive_ckpt, make_llm)
     assert tight.engine.stats["preemptions"] > 0
     assert tight.engine.stats["spec_accepted_tokens"] > 0
     assert tight.state_pool.num_free == 4 and tight.kv_cache.allocator.num_free == 19
+
+
+@pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("which", ["repetitive", "granite_moe"])
+def test_padded_verify_steps_change_nothing(which, ssm_dtype, repetitive_ckpt, tiny_ckpt, make_llm):
+    """The runner's padded verify path (graphs/padding.pad_verify_batch: every row padded to K+1
+    tokens, the batch to a bucket; the verify graphs' shape, run eagerly here): the same tokens
+    and log-probabilities as the unpadded verify steps and as no speculation, in both state dtypes,
+    with the state sanitizer checking the padded index tensors as they ran."""
+    path = repetitive_ckpt if which == "repetitive" else tiny_ckpt(which)
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
+    kw = dict(max_num_seqs=4, page_size=4, mamba_ssm_dtype=ssm_dtype)
+
+    def run(llm):  # one prompt at a time, then pairs: steps of verify rows only (padded to 1 and 2 rows)
+        outs = [o for p in PROMPTS for o in llm.generate([p], sp, use_tqdm=False)]
+        outs += llm.generate(PROMPTS[:2], sp, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+    ref_tokens, _ = run(make_llm(path, **kw))
+    plain = make_llm(path, speculative_config=SPEC, **kw)
+    padded = make_llm(path, speculative_config=SPEC, check_state=True, **kw)
+    padded.runner.pad_verify = True
+    assert padded.runner.verify_q_len == 4 and padded.runner.verify_sizes == [1, 2, 4]
+    plain_tokens, plain_lp = run(plain)
+    padded_tokens, padded_lp = run(padded)
+    assert padded_tokens == plain_tokens == ref_tokens
+    assert padded.runner.stats["padded_verify_eager"] > 0 and plain.runner.stats["padded_verify_eager"] == 0
+    for a, b in zip(plain_lp, padded_lp):
+        for pa, pb in zip(a, b):
+            assert pa.keys() == pb.keys()
+            for t in pa:
+                assert math.isclose(pa[t], pb[t], rel_tol=1e-4, abs_tol=1e-4)
+    assert padded.engine.stats["spec_accepted_tokens"] == plain.engine.stats["spec_accepted_tokens"]
+    assert padded.engine.stats["spec_accepted_tokens"] > 0 or which != "repetitive"
+    assert padded.state_pool.num_free == 4
+
+
+def test_pad_verify_batch_layout():
+    """Row r's real tokens keep their order at r * Q + j; padding tokens repeat the row's last token
+    position, write the dummy page and lengthen the row's KV; padding rows take unused scratch rows."""
+    from attention.kv_cache import DUMMY_PAGE
+    from graphs.padding import is_plain_verify, pad_verify_batch
+    from state_pool.pool import PAD_SLOT_ID
+    from state_pool.step_batch import StepBatch
+
+    ps, Q = 4, 4
+    q_lens, hist = [2, 4, 1], [5, 2, 9]
+    starts = [0, 2, 6]
+    positions = [h + j for h, q in zip(hist, q_lens) for j in range(q)]
+    pages = [[1, 2, 3], [4, 5, 0], [6, 7, 8]]
+    loc = [pages[r][p // ps] * ps + p % ps for r, (h, q) in enumerate(zip(hist, q_lens)) for p in range(h, h + q)]
+    scratch = (torch.zeros(1, 4, Q, 2), torch.zeros(1, 4, Q, 2))
+    b = StepBatch(
+        input_ids=torch.tensor([11, 12, 21, 22, 23, 24, 31]), positions=torch.tensor(positions),
+        query_start_loc=torch.tensor([0, 2, 6, 7], dtype=torch.int32),
+        seq_lens=torch.tensor([h + q for h, q in zip(hist, q_lens)], dtype=torch.int32),
+        page_table=torch.tensor(pages, dtype=torch.int32), kv_write_loc=torch.tensor(loc),
+        state_slot=torch.tensor([3, 0, 2]), has_initial_state=torch.ones(3, dtype=torch.bool),
+        logits_indices=torch.arange(7), num_decodes=0, num_prefills=0, query_lens_cpu=q_lens,
+        seq_lens_cpu=[h + q for h, q in zip(hist, q_lens)], state_slot_cpu=[3, 0, 2],
+        has_initial_state_cpu=[True] * 3, num_verify=3, scratch_index=torch.tensor([0, 1, 2]),
+        scratch_index_cpu=[0, 1, 2], state_scratch=scratch)
+    assert is_plain_verify(b)
+    p, rows = pad_verify_batch(b, 4, Q, ps)
+    assert rows.tolist() == [0, 1, 4, 5, 6, 7, 8]
+    assert torch.equal(p.input_ids[rows], b.input_ids) and torch.equal(p.kv_write_loc[rows], b.kv_write_loc)
+    assert torch.equal(p.positions[rows], b.positions)
+    pad_tok = [i for i in range(16) if i not in rows.tolist()]
+    assert (p.kv_write_loc[pad_tok] // ps == DUMMY_PAGE).all()
+    assert p.positions[[2, 3]].tolist() == [6, 6] and p.positions[[9, 10, 11]].tolist() == [9, 9, 9]
+    assert p.positions[12:].tolist() == [0] * 4
+    assert p.seq_lens.tolist() == [9, 6, 13, 4] and p.seq_lens_cpu == [9, 6, 13, 4]
+    assert p.query_start_loc.tolist() == [0, 4, 8, 12, 16] and p.query_lens_cpu == [Q] * 4
+    assert p.page_table.shape[1] == 3 + 1 and (p.page_table[:, 3] == DUMMY_PAGE).all()
+    assert (p.page_table[3] == DUMMY_PAGE).all() and torch.equal(p.page_table[:3, :3], b.page_table)
+    assert p.state_slot.tolist() == [3, 0, 2, PAD_SLOT_ID] and p.scratch_index.tolist() == [0, 1, 2, 3]
+    assert p.num_real_requests == 3 and p.uniform_q_len == Q and p.num_verify == 4
+    assert torch.equal(p.logits_indices, torch.arange(16))
+    with pytest.raises(ValueError):
+        pad_verify_batch(b, 4, 3, ps)  # a row longer than the padded q_len
+
+
+def test_padded_verify_batches_are_checked(repetitive_ckpt, make_llm, monkeypatch):
+    """Verify steps padded to K+1 tokens a row (graphs/padding.pad_verify_batch, the verify graphs'
+    shape) are checked as they ran: silent on correct padding, and a padding token whose KV write
+    lands in the row's own page instead of the dummy page fails the step's request."""
+    import graphs.runner as runner_module
+
+    import dataclasses
+
+    from hybrid.errors import RequestFailedError
+
+    path = repetitive_ckpt
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompt = PROMPTS[0]
+    llm = make_llm(path, max_num_seqs=4, page_size=4, check_state=True, speculative_config=SPEC)
+    llm.runner.pad_verify = True
+    ref = make_llm(path, max_num_seqs=4, page_size=4).generate([prompt], sp, use_tqdm=False)
+    out = llm.generate([prompt], sp, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert llm.runner.stats["padded_verify_eager"] > 0
+
+    real_pad = runner_module.pad_verify_batch
+
+    def pad_token_into_own_page(batch, size, q_len, page_size):
+        padded, rows = real_pad(batch, size, q_len, page_size)
+        loc = padded.kv_write_loc.clone()
+        pad_tokens = [t for t in range(loc.shape[0]) if t not in set(rows.tolist()) and t < q_len]
+        if pad_tokens:  # row 0 has padding tokens: point one at its own last real KV row
+            loc[pad_tokens[0]] = loc[rows[0]]
+        return dataclasses.replace(padded, kv_write_loc=loc), rows
+
+    monkeypatch.setattr(runner_module, "pad_verify_batch", pad_token_into_own_page)
+    with pytest.raises(RequestFailedError, match="StateCorruptionError: .*ran with a wrong KV write rows"):
+        llm.generate([prompt], sp, use_tqdm=False)
+    assert llm.state_pool.num_free == llm.state_pool.num_slots and not llm.engine.has_unfinished_requests()

@@ -54,6 +54,7 @@ def backend(monkeypatch):
 
     def fake_decode(**kw):
         decode_calls.append(kw["workspace_buffer"])
+        b.decode_kwargs.append(kw)
         return torch.zeros_like(kw["query"])
 
     fi_decode.trtllm_batch_decode_with_kv_cache = fake_decode
@@ -69,6 +70,7 @@ def backend(monkeypatch):
     FakeEvent.log = []
     b = trt.TrtllmAttentionBackend()
     b.decode_calls = decode_calls
+    b.decode_kwargs = []
     return b
 
 
@@ -153,3 +155,25 @@ def test_head_dim_without_prefill_kernel_runs_the_triton_kernel_logged_once(back
     assert out.shape == (batch.num_tokens, 4 * 160) and torch.isfinite(out).all()
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
     assert not backend._plans or not any(w.plans for w in backend._plans._wrappers), "no FlashInfer prefill plan"
+
+
+def test_padded_verify_steps_use_the_decode_kernel_with_a_causal_mask(backend):
+    """A padded verify step (every row K+1 tokens: graphs/padding.pad_verify_batch) runs on the decode
+    kernel in its speculative mode (no prefill plan: capturable), with XQA's bit-packed causal mask
+    over each request's new tokens; the mask is built once per shape and reused."""
+    import dataclasses
+
+    for step in range(2):
+        b = dataclasses.replace(_batch([4, 4, 4], [20, 9, 33]), num_decodes=0, num_prefills=0, num_verify=3,
+                                uniform_q_len=4)
+        out = _run(backend, b)
+        assert out.shape == (12, 4 * 64)
+    kw = backend.decode_kwargs[-1]
+    assert kw["q_len_per_req"] == 4 and backend._plans is None  # no prefill wrapper was planned
+    mask = kw["mask"]
+    assert mask.dtype == torch.uint16 and mask.shape == (3, 4, 2)
+    assert mask[0].tolist() == [[1, 0], [3, 0], [7, 0], [15, 0]] and torch.equal(mask[2], mask[0])
+    assert backend.decode_kwargs[0]["mask"] is mask
+    assert torch.equal(kw["seq_lens"], b.seq_lens) and kw["block_tables"] is b.page_table
+    wide = backend._causal_mask(1, 33, torch.device("cpu"))
+    assert wide.shape == (1, 33, 4) and wide[0, 32].tolist() == [65535, 65535, 1, 0]

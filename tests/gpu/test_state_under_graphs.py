@@ -110,6 +110,28 @@ def test_speculative_verify_under_graphs(name, ckpt):
     assert_clean(llm)
 
 
+@pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_verify_graphs(name, ssm_dtype, ckpt, monkeypatch):
+    """Verify steps replayed from the verify graphs (HYBRID_VERIFY_GRAPHS=1: rows padded to K+1
+    tokens, XQA's speculative mode, the Mamba verify group from the graph's buffers): each prompt
+    alone (a verify step of one row) and all together, teacher-forced against a plain engine, the
+    sanitizer checking the padded buffers as they ran, in both state dtypes."""
+    monkeypatch.setenv("HYBRID_VERIFY_GRAPHS", "1")
+    path = ckpt(name)
+    sp = SamplingParams(max_tokens=24, **GREEDY)
+    llm = make(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, mamba_ssm_dtype=ssm_dtype)
+    assert llm.runner.verify_graphs_on and sorted(llm.runner.verify_graphs) == llm.runner.verify_sizes
+    spec = [t for p in PROMPTS[:4] for t in tokens(llm.generate([p], sp, use_tqdm=False))]
+    spec_all = tokens(llm.generate(PROMPTS[:4], sp, use_tqdm=False))
+    assert llm.runner.stats["verify_graph_replays"] > 0, llm.runner.stats
+    ref = make(path, mamba_ssm_dtype=ssm_dtype)
+    tie = 0.2 if name in MOE_FAMILIES else NEAR_TIE
+    assert_greedy_under_reference(ref, PROMPTS[:4], spec, near_tie=tie)
+    assert_greedy_under_reference(ref, PROMPTS[:4], spec_all, near_tie=tie)
+    assert_clean(llm)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_preemption_under_graphs(name, ckpt):
     path = ckpt(name)
