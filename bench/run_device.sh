@@ -113,6 +113,12 @@ if [[ $what == linear ]]; then
         | grep -v Warn | tail -6 || rc=1
   done
 fi
+# speculative  bench_speculative.py: a verify step (K=3) next to a decode step on the 8B shape, eager and
+#            replayed from the verify graphs (HYBRID_VERIFY_GRAPHS=1), batch 1 / 4 / 16, then generate with
+#            n-gram speculation (~3 minutes)
+if [[ $what == speculative ]]; then
+  timeout 400 python3 bench/bench_speculative.py --json "$OUT/speculative.json" 2>&1 | tee "$OUT/speculative.log" || rc=1
+fi
 # moe-tiles  bench_moe_kernels.py at the decode sizes of the two target shapes: every candidate tile
 #            configuration, per-GEMM pairs, and the model's default (~2-4 minutes)
 if [[ $what == moe-tiles ]]; then
