@@ -223,7 +223,7 @@ class TrtllmAttentionBackend:
             for i in range(n):
                 for j in range(i + 1):
                     bits[i, j // 32] |= 1 << (j % 32)
-            packed = bits.to(torch.int64).where(bits < 2**31, bits - 2**32).to(torch.int32)  # as signed 32-bit
+            packed = bits.where(bits < 2**31, bits - 2**32).to(torch.int32)  # as signed 32-bit
             self._masks[key] = packed.view(torch.uint16).reshape(1, n, 2 * words).expand(rows, -1, -1) \
                 .contiguous().to(device)
         return self._masks[key]

@@ -148,18 +148,23 @@ class ModelRunner:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(device)[0]
         for size in it:
-            batch = self.buffers.batch(size)  # all padding rows: writes no live slot, only the dummy page
-            for _ in range(2):  # warm-up: JIT, autotuning, workspace allocation
-                self.model(batch, self.ctx)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.model(batch, self.ctx)
-            self.graphs[size] = (graph, out)
+            # all padding rows: writes no live slot, only the dummy page
+            self.graphs[size] = self._capture_graph(self.buffers.batch(size))
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB", len(sizes),
                     self.capture_sizes, time.perf_counter() - start, used / 2**20)
+
+    def _capture_graph(self, batch: StepBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One graph of the model on `batch` (buffer views) into the shared pool: two eager runs first
+        (JIT, autotuning, workspace allocation), then the capture. Returns (graph, its output)."""
+        for _ in range(2):
+            self.model(batch, self.ctx)
+        torch.cuda.synchronize(self._device())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.model(batch, self.ctx)
+        return graph, out
 
     @torch.inference_mode()
     def capture_verify(self) -> None:
@@ -175,14 +180,7 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             for size in sorted(self.verify_sizes, reverse=True):
-                batch = self._verify_view(size)
-                for _ in range(2):
-                    self.model(batch, self.ctx)
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    out = self.model(batch, self.ctx)
-                self.verify_graphs[size] = (graph, out)
+                self.verify_graphs[size] = self._capture_graph(self._verify_view(size))
         except Exception as e:  # noqa: BLE001 - any kernel refusing the shape: verify steps stay eager
             torch.cuda.synchronize(device)
             self.verify_graphs.clear()
