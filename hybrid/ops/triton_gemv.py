@@ -14,8 +14,11 @@ PRE_K columns of its slab before waiting for the previous kernel (no kernel writ
 first weight fetch, the latency a projection of a few MB is bound by, overlaps the kernel before it.
 
 The layers use it for steps of at most MAX_ROWS tokens when the "decode_linear" switch is on
-(HYBRID_DECODE_LINEAR=triton, triton_guard.switch; off by default until bench/bench_moe.py
---linear-ab has measured it in the model: bench/bench_gemv.py measured it alone, tying cuBLAS). CPU tests run it through Triton's interpreter (tests/test_triton_gemv.py).
+(HYBRID_DECODE_LINEAR=triton, triton_guard.switch). It is off: alone (bench/bench_gemv.py) it tied
+cuBLAS, but in the model (bench/bench_moe.py --linear-ab, BENCHMARKS.md) decode lost 37-45% at batch 1,
+most likely in gated_norm_linear, whose programs (one per 32 output columns: 48 for Granite-4.0-H-Tiny's
+out_proj) are too few and each recompute the whole gated norm. CPU tests run it through Triton's
+interpreter (tests/test_triton_gemv.py).
 """
 from __future__ import annotations
 
