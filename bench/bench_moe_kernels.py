@@ -4,8 +4,9 @@ shapes of Nemotron-3-Nano-30B-A3B, Granite-4.0-H-Tiny and Granite-4.0-H-Small, n
 decode rows by the bytes of the experts the batch touches over the copy bandwidth, prefill rows by
 their FLOPs over the bf16 matmul rate (both measured in the same run).
 
-Decode rows also time (first GEMM, second GEMM) pairs of configurations, and the model's own
-default (config=None, whose column tiles narrow at few programs).
+Decode rows also time (first GEMM, second GEMM) pairs of configurations and the model's own default
+(config=None, whose column tiles narrow at few programs). --kernel-profile prints each kernel's
+time in the default's replay (torch profiler).
 
 Usage: python bench/bench_moe_kernels.py [--tokens 1 8 64 256 8192] [--json FILE]
 """
@@ -73,11 +74,33 @@ def grouped_mm_experts(x, w_up, w_down, top_idx, top_w, gated):
     return torch.zeros_like(x).index_add_(0, tok, y)
 
 
+def print_kernel_profile(fn, label: str, replays: int = 20) -> None:
+    """Per-kernel device time (us per replay) of fn captured in a graph, from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    print(f"  kernels of {label} (us per replay):")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if e.device_time_total > 0:
+            print(f"      {e.key[:70]:70s} {e.device_time_total / replays:8.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 8192])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kernel-profile", action="store_true", help="each kernel's time in the default's replay")
     args = ap.parse_args()
     from hybrid.ops import triton_moe, triton_moe_align
 
@@ -128,6 +151,9 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 timings["torch._grouped_mm"] = (float("nan"), repr(e)[:80])
             res["timings"] = timings
+            if args.kernel_profile:
+                print_kernel_profile(lambda: triton_moe.fused_experts(x, w_up, w_down, top_idx, top_w, gated),
+                                     f"{name} T={T} default")
             best = min((v[0], c) for c, v in timings.items() if v[0] == v[0])
             res["default_ms"] = timings[str(default)][0]
             res["best"] = best[1]

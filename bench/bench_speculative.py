@@ -1,5 +1,5 @@
 """Speculative verify steps on the GPU: what one costs next to a decode step, eager and replayed from
-the verify graphs (HYBRID_VERIFY_GRAPHS=1, graphs/runner.py), on the Nemotron-H-8B shape of
+the verify graphs (the default, graphs/runner.py), on the Nemotron-H-8B shape of
 bench/bench_decode.py (random bf16 weights built in memory), at a 2K context.
 
 A verify step of B rows scores K+1 tokens a row (the last sampled token and K drafts); speculation

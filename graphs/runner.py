@@ -5,7 +5,7 @@
   into persistent buffers (padding rows as in graphs/padding.py) and the bucket's captured graph
   is replayed; with `pad_decode=True` and no graphs (CPU tests) the padded batch runs eagerly;
 - speculative verify steps (verify rows only, at most VERIFY_GRAPH_MAX_ROWS of them): with verify
-  graphs on (HYBRID_VERIFY_GRAPHS=1, off by default until measured on the GPU) every row is padded
+  graphs on (the default with graphs; HYBRID_VERIFY_GRAPHS=0 turns them off) every row is padded
   to K+1 tokens and the batch to a bucket (graphs/padding.pad_verify_batch) and the bucket's verify
   graph is replayed; with `pad_verify=True` and no graphs (CPU tests) the padded batch runs eagerly;
 - everything else (prefill, mixed, sizes above the largest bucket): eager.
@@ -161,6 +161,10 @@ class ModelRunner:
         for _ in range(2):
             self.model(batch, self.ctx)
         torch.cuda.synchronize(self._device())
+        # the step's Mamba metadata (index tensors derived from the buffers) must be built inside the
+        # capture: the copy the eager runs cached lives outside the graph's pool and is freed with the
+        # batch, after which the graph would read whatever reuses that memory
+        batch.mamba_metadata = None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.model(batch, self.ctx)

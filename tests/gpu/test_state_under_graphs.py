@@ -96,7 +96,9 @@ def test_forked_branches_under_graphs(name, ckpt):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_speculative_verify_under_graphs(name, ckpt):
+def test_speculative_verify_under_graphs(name, ckpt, monkeypatch):
+    # the eager verify path next to graph-replayed decodes (test_verify_graphs: the verify graphs)
+    monkeypatch.setenv("HYBRID_VERIFY_GRAPHS", "0")
     path = ckpt(name)
     sp = SamplingParams(max_tokens=24, **GREEDY)
     plain = tokens(make(path).generate(PROMPTS[:4], sp, use_tqdm=False))
@@ -113,7 +115,7 @@ def test_speculative_verify_under_graphs(name, ckpt):
 @pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_verify_graphs(name, ssm_dtype, ckpt, monkeypatch):
-    """Verify steps replayed from the verify graphs (HYBRID_VERIFY_GRAPHS=1: rows padded to K+1
+    """Verify steps replayed from the verify graphs (the default; rows padded to K+1
     tokens, XQA's speculative mode, the Mamba verify group from the graph's buffers): each prompt
     alone (a verify step of one row) and all together, teacher-forced against a plain engine, the
     sanitizer checking the padded buffers as they ran, in both state dtypes."""
