@@ -173,6 +173,35 @@ def test_trtllm_attention_vs_torch(page_size, heads, kv_heads, head_dim, mode):
     assert torch.equal(kv, kv_ref2)  # fused KV write == reference scatter, exactly
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (32, 8, 128), (32, 2, 128), (40, 8, 128)])
+@pytest.mark.parametrize("q_len", [2, 4])
+def test_trtllm_verify_vs_torch_at_long_contexts(page_size, heads, kv_heads, head_dim, q_len):
+    """A padded verify step (every row q_len tokens: the verify graphs' shape, XQA's speculative mode
+    with its causal mask) over histories up to 16K tokens (multi-block XQA), against the reference."""
+    import dataclasses
+
+    from attention.trtllm import TrtllmAttentionBackend
+
+    ctx = [3, 900, 4097, 16380 - q_len]
+    q_lens = [q_len] * len(ctx)
+    batch, num_pages = attn_batch(q_lens, ctx, page_size, max_pages=-(-16384 // page_size) + 1)
+    batch = dataclasses.replace(batch, num_decodes=0, num_prefills=0, num_verify=len(ctx), uniform_q_len=q_len)
+    dtype = torch.bfloat16
+    torch.manual_seed(2)
+    kv = torch.randn(num_pages, 2, kv_heads, page_size, head_dim, device=DEV).to(dtype)
+    T = sum(q_lens)
+    q = torch.randn(T, heads, head_dim, device=DEV).to(dtype)
+    k = torch.randn(T, kv_heads, head_dim, device=DEV).to(dtype)
+    v = torch.randn(T, kv_heads, head_dim, device=DEV).to(dtype)
+    scale = head_dim ** -0.5
+    plain = dataclasses.replace(batch, num_verify=0, num_prefills=len(ctx), uniform_q_len=0)
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kv.clone().float(), plain, scale)
+    out = TrtllmAttentionBackend().forward(q, k, v, kv, batch, scale)
+    torch.cuda.synchronize()
+    assert rel_err(out.float(), ref) < TOL[dtype], rel_err(out.float(), ref)
+
+
 def test_fused_kv_write_skips_negative_rows():
     from attention.trtllm import write_kv_fused
 
