@@ -57,6 +57,45 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * scale
 
 
+# the parameters that may stay in FP8 as loaded (FP8 experts, hybrid/moe.py Experts): the rest of
+# the loader's dequantized set (routers, adapters, LM head) is dequantized at load
+FP8_EXPERT_PARAMS = ("experts.up", "experts.down")
+
+
+def keep_fp8_experts(device: torch.device) -> bool:
+    """Whether an FP8 checkpoint's routed experts stay in FP8 (half the bytes resident and streamed;
+    the fused MoE kernel dequantizes them in registers): on CUDA. On the CPU they are dequantized at
+    load, the reference numerics (which the FP8 experts reproduce exactly in the torch loop)."""
+    return torch.device(device).type == "cuda"
+
+
+def row_scales(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """check_scale's broadcastable scale of `weight` ([rows, in] or [E, rows, in]) as one fp32 value
+    per output row: [rows] or [E, rows]."""
+    return scale.expand(*weight.shape[:-1], 1).reshape(weight.shape[:-1]).float().contiguous()
+
+
+def settle_fp8_experts(model: nn.Module, dtype: torch.dtype) -> int:
+    """After a load: an Experts module whose up and down did not both stay in FP8 (a checkpoint that
+    quantizes one of them) gets the FP8 one dequantized to `dtype`, since the kernel takes both or
+    neither. Returns how many Experts modules hold FP8 weights."""
+    from hybrid.moe import Experts
+
+    count = 0
+    for m in model.modules():
+        if not isinstance(m, Experts):
+            continue
+        if (m.up_scale is None) != (m.down_scale is None):
+            for which in ("up", "down"):
+                scale = getattr(m, f"{which}_scale")
+                if scale is not None:
+                    w = getattr(m, which)
+                    setattr(m, which, nn.Parameter(dequantize(w.data, scale[..., None]).to(dtype), requires_grad=False))
+                    setattr(m, f"{which}_scale", None)
+        count += m.up_scale is not None
+    return count
+
+
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x quantized to e4m3 with `scale` (x / scale, clamped to +-448, rounded to the nearest e4m3) and
     dequantized back, in x.dtype: what an FP8 GEMM sees of its input."""

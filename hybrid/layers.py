@@ -131,7 +131,7 @@ class Mamba2Mixer(nn.Module):
         (HYBRID_DECODE_LINEAR=triton) with the norm-then-weight gate takes both in one launch
         (triton_gemv.gated_norm_linear), unless tensor parallelism splits the groups or the projection."""
         cfg, proj = self.cfg, self.out_proj
-        if (self.fused and proj.fused and type(proj) is Linear and self.norm_stats is None
+        if (self.fused and type(proj) is Linear and proj.fused and self.norm_stats is None
                 and cfg.gate == GATE_THEN_NORM and switch("decode_linear") and triton_gemv.eligible(z, proj.weight)
                 and self.norm_weight.dtype == dtype == proj.weight.dtype and y.stride(-1) == 1
                 and triton_gemv.gated_norm_block_k(cfg.intermediate_size // cfg.n_groups) is not None):

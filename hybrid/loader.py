@@ -20,8 +20,10 @@ from hybrid.config_fields import read_json
 from hybrid.errors import CheckpointError
 from hybrid.layers import Linear
 from hybrid.model import HybridModel
-from hybrid.fp8_linear import build_fp8_linear, check_scale, dequantize
-from hybrid.quantization import FP8_STORED, plan_quantized, read_quant_config
+from hybrid.fp8_linear import (
+    FP8_EXPERT_PARAMS, build_fp8_linear, check_scale, dequantize, keep_fp8_experts, row_scales, settle_fp8_experts,
+)
+from hybrid.quantization import FP8_DTYPE, FP8_STORED, plan_quantized, read_quant_config
 from hybrid.tensor_plan import Source, tensor_plan
 
 logger = logging.getLogger("hybrid")
@@ -215,12 +217,14 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
 
         items = tqdm(items, desc="Loading weights", unit="tensor")
     fp8_parts = []  # (param, source, fp8 parts) of the projections that become Fp8Linear
+    keep_experts = qplan is not None and shard is None and keep_fp8_experts(device)
     for pname, src in items:
         target = params[pname]
         full = target.shape if shard is None else shard.full_shape(pname)
         cut = None if shard is None else shard.cut(pname)
         shapes = _disk_shapes(src.how, full, len(src.disk_names), src.rows)
         parts = []
+        fp8_scales = []  # per part: an FP8 part's row scales, or None
         offset = 0  # "concat": the first row of this part in the assembled tensor
         for disk_name, shape in zip(src.disk_names, shapes):
             where = os.path.basename(files[disk_name])
@@ -249,15 +253,20 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
             offset += shape[0]
             if check_finite and not bool(torch.isfinite(part.float() if fp8 else part).all()):
                 raise CheckpointError(f"tensor '{disk_name}' in {where} holds non-finite values (NaN or Inf)")
+            fp8_scales.append(None)
             if fp8 and disk_name in qplan.dequant:  # experts, routers, adapters, LM head: dequantized at load
                 q = qplan.dequant[disk_name]
                 experts = part.shape[0] if part.dim() == 3 else None
                 scale = check_scale(read(q.scale), q.scale, stored_dtype(q.scale), rows=part.shape[-2], experts=experts)
-                part = dequantize(part, scale)
+                fp8_scales[-1] = row_scales(part, scale)
+                if not (keep_experts and pname.endswith(FP8_EXPERT_PARAMS) and src.row_scale is None):
+                    part = dequantize(part, scale)
             parts.append(part)
         if qplan is not None and pname in qplan.linear:
             fp8_parts.append((pname, src, parts))
             continue
+        if any(p.dtype == FP8_DTYPE for p in parts) and None in fp8_scales:  # FP8 experts mixed with float parts
+            parts = [dequantize(p, s[..., None]) if p.dtype == FP8_DTYPE else p for p, s in zip(parts, fp8_scales)]
         if src.how == "whole":
             tensor = parts[0]
         elif src.how == "conv":
@@ -274,11 +283,18 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
             pad[cut.dim] = cut.rows - tensor.shape[cut.dim]
             tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=cut.dim)
         want_dtype = torch.float32 if _FP32_PARAMS.search(pname) else dtype
+        if tensor.dtype == FP8_DTYPE:  # FP8 experts, kept as stored with one scale per row (hybrid/moe.py)
+            want_dtype = FP8_DTYPE
+            scales = fp8_scales[0] if src.how == "whole" else torch.stack(fp8_scales) if src.how == "stack" \
+                else torch.cat(fp8_scales)
+            _set_param(model, f"{pname}_scale", scales.to(device).contiguous(), buffer=True)
         tensor = tensor.to(device=device, dtype=want_dtype).contiguous()
         _set_param(model, pname, tensor)
     for pname, src, parts in fp8_parts:  # after the loop: their biases are loaded by now
         _set_fp8_linear(model, qplan.linear[pname], src, parts, read, stored_dtype)
     handles.clear()
+    if keep_experts and settle_fp8_experts(model, dtype):
+        logger.info("FP8 routed experts kept in FP8 (weight-only, dequantized inside the fused MoE kernel)")
     _move_buffers(model, device)
     return model
 
@@ -301,10 +317,10 @@ def _set_fp8_linear(model: torch.nn.Module, param, src: Source, weights: list[to
     setattr(parent, attr, build_fp8_linear(param, weights, scales, inputs, bias, row_scale, src.input_multiplier))
 
 
-def _set_param(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+def _set_param(model: torch.nn.Module, name: str, tensor: torch.Tensor, buffer: bool = False) -> None:
     module_path, _, attr = name.rpartition(".")
     module = model.get_submodule(module_path) if module_path else model
-    setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=False))
+    setattr(module, attr, tensor if buffer else torch.nn.Parameter(tensor, requires_grad=False))
 
 
 def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:

@@ -20,7 +20,13 @@ class Experts(nn.Module):
 
     The torch loop over the chosen experts is the CPU reference; on CUDA (`fused`) one Triton
     grouped GEMM per projection runs instead (hybrid/ops/triton_moe.py): no host sync, fixed launch
-    shapes, so MoE models decode under CUDA graphs."""
+    shapes, so MoE models decode under CUDA graphs.
+
+    FP8 experts (an FP8 checkpoint's experts as the loader keeps them on CUDA, hybrid/loader.py): up
+    and down in float8_e4m3fn with `up_scale` / `down_scale` [E, rows] fp32, one scale per output
+    row. They stream half the bytes of bf16 experts; the activations stay in the model dtype
+    (weight-only), so the result is the dequantized weights' (w.float() * scale) up to rounding.
+    The torch loop dequantizes each chosen expert as the load-time dequantization would."""
 
     can_defer_sum = True  # not when the output is reduced across ranks first (ParallelExperts)
 
@@ -34,6 +40,18 @@ class Experts(nn.Module):
         self.fused = False  # the Triton grouped-GEMM path (see use_fused_ops)
         self.can_fuse = act == ("silu" if gated else "relu2")
         self.defer_sum = False  # fused path: return ExpertRows, summed by the next norm (see use_fused_ops)
+        self.register_buffer("up_scale", None)  # FP8 experts: per-row scales (see the class docstring)
+        self.register_buffer("down_scale", None)
+
+    @property
+    def fp8(self) -> bool:
+        return self.up_scale is not None
+
+    def _weight(self, which: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e's up or down weight in `dtype` (FP8 experts: dequantized with their row scales)."""
+        w = getattr(self, which)[e]
+        scale = getattr(self, f"{which}_scale")
+        return w if scale is None else (w.float() * scale[e][:, None]).to(dtype)
 
     def shared_slices(self, shared: nn.Module | None, num_tokens: int) -> int:
         """How many expert-wide slices the shared expert `shared` joins the fused launches as (0: it
@@ -45,6 +63,8 @@ class Experts(nn.Module):
         if isinstance(shared, GatedMLP) != self.gated or up.bias is not None or shared.down_proj.bias is not None:
             return 0
         if type(up) is not Linear or type(shared.down_proj) is not Linear:  # FP8 projections run on their own
+            return 0
+        if self.fp8:  # the kernel streams one weight dtype a launch
             return 0
         width, inter = shared.down_proj.weight.shape[1], self.down.shape[2]
         return width // inter if width % inter == 0 else 0
@@ -60,18 +80,19 @@ class Experts(nn.Module):
                 s_up = (shared.gate_up_proj if self.gated else shared.up_proj).weight
                 s_down = shared.down_proj.weight
             return triton_moe.fused_experts(x, self.up, self.down, top_idx, top_w, self.gated, add,
-                                            shared_up=s_up, shared_down=s_down, defer_sum=self.defer_sum)
+                                            shared_up=s_up, shared_down=s_down, defer_sum=self.defer_sum,
+                                            up_scale=self.up_scale, down_scale=self.down_scale)
         assert shared is None, "the shared expert joins the experts only on the fused path"
         out = torch.zeros(x.shape[0], x.shape[1], dtype=top_w.dtype, device=x.device)
         for e in torch.unique(top_idx).tolist():
             token, k = torch.where(top_idx == e)
-            h = F.linear(x[token], self.up[e])
+            h = F.linear(x[token], self._weight("up", e, x.dtype))
             if self.gated:
                 gate, up = h.chunk(2, dim=-1)
                 h = self.act(gate) * up
             else:
                 h = self.act(h)
-            h = F.linear(h, self.down[e]) * top_w[token, k, None]
+            h = F.linear(h, self._weight("down", e, x.dtype)) * top_w[token, k, None]
             out.index_add_(0, token, h.to(out.dtype))
         out = out.to(x.dtype)
         return out + add if add is not None else out

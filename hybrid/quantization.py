@@ -21,7 +21,8 @@ cache stays in the model dtype.
 What the runtime does with them: the projections that are `Linear` modules of the model become
 `Fp8Linear` (the fp8 weight stays resident, 1 byte a value); the other linear-shaped weights an FP8
 checkpoint may quantize (routed experts, routers, Zamba2's adapters, an untied LM head) are
-dequantized to the model dtype at load (FP8 experts inside the fused MoE kernel are later work).
+dequantized to the model dtype at load, except the routed experts on CUDA, which stay in FP8 with
+per-row scales for the fused MoE kernel (hybrid/fp8_linear.keep_fp8_experts, hybrid/moe.py Experts).
 Embeddings, norms, conv1d, A_log / D / dt_bias and biases are never FP8: such a tensor stored in
 FP8 is a CheckpointError, as is an FP8 weight without its scale or one the config excludes.
 """
@@ -295,7 +296,8 @@ class QuantPlan:
     def summary(self) -> str:
         n = len(self.linear)
         return (f"{self.config.describe()} checkpoint: {n} projection{'s' * (n != 1)} in FP8"
-                + (f", {len(self.dequant)} FP8 tensors (experts, routers, adapters, LM head) dequantized at load"
+                + (f", {len(self.dequant)} other FP8 tensors (experts, routers, adapters, LM head): the routed "
+                   f"experts kept in FP8 on CUDA, the rest dequantized at load"
                    if self.dequant else "")
                 + (f"; KV-cache quantization {self.config.kv_cache} declared: its K/V scales are used with "
                    f"kv_cache_dtype='fp8' (otherwise the KV cache is in the model dtype)"

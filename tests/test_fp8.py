@@ -169,7 +169,8 @@ def test_default_model_greedy_agreement(tmp_path, make_llm):
 
 def test_excluded_modules_stay_float(fp8_ckpt, make_llm):
     """LM head, embeddings, norms, conv1d, A_log / D / dt_bias, routers and whatever the checkpoint
-    excludes stay in float; routed experts are dequantized to the model dtype at load."""
+    excludes stay in float; on the CPU routed experts are dequantized to the model dtype at load
+    (on CUDA they stay FP8: test_fp8_experts_stay_fp8)."""
     from hybrid.layers import Linear, RMSNorm
     from hybrid.fp8_linear import Fp8Linear
     from hybrid.quantization import FP8_DTYPE
@@ -229,6 +230,42 @@ def test_fp8_linear_layout_and_bytes(fp8_ckpt, tiny_ckpt, make_llm):
     proj = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, Fp8Linear))
     assert full - fp8_total == 3 * proj - 4 * sum(1 + mod.weight_scale.numel() for mod in m.modules()
                                                   if isinstance(mod, Fp8Linear))
+
+
+@pytest.mark.parametrize("family,scheme", [("granite_moe", "modelopt_fp8"), ("granite_moe", "ct_fp8_dynamic"),
+                                           ("nemotron_h", "modelopt_fp8"), ("nemotron_h", "ct_fp8_dynamic")])
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_experts_stay_fp8(family, scheme, fused, fp8_ckpt, make_llm, monkeypatch):
+    """As on CUDA (hybrid.fp8_linear.keep_fp8_experts): the routed experts stay in FP8 with one scale
+    per row (a quarter of their fp32 bytes here, half of bf16), and the model computes what it does with
+    the experts dequantized at load: exactly in the torch loop, within rounding in the fused kernel
+    (the interpreter here)."""
+    from hybrid import loader
+    from hybrid.moe import Experts
+    from hybrid.quantization import FP8_DTYPE
+
+    path = fp8_ckpt(family, scheme)
+    prompts = _prompts(path, 3)
+    base = _aligned(make_llm(path, fused_ops=fused or None))
+    want = _run(base, prompts, 8)
+    monkeypatch.setattr(loader, "keep_fp8_experts", lambda device: True)
+    llm = _aligned(make_llm(path, fused_ops=fused or None))
+    kept = [m for m in llm.model.modules() if isinstance(m, Experts)]
+    ref = [m for m in base.model.modules() if isinstance(m, Experts)]
+    assert kept and all(m.fp8 and m.up.dtype == m.down.dtype == FP8_DTYPE and m.fused == fused for m in kept)
+    for m, r in zip(kept, ref):
+        assert m.up_scale.shape == m.up.shape[:2] and m.down_scale.shape == m.down.shape[:2]
+        assert m.up.element_size() * 4 == r.up.element_size() and m.up.shape == r.up.shape
+        assert torch.equal((m.up.float() * m.up_scale[..., None]), r.up)  # the load's dequantization, exactly
+    got = _run(llm, prompts, 8)
+    if not fused:
+        assert got == want
+        return
+    assert got[0] == want[0]
+    for a_row, b_row in zip(want[1], got[1]):
+        for a, b in zip(a_row, b_row):
+            t = next(iter(a))
+            assert abs(a[t] - b[t]) < 1e-4
 
 
 def test_bf16_source_and_bf16_scales(tiny_ckpt, tmp_path, make_llm):

@@ -106,6 +106,41 @@ def test_per_gemm_configs(gated):
         triton_moe.gemm_configs(((16, 16, 16, 1, 1, 1), (32, 16, 16, 1, 1, 1)))
 
 
+@pytest.mark.parametrize("kind", ["random", "every_expert", "one_expert"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("config", [(16, 16, 16, 2, 1, 1), (64, 32, 16, 2, 1, 1)])
+def test_fp8_experts_match_the_dequantized_loop(kind, gated, per_row, config):
+    # FP8 (e4m3) expert weights with one scale per expert or per expert row: the kernel widens W in
+    # registers and scales each output column; the reference is the loop over the dequantized weights
+    g = torch.Generator().manual_seed(11)
+    T, width = 21, 2 * INTER if gated else INTER
+
+    def quantize(w):
+        amax = w.abs().amax(dim=-1) if per_row else w.abs().amax(dim=(1, 2))[:, None].expand(w.shape[:2])
+        scale = (amax / 448.0).float().contiguous()
+        return (w / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+    up8, up_s = quantize(torch.randn(E, width, H, generator=g) / H ** 0.5)
+    down8, down_s = quantize(torch.randn(E, H, INTER, generator=g) / INTER ** 0.5)
+    x = torch.randn(T, H, generator=g)
+    top_idx, top_w = routing(kind, T, E, TOP_K, seed=4)
+    up_d, down_d = up8.double() * up_s.double()[..., None], down8.double() * down_s.double()[..., None]
+    ref = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(TOP_K):
+            e = int(top_idx[t, j])
+            h = up_d[e] @ x[t].double()
+            h = torch.nn.functional.silu(h[:INTER]) * h[INTER:] if gated else torch.relu(h) ** 2
+            ref[t] += float(top_w[t, j]) * (down_d[e] @ h)
+    out = triton_moe.fused_experts(x, up8, down8, top_idx, top_w, gated, config=config, up_scale=up_s,
+                                   down_scale=down_s)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(AssertionError, match="per-row scales"):
+        triton_moe.fused_experts(x, up8, down8, top_idx, top_w, gated, config=config, up_scale=up_s)
+
+
 def test_fused_experts_prefill_config_and_add():
     # the prefill tiles (BLOCK_M 64, grouped ordering) over more tokens than one block holds
     check_fused_experts("random", True, "torch", T=70, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,

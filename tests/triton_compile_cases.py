@@ -57,15 +57,19 @@ def case(name):
 
 
 for _config in ("decode", "prefill_gated"):
-    for _act, _early in ((triton_moe.ACT_NONE, False), (triton_moe.ACT_NONE, True), (triton_moe.ACT_RELU2, False),
-                         (triton_moe.ACT_SILU_MUL, False)):
-        def _moe(config=_config, act=_act, early=_early):
+    for _act, _early, _fp8 in ((triton_moe.ACT_NONE, False, False), (triton_moe.ACT_NONE, True, False),
+                               (triton_moe.ACT_RELU2, False, False), (triton_moe.ACT_SILU_MUL, False, False),
+                               # FP8 experts (e4m3 weights widened in registers, per-row scales)
+                               (triton_moe.ACT_NONE, True, True), (triton_moe.ACT_RELU2, False, True),
+                               (triton_moe.ACT_SILU_MUL, False, True)):
+        def _moe(config=_config, act=_act, early=_early, fp8=_fp8):
             up, down = triton_moe.gemm_configs(triton_moe.CONFIGS[config])
             bm, bn, bk, gm, warps, stages = down if act == triton_moe.ACT_NONE else up  # 2nd GEMM: no activation
+            ptrs = dict(MOE_PTRS, ws_ptr="*fp32", **({"b_ptr": "*fp8e4nv"} if fp8 else {}))
             compiles(triton_moe._moe_gemm_kernel,
-                     dict(ACT=act, MUL_W=act == triton_moe.ACT_NONE, HAS_SHARED=True, IEEE=False, BLOCK_M=bm,
-                          BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early, PDL=True), MOE_PTRS, warps, stages)
-        CASES[f"moe_gemm-{_config}-act{_act}-early{int(_early)}"] = _moe
+                     dict(ACT=act, MUL_W=act == triton_moe.ACT_NONE, HAS_SHARED=not fp8, W_SCALE=fp8, IEEE=False,
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early, PDL=True), ptrs, warps, stages)
+        CASES[f"moe_gemm-{_config}-act{_act}-early{int(_early)}{'-fp8' * _fp8}"] = _moe
 
 
 @case("router")

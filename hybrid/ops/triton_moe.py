@@ -44,8 +44,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_gemm_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, pairs_ptr, block_expert_ptr, total_ptr,
-                         N, K, num_pairs, a_div, num_m_blocks, num_experts, s_am, s_be, s_bn, s_sn, s_se,
-                         s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr, HAS_SHARED: tl.constexpr,
+                         ws_ptr, N, K, num_pairs, a_div, num_m_blocks, num_experts, s_am, s_be, s_bn, s_sn,
+                         s_se, s_up, s_cm, s_ws, ACT: tl.constexpr, MUL_W: tl.constexpr,
+                         HAS_SHARED: tl.constexpr, W_SCALE: tl.constexpr,
                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EARLY_B: tl.constexpr,
                          PDL: tl.constexpr):
@@ -57,6 +58,10 @@ if HAS_TRITON:
         # first GEMM, i.e. (under PDL) by kernels that are complete when this one starts, and nothing
         # writes W: they and the first W tile load before the wait; only A (the first GEMM's
         # output) waits. Otherwise the wait comes first.
+        # W_SCALE (FP8 experts, weight-only): W holds e4m3 values, widened to A's dtype in registers
+        # (exactly: every e4m3 value is a bf16 value), and output column n of expert e is multiplied by
+        # ws[e, n] (its up column by ws[e, N + n]) in fp32 before the activation: the dequantized
+        # weight's product, rounded once.
         if not EARLY_B:
             pdl_wait(PDL)
         pid = tl.program_id(0)
@@ -91,7 +96,7 @@ if HAS_TRITON:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if EARLY_B:  # (ACT_NONE: one W tile a step) the first K step peeled, its W tile before the wait
             k_ok = offs_k < K
-            b = tl.load(b_ptrs, mask=live & k_ok[:, None] & n_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=live & k_ok[:, None] & n_ok[None, :], other=0.0).to(a_ptr.dtype.element_ty)
             pdl_wait(PDL)
             if not live:
                 return
@@ -105,7 +110,7 @@ if HAS_TRITON:
             for k0 in range(BLOCK_K, K, BLOCK_K):
                 k_ok = offs_k < K - k0
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(a_ptr.dtype.element_ty)
                 if IEEE:
                     acc = tl.dot(a, b, acc, input_precision="ieee")
                 else:
@@ -116,19 +121,25 @@ if HAS_TRITON:
             for k0 in range(0, K, BLOCK_K):
                 k_ok = offs_k < K - k0
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(a_ptr.dtype.element_ty)
                 if IEEE:
                     acc = tl.dot(a, b, acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a, b, acc)
                 if ACT == 2:
-                    b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None] & n_ok[None, :],
+                                   other=0.0).to(a_ptr.dtype.element_ty)
                     if IEEE:
                         acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
                     else:
                         acc_up = tl.dot(a, b_up, acc_up)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
+        if W_SCALE:  # (FP8 experts never share a launch with the shared expert: fused_experts)
+            ws = ws_ptr + expert * s_ws + offs_n
+            acc = acc * tl.load(ws, mask=n_ok, other=1.0)[None, :]
+            if ACT == 2:
+                acc_up = acc_up * tl.load(ws + N, mask=n_ok, other=1.0)[None, :]
         if ACT == 1:
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
@@ -202,11 +213,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div, act, cfg, narrow: bool,
-                  early_b: bool = False) -> None:
+                  early_b: bool = False, w_scale: torch.Tensor | None = None) -> None:
     """One grouped GEMM launch. `shared`: (tensor, row stride, pseudo-expert stride, up-row offset)
     or None. `narrow`: halve BLOCK_N (down to 16) while the launch has under two programs per SM,
     so that a decode step with few pairs still streams the weights from every SM. `early_b`: the
-    blocks were aligned before the previous launch (the second GEMM): see _moe_gemm_kernel."""
+    blocks were aligned before the previous launch (the second GEMM): see _moe_gemm_kernel.
+    `w_scale` [E, rows of w] fp32: w is FP8 (e4m3) with these per-row scales."""
     bm, bn, bk, gm, warps, stages = cfg
     # fp32 operands (tests, fp32 models) take twice the shared memory of the bf16 tiles the configs
     # were tuned for: fewer pipeline stages, then shorter K steps, until the buffers fit
@@ -224,9 +236,11 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
     pdl = pdl_options(a.device)
     _moe_gemm_kernel[(nb * cdiv(n_out, bn),)](
         a, w, s_t, out, weights if weights is not None else out, pairs, block_expert, total,
-        n_out, a.shape[1], out.shape[0], a_div, nb, w.shape[0], a.stride(0), w.stride(0), w.stride(1),
-        s_sn, s_se, s_up, out.stride(0),
-        ACT=act, MUL_W=weights is not None, HAS_SHARED=shared is not None, IEEE=a.dtype == torch.float32,
+        w_scale if w_scale is not None else out, n_out, a.shape[1], out.shape[0], a_div, nb, w.shape[0],
+        a.stride(0), w.stride(0), w.stride(1), s_sn, s_se, s_up, out.stride(0),
+        w_scale.stride(0) if w_scale is not None else 0,
+        ACT=act, MUL_W=weights is not None, HAS_SHARED=shared is not None, W_SCALE=w_scale is not None,
+        IEEE=a.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early_b and act == ACT_NONE,
         num_warps=warps, num_stages=stages, **pdl,
     )
@@ -274,7 +288,8 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
                   top_w: torch.Tensor, gated: bool, add: torch.Tensor | None = None, *,
                   shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
                   config: tuple | tuple[tuple, tuple] | None = None, align_method: str | None = None,
-                  defer_sum: bool = False) -> torch.Tensor | ExpertRows:
+                  defer_sum: bool = False, up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None) -> torch.Tensor | ExpertRows:
     """The routed experts' output [T, H] in x.dtype (+ `add`); see the module docstring. With
     `defer_sum`, the ExpertRows that sum to it (for the next norm to add up: ExpertRows).
 
@@ -283,7 +298,11 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     E .. E+S-1, each an I-wide slice of it: top_idx / top_w then carry S more columns, ids E+s with
     weight 1 (`triton_moe_route.route(..., num_shared=S)` writes them). The slices' outputs add up to
     the shared MLP's. `config`: one kernel configuration or a (first GEMM, second GEMM) pair (CONFIGS);
-    given, it is used as is (no narrowing)."""
+    given, it is used as is (no narrowing).
+
+    FP8 experts (weight-only): w_up / w_down in float8_e4m3fn with up_scale [E, I or 2I] and
+    down_scale [E, H] (fp32, one per output row): the result of their dequantized weights
+    (w.float() * scale) up to rounding. The shared expert then runs on its own (no shared_up)."""
     require(__name__)
     T, H = x.shape
     E, width, _ = w_up.shape
@@ -291,6 +310,13 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     top_k = top_idx.shape[1]
     assert x.stride(1) == 1 and w_up.stride(2) == 1 and w_down.stride(2) == 1
     assert width == (2 * inter if gated else inter)
+    fp8 = w_up.dtype == torch.float8_e4m3fn
+    assert fp8 == (w_down.dtype == torch.float8_e4m3fn) == (up_scale is not None) == (down_scale is not None), \
+        "FP8 experts need both weights in float8_e4m3fn and both per-row scales"
+    if fp8:
+        assert shared_down is None, "FP8 experts do not share their launches with the shared expert"
+        assert up_scale.shape == (E, width) and down_scale.shape == (E, H)
+        assert up_scale.dtype == down_scale.dtype == torch.float32 and up_scale.stride(1) == down_scale.stride(1) == 1
     S = num_shared_pseudo_experts(shared_down, inter)
     up_shared = down_shared = None
     if S:
@@ -309,10 +335,10 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     narrow = config is None and cfg_up[0] == 16
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
-                  ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow)
+                  ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,
-                  ACT_NONE, cfg_down, narrow, early_b=True)
+                  ACT_NONE, cfg_down, narrow, early_b=True, w_scale=down_scale)
     if add is not None:
         assert add.shape == (T, H) and add.stride(1) == 1 and add.stride(0) == H
     rows = ExpertRows(y, add, top_k)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.moe_reference import ROUTINGS, check_fused_experts, routing  # noqa: E402
+from tests.moe_reference import ROUTINGS, check_fused_experts, routing, tolerance  # noqa: E402
 
 # a Nemotron-3-Nano-like (E 128, top-6, relu2) and a Granite-4.0-H-like (E 64, top-6, SwiGLU) layer,
 # narrower than the real ones to keep the float64 reference quick
@@ -27,6 +27,40 @@ def test_fused_experts_vs_reference(shape, T, kind, dtype):
     s = dict(SHAPES[shape])
     gated = s.pop("gated")
     check_fused_experts(kind, gated, None, T=T, dtype=dtype, device="cuda", with_add=T % 2 == 0, seed=T, **s)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("T", [1, 8, 64, 1500])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fp8_experts_vs_dequantized_reference(shape, T, per_row):
+    """FP8 (e4m3) experts, weight-only, bf16 activations: against the float64 loop over the
+    dequantized weights, decode and prefill tiles."""
+    s = dict(SHAPES[shape])
+    E, H, inter, top_k, gated = s["E"], s["H"], s["inter"], s["top_k"], s["gated"]
+    from hybrid.ops import triton_moe
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    width = 2 * inter if gated else inter
+
+    def quantize(w):
+        amax = w.abs().amax(dim=-1) if per_row else w.abs().amax(dim=(1, 2))[:, None].expand(w.shape[:2])
+        scale = (amax / 448.0).float().contiguous()
+        return (w / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+    up8, up_s = quantize(torch.randn(E, width, H, device="cuda", generator=g) / H ** 0.5)
+    down8, down_s = quantize(torch.randn(E, H, inter, device="cuda", generator=g) / inter ** 0.5)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    top_idx, top_w = routing("random", T, E, top_k, T + 1, "cuda")
+    up_d, down_d = up8.double() * up_s.double()[..., None], down8.double() * down_s.double()[..., None]
+    ref = torch.zeros(T, H, dtype=torch.float64, device="cuda")
+    for e in torch.unique(top_idx).tolist():
+        tok, j = torch.where(top_idx == e)
+        h = x[tok].double() @ up_d[e].T
+        h = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:] if gated else torch.relu(h) ** 2
+        ref.index_add_(0, tok, (h @ down_d[e].T) * top_w[tok, j, None].double())
+    out = triton_moe.fused_experts(x, up8, down8, top_idx, top_w, gated, up_scale=up_s, down_scale=down_s)
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < tolerance(torch.bfloat16), err
 
 
 @pytest.mark.parametrize("method", ["naive", "triton", "torch"])
