@@ -240,13 +240,42 @@ def random_moe_model(cfg, device: torch.device, dtype: torch.dtype) -> torch.nn.
     return model
 
 
+def to_fp8_experts(model: torch.nn.Module) -> int:
+    """The routed experts in FP8 as an FP8 checkpoint's load keeps them on CUDA (hybrid/moe.py Experts:
+    e4m3 weights, one fp32 scale per row, absmax / 448), in place, one expert at a time."""
+    from hybrid.moe import Experts
+
+    count = 0
+    for m in model.modules():
+        if not isinstance(m, Experts):
+            continue
+        count += 1
+        for which in ("up", "down"):
+            w = getattr(m, which).data
+            q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+            scale = (w.abs().amax(dim=-1).float() / 448.0).clamp_min(1e-12)
+            for e in range(w.shape[0]):
+                q[e] = (w[e].float() / scale[e, :, None]).to(torch.float8_e4m3fn)
+            setattr(m, which, torch.nn.Parameter(q, requires_grad=False))
+            setattr(m, f"{which}_scale", scale.contiguous())
+            del w
+    torch.cuda.empty_cache()
+    return count
+
+
 def make_llm(cfg_dict: dict, args, dev: torch.device, max_num_seqs: int, graph_sizes: list[int]):
     import hybrid.llm as L
     from hybrid.config_parse import parse_config
 
     cfg = parse_config(cfg_dict)
     L.load_config = lambda d: cfg
-    L.load_model = lambda d, c, device, dtype, **_: random_moe_model(c, device, dtype)
+    def load(d, c, device, dtype, **_):
+        model = random_moe_model(c, device, dtype)
+        if args.fp8_experts:
+            print(f"routed experts in FP8 (per-row scales) in {to_fp8_experts(model)} MoE layers", flush=True)
+        return model
+
+    L.load_model = load
     return L.LLM("/nonexistent-random-model", device=dev.type, dtype="bfloat16" if dev.type == "cuda" else "float32",
                  max_num_seqs=max_num_seqs, max_model_len=max(args.prompt, args.ctx) + 64,
                  max_num_batched_tokens=args.prompt, enforce_eager=False, cuda_graph_sizes=graph_sizes,
@@ -724,7 +753,7 @@ def worker_args(args) -> list[str]:
            "--util", str(args.util), "--decode-kernels", args.decode_kernels, "--gen-batches", *map(str, args.gen_batches),
            "--gen-prompt", str(args.gen_prompt), "--gen-new", str(args.gen_new), "--gen-seconds", str(args.gen_seconds),
            "--peer-prompt", str(args.peer_prompt), "--peer-new", str(args.peer_new), "--peer-cap", str(args.peer_cap)]
-    for flag in ("no_eager", "profile", "no_fused_ops", *VARIANTS):
+    for flag in ("no_eager", "profile", "no_fused_ops", "fp8_experts", *VARIANTS):
         if getattr(args, flag):
             out.append("--" + flag.replace("_", "-"))
     return out
@@ -742,6 +771,8 @@ def main() -> int:
     ap.add_argument("--util", type=float, default=0.9, help="gpu_memory_utilization")
     ap.add_argument("--decode-kernels", default="triton", choices=["triton", "library"])
     ap.add_argument("--no-fused-ops", action="store_true")
+    ap.add_argument("--fp8-experts", action="store_true",
+                    help="routed experts in FP8 (e4m3, per-row scales), as FP8 checkpoints load on CUDA")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode timing")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="time the graph decode again with programmatic dependent launch off (recaptured)")

@@ -131,6 +131,12 @@ if [[ $what == moe-split ]]; then
   timeout 300 python3 bench/bench_moe_kernels.py --tokens 1 4 8 --shapes granite4_tiny nemotron3_nano --kernel-profile \
       --json "$OUT/moe_split.json" 2>&1 | tee "$OUT/moe_split.log" || rc=1
 fi
+# moe-fp8  the two target shapes' decode (graphs) and TTFT with the routed experts in FP8 (--fp8-experts:
+#          e4m3 weights with per-row scales, weight-only, as FP8 checkpoints load), floors from FP8 bytes
+if [[ $what == moe-fp8 ]]; then
+  timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --fp8-experts \
+      --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_fp8.log" || rc=1
+fi
 if [[ $what == moe-pdl ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --pdl-ab --linear-ab --norm-router-ab --all-ab \
       --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_pdl.log" || rc=1

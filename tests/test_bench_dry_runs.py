@@ -17,3 +17,12 @@ def test_bench_moe_dry_run():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "dry run OK" in proc.stdout
     assert "nemotron-nano" in proc.stdout and "granite-tiny" in proc.stdout
+
+
+def test_bench_moe_dry_run_with_fp8_experts():
+    # --fp8-experts: the routed experts in FP8 (bench_moe.to_fp8_experts) through the same shrunken run
+    proc = subprocess.run([sys.executable, "bench/bench_moe.py", "--dry-run", "--shapes", "granite-tiny", "--no-peer",
+                           "--fp8-experts"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dry run OK" in proc.stdout
+    assert "routed experts in FP8 (per-row scales)" in proc.stdout
