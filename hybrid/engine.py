@@ -145,6 +145,21 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
+    def forget_history(self) -> None:
+        """Leave no trace of the requests run so far (the startup warm-up's, hybrid/warmup.py): their
+        cached prefixes evicted (slots and pages freed), the fenced releases done, the arrival count
+        (it seeds unseeded sampling) and the statistics started again. With no request in the engine."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("forget_history() with requests in the engine")
+        while self.resources.evict_cached_prefix():
+            pass
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.resources.all_synced()
+        self._arrivals = itertools.count()
+        for key in self.stats:
+            self.stats[key] = 0
+
     def spec_acceptance_rate(self) -> float | None:
         """Accepted / proposed draft tokens so far (None before any draft was verified)."""
         drafted = self.stats["spec_draft_tokens"]

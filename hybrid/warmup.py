@@ -16,12 +16,10 @@ compiles. Its time is the "warm-up" phase of the startup log.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 from typing import TYPE_CHECKING
 
-import torch
 
 from hybrid.sampling import SamplingParams
 
@@ -75,16 +73,7 @@ def warm_up(engine: Engine, *, vocab_size: int, max_num_batched_tokens: int, max
     finally:
         for rid in ids:
             engine.abort_request(rid)
-    # nothing of the warm-up stays: its cached prefixes are evicted (their slots and pages freed),
-    # its fenced releases done, and the arrival count (it seeds unseeded sampling) starts again
-    while engine.resources.evict_cached_prefix():
-        pass
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    engine.resources.all_synced()
-    engine._arrivals = itertools.count()
-    for key in engine.stats:
-        engine.stats[key] = 0
+    engine.forget_history()  # nothing of the warm-up stays
     if runner_stats is not None:
         for key in runner_stats:
             runner_stats[key] = 0
