@@ -20,7 +20,6 @@ import logging
 import random
 from typing import TYPE_CHECKING
 
-
 from hybrid.sampling import SamplingParams
 
 if TYPE_CHECKING:
