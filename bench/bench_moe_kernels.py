@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--json", default=None)
     ap.add_argument("--kernel-profile", action="store_true", help="each kernel's time in the default's replay")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also the model's default with FP8 experts (e4m3, per-row scales: half the bytes)")
     args = ap.parse_args()
     from hybrid.ops import triton_moe, triton_moe_align
 
@@ -120,7 +122,8 @@ def main() -> None:
             top_idx = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1)[1]
             top_w = torch.rand(T, k, device=dev, generator=g)
             touched = int(torch.unique(top_idx).numel())
-            floor_ms = max(touched * expert_bytes / bw, 2 * T * k * expert_bytes / 2 / (tflops * 1e12)) * 1e3
+            bytes_ms, compute_ms = touched * expert_bytes / bw * 1e3, 2 * T * k * expert_bytes / 2 / (tflops * 1e12) * 1e3
+            floor_ms = max(bytes_ms, compute_ms)
             ref = triton_moe.fused_experts(x, w_up, w_down, top_idx, top_w, gated)
             res = {"shape": name, "tokens": T, "experts_touched": touched, "floor_ms": floor_ms}
             configs = DECODE_CONFIGS if T * k <= triton_moe_align.TRITON_ALIGN_MAX_PAIRS else PREFILL_CONFIGS
@@ -150,6 +153,21 @@ def main() -> None:
                 timings["torch._grouped_mm"] = (graph_ms(lambda: grouped_mm_experts(x, w_up, w_down, top_idx, top_w, gated)), err)
             except Exception as e:  # noqa: BLE001
                 timings["torch._grouped_mm"] = (float("nan"), repr(e)[:80])
+            if args.fp8:
+                # FP8 experts as FP8 checkpoints load on CUDA (hybrid/moe.py Experts); their floor is half
+                amax_up, amax_down = w_up.abs().amax(dim=-1).float(), w_down.abs().amax(dim=-1).float()
+                up_s, down_s = (amax_up / 448.0).contiguous(), (amax_down / 448.0).contiguous()
+                up8 = (w_up.float() / up_s[..., None]).to(torch.float8_e4m3fn)
+                down8 = (w_down.float() / down_s[..., None]).to(torch.float8_e4m3fn)
+                out = triton_moe.fused_experts(x, up8, down8, top_idx, top_w, gated, up_scale=up_s, down_scale=down_s)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                ms = graph_ms(lambda: triton_moe.fused_experts(x, up8, down8, top_idx, top_w, gated, up_scale=up_s,
+                                                               down_scale=down_s))
+                timings["model default, FP8 experts"] = (ms, err)
+                res["fp8_floor_ms"] = max(bytes_ms / 2, compute_ms)  # (bf16 MMAs: the widened weights)
+                print(f"{name} T={T}: FP8 experts {ms:.4f} ms ({res['fp8_floor_ms'] / ms:.0%} of the FP8 floor "
+                      f"{res['fp8_floor_ms']:.4f} ms), rel. error vs bf16 {err:.3g}", flush=True)
+                del up8, down8
             res["timings"] = timings
             if args.kernel_profile:
                 print_kernel_profile(lambda: triton_moe.fused_experts(x, w_up, w_down, top_idx, top_w, gated),

@@ -131,6 +131,11 @@ if [[ $what == moe-split ]]; then
   timeout 300 python3 bench/bench_moe_kernels.py --tokens 1 4 8 --shapes granite4_tiny nemotron3_nano --kernel-profile \
       --json "$OUT/moe_split.json" 2>&1 | tee "$OUT/moe_split.log" || rc=1
 fi
+# moe-fp8-kernels  bench_moe_kernels.py at batch 1 / 8 / 64 / 256 with FP8 experts next to bf16 (~2 minutes)
+if [[ $what == moe-fp8-kernels ]]; then
+  timeout 300 python3 bench/bench_moe_kernels.py --tokens 1 8 64 256 --shapes granite4_tiny nemotron3_nano granite4_small \
+      --fp8 --json "$OUT/moe_fp8_kernels.json" 2>&1 | tee "$OUT/moe_fp8_kernels.log" | grep -E "T=" || rc=1
+fi
 # moe-fp8  the two target shapes' decode (graphs) and TTFT with the routed experts in FP8 (--fp8-experts:
 #          e4m3 weights with per-row scales, weight-only, as FP8 checkpoints load), floors from FP8 bytes
 if [[ $what == moe-fp8 ]]; then
