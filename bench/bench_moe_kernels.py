@@ -28,8 +28,12 @@ SHAPES = {"nemotron3_nano": (128, 6, 2688, 1856, False), "granite4_tiny": (64, 6
 DECODE_CONFIGS = [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 4),
                   (16, 64, 64, 1, 4, 6), (16, 32, 256, 1, 4, 4), (32, 64, 128, 1, 4, 4),
                   # narrower and thinner tiles for the few-pair steps (batch 1: 8 blocks; gemm 1 has 128
-                  # programs at BLOCK_N 32, under one per SM): not measured yet
-                  (16, 16, 128, 1, 4, 4), (16, 16, 256, 1, 4, 4), (16, 32, 128, 1, 2, 4), (16, 16, 128, 1, 2, 6)]
+                  # programs at BLOCK_N 32, under one per SM): within 3% of the default (2026-12-02)
+                  (16, 16, 128, 1, 4, 4), (16, 16, 256, 1, 4, 4), (16, 32, 128, 1, 2, 4), (16, 16, 128, 1, 2, 6),
+                  # more loads in flight a program (8 warps), and whole short K in one or two steps (Granite's
+                  # second GEMM has K = 512): not measured yet
+                  (16, 64, 128, 1, 8, 4), (16, 128, 128, 1, 8, 4), (16, 64, 256, 1, 8, 3), (16, 32, 512, 1, 4, 1),
+                  (16, 64, 512, 1, 8, 1), (16, 32, 256, 1, 4, 2)]
 PREFILL_CONFIGS = [(64, 128, 64, 8, 4, 3), (128, 128, 64, 8, 8, 3), (64, 64, 64, 8, 4, 4), (128, 64, 64, 8, 4, 3),
                    (128, 256, 64, 8, 8, 3), (64, 128, 128, 8, 4, 3)]
 
