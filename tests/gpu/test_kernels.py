@@ -143,6 +143,18 @@ def attn_batch(q_lens, ctx_lens, page_size, max_pages, device=DEV, seed=0):
     ), sum(need) + 1
 
 
+def attn_inputs(num_pages: int, q_lens, page_size: int, heads: int, kv_heads: int, head_dim: int, seed: int):
+    """Random bf16 pages [num_pages, 2, kv_heads, page_size, head_dim] and q / k / v for the tokens."""
+    dtype = torch.bfloat16
+    torch.manual_seed(seed)
+    kv = torch.randn(num_pages, 2, kv_heads, page_size, head_dim, device=DEV).to(dtype)
+    T = sum(q_lens)
+    q = torch.randn(T, heads, head_dim, device=DEV).to(dtype)
+    k = torch.randn(T, kv_heads, head_dim, device=DEV).to(dtype)
+    v = torch.randn(T, kv_heads, head_dim, device=DEV).to(dtype)
+    return kv, q, k, v
+
+
 @pytest.mark.parametrize("page_size", [16, 128])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (32, 8, 128)])
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
@@ -155,12 +167,7 @@ def test_trtllm_attention_vs_torch(page_size, heads, kv_heads, head_dim, mode):
         q_lens, ctx = [1, 40, 7, 130], [33, 0, 100, 16]  # a decode row, a first chunk, later chunks
     batch, num_pages = attn_batch(q_lens, ctx, page_size, max_pages=-(-700 // page_size))
     dtype = torch.bfloat16
-    torch.manual_seed(1)
-    kv = torch.randn(num_pages, 2, kv_heads, page_size, head_dim, device=DEV).to(dtype)
-    T = sum(q_lens)
-    q = torch.randn(T, heads, head_dim, device=DEV).to(dtype)
-    k = torch.randn(T, kv_heads, head_dim, device=DEV).to(dtype)
-    v = torch.randn(T, kv_heads, head_dim, device=DEV).to(dtype)
+    kv, q, k, v = attn_inputs(num_pages, q_lens, page_size, heads, kv_heads, head_dim, seed=1)
     scale = head_dim ** -0.5
     kv_ref = kv.clone()
     ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kv_ref.float(), batch, scale)
@@ -188,12 +195,7 @@ def test_trtllm_verify_vs_torch_at_long_contexts(page_size, heads, kv_heads, hea
     batch, num_pages = attn_batch(q_lens, ctx, page_size, max_pages=-(-16384 // page_size) + 1)
     batch = dataclasses.replace(batch, num_decodes=0, num_prefills=0, num_verify=len(ctx), uniform_q_len=q_len)
     dtype = torch.bfloat16
-    torch.manual_seed(2)
-    kv = torch.randn(num_pages, 2, kv_heads, page_size, head_dim, device=DEV).to(dtype)
-    T = sum(q_lens)
-    q = torch.randn(T, heads, head_dim, device=DEV).to(dtype)
-    k = torch.randn(T, kv_heads, head_dim, device=DEV).to(dtype)
-    v = torch.randn(T, kv_heads, head_dim, device=DEV).to(dtype)
+    kv, q, k, v = attn_inputs(num_pages, q_lens, page_size, heads, kv_heads, head_dim, seed=2)
     scale = head_dim ** -0.5
     plain = dataclasses.replace(batch, num_verify=0, num_prefills=len(ctx), uniform_q_len=0)
     ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kv.clone().float(), plain, scale)
