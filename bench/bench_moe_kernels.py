@@ -131,7 +131,8 @@ def main() -> None:
             ref = triton_moe.fused_experts(x, w_up, w_down, top_idx, top_w, gated)
             res = {"shape": name, "tokens": T, "experts_touched": touched, "floor_ms": floor_ms}
             configs = DECODE_CONFIGS if T * k <= triton_moe_align.TRITON_ALIGN_MAX_PAIRS else PREFILL_CONFIGS
-            default = triton_moe.CONFIGS[triton_moe.pick_config(T * k, E, gated)]
+            default = (triton_moe.decode_tuned(T * k, E, H, inter, gated)
+                       or triton_moe.CONFIGS[triton_moe.pick_config(T * k, E, gated)])
             timings = {}
             candidates = [default] + [c for c in configs if c != default]
             if T * k <= triton_moe_align.TRITON_ALIGN_MAX_PAIRS:

@@ -141,6 +141,30 @@ def test_fp8_experts_match_the_dequantized_loop(kind, gated, per_row, config):
         triton_moe.fused_experts(x, up8, down8, top_idx, top_w, gated, config=config, up_scale=up_s)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_tuned_decode_configs_apply_to_their_shape_at_the_smallest_steps(gated, monkeypatch):
+    # a TUNED_DECODE entry for this expert shape is used as it is (no narrowing) while the step has at
+    # most NAIVE_MAX_PAIRS pairs, and the results are still the torch loop's
+    tuned = ((16, 16, 16, 1, 1, 1), (16, 32, 16, 1, 1, 1))
+    monkeypatch.setattr(triton_moe, "TUNED_DECODE", {(E, H, INTER, gated): tuned})
+    seen = []
+    real = triton_moe._grouped_gemm
+
+    def spy(*args, **kwargs):
+        seen.append((args[10], args[11]))  # (cfg, narrow)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_moe, "_grouped_gemm", spy)
+    for T, want in ((3, True), (talign.NAIVE_MAX_PAIRS // TOP_K + 1, False)):
+        seen.clear()
+        check_fused_experts("random", gated, None, T=T, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,
+                            device="cpu")
+        assert (seen == [(tuned[0], False), (tuned[1], False)]) == want, seen
+    assert triton_moe.decode_tuned(6, E, H, INTER, gated) == tuned
+    assert triton_moe.decode_tuned(6, E, H, INTER + 16, gated) is None
+    assert triton_moe.decode_tuned(6, 128, 2688, 1856, False) is None  # (patched out here)
+
+
 def test_fused_experts_prefill_config_and_add():
     # the prefill tiles (BLOCK_M 64, grouped ordering) over more tokens than one block holds
     check_fused_experts("random", True, "torch", T=70, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,

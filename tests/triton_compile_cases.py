@@ -72,6 +72,19 @@ for _config in ("decode", "prefill_gated"):
         CASES[f"moe_gemm-{_config}-act{_act}-early{int(_early)}{'-fp8' * _fp8}"] = _moe
 
 
+for _i, ((_e, _h, _inter, _gated), _pair) in enumerate(sorted(triton_moe.TUNED_DECODE.items())):
+    def _tuned(pair=_pair, gated=_gated):
+        up, down = triton_moe.gemm_configs(pair)
+        for cfg, act, early in ((up, triton_moe.ACT_SILU_MUL if gated else triton_moe.ACT_RELU2, False),
+                                (down, triton_moe.ACT_NONE, True)):
+            bm, bn, bk, gm, warps, stages = cfg
+            compiles(triton_moe._moe_gemm_kernel,
+                     dict(ACT=act, MUL_W=act == triton_moe.ACT_NONE, HAS_SHARED=True, W_SCALE=False, IEEE=False,
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early, PDL=True),
+                     dict(MOE_PTRS, ws_ptr="*fp32"), warps, stages)
+    CASES[f"moe_gemm-tuned{_i}"] = _tuned
+
+
 @case("router")
 def _router():
     compiles(triton_moe_route._router_partial_kernel, dict(BLOCK_E=16, BLOCK_K=64, PDL=True),

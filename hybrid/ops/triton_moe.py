@@ -192,6 +192,25 @@ def gemm_configs(config: tuple) -> tuple[tuple, tuple]:
     return up, down
 
 
+# Configurations tuned per released expert shape for the smallest decode steps (at most
+# triton_moe_align.NAIVE_MAX_PAIRS pairs: batch 1 to 5 at top-6), used as they are (no column
+# narrowing): (routed experts, hidden, expert width, gated) -> config. Measured on the H200 with
+# bench/bench_moe_kernels.py in two runs (2026-12-02, bench/results/moe_tiles_7f55cf3_h200.log and
+# moe_split_k_tried_h200.log): Nemotron-3-Nano's layer at batch 1 in 46.0 / 46.4 us against 48.9 /
+# 49.6 us for the narrowed default (its first GEMM at 64-wide tiles, the second at BLOCK_K 64 with
+# 6 stages), 132.7 against 133.3 us at batch 4; from batch 8 on the default is as fast or faster.
+TUNED_DECODE = {
+    (128, 2688, 1856, False): ((16, 64, 128, 1, 4, 4), (16, 64, 64, 1, 4, 6)),  # Nemotron-3-Nano-30B-A3B
+}
+
+
+def decode_tuned(num_pairs: int, num_experts: int, hidden: int, inter: int, gated: bool) -> tuple | None:
+    """The TUNED_DECODE configuration of this expert shape at this step size, or None."""
+    if num_pairs > triton_moe_align.NAIVE_MAX_PAIRS:
+        return None
+    return TUNED_DECODE.get((num_experts, hidden, inter, gated))
+
+
 def pick_config(num_pairs: int, num_experts: int, gated: bool) -> str:
     # measured on the H200 (bench/bench_moe_kernels.py): 16-row blocks while an expert averages at
     # most 16 pairs, 32-row ones above that, the prefill tiles past the one-program alignment's range
@@ -298,7 +317,8 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     E .. E+S-1, each an I-wide slice of it: top_idx / top_w then carry S more columns, ids E+s with
     weight 1 (`triton_moe_route.route(..., num_shared=S)` writes them). The slices' outputs add up to
     the shared MLP's. `config`: one kernel configuration or a (first GEMM, second GEMM) pair (CONFIGS);
-    given, it is used as is (no narrowing).
+    given, it is used as is (no narrowing); otherwise TUNED_DECODE's for this shape at the smallest
+    steps, else CONFIGS' by step size (pick_config), narrowed at few programs.
 
     FP8 experts (weight-only): w_up / w_down in float8_e4m3fn with up_scale [E, I or 2I] and
     down_scale [E, H] (fp32, one per output row): the result of their dequantized weights
@@ -328,11 +348,12 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     if T == 0:
         return torch.empty(T, H, dtype=x.dtype, device=x.device)
     n = T * top_k
-    cfg_up, cfg_down = gemm_configs(config or CONFIGS[pick_config(n, E + S, gated)])
+    tuned = decode_tuned(n, E, H, inter, gated) if config is None else None
+    cfg_up, cfg_down = gemm_configs(config or tuned or CONFIGS[pick_config(n, E + S, gated)])
     if align_method is None and S and T > 1 and n <= triton_moe_align.NAIVE_MAX_PAIRS:
         align_method = "triton"  # naive blocks would stream the shared slices once per token
     pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
-    narrow = config is None and cfg_up[0] == 16
+    narrow = config is None and tuned is None and cfg_up[0] == 16
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
                   ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale)
