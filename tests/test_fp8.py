@@ -268,6 +268,22 @@ def test_fp8_experts_stay_fp8(family, scheme, fused, fp8_ckpt, make_llm, monkeyp
             assert abs(a[t] - b[t]) < 1e-4
 
 
+@pytest.mark.parametrize("family", ["bamba", "falcon_h1", "zamba2", "granite_dense"])
+def test_fp8_checkpoints_under_fused_ops(family, fp8_ckpt, make_llm):
+    """The fused ops (CUDA's default; the interpreter here) around Fp8Linear projections: the torch
+    chains' first tokens and log-probabilities up to what re-quantizing the activations does (a fused
+    norm one fp32 ulp away can move an input across an e4m3 rounding boundary: 0.04 nats seen; a
+    fused-path check once reached for a Linear-only attribute on them)."""
+    path = fp8_ckpt(family, "ct_fp8_dynamic")
+    prompts = _prompts(path, 2)
+    want = _run(_aligned(make_llm(path)), prompts, 1, logprobs=20)
+    got = _run(_aligned(make_llm(path, fused_ops=True)), prompts, 1, logprobs=20)
+    assert got[0] == want[0]
+    for a, b in zip(want[1], got[1]):
+        common = set(a[0]) & set(b[0])
+        assert len(common) >= 15 and max(abs(a[0][t] - b[0][t]) for t in common) < 0.15
+
+
 def test_bf16_source_and_bf16_scales(tiny_ckpt, tmp_path, make_llm):
     """A bf16 checkpoint quantized the compressed-tensors way keeps its scales in bf16 (as
     llm-compressor writes them); they load as fp32 scales."""
