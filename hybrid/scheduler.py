@@ -227,9 +227,13 @@ class Scheduler:
         # a verify emits up to 1 + drafts tokens: stay within max_tokens, the context and the budget
         room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens,
                    budget) - 1
+        room = min(room, self.proposer.cfg.num_speculative_tokens)  # the verify scratch holds K+1 states
         if room <= 0:
             return []
-        return self.proposer.propose(seq.tokens, room)
+        drafts = self.proposer.propose(seq.tokens, room)
+        if len(drafts) > room:
+            raise RuntimeError(f"the draft proposer returned {len(drafts)} drafts where at most {room} fit")
+        return drafts
 
     def _take_prompt_rows(self, seq: Sequence, chunk: int) -> None:
         if seq.scores_prompt:
