@@ -131,6 +131,11 @@ if [[ $what == moe-split ]]; then
   timeout 300 python3 bench/bench_moe_kernels.py --tokens 1 4 8 --shapes granite4_tiny nemotron3_nano --kernel-profile \
       --json "$OUT/moe_split.json" 2>&1 | tee "$OUT/moe_split.log" || rc=1
 fi
+# sampling  bench_sampling.py: the sampler alone at batch 1 / 64 / 256 over a 131072 vocabulary (greedy,
+#          temperature, top-p / top-k / min-p, peaked / mixed / flat logits), next to the old full sort (~1 minute)
+if [[ $what == sampling ]]; then
+  timeout 200 python3 bench/bench_sampling.py --json "$OUT/sampling.json" 2>&1 | tee "$OUT/sampling.log" || rc=1
+fi
 # moe-fp8-kernels  bench_moe_kernels.py at batch 1 / 8 / 64 / 256 with FP8 experts next to bf16 (~2 minutes)
 if [[ $what == moe-fp8-kernels ]]; then
   timeout 300 python3 bench/bench_moe_kernels.py --tokens 1 8 64 256 --shapes granite4_tiny nemotron3_nano granite4_small \
