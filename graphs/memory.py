@@ -28,7 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from attention.kv_cache import PagedKVCache
-from graphs.padding import VERIFY_GRAPH_MAX_ROWS, default_capture_sizes, padding_batch, verify_graphs_requested
+from graphs.padding import (
+    VERIFY_GRAPH_MAX_ROWS, default_capture_sizes, padding_batch, verify_graph_sizes, verify_graphs_requested,
+)
 from state_pool.errors import CapacityError
 from state_pool.pool import MambaStatePool, StateShapes
 from state_pool.step_batch import StepBatch
@@ -68,12 +70,14 @@ class MemoryPlan:
                 f"max_model_len={max_model_len}")
 
 
-def graph_reserve_bytes(capture_sizes: list[int], vocab_size: int, verify_q_len: int = 0) -> int:
+def graph_reserve_bytes(capture_sizes: list[int], vocab_size: int, verify_q_len: int = 0,
+                        max_num_seqs: int | None = None) -> int:
     """Memory the captured CUDA graphs keep: GRAPH_RESERVE_BYTES plus, for every bucket, its fp32
     logits output [bucket, vocab], which stays alive in the shared graph pool (a sum, not a max:
     each graph's output tensor is kept, so no later capture can reuse it); with verify graphs
     (verify_q_len = K+1, graphs/runner.py) also theirs, [bucket x (K+1), vocab] each."""
-    verify_rows = sum(s for s in capture_sizes if s <= VERIFY_GRAPH_MAX_ROWS) * verify_q_len
+    verify = verify_graph_sizes(capture_sizes, max_num_seqs if max_num_seqs is not None else VERIFY_GRAPH_MAX_ROWS)
+    verify_rows = sum(verify) * verify_q_len
     return GRAPH_RESERVE_BYTES + (sum(capture_sizes) + verify_rows) * vocab_size * 4
 
 
@@ -196,7 +200,8 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free
     verify_q_len = num_speculative_tokens + 1 if verify_graphs_requested(num_speculative_tokens) else 0
-    reserve = (graph_reserve_bytes(capture_sizes(cuda_graph_sizes, max_num_seqs), cfg.vocab_size, verify_q_len)
+    reserve = (graph_reserve_bytes(capture_sizes(cuda_graph_sizes, max_num_seqs), cfg.vocab_size, verify_q_len,
+                                   max_num_seqs)
                if use_graphs else 0)
     budget = int(total * gpu_memory_utilization) - in_use - activation - reserve
     _, spec_bytes, num_kv_pages = split_budget(

@@ -112,6 +112,15 @@ def pad_decode_batch(batch: StepBatch, size: int, page_size: int) -> StepBatch:
 VERIFY_GRAPH_MAX_ROWS = 16
 
 
+def verify_graph_sizes(capture_sizes: list[int], max_num_seqs: int) -> list[int]:
+    """The buckets verify steps are padded to and their graphs captured for: the capture sizes up to
+    VERIFY_GRAPH_MAX_ROWS and up to max_num_seqs, since the verify scratch has one row per sequence
+    and a bucket's padding rows take the rows its real ones leave (a larger bucket, e.g. from
+    cuda_graph_sizes, would run padding rows past the scratch's end)."""
+    cap = min(VERIFY_GRAPH_MAX_ROWS, max_num_seqs)
+    return [s for s in capture_sizes if s <= cap]
+
+
 def verify_graphs_requested(num_speculative_tokens: int) -> bool:
     """Whether verify graphs are asked for: with speculation, unless HYBRID_VERIFY_GRAPHS=0 (on the
     H200 a batch-1 verify step replays in 5.1 ms against 20.7 ms eagerly, BENCHMARKS.md)."""

@@ -25,8 +25,8 @@ import torch
 
 from attention.kv_cache import DUMMY_PAGE
 from graphs.padding import (
-    VERIFY_GRAPH_MAX_ROWS, bucket_for, default_capture_sizes, is_plain_decode, is_plain_verify, pad_decode_batch,
-    pad_verify_batch, padding_batch, padding_row, padding_verify_batch, verify_graphs_requested, verify_page_columns,
+    bucket_for, default_capture_sizes, is_plain_decode, is_plain_verify, pad_decode_batch, pad_verify_batch,
+    padding_batch, padding_row, padding_verify_batch, verify_graph_sizes, verify_graphs_requested, verify_page_columns,
 )
 from state_pool.util import cdiv
 
@@ -98,7 +98,7 @@ class ModelRunner:
         self._ran: StepBatch | None = None  # the index tensors the last execute ran on
         # speculative verify steps: rows padded to K+1 tokens, graphs per bucket (module docstring)
         self.verify_q_len = num_speculative_tokens + 1 if num_speculative_tokens else 0
-        self.verify_sizes = [s for s in self.capture_sizes if s <= VERIFY_GRAPH_MAX_ROWS] if self.verify_q_len else []
+        self.verify_sizes = verify_graph_sizes(self.capture_sizes, self.max_num_seqs) if self.verify_q_len else []
         self.verify_graphs_on = (self.use_graphs and bool(self.verify_sizes)
                                  and verify_graphs_requested(num_speculative_tokens))
         self.pad_verify = self.verify_graphs_on if pad_verify is None else (pad_verify and bool(self.verify_sizes))

@@ -64,9 +64,10 @@ FP8_EXPERT_PARAMS = ("experts.up", "experts.down")
 
 def keep_fp8_experts(device: torch.device) -> bool:
     """Whether an FP8 checkpoint's routed experts stay in FP8 (half the bytes resident and streamed;
-    the fused MoE kernel dequantizes them in registers): on CUDA. On the CPU they are dequantized at
+    the fused MoE kernel dequantizes them in registers): on CUDA devices of compute capability 8.9
+    and up, where Triton has the e4m3 type. Elsewhere (older GPUs, the CPU) they are dequantized at
     load, the reference numerics (which the FP8 experts reproduce exactly in the torch loop)."""
-    return torch.device(device).type == "cuda"
+    return _scaled_mm_capable(torch.device(device))
 
 
 def row_scales(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

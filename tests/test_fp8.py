@@ -232,6 +232,16 @@ def test_fp8_linear_layout_and_bytes(fp8_ckpt, tiny_ckpt, make_llm):
                                                   if isinstance(mod, Fp8Linear))
 
 
+def test_fp8_experts_stay_fp8_only_where_triton_has_e4m3(monkeypatch):
+    # Triton's e4m3 type needs compute capability 8.9+: older GPUs (A100, A10) dequantize at load
+    from hybrid.fp8_linear import keep_fp8_experts
+
+    assert not keep_fp8_experts(torch.device("cpu"))
+    for cap, keep in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert keep_fp8_experts(torch.device("cuda", 0)) == keep, cap
+
+
 @pytest.mark.parametrize("family,scheme", [("granite_moe", "modelopt_fp8"), ("granite_moe", "ct_fp8_dynamic"),
                                            ("nemotron_h", "modelopt_fp8"), ("nemotron_h", "ct_fp8_dynamic")])
 @pytest.mark.parametrize("fused", [False, True])

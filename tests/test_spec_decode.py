@@ -196,6 +196,30 @@ def test_padded_verify_steps_change_nothing(which, ssm_dtype, repetitive_ckpt, t
     assert padded.state_pool.num_free == 4
 
 
+def test_verify_buckets_stay_within_the_verify_scratch(repetitive_ckpt, make_llm):
+    """cuda_graph_sizes above max_num_seqs: verify steps are padded only to buckets the verify
+    scratch (one row per sequence) can hold, so padding rows never run past its end."""
+    from graphs.memory import GRAPH_RESERVE_BYTES, graph_reserve_bytes
+    from graphs.padding import verify_graph_sizes
+
+    assert verify_graph_sizes([1, 2, 4, 8, 16, 24], 3) == [1, 2]
+    assert verify_graph_sizes([1, 2, 4, 8, 16, 24], 256) == [1, 2, 4, 8, 16]
+    assert graph_reserve_bytes([1, 2, 4, 8], 10, 4, max_num_seqs=3) == GRAPH_RESERVE_BYTES + (15 + 3 * 4) * 10 * 4
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9], [11, 12, 13, 11, 12, 13, 11]]
+
+    def run(llm):  # all three (no bucket holds 3 verify rows: unpadded), then two (padded to 2)
+        return [o.outputs[0].token_ids for batch in (prompts, prompts[:2]) for o in llm.generate(batch, sp, use_tqdm=False)]
+
+    want = run(make_llm(repetitive_ckpt, max_num_seqs=3))
+    llm = make_llm(repetitive_ckpt, max_num_seqs=3, cuda_graph_sizes=[1, 2, 4, 8], speculative_config=spec)
+    assert llm.runner.verify_sizes == [1, 2]
+    llm.runner.pad_verify = True
+    llm.engine.scheduler.proposer.propose = lambda tokens, k: [tokens[-1]] * k  # drafts at every step
+    assert run(llm) == want and llm.runner.stats["padded_verify_eager"] > 0
+
+
 def test_pad_verify_batch_layout():
     """Row r's real tokens keep their order at r * Q + j; padding tokens repeat the row's last token
     position, write the dummy page and lengthen the row's KV; padding rows take unused scratch rows."""
