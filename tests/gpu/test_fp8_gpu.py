@@ -183,6 +183,10 @@ def test_fp8_checkpoint_under_cuda_graphs_vs_cpu(family, scheme, fp8_path):
     assert gpu.dtype == torch.bfloat16 and gpu.runner.use_graphs
     layers = [m for m in gpu.model.modules() if isinstance(m, Fp8Linear)]
     assert layers and any(m.use_scaled_mm for m in layers)
+    from hybrid.moe import Experts
+
+    # the routed experts of the MoE families stay FP8 on sm_89+, in the fused kernel (hybrid/moe.py)
+    assert all(m.fp8 and m.fused for m in gpu.model.modules() if isinstance(m, Experts))
     prompts = _prompts(path)
     got = _run(gpu, prompts)
     assert gpu.runner.stats["graph_replays"] > 0
