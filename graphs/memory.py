@@ -199,7 +199,7 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
 
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free
-    verify_q_len = num_speculative_tokens + 1 if verify_graphs_requested(num_speculative_tokens) else 0
+    verify_q_len = num_speculative_tokens + 1 if verify_graphs_requested(num_speculative_tokens, model) else 0
     reserve = (graph_reserve_bytes(capture_sizes(cuda_graph_sizes, max_num_seqs), cfg.vocab_size, verify_q_len,
                                    max_num_seqs)
                if use_graphs else 0)

@@ -121,10 +121,15 @@ def verify_graph_sizes(capture_sizes: list[int], max_num_seqs: int) -> list[int]
     return [s for s in capture_sizes if s <= cap]
 
 
-def verify_graphs_requested(num_speculative_tokens: int) -> bool:
-    """Whether verify graphs are asked for: with speculation, unless HYBRID_VERIFY_GRAPHS=0 (on the
-    H200 a batch-1 verify step replays in 5.1 ms against 20.7 ms eagerly, BENCHMARKS.md)."""
-    return bool(num_speculative_tokens) and os.environ.get("HYBRID_VERIFY_GRAPHS", "1") != "0"
+def verify_graphs_requested(num_speculative_tokens: int, model=None) -> bool:
+    """Whether verify graphs are wanted: with speculation, unless HYBRID_VERIFY_GRAPHS=0 (on the
+    H200 a batch-1 verify step replays in 5.1 ms against 20.7 ms eagerly, BENCHMARKS.md), and, given
+    the model, when its Mamba kernels run verify rows themselves: the library decode kernels
+    (mamba_decode_kernels="library") leave them to the torch path, which checks indices on the host
+    and so cannot be captured."""
+    if not num_speculative_tokens or os.environ.get("HYBRID_VERIFY_GRAPHS", "1") == "0":
+        return False
+    return model is None or all(getattr(m.kernels, "supports_verify", False) for m in model.mamba_mixers())
 
 
 def is_plain_verify(batch: StepBatch) -> bool:
@@ -148,8 +153,8 @@ def pad_verify_batch(batch: StepBatch, size: int, q_len: int, page_size: int) ->
     order (its logits rows, as is_plain_verify batches want one for every token).
 
     Padding tokens come after a row's real ones, so under the causal mask no real token sees them;
-    they repeat the row's last token and position (RoPE stays in range), write their KV into the
-    dummy page, extend the row's KV length (the kernels see q_len tokens per row) in dummy-page
+    they carry the padding token id at the row's last position (RoPE stays in range), write their
+    KV into the dummy page, extend the row's KV length (the kernels see q_len tokens per row) in dummy-page
     columns, and leave their Mamba states in scratch positions the engine never commits. Padding
     rows are padding_row()'s, q_len tokens long, with the scratch rows the batch does not use (the
     scratch has a row per sequence, and a step's verify rows take rows 0 .. n-1)."""

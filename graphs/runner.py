@@ -100,7 +100,7 @@ class ModelRunner:
         self.verify_q_len = num_speculative_tokens + 1 if num_speculative_tokens else 0
         self.verify_sizes = verify_graph_sizes(self.capture_sizes, self.max_num_seqs) if self.verify_q_len else []
         self.verify_graphs_on = (self.use_graphs and bool(self.verify_sizes)
-                                 and verify_graphs_requested(num_speculative_tokens))
+                                 and verify_graphs_requested(num_speculative_tokens, model))
         self.pad_verify = self.verify_graphs_on if pad_verify is None else (pad_verify and bool(self.verify_sizes))
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_buffers: StepBatch | None = None
@@ -226,7 +226,11 @@ class ModelRunner:
             view.page_table[:, width:].fill_(DUMMY_PAGE)
         graph.replay()
         self.stats["verify_graph_replays"] += 1
-        self._ran = view
+        # what ran: the buffers, with the host lists of the batch they were filled from (the view's
+        # are the capture's padding values)
+        self._ran = dataclasses.replace(
+            view, seq_lens_cpu=padded.seq_lens_cpu, state_slot_cpu=padded.state_slot_cpu,
+            scratch_index_cpu=padded.scratch_index_cpu, num_real_requests=padded.num_real_requests)
         return out[rows]
 
     # ------------------------------------------------------------------ execute

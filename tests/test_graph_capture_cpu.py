@@ -43,3 +43,22 @@ def test_capture_rebuilds_the_step_metadata_cached_by_the_warmup_runs(monkeypatc
     assert len(model.seen) == 3
     assert model.seen[0] is None and model.seen[1] is not None  # the warm-up runs share the cache
     assert model.seen[2] is None, "the captured call reused metadata built outside the capture"
+
+
+def test_verify_graphs_need_mamba_kernels_that_run_verify_rows(monkeypatch):
+    # the library decode kernels leave verify rows to the torch path, whose host-side index checks
+    # cannot be captured: no verify graphs (and no memory reserved for them) with those kernels
+    from types import SimpleNamespace
+
+    from graphs.padding import verify_graphs_requested
+
+    def model(*supports):
+        mixers = [SimpleNamespace(kernels=SimpleNamespace(supports_verify=s)) for s in supports]
+        return SimpleNamespace(mamba_mixers=lambda: mixers)
+
+    monkeypatch.delenv("HYBRID_VERIFY_GRAPHS", raising=False)
+    assert verify_graphs_requested(3) and verify_graphs_requested(3, model(True, True))
+    assert not verify_graphs_requested(3, model(True, False)) and not verify_graphs_requested(0, model(True))
+    assert not verify_graphs_requested(3, SimpleNamespace(mamba_mixers=lambda: [SimpleNamespace(kernels=None)]))
+    monkeypatch.setenv("HYBRID_VERIFY_GRAPHS", "0")
+    assert not verify_graphs_requested(3, model(True))

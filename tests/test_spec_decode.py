@@ -6,6 +6,7 @@ emitted token from the request's own generator, accept iff the draft equals the 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -218,6 +219,67 @@ def test_verify_buckets_stay_within_the_verify_scratch(repetitive_ckpt, make_llm
     llm.runner.pad_verify = True
     llm.engine.scheduler.proposer.propose = lambda tokens, k: [tokens[-1]] * k  # drafts at every step
     assert run(llm) == want and llm.runner.stats["padded_verify_eager"] > 0
+
+
+@pytest.mark.parametrize("which", ["repetitive", "granite_moe"])
+def test_replay_verify_imitated_on_cpu(which, repetitive_ckpt, tiny_ckpt, make_llm):
+    """ModelRunner.replay_verify (the default path of verify steps on CUDA) with each "graph" an
+    eager forward of the verify buffers: the batch padded and copied into the buffers, the logits
+    rows picked from the bucket's output, the sanitizer checking the buffers as they ran, with the
+    host lists of the batch they were filled from. The same tokens as without speculation."""
+    from graphs.padding import padding_verify_batch, verify_page_columns
+    from state_pool.util import cdiv
+
+    path = repetitive_ckpt if which == "repetitive" else tiny_ckpt(which)
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    kw = dict(max_num_seqs=4, page_size=4)
+
+    def run(llm):
+        outs = [o for p in PROMPTS[:3] for o in llm.generate([p], sp, use_tqdm=False)]
+        outs += llm.generate(PROMPTS[:3], sp, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    want = run(make_llm(path, **kw))
+    llm = make_llm(path, speculative_config=SPEC, check_state=True, **kw)
+    runner = llm.runner
+    q, ps = runner.verify_q_len, runner.page_size
+    runner.verify_buffers = padding_verify_batch(max(runner.verify_sizes), q, ps, torch.device("cpu"),
+                                                 verify_page_columns(cdiv(runner.max_model_len, ps), q, ps),
+                                                 llm.state_pool.spec_scratch)
+    ran = []
+
+    class EagerGraph:  # what a captured verify graph computes, from the buffers
+        def __init__(self, size: int) -> None:
+            self.size = size
+            self.out = torch.zeros(size * q, llm.config.vocab_size)
+
+        def replay(self) -> None:
+            # the kernels read only the buffers (device tensors); the CPU's torch attention reads the
+            # host lists, so here they are taken from the buffers as filled
+            view = runner._verify_view(self.size)
+            view = dataclasses.replace(view, seq_lens_cpu=view.seq_lens.tolist(), state_slot_cpu=view.state_slot.tolist(),
+                                       scratch_index_cpu=view.scratch_index.tolist())
+            ran.append(view.state_slot_cpu)
+            self.out.copy_(runner.model(view, runner.ctx))
+
+    runner.pad_verify = True
+    runner.verify_graphs = {s: (g, g.out) for s in runner.verify_sizes for g in [EagerGraph(s)]}
+    llm.engine.scheduler.proposer.propose = lambda tokens, k: [tokens[-1]] * k  # drafts at every step
+    that_ran = []
+    real_replay = runner.replay_verify
+
+    def replay_verify(batch, size):  # the sanitizer's view: the buffers with the filled batch's host lists
+        out = real_replay(batch, size)
+        got = runner.inputs_that_ran()
+        that_ran.append((batch.num_requests, got.num_real_requests, got.state_slot_cpu == got.state_slot.tolist(),
+                         got.seq_lens_cpu == got.seq_lens.tolist()))
+        return out
+
+    runner.replay_verify = replay_verify
+    assert run(llm) == want
+    assert runner.stats["verify_graph_replays"] == len(ran) > 0 and runner.stats["padded_verify_eager"] == 0
+    assert any(-1 in slots for slots in ran)  # padded buckets ran (padding rows on PAD_SLOT_ID)
+    assert all(rec == (rec[0], rec[0], True, True) for rec in that_ran), that_ran
 
 
 def test_pad_verify_batch_layout():
