@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU device, from the project root, after `source .devkit/setup.sh`:
 #   bash bench/run_device.sh tests|bench|profile|moe    (one per device call: each fits in its 10 minutes)
+#   Every target is below, each with its comment; the MoE kernel sweeps (moe-tiles, moe-split,
+#   moe-fp8-kernels), speculative, sampling, throughput and serving come after the list here.
 #   tests    the FP8, graph, kernel, memory-plan and MoE files of the GPU suite (~8 minutes on a fresh H200)
 #   tests-2  the rest of the GPU suite but the long-context and released-shape files (~4 minutes fresh)
 #   tests-smoke  the first parametrization of every GPU test (HYBRID_SMOKE=1): every file in one call
