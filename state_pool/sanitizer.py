@@ -21,7 +21,9 @@ What is checked, for every row of the batch:
 - every KV row a request writes lies in a page it owns, that page is live and not shared with
   another sequence (refcount 1: shared prompt pages are read-only), and its page-table entries
   are live pages.
-- verify rows (speculative decoding) use distinct scratch rows inside the scratch tensor.
+- verify rows (speculative decoding) use distinct scratch rows inside the scratch tensor: their
+  host copies in the host half, their device copies as they ran (the padding rows of a padded
+  verify step included) in the device half.
 Replay rows (a readmitted sequence's known generated tokens) are ordinary real rows: they write
 their own slot and their own pages, and get exactly the checks above.
 """
@@ -38,7 +40,7 @@ from state_pool.step_batch import StepBatch, to_device
 from state_pool.util import cdiv
 
 # fault bits of one row, as ExpectedInputs.faults reports them
-SLOT_FAULT, KV_WRITE_FAULT, PAGE_TABLE_FAULT = 1, 2, 4
+SLOT_FAULT, KV_WRITE_FAULT, PAGE_TABLE_FAULT, SCRATCH_FAULT = 1, 2, 4, 8
 
 
 @dataclass
@@ -112,7 +114,24 @@ class ExpectedInputs:
             0, to_device(self.page_rows, torch.long, dev), bad_read)
         pt_faults[n:] += (table[n:] != self.dummy_page).sum(dim=1).int()
         return (bad_slot.int() * SLOT_FAULT + (kv_faults > 0).int() * KV_WRITE_FAULT
-                + (pt_faults > 0).int() * PAGE_TABLE_FAULT)
+                + (pt_faults > 0).int() * PAGE_TABLE_FAULT + _scratch_faults(ran, rows) * SCRATCH_FAULT)
+
+
+def _scratch_faults(ran: StepBatch, rows: int) -> torch.Tensor:
+    """[rows] int32: 1 for a verify row (real or padding) whose scratch row, as it ran, lies outside
+    the verify scratch or is another verify row's too (the kernels would write past the scratch, or
+    two rows' per-token states into the same place)."""
+    dev = ran.state_slot.device
+    bad = torch.zeros(rows, dtype=torch.int32, device=dev)
+    nv, idx = ran.num_verify, ran.scratch_index
+    if not nv or idx is None or ran.state_scratch is None:
+        return bad
+    nd = ran.num_decodes
+    idx = idx[nd:nd + nv]  # (one entry a row: -1 outside the verify rows)
+    outside = (idx < 0) | (idx >= ran.state_scratch[0].shape[1])
+    shared = (idx[:, None] == idx[None, :]).sum(dim=1) > 1
+    bad[nd:nd + nv] = (outside | shared).int()
+    return bad
 
 
 def device_checks(expected: ExpectedInputs | None, ran: StepBatch | None,
@@ -148,7 +167,8 @@ def read_faults(checks: dict[str, list], owners: list[RowOwner], region_names: l
                 continue
             who = owners[row].name if row < len(owners) else f"padding row {row}"
             what = [name for bit, name in ((SLOT_FAULT, f"Mamba slot {ran_slots[row]}"),
-                                           (KV_WRITE_FAULT, "KV write rows"), (PAGE_TABLE_FAULT, "page table"))
+                                           (KV_WRITE_FAULT, "KV write rows"), (PAGE_TABLE_FAULT, "page table"),
+                                           (SCRATCH_FAULT, "verify scratch row"))
                     if bits & bit]
             owns = f" (owns slot {owners[row].slot})" if row < len(owners) and bits & SLOT_FAULT else ""
             parts.append(f"{who} ran with a wrong {', '.join(what)}{owns}")

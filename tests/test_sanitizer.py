@@ -211,6 +211,40 @@ def test_device_copies_that_differ_from_the_host_copies(tiny_ckpt, make_llm, mon
     assert not eng.has_unfinished_requests() and llm.state_pool.num_free == 2
 
 
+@pytest.mark.parametrize("edit,pad", [
+    (lambda t: t.fill_(0), False),  # two verify rows on one scratch row
+    (lambda t: t.fill_(0), True),
+    (lambda t: t + 50, False),  # past the scratch's end (padded, the CPU's torch indexing refuses it first)
+])
+def test_verify_scratch_rows_as_they_ran(tiny_ckpt, make_llm, monkeypatch, edit, pad):
+    """The device copy of a verify step's scratch rows (what the Triton kernels write the per-token
+    states into) is checked as it ran, in the padded verify step too: rows sharing one, or one
+    outside the scratch, fail the step's requests; the engine serves on."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=4, page_size=4, check_state=True, speculative_config=spec)
+    eng = llm.engine
+    llm.runner.pad_verify = pad
+    eng.scheduler.proposer.propose = lambda tokens, k: [tokens[-1]] * k  # drafts at every step
+    for rid, prompt in (("a", [5, 6, 7]), ("b", [8, 9]), ("c", [10, 11, 12])):
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=8, **GREEDY))
+    tamper = lambda b: dataclasses.replace(b, scratch_index=edit(b.scratch_index.clone())) if b.num_verify > 1 else b
+    if pad:  # the padded batch (what runs; built from the host lists, so it is tampered after padding)
+        import graphs.runner as runner_module
+
+        real_pad = runner_module.pad_verify_batch
+        monkeypatch.setattr(runner_module, "pad_verify_batch",
+                            lambda *a: (lambda padded, rows: (tamper(padded), rows))(*real_pad(*a)))
+    else:
+        _patch_batch(monkeypatch, eng, tamper)
+    err = _step_error(eng, r"ran with a wrong verify scratch row", steps=4)
+    assert "differ from what the sanitizer checked" in err
+    monkeypatch.undo()
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert llm.state_pool.num_free == llm.state_pool.num_slots
+    assert llm.runner.stats["padded_verify_eager"] > 0 or not pad
+
+
 def test_a_faulty_row_fails_the_owner_of_the_slot_it_named(tiny_ckpt, make_llm, monkeypatch):
     """A row that ran on another request's slot wrote that state: the owner fails too, even when it
     was not in the step; requests neither touched nor in the step go on."""
