@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     # bench_decode.make_llm's other knobs, at their defaults
     args.prompt, args.util, args.ssm_dtype, args.decode_kernels, args.no_fused_ops = 4096, 0.9, "bfloat16", "triton", False
-    os.environ["HYBRID_VERIFY_GRAPHS"] = "1"
+    os.environ.pop("HYBRID_VERIFY_GRAPHS", None)  # (the default: verify graphs on)
     t0 = time.perf_counter()
     llm = make_llm(args, enforce_eager=False,
                    speculative_config={"method": "ngram", "num_speculative_tokens": args.k})

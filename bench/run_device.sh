@@ -116,7 +116,7 @@ if [[ $what == linear ]]; then
   done
 fi
 # speculative  bench_speculative.py: a verify step (K=3) next to a decode step on the 8B shape, eager and
-#            replayed from the verify graphs (HYBRID_VERIFY_GRAPHS=1), batch 1 / 4 / 16, then generate with
+#            replayed from the verify graphs (the default), batch 1 / 4 / 16, then generate with
 #            n-gram speculation (~3 minutes)
 if [[ $what == speculative ]]; then
   timeout 400 python3 bench/bench_speculative.py --json "$OUT/speculative.json" 2>&1 | tee "$OUT/speculative.log" || rc=1
