@@ -224,7 +224,10 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         cut = None if shard is None else shard.cut(pname)
         shapes = _disk_shapes(src.how, full, len(src.disk_names), src.rows)
         parts = []
-        fp8_scales = []  # per part: an FP8 part's row scales, or None
+        # FP8 routed experts kept as stored (hybrid/moe.py): each part's row scales. plan_quantized
+        # refuses a parameter whose parts mix FP8 and float, so its parts are all kept or none
+        keep_fp8 = keep_experts and pname.endswith(FP8_EXPERT_PARAMS) and src.row_scale is None
+        fp8_scales = []
         offset = 0  # "concat": the first row of this part in the assembled tensor
         for disk_name, shape in zip(src.disk_names, shapes):
             where = os.path.basename(files[disk_name])
@@ -253,20 +256,18 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
             offset += shape[0]
             if check_finite and not bool(torch.isfinite(part.float() if fp8 else part).all()):
                 raise CheckpointError(f"tensor '{disk_name}' in {where} holds non-finite values (NaN or Inf)")
-            fp8_scales.append(None)
             if fp8 and disk_name in qplan.dequant:  # experts, routers, adapters, LM head: dequantized at load
                 q = qplan.dequant[disk_name]
                 experts = part.shape[0] if part.dim() == 3 else None
                 scale = check_scale(read(q.scale), q.scale, stored_dtype(q.scale), rows=part.shape[-2], experts=experts)
-                fp8_scales[-1] = row_scales(part, scale)
-                if not (keep_experts and pname.endswith(FP8_EXPERT_PARAMS) and src.row_scale is None):
+                if keep_fp8:
+                    fp8_scales.append(row_scales(part, scale))
+                else:
                     part = dequantize(part, scale)
             parts.append(part)
         if qplan is not None and pname in qplan.linear:
             fp8_parts.append((pname, src, parts))
             continue
-        if any(p.dtype == FP8_DTYPE for p in parts) and None in fp8_scales:  # FP8 experts mixed with float parts
-            parts = [dequantize(p, s[..., None]) if p.dtype == FP8_DTYPE else p for p, s in zip(parts, fp8_scales)]
         if src.how == "whole":
             tensor = parts[0]
         elif src.how == "conv":
