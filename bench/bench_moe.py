@@ -242,8 +242,10 @@ def random_moe_model(cfg, device: torch.device, dtype: torch.dtype) -> torch.nn.
 
 def to_fp8_experts(model: torch.nn.Module) -> int:
     """The routed experts in FP8 as an FP8 checkpoint's load keeps them on CUDA (hybrid/moe.py Experts:
-    e4m3 weights, one fp32 scale per row, absmax / 448), in place, one expert at a time."""
+    e4m3 weights, one fp32 scale per row: hybrid.tools.quantize_fp8's per-channel quantization), in
+    place, one expert at a time (the fp32 temporaries of a whole layer's experts would be GBs)."""
     from hybrid.moe import Experts
+    from hybrid.tools.quantize_fp8 import quantize_weight
 
     count = 0
     for m in model.modules():
@@ -253,11 +255,12 @@ def to_fp8_experts(model: torch.nn.Module) -> int:
         for which in ("up", "down"):
             w = getattr(m, which).data
             q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-            scale = (w.abs().amax(dim=-1).float() / 448.0).clamp_min(1e-12)
+            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
             for e in range(w.shape[0]):
-                q[e] = (w[e].float() / scale[e, :, None]).to(torch.float8_e4m3fn)
+                q[e], s = quantize_weight(w[e], True, torch.float32)
+                scale[e] = s[:, 0]
             setattr(m, which, torch.nn.Parameter(q, requires_grad=False))
-            setattr(m, f"{which}_scale", scale.contiguous())
+            setattr(m, f"{which}_scale", scale)
             del w
     torch.cuda.empty_cache()
     return count

@@ -109,6 +109,7 @@ def main() -> None:
                     help="also the model's default with FP8 experts (e4m3, per-row scales: half the bytes)")
     args = ap.parse_args()
     from hybrid.ops import triton_moe, triton_moe_align
+    from hybrid.tools.quantize_fp8 import quantize_weight
 
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -160,10 +161,8 @@ def main() -> None:
                 timings["torch._grouped_mm"] = (float("nan"), repr(e)[:80])
             if args.fp8:
                 # FP8 experts as FP8 checkpoints load on CUDA (hybrid/moe.py Experts); their floor is half
-                amax_up, amax_down = w_up.abs().amax(dim=-1).float(), w_down.abs().amax(dim=-1).float()
-                up_s, down_s = (amax_up / 448.0).contiguous(), (amax_down / 448.0).contiguous()
-                up8 = (w_up.float() / up_s[..., None]).to(torch.float8_e4m3fn)
-                down8 = (w_down.float() / down_s[..., None]).to(torch.float8_e4m3fn)
+                (up8, up_s), (down8, down_s) = (quantize_weight(w, True, torch.float32) for w in (w_up, w_down))
+                up_s, down_s = up_s[..., 0], down_s[..., 0]  # [E, rows, 1] -> one scale per row
                 out = triton_moe.fused_experts(x, up8, down8, top_idx, top_w, gated, up_scale=up_s, down_scale=down_s)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 ms = graph_ms(lambda: triton_moe.fused_experts(x, up8, down8, top_idx, top_w, gated, up_scale=up_s,

@@ -127,8 +127,8 @@ if [[ $what == moe-tiles ]]; then
   timeout 400 python3 bench/bench_moe_kernels.py --tokens 1 8 64 --shapes granite4_tiny nemotron3_nano \
       --json "$OUT/moe_tiles.json" 2>&1 | tee "$OUT/moe_tiles.log" || rc=1
 fi
-# moe-split  bench_moe_kernels.py at batch 1 / 4 / 8 with the first GEMM split in K (SPLIT_K_FIRST) among
-#            the candidates, and the per-kernel profile of the default and of the best split (~2-3 minutes)
+# moe-split  bench_moe_kernels.py at batch 1 / 4 / 8 with the per-kernel profile of the default (the split-K
+#            candidates it once timed were reverted: BENCHMARKS.md) (~2-3 minutes)
 if [[ $what == moe-split ]]; then
   timeout 300 python3 bench/bench_moe_kernels.py --tokens 1 4 8 --shapes granite4_tiny nemotron3_nano --kernel-profile \
       --json "$OUT/moe_split.json" 2>&1 | tee "$OUT/moe_split.log" || rc=1

@@ -116,10 +116,12 @@ def test_fp8_experts_match_the_dequantized_loop(kind, gated, per_row, config):
     g = torch.Generator().manual_seed(11)
     T, width = 21, 2 * INTER if gated else INTER
 
-    def quantize(w):
-        amax = w.abs().amax(dim=-1) if per_row else w.abs().amax(dim=(1, 2))[:, None].expand(w.shape[:2])
-        scale = (amax / 448.0).float().contiguous()
-        return (w / scale[..., None]).to(torch.float8_e4m3fn), scale
+    def quantize(w):  # as the tools quantize checkpoints, the scales per row as the loader keeps them
+        from hybrid.fp8_linear import row_scales
+        from hybrid.tools.quantize_fp8 import quantize_weight
+
+        q, scale = quantize_weight(w, per_row, torch.float32)
+        return q, row_scales(q, scale)
 
     up8, up_s = quantize(torch.randn(E, width, H, generator=g) / H ** 0.5)
     down8, down_s = quantize(torch.randn(E, H, INTER, generator=g) / INTER ** 0.5)
