@@ -48,6 +48,14 @@ XQA_SEMAPHORE_BYTES = 8 * 1024 * 1024  # flashinfer.decode.trtllm_batch_decode_w
 _PREFILL_HEAD_DIMS = (64, 128, 256)
 
 
+def xqa_builds(head_dim: int) -> bool:
+    """Whether sm_90's XQA decode kernel builds for this head dim. It pads a head to the next power of
+    two and refuses (a static assertion at JIT time) a head that fills less than three quarters of
+    it: 160 (Zamba2-2.7B) does not build. Only unpadded heads are taken, so 224 (Zamba2-7B), which
+    may build but was never run, goes to our Triton kernel too."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, loc_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_page, stride_kv, stride_head, stride_off, page_size, k_mul, v_mul,
@@ -166,22 +174,31 @@ class TrtllmAttentionBackend:
         if self._sm is None:
             self._sm = torch.cuda.get_device_capability(q.device)[0]
         write_kv_fused(kv_layer, k, v, batch.kv_write_loc, kv_scales)
-        if batch.num_prefills == 0 and num_tokens == batch.num_decodes:
+        decode_step = batch.num_prefills == 0 and num_tokens == batch.num_decodes
+        verify_step = batch.uniform_q_len > 1 and batch.num_verify == batch.num_requests
+        if (decode_step or verify_step) and self._sm < 10 and not xqa_builds(head_dim):
+            # reads only device tensors and its grid depends on T and B alone: graph capturable as XQA is
+            self._log_triton_head_dim(head_dim)
+            out = paged_prefill_attention(q, kv_layer, batch, scale, kv_scales)
+        elif decode_step:
             out = self.decode(q, kv_layer, batch, scale, kv_scales)
-        elif batch.uniform_q_len > 1 and batch.num_verify == batch.num_requests:
+        elif verify_step:
             out = self.verify(q, kv_layer, batch, scale, kv_scales)
         elif self._sm >= 10:
             out = self.context_sm100(q, kv_layer, batch, scale, kv_scales)
         elif head_dim in _PREFILL_HEAD_DIMS:
             out = self.prefill_sm90(q, kv_layer, batch, scale, kv_scales)
         else:  # e.g. Zamba2-2.7B / 7B (160 / 224): our Triton kernel over the pages (K/V are written already)
-            if head_dim not in self._logged_head_dims:
-                self._logged_head_dims.add(head_dim)
-                log.info("attention head dim %d has no FlashInfer prefill kernel on sm_%d0: prefill attention "
-                         "runs the Triton paged prefill kernel (attention/triton_prefill.py); decode uses XQA",
-                         head_dim, self._sm)
+            self._log_triton_head_dim(head_dim)
             out = paged_prefill_attention(q, kv_layer, batch, scale, kv_scales)
         return out.reshape(num_tokens, num_heads * head_dim)
+
+    def _log_triton_head_dim(self, head_dim: int) -> None:
+        if head_dim not in self._logged_head_dims:
+            self._logged_head_dims.add(head_dim)
+            xqa = "" if xqa_builds(head_dim) else "; so do decode and verify steps (sm_90's XQA does not build for it)"
+            log.info("attention head dim %d has no FlashInfer prefill kernel on sm_%d0: prefill attention runs "
+                     "the Triton paged prefill kernel (attention/triton_prefill.py)%s", head_dim, self._sm, xqa)
 
     def decode(self, q, kv_layer, batch, scale, kv_scales=(1.0, 1.0)):
         from flashinfer.decode import trtllm_batch_decode_with_kv_cache

@@ -177,3 +177,36 @@ def test_padded_verify_steps_use_the_decode_kernel_with_a_causal_mask(backend):
     assert torch.equal(kw["seq_lens"], b.seq_lens) and kw["block_tables"] is b.page_table
     wide = backend._causal_mask(1, 33, torch.device("cpu"))
     assert wide.shape == (1, 33, 4) and wide[0, 32].tolist() == [65535, 65535, 1, 0]
+
+
+def test_xqa_builds_only_for_unpadded_heads():
+    from attention.trtllm import xqa_builds
+
+    assert all(xqa_builds(d) for d in (16, 32, 64, 128, 256))
+    assert not any(xqa_builds(d) for d in (80, 96, 160, 224, 512))
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_decode_and_verify_at_a_head_dim_xqa_cannot_build_run_the_triton_kernel(backend, kind):
+    """sm_90's XQA refuses to build for a 160-wide head (Zamba2-2.7B: a static assertion at JIT time,
+    seen on the H200): decode and padded verify steps at such a head dim run our Triton paged kernel,
+    which matches the torch reference and never calls the decode entry point."""
+    import dataclasses
+    import os
+
+    from attention.reference import TorchAttentionBackend
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernel on CPU tensors: needs TRITON_INTERPRET=1 (tests/conftest.py)")
+    if kind == "decode":
+        batch = _batch([1, 1, 1], [30, 7, 17])
+    else:
+        batch = dataclasses.replace(_batch([3, 3], [20, 9]), num_decodes=0, num_prefills=0, num_verify=2,
+                                    uniform_q_len=3)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(batch.num_tokens, 4, 160, generator=g).half()
+    kv = torch.randn(40, 2, 2, 16, 160, generator=g).half()
+    out = backend.forward(q, q[:, :2], q[:, :2], kv, batch, 160 ** -0.5)
+    ref = TorchAttentionBackend().attend(q.float(), kv.float(), batch, 160 ** -0.5)
+    assert backend.decode_calls == [], "the XQA entry point was called for a head dim it cannot build"
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
