@@ -50,7 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--settings", default=";".join(SETTINGS), help="labels separated by ;")
     args = ap.parse_args()
     e = released_shapes.entry(args.name)
     path = tempfile.mkdtemp(prefix=args.name.replace(".", "_"))
@@ -60,7 +60,7 @@ def main() -> None:
     prompts = [periodic_prompt(5, 4, 1) + allowed, periodic_prompt(3, 6, 2) + allowed,
                random_prompt(40, 140) + allowed]
     results = {}
-    for label in args.settings.split(","):
+    for label in args.settings.split(";"):
         env, kw = SETTINGS[label]
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -82,9 +82,9 @@ def main() -> None:
             torch.cuda.empty_cache()
         results[label] = {"tokens": got, "stats": stats}
         flagged = None if got is None else [[("*" if t not in bias else "") + str(t) for t in g] for g in got]
-        print(f"[{label}] {stats}")
+        print(f"[{label}] {stats}", flush=True)
         for row in flagged or []:
-            print("   ", " ".join(row))
+            print("   ", " ".join(row), flush=True)
     with open(os.path.join(args.out, f"diagnose_spec_{args.name}.json"), "w") as f:
         json.dump(results, f)
 

@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 
+from graphs.padding import verify_graph_sizes
 from hybrid import LLM, SamplingParams
 from hybrid.errors import CapacityError
 from model_shapes import NEMOTRON_H_8B
@@ -60,8 +61,12 @@ def test_8b_spec_that_fits_has_the_scratch_in_the_plan(model_8b):
     llm = _llm(model_8b, 32, enforce_eager=False, cuda_graph_sizes=sizes)
     plan, pool = llm.memory_plan, llm.state_pool
     assert plan.spec_scratch_bytes == 32 * 4 * plan.slot_bytes > 0
-    # the graph reserve holds every bucket's fp32 logits (captured or not: graphs need the mamba kernels)
-    assert plan.graph_reserve_bytes == 512 * 2**20 + sum(sizes) * 131072 * 4
+    # the graph reserve holds every bucket's fp32 logits (captured or not: graphs need the mamba kernels),
+    # and every verify bucket's (K+1 rows a request; verify graphs are on by default with speculation)
+    k = SPEC["num_speculative_tokens"]
+    verify = verify_graph_sizes(sizes, 32)
+    assert verify and max(verify) <= 32
+    assert plan.graph_reserve_bytes == 512 * 2**20 + (sum(sizes) + sum(verify) * (k + 1)) * 131072 * 4
     assert pool.spec_ssm is not None and pool.spec_ssm.shape[1:3] == (32, 4)
     out = llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)

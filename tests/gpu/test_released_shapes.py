@@ -268,7 +268,11 @@ def test_speculative_decoding_teacher_forced(released, reference):
     """ngram speculation, K=3. A random-weight model's greedy tokens rarely recur in a prompt (the
     vocabulary has 4096 tokens), so the outputs are held to 8 tokens that every prompt contains
     (logit bias +20): each new token's 1-gram then has an earlier occurrence and drafts exist at
-    every step; which of the 8 is chosen, and so which drafts are accepted, is still the model's."""
+    every step; which of the 8 is chosen, and so which drafts are accepted, is still the model's.
+    The bias does not bound the choice: a random-weight model's logits may spread past 20 nats
+    (Nemotron-3-Nano's do: the same tokens outside the 8 with and without speculation, eager or
+    graphs, on the H200: bench/results/diagnose_spec_nemotron_nano_*), so the check is the
+    teacher-forced one on the biased scores."""
     e, path = released
     allowed = random_prompt(8, 99)
     bias = {t: 20.0 for t in allowed}
@@ -279,7 +283,6 @@ def test_speculative_decoding_teacher_forced(released, reference):
         assert_no_silent_torch_path(llm)
         sp = SamplingParams(max_tokens=20, logit_bias=bias, **GREEDY)
         got = tokens(llm.generate(prompts, sp, use_tqdm=False))
-        assert all(t in bias for g in got for t in g), got
         assert llm.engine.stats["spec_draft_tokens"] > 0
         print(f"\nspeculation: {llm.engine.stats['spec_accepted_tokens']} of "
               f"{llm.engine.stats['spec_draft_tokens']} drafts accepted")
