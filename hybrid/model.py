@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
 from hybrid.config import ATTENTION, HYBRID, MAMBA, MLP, PARALLEL, ModelConfig
-from hybrid.layers import Attention, DenseMLP, GatedMLP, Linear, LowRankAdapter, Mamba2Mixer, RMSNorm, _param
+from hybrid.layers import (Attention, DenseMLP, GatedMLP, Linear, LowRankAdapter, Mamba2Mixer, RMSNorm, _param,
+                           logits_fp32)
 from hybrid.moe import Experts, GraniteMoE, NemotronMoE, add_norm_route
 from hybrid.ops import triton_act, triton_moe, triton_norm
 
@@ -196,7 +197,8 @@ class HybridModel(nn.Module):
         return F.embedding(ids, self.embed)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.embed) if self.lm_head is None else self.lm_head(h)
+        """fp32 logits [n, vocab] (hybrid/layers.logits_fp32)."""
+        return logits_fp32(h, self.embed if self.lm_head is None else self.lm_head.weight)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, ctx) -> torch.Tensor:

@@ -1,0 +1,42 @@
+"""The LM head's fp32 output on CUDA (hybrid/layers.logits_fp32: cuBLAS writing its fp32 accumulator)
+at real vocabulary sizes, eagerly and replayed from a CUDA graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid.layers import _MM_OUT_DTYPE, logits_fp32
+
+
+@pytest.mark.parametrize("rows,hidden,vocab", [(1, 2688, 131072), (64, 1536, 100352), (5, 4096, 131072)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_logits_at_real_sizes(rows, hidden, vocab, dtype):
+    assert _MM_OUT_DTYPE, torch.__version__
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.05).to(dtype)
+    out = logits_fp32(h, w)
+    exact = (h.double() @ w.double().t()).float()
+    rounded = torch.nn.functional.linear(h, w).float()
+    assert out.dtype == torch.float32
+    err, err_rounded = (out - exact).abs().max().item(), (rounded - exact).abs().max().item()
+    assert err < err_rounded / 4, (err, err_rounded)
+
+
+def test_fp32_logits_under_a_cuda_graph():
+    h = torch.randn(8, 2688, device="cuda").bfloat16()
+    w = torch.randn(4096, 2688, device="cuda").bfloat16()
+    eager = logits_fp32(h, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        logits_fp32(h, w)  # warm-up on the side stream, as capture wants
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        out = logits_fp32(h, w)
+    h.copy_(torch.randn_like(h))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, logits_fp32(h, w)) and not torch.equal(out, eager)
