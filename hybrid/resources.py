@@ -25,9 +25,12 @@ if TYPE_CHECKING:
     from hybrid.request import ScheduledChunk, Sequence
 
 
-def row_owners(chunks: list[ScheduledChunk]) -> list[RowOwner]:
-    """Who each row of a step's batch belongs to (row i: chunk i), as the sanitizer names them."""
-    return [RowOwner(c.seq.label, c.seq.slot if c.seq.slot is not None else PAD_SLOT_ID, list(c.seq.pages))
+def row_owners(chunks: list[ScheduledChunk], with_lengths: bool = False) -> list[RowOwner]:
+    """Who each row of a step's batch belongs to (row i: chunk i), as the sanitizer names them;
+    `with_lengths` (before the step is launched, while num_computed is the context it runs on):
+    also the KV length each row must run to and its token count."""
+    return [RowOwner(c.seq.label, c.seq.slot if c.seq.slot is not None else PAD_SLOT_ID, list(c.seq.pages),
+                     *((c.seq.num_computed + c.num_tokens, c.num_tokens) if with_lengths else ()))
             for c in chunks]
 
 
@@ -231,7 +234,8 @@ class ResourceManager:
     def check_batch(self, batch: StepBatch, chunks: list[ScheduledChunk]) -> ExpectedInputs:
         """Raise StateCorruptionError if the batch would touch a slot or page its rows do not own (host
         copies only); return what its index tensors must hold as they run (checked on the device)."""
-        return check_batch(batch, self.state_pool, self.pages, self.page_size, row_owners(chunks), DUMMY_PAGE)
+        return check_batch(batch, self.state_pool, self.pages, self.page_size, row_owners(chunks, with_lengths=True),
+                           DUMMY_PAGE)
 
     def state_nan(self, batch: StepBatch) -> torch.Tensor:
         """Per batch row: whether the Mamba state in the row's slot holds NaN now (in stream order:

@@ -23,7 +23,11 @@ What is checked, for every row of the batch:
   are live pages.
 - verify rows (speculative decoding) use distinct scratch rows inside the scratch tensor: their
   host copies in the host half, their device copies as they ran (the padding rows of a padded
-  verify step included) in the device half.
+  verify step included) in the device half;
+- a real row's KV length (seq_lens) and token count are its request's (where the owner states them:
+  the context before the step plus the tokens it runs; a padded verify row's padding tokens on top,
+  as it ran), so attention reads exactly the positions the request has; a padding row's length
+  covers its own tokens and stays inside its page-table row (all dummy pages).
 Replay rows (a readmitted sequence's known generated tokens) are ordinary real rows: they write
 their own slot and their own pages, and get exactly the checks above.
 """
@@ -40,7 +44,7 @@ from state_pool.step_batch import StepBatch, to_device
 from state_pool.util import cdiv
 
 # fault bits of one row, as ExpectedInputs.faults reports them
-SLOT_FAULT, KV_WRITE_FAULT, PAGE_TABLE_FAULT, SCRATCH_FAULT = 1, 2, 4, 8
+SLOT_FAULT, KV_WRITE_FAULT, PAGE_TABLE_FAULT, SCRATCH_FAULT, SEQ_LEN_FAULT = 1, 2, 4, 8, 16
 
 
 @dataclass
@@ -50,6 +54,8 @@ class RowOwner:
     name: str  # e.g. "request 'gen-3' (branch 1)"
     slot: int
     pages: list[int]
+    seq_len: int = -1  # KV length after the step (context + the tokens it runs); -1: not stated
+    q_len: int = -1  # tokens the row runs; -1: not stated
 
 
 @dataclass
@@ -68,6 +74,7 @@ class ExpectedInputs:
     scratch_slot: int
     dummy_page: int
     page_size: int
+    seq_lens: np.ndarray | None = None  # [num_real] KV length of each real row after the step (host copy)
 
     def faults(self, ran: StepBatch) -> torch.Tensor:
         """Fault bits per row of `ran` (the batch as it ran, padding rows included), int32, on the
@@ -77,6 +84,7 @@ class ExpectedInputs:
         dev = ran.state_slot.device
         rows = int(ran.state_slot.shape[0])
         n, t = self.num_real, len(self.kv_write_loc)
+        consistent = True
         slot = ran.state_slot
         real = torch.arange(rows, device=dev) < n
         want_slot = torch.full((rows,), PAD_SLOT_ID, dtype=slot.dtype, device=dev)
@@ -92,6 +100,7 @@ class ExpectedInputs:
         if len(ran_q) != rows or loc.shape[0] != int(ran_q.sum()) or (ran_q[:n] < counts).any() \
                 or int(counts.sum()) != t:  # shapes are host metadata: no sync to see this
             kv_faults = torch.ones(rows, dtype=torch.int32, device=dev)
+            consistent = False
         else:
             row_of = np.repeat(np.arange(rows), ran_q)
             in_row = np.arange(len(row_of)) - np.repeat(np.cumsum(ran_q) - ran_q, ran_q)
@@ -113,8 +122,24 @@ class ExpectedInputs:
         pt_faults = torch.zeros(rows, dtype=torch.int32, device=dev).index_add_(
             0, to_device(self.page_rows, torch.long, dev), bad_read)
         pt_faults[n:] += (table[n:] != self.dummy_page).sum(dim=1).int()
+        seq_faults = self._seq_len_faults(ran, rows, ran_q, counts) if consistent else \
+            torch.ones(rows, dtype=torch.int32, device=dev)
         return (bad_slot.int() * SLOT_FAULT + (kv_faults > 0).int() * KV_WRITE_FAULT
-                + (pt_faults > 0).int() * PAGE_TABLE_FAULT + _scratch_faults(ran, rows) * SCRATCH_FAULT)
+                + (pt_faults > 0).int() * PAGE_TABLE_FAULT + _scratch_faults(ran, rows) * SCRATCH_FAULT
+                + seq_faults * SEQ_LEN_FAULT)
+
+    def _seq_len_faults(self, ran: StepBatch, rows: int, ran_q: np.ndarray, counts: np.ndarray) -> torch.Tensor:
+        """[rows] int32: 1 for a real row whose device KV length is not its request's (plus the padding
+        tokens a padded verify row ran with), and for any row whose length is shorter than the tokens
+        it runs or reaches past its page-table row (the kernels would read the next row's pages)."""
+        n = self.num_real
+        lo = ran_q.astype(np.int64)
+        hi = np.full(rows, int(ran.page_table.shape[1]) * self.page_size, dtype=np.int64)
+        if self.seq_lens is not None:  # the real rows' lengths are known exactly
+            lo[:n] = hi[:n] = self.seq_lens + (ran_q[:n] - counts)
+        bounds = to_device(np.concatenate([lo, hi]), ran.seq_lens.dtype, ran.seq_lens.device)
+        seq = ran.seq_lens[:rows]
+        return ((seq < bounds[:rows]) | (seq > bounds[rows:])).int()
 
 
 def _scratch_faults(ran: StepBatch, rows: int) -> torch.Tensor:
@@ -168,7 +193,8 @@ def read_faults(checks: dict[str, list], owners: list[RowOwner], region_names: l
             who = owners[row].name if row < len(owners) else f"padding row {row}"
             what = [name for bit, name in ((SLOT_FAULT, f"Mamba slot {ran_slots[row]}"),
                                            (KV_WRITE_FAULT, "KV write rows"), (PAGE_TABLE_FAULT, "page table"),
-                                           (SCRATCH_FAULT, "verify scratch row"))
+                                           (SCRATCH_FAULT, "verify scratch row"),
+                                           (SEQ_LEN_FAULT, "KV length"))
                     if bits & bit]
             owns = f" (owns slot {owners[row].slot})" if row < len(owners) and bits & SLOT_FAULT else ""
             parts.append(f"{who} ran with a wrong {', '.join(what)}{owns}")
@@ -198,6 +224,7 @@ def check_batch(batch: StepBatch, pool, page_allocator, page_size: int, owners: 
     kv_loc: list[np.ndarray] = []
     token_rows: list[np.ndarray] = []
     page_rows, page_cols, page_values = [], [], []
+    seq_lens: list[int] = []
     for row in range(num_rows):
         slot = int(batch.state_slot_cpu[row])
         if row >= num_real:
@@ -220,6 +247,11 @@ def check_batch(batch: StepBatch, pool, page_allocator, page_size: int, owners: 
         # the tokens of this row sit at positions [seq_len - q_len, seq_len): their KV rows follow from
         # the owner's pages; each page written must be the row's own and not shared
         seq_len, q_len = int(batch.seq_lens_cpu[row]), int(batch.query_lens_cpu[row])
+        if (owner.seq_len >= 0 and seq_len != owner.seq_len) or (owner.q_len >= 0 and q_len != owner.q_len):
+            raise StateCorruptionError(
+                f"{owner.name} (row {row}, Mamba slot {slot}) would run {q_len} tokens to KV length {seq_len}, "
+                f"but it has {owner.seq_len - owner.q_len} tokens in the cache and {owner.q_len} to run")
+        seq_lens.append(seq_len)
         n_pages = cdiv(seq_len, ps)
         if n_pages > len(owner.pages):
             raise StateCorruptionError(
@@ -252,5 +284,7 @@ def check_batch(batch: StepBatch, pool, page_allocator, page_size: int, owners: 
     def cat(parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
+    stated = all(o.seq_len >= 0 for o in owners)
     return ExpectedInputs(num_real, [o.slot for o in owners], cat(kv_loc), cat(token_rows), cat(page_rows),
-                          cat(page_cols), cat(page_values), pool.scratch_slot, dummy_page, ps)
+                          cat(page_cols), cat(page_values), pool.scratch_slot, dummy_page, ps,
+                          np.asarray(seq_lens, dtype=np.int64) if stated else None)

@@ -211,6 +211,67 @@ def test_device_copies_that_differ_from_the_host_copies(tiny_ckpt, make_llm, mon
     assert not eng.has_unfinished_requests() and llm.state_pool.num_free == 2
 
 
+def test_host_seq_len_that_is_not_the_requests(tiny_ckpt, make_llm, monkeypatch):
+    """The host copy of a row's KV length one past its request's (the kernels would read a KV position
+    the request never wrote): the host half refuses the step, naming the row."""
+    llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
+
+    def longer(b):
+        lens = [s + 1 for s in b.seq_lens_cpu]
+        return dataclasses.replace(b, seq_lens=torch.tensor(lens, dtype=torch.int32), seq_lens_cpu=lens)
+
+    _patch_batch(monkeypatch, eng, longer)
+    _step_error(eng, r"request 'b' \(branch 0\) \(row 0, Mamba slot 1\) would run 1 tokens to KV length 7, "
+                     r"but it has 5 tokens in the cache and 1 to run")
+    assert not eng.has_unfinished_requests() and llm.state_pool.num_free == 2
+
+
+@pytest.mark.parametrize("delta", [1, -1])
+def test_device_seq_len_that_differs_from_the_host_copy(tiny_ckpt, make_llm, monkeypatch, delta):
+    llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
+    _tamper_device_copy(monkeypatch, eng, "seq_lens", lambda t: t + delta)
+    err = _step_error(eng, r"request 'b' \(branch 0\) ran with a wrong KV length")
+    assert "differ from what the sanitizer checked" in err
+    assert not eng.has_unfinished_requests() and llm.state_pool.num_free == 2
+
+
+def test_padded_verify_steps_pass_and_a_wrong_padded_length_fails(tiny_ckpt, make_llm, monkeypatch):
+    """A padded verify step's real rows run with their padding tokens added to their KV length, and
+    its padding rows with their own q_len: the check passes them (no false alarm over many steps),
+    and fails a padding row whose length would reach past its page-table row."""
+    import graphs.runner as runner_module
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=4, page_size=4, check_state=True, speculative_config=spec)
+    eng = llm.engine
+    llm.runner.pad_verify = True
+    eng.scheduler.proposer.propose = lambda tokens, k: [tokens[-1]] * (1 + len(tokens) % k)  # uneven drafts
+    for rid, prompt in (("a", [5, 6, 7]), ("b", [8, 9]), ("c", [10, 11, 12])):
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=6, **GREEDY))
+    while eng.has_unfinished_requests():
+        assert all(o.error is None for o in eng.step())
+    assert llm.runner.stats["padded_verify_eager"] > 0
+
+    real_pad = runner_module.pad_verify_batch
+
+    def too_long(*a):
+        padded, rows = real_pad(*a)
+        if padded.num_real_requests < padded.num_requests:  # a padding row: past its page-table row
+            lens = padded.seq_lens.clone()
+            lens[-1] = padded.page_table.shape[1] * 4 + 1
+            padded = dataclasses.replace(padded, seq_lens=lens)
+        return padded, rows
+
+    monkeypatch.setattr(runner_module, "pad_verify_batch", too_long)
+    for rid, prompt in (("d", [5, 6, 7]), ("e", [8, 9]), ("f", [10, 11, 12])):
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=8, **GREEDY))
+    _step_error(eng, r"padding row 3 ran with a wrong KV length", steps=6)
+    monkeypatch.undo()
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert llm.state_pool.num_free == llm.state_pool.num_slots
+
+
 @pytest.mark.parametrize("edit,pad", [
     (lambda t: t.fill_(0), False),  # two verify rows on one scratch row
     (lambda t: t.fill_(0), True),
