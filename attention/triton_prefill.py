@@ -44,12 +44,20 @@ Grid and tiles:
   stages) per padded head dim; not tuned on the GPU yet. Compiled for sm_90 at 160 / 224 (64 x 64
   tiles, 8 warps, 2 stages; tests/triton_compile_cases.py): about 200-220 registers, no spills,
   128-160 KiB of shared memory.
-No split-KV: one program streams its query block's whole KV, so a few decode rows over very long
-histories are served by few programs (FlashInfer's split-KV is what the 64/128/256 path has).
+Split KV (flash-decoding), for steps of few programs: when the grid above has fewer programs than
+the GPU has SMs (a few decode or verify rows: at these head dims sm_90's XQA does not build, so
+attention/trtllm.py runs them here too), axis 2 splits each block's KV range into S equal parts of
+`split_len` positions (a multiple of BLOCK_N). Each program writes its unnormalised output rows and
+their running max and sum (fp32) to a workspace [T, num_heads, S, ...]; `_combine_splits_kernel`
+(one program per token and head) rescales the S parts to their common max and normalises. S and
+split_len follow from the grid and the page table's width (the KV capacity a row can have), never
+from the sequence lengths, so a captured graph keeps its split: parts past a row's length are
+empty (max -1e30, sum 0) and weigh nothing.
 No programmatic dependent launch (PDL): attention/ imports nothing from hybrid/ (hybrid/ops/
-triton_guard.py has the PDL helpers), the kernel runs in prefill / mixed steps only, where one
-launch's latency is small against its run time, and the fused KV write before it is not PDL-launched
-either (attention/trtllm.py's write_kv_fused).
+triton_guard.py has the PDL helpers), and the fused KV write before it is not PDL-launched either
+(attention/trtllm.py's write_kv_fused). It runs in prefill / mixed steps at any head dim without a
+FlashInfer prefill kernel, and in decode / verify steps only at head dims sm_90's XQA does not build
+(attention/trtllm.xqa_builds), where it is the only graph-capturable kernel at hand.
 
 Triton is imported guarded, as hybrid/ops/triton_guard.py does it (attention/ must not import
 hybrid/): importing this module without triton works, calling the kernel raises. Set
@@ -164,13 +172,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _paged_prefill_kernel(
-        q_ptr, kv_ptr, out_ptr, qsl_ptr, seq_lens_ptr, pt_ptr,
-        num_seqs, group,
+        q_ptr, kv_ptr, out_ptr, qsl_ptr, seq_lens_ptr, pt_ptr, part_ptr, part_ml_ptr,
+        num_seqs, group, num_heads, num_splits, split_len,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_page, stride_kv, stride_head, stride_off, stride_pt,
         k_mul, v_mul,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // GP
         pid = tl.program_id(0)
@@ -214,28 +222,89 @@ if HAS_TRITON:
         last_tok = tl.minimum(q0 + BLOCK_Q, q_len)
         kv_end = ctx + last_tok
         full_end = ((ctx + q0 + 1) // BLOCK_N) * BLOCK_N
-        for start_n in range(0, full_end, BLOCK_N):
+        lo_n = 0
+        hi_n = kv_end
+        if SPLIT:  # this program's part of the KV: [split * split_len, +split_len) (BLOCK_N multiples)
+            lo_n = tl.program_id(2) * split_len
+            hi_n = tl.minimum(lo_n + split_len, kv_end)
+        for start_n in range(lo_n, tl.minimum(hi_n, full_end), BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, kv_base, pt_row, start_n, kv_end, ctx_tok,
                                          stride_kv, stride_page, stride_off, k_mul,
                                          HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, IEEE)
-        for start_n in range(full_end, kv_end, BLOCK_N):
+        for start_n in range(tl.maximum(lo_n, full_end), hi_n, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, kv_base, pt_row, start_n, kv_end, ctx_tok,
                                          stride_kv, stride_page, stride_off, k_mul,
                                          HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, IEEE)
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows only: every real row sees position 0
-        out = acc * (v_mul / l_safe)[:, None]
-        o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
-        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        row_mask = row_ok[:, None] & d_ok[None, :]
+        if SPLIT:  # unnormalised rows and their (max, sum) to the workspace: _combine_splits_kernel ends it
+            part_row = ((q_start + tok).to(tl.int64) * num_heads + head) * num_splits + tl.program_id(2)
+            tl.store(part_ptr + part_row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_mask)
+            tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_ok)
+        else:
+            l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows only: every real row sees position 0
+            out = acc * (v_mul / l_safe)[:, None]
+            o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+            tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+    @triton.jit
+    def _combine_splits_kernel(part_ptr, part_ml_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh, v_mul,
+                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        """One token and head: its num_splits parts rescaled to their common max, summed, normalised."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_ok = offs_s < num_splits
+        base = (t.to(tl.int64) * num_heads + h) * num_splits
+        m = tl.load(part_ml_ptr + (base + offs_s) * 2, mask=s_ok, other=-1.0e30)
+        l = tl.load(part_ml_ptr + (base + offs_s) * 2 + 1, mask=s_ok, other=0.0)
+        acc = tl.load(part_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        w = tl.exp2(m - tl.max(m, 0))  # empty parts (max -1e30) weigh 0 next to any real part
+        l_sum = tl.sum(w * l, 0)
+        l_safe = tl.where(l_sum > 0.0, l_sum, 1.0)  # padding rows only
+        out = tl.sum(acc * w[:, None], 0) * (v_mul / l_safe)
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+                 mask=offs_d < HEAD_DIM)
+
+
+MAX_SPLITS = 16  # KV parts a program's range is split into at most
+MIN_SPLIT_POSITIONS = 512  # and each part covers at least this many KV positions of the capacity
+MAX_PART_BYTES = 32 * 2**20  # the fp32 parts of one launch at most (few programs can still mean many tokens)
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: an H200's, so CPU tests split as the GPU would
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def kv_splits(programs: int, kv_capacity: int, block_n: int, sms: int, row_bytes: int = 0) -> tuple[int, int]:
+    """(S, split_len): how many parts each program's KV range is split into, and the positions a
+    part covers (a multiple of block_n). S > 1 only when the programs do not fill the GPU's SMs;
+    from the grid, the KV capacity and the launch's size alone (graph capturable). `row_bytes`: the
+    workspace one part of every token and head takes (S of them must fit in MAX_PART_BYTES)."""
+    if programs >= sms or kv_capacity <= block_n:
+        return 1, kv_capacity
+    splits = min(MAX_SPLITS, -(-2 * sms // programs), max(1, kv_capacity // MIN_SPLIT_POSITIONS),
+                 MAX_PART_BYTES // max(row_bytes, 1))
+    if splits <= 1:
+        return 1, kv_capacity
+    split_len = -(-(-(-kv_capacity // splits)) // block_n) * block_n
+    return -(-kv_capacity // split_len), split_len
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: "StepBatch", scale: float,
                             kv_scales: tuple[float, float] = (1.0, 1.0), *, block_m: int | None = None,
                             block_n: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None) -> torch.Tensor:
+                            num_stages: int | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Causal attention of the step's queries over the paged cache (see the module docstring):
     [T, num_heads, head_dim] in q's dtype. block_m / block_n / num_warps / num_stages override the
-    defaults of `tiles` (tests, tuning)."""
+    defaults of `tiles`, num_splits the KV split (tests, tuning)."""
     require(__name__)
     T, num_heads, head_dim = q.shape
     num_pages, two, num_kv_heads, page_size, kv_dim = kv_layer.shape
@@ -258,15 +327,34 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: "Ste
     bn = block_n or bn
     block_q = bm // gp
     k_scale, v_scale = (float(kv_scales[0]), float(kv_scales[1])) if fp8 else (1.0, 1.0)
-    grid = (T // block_q + B, num_kv_heads)
-    _paged_prefill_kernel[grid](
-        q, kv_layer, out, batch.query_start_loc, batch.seq_lens, batch.page_table,
-        B, group,
+    block_d = max(16, _next_pow2(head_dim))
+    programs = T // block_q + B
+    capacity = batch.page_table.shape[1] * page_size
+    if num_splits is None:
+        splits, split_len = kv_splits(programs * num_kv_heads, capacity, bn, _sm_count(q.device),
+                                      row_bytes=T * num_heads * (block_d + 2) * 4)
+    else:
+        splits = max(1, num_splits)
+        split_len = -(-(-(-capacity // splits)) // bn) * bn
+    split = splits > 1
+    if split:  # fp32 parts of the real rows only: [T, heads, S, D] and their (max, sum)
+        part = torch.empty(T * num_heads * splits * block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(T * num_heads * splits * 2, dtype=torch.float32, device=q.device)
+    else:
+        part = part_ml = out  # not read
+    _paged_prefill_kernel[(programs, num_kv_heads, splits)](
+        q, kv_layer, out, batch.query_start_loc, batch.seq_lens, batch.page_table, part, part_ml,
+        B, group, num_heads, splits, split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), batch.page_table.stride(0),
         float(scale) * k_scale * LOG2_E, v_scale,
-        HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)), GP=gp, BLOCK_M=bm, BLOCK_N=bn,
-        PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, GP=gp, BLOCK_M=bm, BLOCK_N=bn,
+        PAGE_SIZE=page_size, IEEE=q.dtype == torch.float32, SPLIT=split,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )
+    if split:
+        _combine_splits_kernel[(T, num_heads)](
+            part, part_ml, out, num_heads, splits, out.stride(0), out.stride(1), v_scale,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(splits)), num_warps=4,
+        )
     return out

@@ -33,7 +33,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 from attention.reference import FP8_KV_DTYPE, TorchAttentionBackend, quantize_kv  # noqa: E402
-from attention.triton_prefill import paged_prefill_attention, tiles  # noqa: E402
+from attention.triton_prefill import kv_splits, paged_prefill_attention, tiles  # noqa: E402
 from state_pool.step_batch import StepBatch  # noqa: E402
 
 
@@ -124,14 +124,15 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _check(rows, heads, kv_heads, head_dim, dtype, kv_dtype=None, scales=(1.0, 1.0), page_size=16, block_m=16,
-           block_n=32, seed=0):
+           block_n=32, seed=0, num_splits=1):
     kv_dtype = kv_dtype or dtype
     batch, num_pages = paged_batch(rows, page_size, seed=seed)
     kv = kv_cache(batch, num_pages, kv_heads, page_size, head_dim, kv_dtype, scales, seed=seed + 1)
     T = batch.num_tokens
     q = torch.randn(T, heads, head_dim, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
     scale = head_dim ** -0.5
-    out = paged_prefill_attention(q, kv, batch, scale, scales, block_m=block_m, block_n=block_n)
+    out = paged_prefill_attention(q, kv, batch, scale, scales, block_m=block_m, block_n=block_n,
+                                  num_splits=num_splits)
     assert out.shape == (T, heads, head_dim) and out.dtype == dtype
     if dtype == torch.float32:
         ref = TorchAttentionBackend().attend(q, kv, batch, scale, scales)
@@ -194,3 +195,48 @@ def test_grid_depends_only_on_tokens_and_requests():
     32-wide tile): its unmasked tiles must stop one tile early."""
     rows = [(16, 0), (17, 3), (0, 9), (15, 40), (1, 5), (32, 0), (6, 30), (20, 14)]
     _check(rows, 2, 2, 64, torch.float32, seed=9)
+
+
+# KV split (flash-decoding): parts of a program's KV range in their own programs, then combined
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kv_split_matches_the_reference(num_splits, dtype):
+    """Every kind of row split S ways (parts past a row's length empty; a prompt's early tokens see
+    nothing of the later parts): the same attention as unsplit, fp32-tight for fp32."""
+    _check(ROWS, 8, 2, 160, dtype, num_splits=num_splits, seed=11)
+
+
+def test_kv_split_over_an_fp8_cache_and_padding_rows():
+    """An FP8 cache with scales (v_scale applied when the parts are combined), and decode padding rows
+    (q_len 1 at a 1-token length on the dummy page) between real ones."""
+    _check([(1, 70), (1, 0), (1, 0), (4, 33)], 4, 4, 224, torch.bfloat16, kv_dtype=FP8_KV_DTYPE, scales=(0.03, 0.2),
+           num_splits=4, seed=13)
+
+
+def test_kv_split_choice():
+    """Split only when the grid leaves SMs idle, from the grid, the KV capacity and the launch's size
+    alone; every part a multiple of the KV tile, S parts covering the capacity."""
+    assert kv_splits(32, 16384, 64, 132) == (9, 1856)  # a Zamba2 decode row: 32 programs
+    assert kv_splits(132, 16384, 64, 132) == (1, 16384)  # the SMs are full
+    assert kv_splits(32, 256, 64, 132) == (1, 256)  # each part would cover under 512 positions
+    assert kv_splits(64, 4096, 64, 132, row_bytes=2**20)[0] == 5
+    assert kv_splits(4, 16384, 64, 132, row_bytes=8 * 2**20)[0] == 4  # the workspace cap
+    for programs, capacity in ((1, 16384), (7, 5000), (40, 2048)):
+        splits, split_len = kv_splits(programs, capacity, 64, 132)
+        assert split_len % 64 == 0 and (splits - 1) * split_len < capacity <= splits * split_len
+
+
+def test_a_decode_batch_picks_the_split_itself():
+    """The launch's own choice (no num_splits) on a decode step of a long capacity: split, and the
+    same output as forced unsplit."""
+    rows = [(1, 900), (1, 20)]
+    batch, num_pages = paged_batch(rows, 16, seed=4, spare_pages=40)  # a wide page table: 16K-like capacity
+    kv = kv_cache(batch, num_pages, 2, 16, 160, torch.float32, seed=5)
+    q = torch.randn(batch.num_tokens, 2, 160, generator=torch.Generator().manual_seed(6))
+    wide = torch.cat([batch.page_table, torch.zeros(2, 64, dtype=torch.int32)], dim=1)  # capacity 1,984 positions
+    import dataclasses
+    batch = dataclasses.replace(batch, page_table=wide)
+    assert kv_splits(2 * 2, wide.shape[1] * 16, tiles(160, 2, 2, torch.float32)[1], 132)[0] > 1
+    auto = paged_prefill_attention(q, kv, batch, 0.08)
+    ref = TorchAttentionBackend().attend(q, kv, batch, 0.08)
+    assert _rel(auto.reshape(batch.num_tokens, -1), ref) < 1e-4

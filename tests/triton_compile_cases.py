@@ -154,14 +154,16 @@ for _hd in (160, 224):  # Zamba2-2.7B's and -7B's attention heads: no FlashInfer
     for _kv in ("bf16", "fp8"):
         def _prefill(head_dim=_hd, kv=_kv):
             """attention/triton_prefill.py's kernel at the launch's own tiles (32 / 32 heads: one query head
-            a KV head; and a GQA-4 tile), bf16 queries over a bf16 or an FP8 e4m3 cache."""
+            a KV head; and a GQA-4 tile), bf16 queries over a bf16 or an FP8 e4m3 cache, unsplit and
+            split over the KV (with the kernel that combines the parts)."""
             fn = triton_prefill._paged_prefill_kernel
             block_m, block_n, warps, stages = triton_prefill.tiles(head_dim, 32, 32, torch.bfloat16)
-            for gp in (1, 4):
+            for gp, split in ((1, False), (4, False), (1, True), (4, True)):
                 constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=256, GP=gp, BLOCK_M=block_m, BLOCK_N=block_n,
-                                  PAGE_SIZE=16, IEEE=False)
+                                  PAGE_SIZE=16, IEEE=False, SPLIT=split)
                 sig = signature(fn, constexprs, dict(kv_ptr="*fp8e4nv" if kv == "fp8" else "*bf16", qsl_ptr="*i32",
-                                                     seq_lens_ptr="*i32", pt_ptr="*i32"))
+                                                     seq_lens_ptr="*i32", pt_ptr="*i32", part_ptr="*fp32",
+                                                     part_ml_ptr="*fp32"))
                 sig.update(k_mul="fp32", v_mul="fp32")
                 # pointers and strides 16-divisible, as the launch specializes them at these head dims: the
                 # K/V loads vectorize and pipeline (without the hint ptxas spills, and the shared size is
@@ -172,7 +174,13 @@ for _hd in (160, 224):  # Zamba2-2.7B's and -7B's attention heads: no FlashInfer
                 kernel = triton.compile(src, target=SM90,
                                         options=dict(num_warps=warps, num_stages=stages, launch_pdl=True))
                 shared = kernel.metadata.shared
-                assert shared <= SM90_SHARED_BYTES, f"{shared} bytes of shared memory (GP {gp})"
+                assert shared <= SM90_SHARED_BYTES, f"{shared} bytes of shared memory (GP {gp}, split {split})"
+            combine = triton_prefill._combine_splits_kernel
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=256, BLOCK_S=16)
+            sig = signature(combine, constexprs, dict(part_ptr="*fp32", part_ml_ptr="*fp32"))
+            sig.update(v_mul="fp32")
+            triton.compile(ASTSource(combine, sig, constexprs=constexprs), target=SM90,
+                           options=dict(num_warps=4, num_stages=1, launch_pdl=True))
         CASES[f"prefill_attention-hd{_hd}-{_kv}"] = _prefill
 
 

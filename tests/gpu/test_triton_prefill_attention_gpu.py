@@ -3,7 +3,7 @@
 Zamba2 attention shapes FlashInfer's sm_90 prefill has no kernel for: Zamba2-7B (32 heads, 32 KV heads,
 head dim 224) and Zamba2-2.7B (32 / 32, 160), in mixed steps (decodes, chunks over a history, whole
 prompts, pages shuffled), over an FP8 cache with scales, at 16K context (one 512-token chunk over a
-16K history), and through the trtllm backend's forward. Written without a GPU at hand: not yet run.
+16K history; decode rows over 16K histories split over the KV), and through the trtllm backend's forward.
 
 Run in a process where TRITON_INTERPRET is not set (tests/test_triton_prefill_attention.py sets it
 only on machines without CUDA):  python -m pytest -m gpu tests/gpu/test_triton_prefill_attention_gpu.py
@@ -110,6 +110,37 @@ def test_chunk_over_a_16k_history(model):
     torch.cuda.synchronize()
     torch_ms = start.elapsed_time(end)
     print(f"\n{model} 512 over 16K: triton prefill {kernel_ms:.3f} ms, torch reference {torch_ms:.3f} ms")
+
+
+@pytest.mark.parametrize("model", sorted(ZAMBA2))
+def test_decode_rows_over_16k_histories_split_over_the_kv(model):
+    """A Zamba2 decode step of one and of four rows over 16K histories: the launch splits the KV
+    (32 or 128 programs leave the H200's SMs idle), matches the reference, and is timed against the
+    same launch unsplit (printed; the split must not lose)."""
+    from attention.triton_prefill import kv_splits, tiles
+
+    heads, kv_heads, head_dim = ZAMBA2[model]
+    for rows in (1, 4):
+        q, kv, batch, scale = _check([1] * rows, [16384 - 7 * i for i in range(rows)], heads, kv_heads, head_dim,
+                                     seed=20 + rows)
+        block_n = tiles(head_dim, heads, kv_heads, torch.bfloat16)[1]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        splits = kv_splits(rows * kv_heads, batch.page_table.shape[1] * PAGE, block_n, sms)[0]
+        assert splits > 1, splits
+        times = {}
+        for label, forced in (("split", None), ("unsplit", 1)):
+            for _ in range(3):
+                paged_prefill_attention(q, kv, batch, scale, num_splits=forced)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                paged_prefill_attention(q, kv, batch, scale, num_splits=forced)
+            end.record()
+            torch.cuda.synchronize()
+            times[label] = start.elapsed_time(end) / 20
+        print(f"\n{model} {rows} decode row(s) over 16K: {splits} parts {times['split']:.3f} ms, "
+              f"unsplit {times['unsplit']:.3f} ms")
+        assert times["split"] < times["unsplit"], times
 
 
 def test_launch_never_syncs_the_host():
