@@ -44,8 +44,8 @@ Grid and tiles:
   stages) per padded head dim; not tuned on the GPU yet. Compiled for sm_90 at 160 / 224 (64 x 64
   tiles, 8 warps, 2 stages; tests/triton_compile_cases.py): about 200-220 registers, no spills,
   128-160 KiB of shared memory.
-Split KV (flash-decoding), for steps of few programs: when the grid above has fewer programs than
-the GPU has SMs (a few decode or verify rows: at these head dims sm_90's XQA does not build, so
+Split KV (flash-decoding), for steps of few programs: when the grid above fills at most half the
+GPU's SMs (a few decode or verify rows: at these head dims sm_90's XQA does not build, so
 attention/trtllm.py runs them here too), axis 2 splits each block's KV range into S equal parts of
 `split_len` positions (a multiple of BLOCK_N). Each program writes its unnormalised output rows and
 their running max and sum (fp32) to a workspace [T, num_heads, S, ...]; `_combine_splits_kernel`
@@ -285,12 +285,14 @@ def _sm_count(device: torch.device) -> int:
 
 def kv_splits(programs: int, kv_capacity: int, block_n: int, sms: int, row_bytes: int = 0) -> tuple[int, int]:
     """(S, split_len): how many parts each program's KV range is split into, and the positions a
-    part covers (a multiple of block_n). S > 1 only when the programs do not fill the GPU's SMs;
-    from the grid, the KV capacity and the launch's size alone (graph capturable). `row_bytes`: the
-    workspace one part of every token and head takes (S of them must fit in MAX_PART_BYTES)."""
-    if programs >= sms or kv_capacity <= block_n:
+    part covers (a multiple of block_n). S > 1 only when the programs fill at most half the GPU's
+    SMs, and S x programs stays one wave (at these tiles one program fills an SM: a second wave
+    would take as long as the unsplit launch); from the grid, the KV capacity and the launch's size
+    alone (graph capturable). `row_bytes`: the workspace one part of every token and head takes
+    (S of them must fit in MAX_PART_BYTES)."""
+    if 2 * programs > sms or kv_capacity <= block_n:
         return 1, kv_capacity
-    splits = min(MAX_SPLITS, -(-2 * sms // programs), max(1, kv_capacity // MIN_SPLIT_POSITIONS),
+    splits = min(MAX_SPLITS, sms // programs, max(1, kv_capacity // MIN_SPLIT_POSITIONS),
                  MAX_PART_BYTES // max(row_bytes, 1))
     if splits <= 1:
         return 1, kv_capacity

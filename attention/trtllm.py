@@ -12,10 +12,13 @@ KV layout (shared with attention/kv_cache.py, FlashInfer/trtllm "HND"):
   XQA's bit-packed causal mask over each request's new tokens; capturable too.
 - prefill / mixed steps: on sm_100 `trtllm_batch_context_with_kv_cache`; on sm_90
   `BatchPrefillWithPagedKVCacheWrapper` (HND, causal bottom-right), planned once per step and
-  reused by every attention layer. Head dims it has no kernel for (other than 64/128/256, e.g.
+  reused by every attention layer. Head dims those have no kernel for (other than 64/128/256, e.g.
   Zamba2-2.7B's 160 and -7B's 224) run our Triton paged prefill kernel instead
   (attention/triton_prefill.py: no plan, its grid from T and B only; said once per head dim in the
-  log). Non-16-bit model dtypes (and a cache dtype other than the model's or FP8) run the torch
+  log), and so do decode and verify steps where the decode kernel does not build for the head dim
+  (`decode_kernel_builds`: on sm_90 XQA takes unpadded power-of-two heads, elsewhere only
+  64/128/256 are assumed); the Triton kernel splits the KV of such small launches itself.
+  Non-16-bit model dtypes (and a cache dtype other than the model's or FP8) run the torch
   reference (attention/reference.py), every step.
 - workspaces: each kernel family has its own (`Workspaces`). XQA keeps semaphores at the start of
   its workspace that must stay zero between calls, while FlashInfer's split-KV prefill writes
@@ -54,6 +57,13 @@ def xqa_builds(head_dim: int) -> bool:
     it: 160 (Zamba2-2.7B) does not build. Only unpadded heads are taken, so 224 (Zamba2-7B), which
     may build but was never run, goes to our Triton kernel too."""
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
+def decode_kernel_builds(head_dim: int, sm: int) -> bool:
+    """Whether FlashInfer's trtllm decode entry point has a kernel for this head dim on this major
+    architecture: XQA on sm_90 (xqa_builds); trtllm-gen's prebuilt kernels elsewhere, assumed for
+    the head dims FlashInfer's prefill has (64/128/256) only (no sm_100 at hand to try others)."""
+    return xqa_builds(head_dim) if sm == 9 else head_dim in _PREFILL_HEAD_DIMS
 
 
 @triton.jit
@@ -176,7 +186,7 @@ class TrtllmAttentionBackend:
         write_kv_fused(kv_layer, k, v, batch.kv_write_loc, kv_scales)
         decode_step = batch.num_prefills == 0 and num_tokens == batch.num_decodes
         verify_step = batch.uniform_q_len > 1 and batch.num_verify == batch.num_requests
-        if (decode_step or verify_step) and self._sm < 10 and not xqa_builds(head_dim):
+        if (decode_step or verify_step) and not decode_kernel_builds(head_dim, self._sm):
             # reads only device tensors and its grid depends on T and B alone: graph capturable as XQA is
             self._log_triton_head_dim(head_dim)
             out = paged_prefill_attention(q, kv_layer, batch, scale, kv_scales)
@@ -184,7 +194,7 @@ class TrtllmAttentionBackend:
             out = self.decode(q, kv_layer, batch, scale, kv_scales)
         elif verify_step:
             out = self.verify(q, kv_layer, batch, scale, kv_scales)
-        elif self._sm >= 10:
+        elif self._sm >= 10 and head_dim in _PREFILL_HEAD_DIMS:
             out = self.context_sm100(q, kv_layer, batch, scale, kv_scales)
         elif head_dim in _PREFILL_HEAD_DIMS:
             out = self.prefill_sm90(q, kv_layer, batch, scale, kv_scales)
@@ -196,9 +206,10 @@ class TrtllmAttentionBackend:
     def _log_triton_head_dim(self, head_dim: int) -> None:
         if head_dim not in self._logged_head_dims:
             self._logged_head_dims.add(head_dim)
-            xqa = "" if xqa_builds(head_dim) else "; so do decode and verify steps (sm_90's XQA does not build for it)"
+            also = "" if decode_kernel_builds(head_dim, self._sm) else \
+                "; so do decode and verify steps (FlashInfer's decode kernel does not build for it either)"
             log.info("attention head dim %d has no FlashInfer prefill kernel on sm_%d0: prefill attention runs "
-                     "the Triton paged prefill kernel (attention/triton_prefill.py)%s", head_dim, self._sm, xqa)
+                     "the Triton paged prefill kernel (attention/triton_prefill.py)%s", head_dim, self._sm, also)
 
     def decode(self, q, kv_layer, batch, scale, kv_scales=(1.0, 1.0)):
         from flashinfer.decode import trtllm_batch_decode_with_kv_cache

@@ -41,14 +41,25 @@ def logits_fp32(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     model dtype. Rounding 16-bit logits would cost up to half a bf16 step of the logit itself:
     0.125 nats for logits of 16-32, more than a near-tie (CPU bf16 at 8K contexts: greedy flips of
     0.125 and 0.25 nats with bf16 logits, under 0.1 with fp32 ones). On CUDA cuBLAS writes the fp32
-    accumulator directly (torch >= 2.8); on CPU the operands are widened."""
+    accumulator directly (torch >= 2.8); on CPU the operands are widened, the weight a slab of
+    rows at a time (a whole fp32 copy of a 131072-row head would be GiBs)."""
     if h.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.linear(h, weight)
     if h.is_cuda and _MM_OUT_DTYPE and h.dtype == weight.dtype and h.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(h, weight.t(), out_dtype=torch.float32)
     if h.is_cuda:
         return F.linear(h, weight).float()  # older torch: 16-bit logits
-    return F.linear(h.float(), weight.float())
+    h32 = h.float()
+    rows = max(1, _CPU_WIDEN_BYTES // (4 * weight.shape[1]))
+    if rows >= weight.shape[0]:
+        return F.linear(h32, weight.float())
+    out = torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], rows):
+        out[:, start:start + rows] = F.linear(h32, weight[start:start + rows].float())
+    return out
+
+
+_CPU_WIDEN_BYTES = 64 * 2**20  # the fp32 slab of LM-head rows widened at once on CPU
 
 
 class RMSNorm(nn.Module):

@@ -24,6 +24,17 @@ def test_logits_fp32_is_the_widened_product_not_a_rounded_one(dtype):
     assert (rounded.double() - exact).abs().max().item() > 1e-3  # the test can tell the two apart
 
 
+def test_cpu_widens_the_weight_a_slab_at_a_time(monkeypatch):
+    """A head larger than one slab: the same logits as widening it whole."""
+    import hybrid.layers as layers
+
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(3, 32, generator=g).bfloat16(), torch.randn(1000, 32, generator=g).bfloat16()
+    whole = logits_fp32(h, w)
+    monkeypatch.setattr(layers, "_CPU_WIDEN_BYTES", 4 * 32 * 97)  # 97 rows a slab: the last one partial
+    assert torch.equal(logits_fp32(h, w), whole)
+
+
 def test_fp32_model_unchanged():
     h, w = torch.randn(3, 16), torch.randn(40, 16)
     assert torch.equal(logits_fp32(h, w), torch.nn.functional.linear(h, w))

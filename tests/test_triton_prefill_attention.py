@@ -214,12 +214,13 @@ def test_kv_split_over_an_fp8_cache_and_padding_rows():
 
 
 def test_kv_split_choice():
-    """Split only when the grid leaves SMs idle, from the grid, the KV capacity and the launch's size
-    alone; every part a multiple of the KV tile, S parts covering the capacity."""
-    assert kv_splits(32, 16384, 64, 132) == (9, 1856)  # a Zamba2 decode row: 32 programs
-    assert kv_splits(132, 16384, 64, 132) == (1, 16384)  # the SMs are full
+    """Split only when the grid fills at most half the SMs, into one wave; from the grid, the KV
+    capacity and the launch's size alone; every part a multiple of the KV tile, S parts covering
+    the capacity."""
+    assert kv_splits(32, 16384, 64, 132) == (4, 4096)  # a Zamba2 decode row: 32 programs, 128 split
+    assert kv_splits(128, 16384, 64, 132) == (1, 16384)  # four rows: the SMs are (nearly) full
     assert kv_splits(32, 256, 64, 132) == (1, 256)  # each part would cover under 512 positions
-    assert kv_splits(64, 4096, 64, 132, row_bytes=2**20)[0] == 5
+    assert kv_splits(64, 4096, 64, 132, row_bytes=2**20)[0] == 2
     assert kv_splits(4, 16384, 64, 132, row_bytes=8 * 2**20)[0] == 4  # the workspace cap
     for programs, capacity in ((1, 16384), (7, 5000), (40, 2048)):
         splits, split_len = kv_splits(programs, capacity, 64, 132)

@@ -210,3 +210,27 @@ def test_decode_and_verify_at_a_head_dim_xqa_cannot_build_run_the_triton_kernel(
     ref = TorchAttentionBackend().attend(q.float(), kv.float(), batch, 160 ** -0.5)
     assert backend.decode_calls == [], "the XQA entry point was called for a head dim it cannot build"
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_sm100_runs_the_triton_kernel_at_head_dims_outside_64_128_256(backend, kind):
+    """On sm_100 the decode and context entry points are trtllm-gen's prebuilt kernels (64/128/256
+    heads): a 160-wide head runs the Triton kernel in every kind of step there too."""
+    import os
+
+    from attention.reference import TorchAttentionBackend
+    from attention.trtllm import decode_kernel_builds
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernel on CPU tensors: needs TRITON_INTERPRET=1 (tests/conftest.py)")
+    assert decode_kernel_builds(128, 10) and not decode_kernel_builds(160, 10) and decode_kernel_builds(16, 9)
+    backend._sm = 10
+    backend.context_sm100 = lambda *a, **k: pytest.fail("trtllm-gen's context kernel at head dim 160")
+    batch = _batch([1, 1], [30, 7]) if kind == "decode" else _batch([5, 3], [37, 3])
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(batch.num_tokens, 4, 160, generator=g).half()
+    kv = torch.randn(40, 2, 2, 16, 160, generator=g).half()
+    out = backend.forward(q, q[:, :2], q[:, :2], kv, batch, 160 ** -0.5)
+    ref = TorchAttentionBackend().attend(q.float(), kv.float(), batch, 160 ** -0.5)
+    assert backend.decode_calls == []
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2

@@ -39,4 +39,5 @@ def test_fp32_logits_under_a_cuda_graph():
     h.copy_(torch.randn_like(h))
     graph.replay()
     torch.cuda.synchronize()
+    assert out.dtype == torch.float32
     assert torch.equal(out, logits_fp32(h, w)) and not torch.equal(out, eager)

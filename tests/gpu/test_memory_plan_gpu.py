@@ -66,6 +66,7 @@ def test_8b_spec_that_fits_has_the_scratch_in_the_plan(model_8b):
     k = SPEC["num_speculative_tokens"]
     verify = verify_graph_sizes(sizes, 32)
     assert verify and max(verify) <= 32
+    assert sorted(llm.runner.verify_graphs) == verify  # captured: the reserve is for graphs that exist
     assert plan.graph_reserve_bytes == 512 * 2**20 + (sum(sizes) + sum(verify) * (k + 1)) * 131072 * 4
     assert pool.spec_ssm is not None and pool.spec_ssm.shape[1:3] == (32, 4)
     out = llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),

@@ -114,13 +114,13 @@ def test_chunk_over_a_16k_history(model):
 
 @pytest.mark.parametrize("model", sorted(ZAMBA2))
 def test_decode_rows_over_16k_histories_split_over_the_kv(model):
-    """A Zamba2 decode step of one and of four rows over 16K histories: the launch splits the KV
-    (32 or 128 programs leave the H200's SMs idle), matches the reference, and is timed against the
-    same launch unsplit (printed; the split must not lose)."""
+    """A Zamba2 decode step of one and of two rows over 16K histories: the launch splits the KV
+    (32 or 64 programs leave most of the H200's SMs idle), matches the reference, and is timed
+    against the same launch unsplit (printed; the split must win)."""
     from attention.triton_prefill import kv_splits, tiles
 
     heads, kv_heads, head_dim = ZAMBA2[model]
-    for rows in (1, 4):
+    for rows in (1, 2):
         q, kv, batch, scale = _check([1] * rows, [16384 - 7 * i for i in range(rows)], heads, kv_heads, head_dim,
                                      seed=20 + rows)
         block_n = tiles(head_dim, heads, kv_heads, torch.bfloat16)[1]
@@ -128,7 +128,7 @@ def test_decode_rows_over_16k_histories_split_over_the_kv(model):
         splits = kv_splits(rows * kv_heads, batch.page_table.shape[1] * PAGE, block_n, sms)[0]
         assert splits > 1, splits
         times = {}
-        for label, forced in (("split", None), ("unsplit", 1)):
+        for label, forced in (("split", None), ("unsplit", 1)):  # the default choice vs none
             for _ in range(3):
                 paged_prefill_attention(q, kv, batch, scale, num_splits=forced)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
