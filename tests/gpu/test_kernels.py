@@ -156,7 +156,7 @@ def attn_inputs(num_pages: int, q_lens, page_size: int, heads: int, kv_heads: in
 
 
 @pytest.mark.parametrize("page_size", [16, 128])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (32, 8, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (32, 8, 128), (32, 32, 128)])  # MHA: Zamba2-1.2B
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_trtllm_attention_vs_torch(page_size, heads, kv_heads, head_dim, mode):
     from attention.trtllm import TrtllmAttentionBackend
@@ -181,7 +181,8 @@ def test_trtllm_attention_vs_torch(page_size, heads, kv_heads, head_dim, mode):
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (32, 8, 128), (32, 2, 128), (40, 8, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (32, 8, 128), (32, 2, 128), (40, 8, 128),
+                                                    (32, 32, 128)])
 @pytest.mark.parametrize("q_len", [2, 4])
 def test_trtllm_verify_vs_torch_at_long_contexts(page_size, heads, kv_heads, head_dim, q_len):
     """A padded verify step (every row q_len tokens: the verify graphs' shape, XQA's speculative mode
@@ -202,6 +203,26 @@ def test_trtllm_verify_vs_torch_at_long_contexts(page_size, heads, kv_heads, hea
     out = TrtllmAttentionBackend().forward(q, k, v, kv, batch, scale)
     torch.cuda.synchronize()
     assert rel_err(out.float(), ref) < TOL[dtype], rel_err(out.float(), ref)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 32, 128), (32, 8, 128), (32, 2, 128), (8, 2, 64),
+                                                    (4, 4, 32)])
+def test_trtllm_decode_vs_torch_at_long_contexts(heads, kv_heads, head_dim):
+    """Decode rows over histories up to 16K tokens (XQA's multi-block mode) at the released head
+    ratios, MHA (Zamba2-1.2B: 32 query heads on 32 KV heads, the only XQA user without GQA) included,
+    against the reference."""
+    from attention.trtllm import TrtllmAttentionBackend
+
+    ctx = [0, 3, 900, 4097, 16383]
+    q_lens = [1] * len(ctx)
+    batch, num_pages = attn_batch(q_lens, ctx, 16, max_pages=-(-16384 // 16) + 1)
+    kv, q, k, v = attn_inputs(num_pages, q_lens, 16, heads, kv_heads, head_dim, seed=4)
+    scale = head_dim ** -0.5
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kv.clone().float(), batch, scale)
+    out = TrtllmAttentionBackend().forward(q, k, v, kv, batch, scale)
+    torch.cuda.synchronize()
+    err = [rel_err(out[i].float(), ref[i]) for i in range(len(ctx))]
+    assert max(err) < TOL[torch.bfloat16], err
 
 
 def test_fused_kv_write_skips_negative_rows():
