@@ -410,6 +410,8 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                        "the norm before each MoE layer in its router's launch (HYBRID_NORM_ROUTER=1)"),
     "all_ab": ("all_switches", {"HYBRID_DECODE_LINEAR": "triton", "HYBRID_NORM_ROUTER": "1"},
                "both switches on"),
+    "logits_ab": ("bf16_logits", {"HYBRID_16BIT_LOGITS": "1"},
+                  "the LM head's logits in bf16, widened after (HYBRID_16BIT_LOGITS=1; fp32 accumulator by default)"),
 }
 
 
@@ -784,6 +786,8 @@ def main() -> int:
     ap.add_argument("--norm-router-ab", action="store_true",
                     help="time the graph decode again with the norm before each MoE layer in its router's launch")
     ap.add_argument("--all-ab", action="store_true", help="time the graph decode again with both switches on")
+    ap.add_argument("--logits-ab", action="store_true",
+                    help="time the graph decode again with the LM head's logits in bf16 (the fp32 head's cost)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of one graph replay per batch size (and the prefill)")
     ap.add_argument("--gen-batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--gen-prompt", type=int, default=512)

@@ -22,8 +22,8 @@
 #   moe-pdl  the two target shapes' decode (graphs) with programmatic dependent launch on and off
 #            (--pdl-ab: recaptured with HYBRID_PDL=0) and with the decode projections on the Triton
 #            linear (--linear-ab: HYBRID_DECODE_LINEAR=triton), with the norm before each MoE layer in its
-#            router's launch (--norm-router-ab: HYBRID_NORM_ROUTER=1) and with both (--all-ab), the kernel
-#            profile, TTFT and generate at batch 1
+#            router's launch (--norm-router-ab: HYBRID_NORM_ROUTER=1), with both (--all-ab) and with bf16
+#            logits (--logits-ab: the fp32 LM head's cost), the kernel profile, TTFT and generate at batch 1
 # Logs and results go to $OUT (default /tmp/out). Each step has a time limit, so that one stuck step
 # cannot take the device call's whole 10 minutes.
 set -o pipefail
@@ -150,7 +150,7 @@ if [[ $what == moe-fp8 ]]; then
       --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_fp8.log" || rc=1
 fi
 if [[ $what == moe-pdl ]]; then
-  timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --pdl-ab --linear-ab --norm-router-ab --all-ab \
+  timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --pdl-ab --linear-ab --norm-router-ab --all-ab --logits-ab \
       --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_pdl.log" || rc=1
 fi
 # throughput  bench_throughput.py: offline LLM.generate throughput of a checkpoint saved from the shape

@@ -17,8 +17,11 @@ again: benchmarks comparing both):
 - "decode_linear" (HYBRID_DECODE_LINEAR=triton): decode-sized projections on the Triton linear
   (hybrid/ops/triton_gemv.py), the Mamba gated norm fused into out_proj;
 - "norm_router" (HYBRID_NORM_ROUTER=1): the residual add and norm before an MoE layer computed in its
-  router's launch (triton_norm.add_rms_norm_route).
-Both off: measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
+  router's launch (triton_norm.add_rms_norm_route);
+- "bf16_logits" (HYBRID_16BIT_LOGITS=1): the LM head's logits in the model dtype, widened after
+  (hybrid/layers.logits_fp32 otherwise writes the fp32 accumulator): the A/B of the fp32 head's cost
+  (bench/bench_moe.py --logits-ab).
+All off: measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) the first loses 37-45% at batch 1 and the second is neutral.
 """
 from __future__ import annotations
@@ -42,7 +45,8 @@ def require(module: str) -> None:
         raise RuntimeError(f"{module} needs triton, which is not importable here")
 
 
-_SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "norm_router": ("HYBRID_NORM_ROUTER", "1")}
+_SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "norm_router": ("HYBRID_NORM_ROUTER", "1"),
+             "bf16_logits": ("HYBRID_16BIT_LOGITS", "1")}
 _switch_values: dict[str, bool] = {}
 
 

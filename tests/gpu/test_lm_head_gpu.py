@@ -41,3 +41,19 @@ def test_fp32_logits_under_a_cuda_graph():
     torch.cuda.synchronize()
     assert out.dtype == torch.float32
     assert torch.equal(out, logits_fp32(h, w)) and not torch.equal(out, eager)
+
+
+def test_the_16bit_switch_gives_the_rounded_logits(monkeypatch):
+    """HYBRID_16BIT_LOGITS=1 (the benchmarks' A/B of the fp32 head's cost): the old 16-bit logits."""
+    from hybrid.ops import triton_guard
+
+    h = torch.randn(4, 1536, device="cuda").bfloat16()
+    w = torch.randn(8192, 1536, device="cuda").bfloat16()
+    monkeypatch.setenv("HYBRID_16BIT_LOGITS", "1")
+    triton_guard.reset_switches()
+    try:
+        assert torch.equal(logits_fp32(h, w), torch.nn.functional.linear(h, w).float())
+    finally:
+        monkeypatch.delenv("HYBRID_16BIT_LOGITS")
+        triton_guard.reset_switches()
+    assert not torch.equal(logits_fp32(h, w), torch.nn.functional.linear(h, w).float())
