@@ -3,7 +3,9 @@ scheduling (the LLM defaults on CUDA), with the state sanitizer on:
 - 8K prompts prefilled in small chunks while other requests decode;
 - a second turn after a prefix-cache hit on an 8K history while others decode;
 - preemption and replay of long requests;
-- speculative decoding over long contexts with both SSM state dtypes.
+- speculative decoding over long contexts with both SSM state dtypes;
+- Zamba2-2.7B's widths, whose 160-wide heads run our Triton attention in every step (its decode and
+  verify rows split over the KV).
 Every generated token is checked teacher-forced against a plain engine (see gpu_util), and every
 slot and page must be free afterwards. A dense model and an MoE one; the teacher-forced check needs
 prefill and decode to compute one function (no dt clamp), which both checkpoints here have.
@@ -121,4 +123,46 @@ def test_speculation_over_long_contexts(ssm_dtype, ckpt):
     got = tokens(llm.generate(prompts, sp, use_tqdm=False))
     assert llm.engine.stats["spec_draft_tokens"] > 0
     assert_greedy_under_reference(reference(path, mamba_ssm_dtype=ssm_dtype), prompts, got)
+    assert_clean(llm)
+
+
+@pytest.fixture(scope="module")
+def zamba2_160(tmp_path_factory):
+    """Zamba2-2.7B's widths (160-wide attention heads: attention on our Triton kernel in every step,
+    decode and verify split over the KV at long contexts), few layers, random bf16 weights."""
+    import zlib
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import released_shapes
+
+    path = tmp_path_factory.mktemp("zamba2_2p7b_long")
+    released_shapes.build_checkpoint(released_shapes.entry("zamba2-2.7b"), path, device="cuda",
+                                     seed=zlib.crc32(b"zamba2-2.7b") % 2**31)
+    torch.cuda.empty_cache()
+    return str(path)
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["decode", "speculation"])
+def test_zamba2_attention_on_triton_over_long_contexts(zamba2_160, spec):
+    """Long prompts chunked while others decode, at a head dim with no FlashInfer kernel: prefill
+    chunks over 8K histories, and decode (or verify) rows whose KV the Triton kernel splits over the
+    SMs, under graphs, teacher-forced against whole-prompt prefills (which never split: their grids
+    fill the GPU)."""
+    from attention.trtllm import decode_kernel_builds
+
+    assert not decode_kernel_builds(160, torch.cuda.get_device_capability()[0])
+    kw = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}} if spec else {}
+    vocab = 4096
+    base = prompt(64, 14, vocab)
+    prompts = [(base * (LONG // 64))[:LONG] if spec else prompt(LONG, 15, vocab), prompt(20, 16, vocab),
+               prompt(LONG + 333, 17, vocab)]
+    # the first long request outlives the others: at the end it decodes alone over its 8K history
+    # (one row: 32 programs, the KV split 4 ways on an H200)
+    sps = [SamplingParams(max_tokens=n, **GREEDY) for n in (40, 12, 12)]
+    llm = make(zamba2_160, max_num_seqs=4, **kw)
+    got = tokens(llm.generate(prompts, sps, use_tqdm=False))
+    assert [len(g) for g in got] == [40, 12, 12]
+    if spec:
+        assert llm.engine.stats["spec_draft_tokens"] > 0
+    assert_greedy_under_reference(reference(zamba2_160), prompts, got)
     assert_clean(llm)
