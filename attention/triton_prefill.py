@@ -46,13 +46,14 @@ Grid and tiles:
   128-160 KiB of shared memory.
 Split KV (flash-decoding), for steps of few programs: when the grid above fills at most half the
 GPU's SMs (a few decode or verify rows: at these head dims sm_90's XQA does not build, so
-attention/trtllm.py runs them here too), axis 2 splits each block's KV range into S equal parts of
-`split_len` positions (a multiple of BLOCK_N). Each program writes its unnormalised output rows and
-their running max and sum (fp32) to a workspace [T, num_heads, S, ...]; `_combine_splits_kernel`
-(one program per token and head) rescales the S parts to their common max and normalises. S and
-split_len follow from the grid and the page table's width (the KV capacity a row can have), never
-from the sequence lengths, so a captured graph keeps its split: parts past a row's length are
-empty (max -1e30, sum 0) and weigh nothing.
+attention/trtllm.py runs them here too), axis 2 splits each block's KV range (up to its last
+visible position) into S equal runs of whole BLOCK_N tiles. Each program writes its unnormalised
+output rows and their running max and sum (fp32) to a workspace [T, num_heads, S, ...];
+`_combine_splits_kernel` (one program per token and head) rescales the S parts to their common max
+and normalises. S follows from the grid, the page table's width (the KV capacity a row can have)
+and the workspace size, never from the sequence lengths, so a captured graph keeps its split; the
+parts' lengths come from each block's own KV length on the device (a short row's trailing parts
+may be empty: max -1e30, sum 0, weight nothing).
 No programmatic dependent launch (PDL): attention/ imports nothing from hybrid/ (hybrid/ops/
 triton_guard.py has the PDL helpers), and the fused KV write before it is not PDL-launched either
 (attention/trtllm.py's write_kv_fused). It runs in prefill / mixed steps at any head dim without a
@@ -173,7 +174,7 @@ if HAS_TRITON:
     @triton.jit
     def _paged_prefill_kernel(
         q_ptr, kv_ptr, out_ptr, qsl_ptr, seq_lens_ptr, pt_ptr, part_ptr, part_ml_ptr,
-        num_seqs, group, num_heads, num_splits, split_len,
+        num_seqs, group, num_heads, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_page, stride_kv, stride_head, stride_off, stride_pt,
         k_mul, v_mul,
@@ -224,9 +225,10 @@ if HAS_TRITON:
         full_end = ((ctx + q0 + 1) // BLOCK_N) * BLOCK_N
         lo_n = 0
         hi_n = kv_end
-        if SPLIT:  # this program's part of the KV: [split * split_len, +split_len) (BLOCK_N multiples)
-            lo_n = tl.program_id(2) * split_len
-            hi_n = tl.minimum(lo_n + split_len, kv_end)
+        if SPLIT:  # this program's part of the block's KV: one of num_splits equal runs of BLOCK_N tiles
+            part_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+            lo_n = tl.program_id(2) * part_len
+            hi_n = tl.minimum(lo_n + part_len, kv_end)
         for start_n in range(lo_n, tl.minimum(hi_n, full_end), BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, kv_base, pt_row, start_n, kv_end, ctx_tok,
                                          stride_kv, stride_page, stride_off, k_mul,
@@ -259,7 +261,8 @@ if HAS_TRITON:
         base = (t.to(tl.int64) * num_heads + h) * num_splits
         m = tl.load(part_ml_ptr + (base + offs_s) * 2, mask=s_ok, other=-1.0e30)
         l = tl.load(part_ml_ptr + (base + offs_s) * 2 + 1, mask=s_ok, other=0.0)
-        acc = tl.load(part_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        acc = tl.load(part_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                      mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
         w = tl.exp2(m - tl.max(m, 0))  # empty parts (max -1e30) weigh 0 next to any real part
         l_sum = tl.sum(w * l, 0)
         l_safe = tl.where(l_sum > 0.0, l_sum, 1.0)  # padding rows only
@@ -285,7 +288,8 @@ def _sm_count(device: torch.device) -> int:
 
 def kv_splits(programs: int, kv_capacity: int, block_n: int, sms: int, row_bytes: int = 0) -> tuple[int, int]:
     """(S, split_len): how many parts each program's KV range is split into, and the positions a
-    part covers (a multiple of block_n). S > 1 only when the programs fill at most half the GPU's
+    part of a full-capacity row covers (a multiple of block_n; the kernel sizes each block's parts
+    from its own KV length). S > 1 only when the programs fill at most half the GPU's
     SMs, and S x programs stays one wave (at these tiles one program fills an SM: a second wave
     would take as long as the unsplit launch); from the grid, the KV capacity and the launch's size
     alone (graph capturable). `row_bytes`: the workspace one part of every token and head takes
@@ -333,11 +337,10 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: "Ste
     programs = T // block_q + B
     capacity = batch.page_table.shape[1] * page_size
     if num_splits is None:
-        splits, split_len = kv_splits(programs * num_kv_heads, capacity, bn, _sm_count(q.device),
-                                      row_bytes=T * num_heads * (block_d + 2) * 4)
+        splits, _ = kv_splits(programs * num_kv_heads, capacity, bn, _sm_count(q.device),
+                              row_bytes=T * num_heads * (block_d + 2) * 4)
     else:
         splits = max(1, num_splits)
-        split_len = -(-(-(-capacity // splits)) // bn) * bn
     split = splits > 1
     if split:  # fp32 parts of the real rows only: [T, heads, S, D] and their (max, sum)
         part = torch.empty(T * num_heads * splits * block_d, dtype=torch.float32, device=q.device)
@@ -346,7 +349,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: "Ste
         part = part_ml = out  # not read
     _paged_prefill_kernel[(programs, num_kv_heads, splits)](
         q, kv_layer, out, batch.query_start_loc, batch.seq_lens, batch.page_table, part, part_ml,
-        B, group, num_heads, splits, split_len,
+        B, group, num_heads, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), batch.page_table.stride(0),
         float(scale) * k_scale * LOG2_E, v_scale,

@@ -146,8 +146,9 @@ def zamba2_160(tmp_path_factory):
 def test_zamba2_attention_on_triton_over_long_contexts(zamba2_160, spec):
     """Long prompts chunked while others decode, at a head dim with no FlashInfer kernel: prefill
     chunks over 8K histories, and decode (or verify) rows whose KV the Triton kernel splits over the
-    SMs, under graphs, teacher-forced against whole-prompt prefills (which never split: their grids
-    fill the GPU)."""
+    SMs, under graphs, teacher-forced against the plain engine's prefills (large launches: unsplit but
+    for a small last chunk). Near-ties within 0.25 nats, as tests/gpu/test_released_shapes.py allows
+    at the released widths; a wrong split is off by whole tokens."""
     from attention.trtllm import decode_kernel_builds
 
     assert not decode_kernel_builds(160, torch.cuda.get_device_capability()[0])
@@ -157,12 +158,12 @@ def test_zamba2_attention_on_triton_over_long_contexts(zamba2_160, spec):
     prompts = [(base * (LONG // 64))[:LONG] if spec else prompt(LONG, 15, vocab), prompt(20, 16, vocab),
                prompt(LONG + 333, 17, vocab)]
     # the first long request outlives the others: at the end it decodes alone over its 8K history
-    # (one row: 32 programs, the KV split 4 ways on an H200)
+    # (one row: 32 programs, its KV split 4 ways on an H200)
     sps = [SamplingParams(max_tokens=n, **GREEDY) for n in (40, 12, 12)]
     llm = make(zamba2_160, max_num_seqs=4, **kw)
     got = tokens(llm.generate(prompts, sps, use_tqdm=False))
     assert [len(g) for g in got] == [40, 12, 12]
     if spec:
         assert llm.engine.stats["spec_draft_tokens"] > 0
-    assert_greedy_under_reference(reference(zamba2_160), prompts, got)
+    assert_greedy_under_reference(reference(zamba2_160), prompts, got, near_tie=0.25)
     assert_clean(llm)
