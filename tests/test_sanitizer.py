@@ -235,10 +235,12 @@ def test_device_seq_len_that_differs_from_the_host_copy(tiny_ckpt, make_llm, mon
     assert not eng.has_unfinished_requests() and llm.state_pool.num_free == 2
 
 
-def test_padded_verify_steps_pass_and_a_wrong_padded_length_fails(tiny_ckpt, make_llm, monkeypatch):
+@pytest.mark.parametrize("wrong", ["past_its_table", "under_its_tokens"])
+def test_padded_verify_steps_pass_and_a_wrong_padded_length_fails(tiny_ckpt, make_llm, monkeypatch, wrong):
     """A padded verify step's real rows run with their padding tokens added to their KV length, and
     its padding rows with their own q_len: the check passes them (no false alarm over many steps),
-    and fails a padding row whose length would reach past its page-table row."""
+    and fails a padding row whose length would reach past its page-table row, or is shorter than
+    the tokens it runs."""
     import graphs.runner as runner_module
 
     spec = {"method": "ngram", "num_speculative_tokens": 3}
@@ -258,7 +260,7 @@ def test_padded_verify_steps_pass_and_a_wrong_padded_length_fails(tiny_ckpt, mak
         padded, rows = real_pad(*a)
         if padded.num_real_requests < padded.num_requests:  # a padding row: past its page-table row
             lens = padded.seq_lens.clone()
-            lens[-1] = padded.page_table.shape[1] * 4 + 1
+            lens[-1] = padded.page_table.shape[1] * 4 + 1 if wrong == "past_its_table" else padded.uniform_q_len - 1
             padded = dataclasses.replace(padded, seq_lens=lens)
         return padded, rows
 
