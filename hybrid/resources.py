@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 def row_owners(chunks: list[ScheduledChunk], with_lengths: bool = False) -> list[RowOwner]:
     """Who each row of a step's batch belongs to (row i: chunk i), as the sanitizer names them;
     `with_lengths` (before the step is launched, while num_computed is the context it runs on):
-    also the KV length each row must run to and its token count."""
+    also the KV length each row must run to, its token count, and the most tokens the sequence
+    can run (known, sampled in flight, drafted)."""
     return [RowOwner(c.seq.label, c.seq.slot if c.seq.slot is not None else PAD_SLOT_ID, list(c.seq.pages),
-                     *((c.seq.num_computed + c.num_tokens, c.num_tokens) if with_lengths else ()))
+                     *((c.seq.num_computed + c.num_tokens, c.num_tokens,
+                        c.seq.num_tokens + c.seq.pending + len(c.draft)) if with_lengths else ()))
             for c in chunks]
 
 

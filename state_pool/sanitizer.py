@@ -56,6 +56,7 @@ class RowOwner:
     pages: list[int]
     seq_len: int = -1  # KV length after the step (context + the tokens it runs); -1: not stated
     q_len: int = -1  # tokens the row runs; -1: not stated
+    max_len: int = -1  # tokens the sequence has to run (known, in flight, drafts): -1: not stated
 
 
 @dataclass
@@ -251,6 +252,10 @@ def check_batch(batch: StepBatch, pool, page_allocator, page_size: int, owners: 
             raise StateCorruptionError(
                 f"{owner.name} (row {row}, Mamba slot {slot}) would run {q_len} tokens to KV length {seq_len}, "
                 f"but it has {owner.seq_len - owner.q_len} tokens in the cache and {owner.q_len} to run")
+        if owner.max_len >= 0 and seq_len > owner.max_len:  # the scheduler's count ran past the sequence
+            raise StateCorruptionError(
+                f"{owner.name} (row {row}, Mamba slot {slot}) would run to KV length {seq_len}, past the "
+                f"{owner.max_len} tokens it has")
         seq_lens.append(seq_len)
         n_pages = cdiv(seq_len, ps)
         if n_pages > len(owner.pages):

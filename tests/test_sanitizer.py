@@ -226,6 +226,24 @@ def test_host_seq_len_that_is_not_the_requests(tiny_ckpt, make_llm, monkeypatch)
     assert not eng.has_unfinished_requests() and llm.state_pool.num_free == 2
 
 
+def test_a_context_count_past_the_sequence_is_refused(tiny_ckpt, make_llm):
+    """The scheduler's count of a sequence's cached tokens runs past the tokens it has (a bookkeeping
+    bug: the batch builder would read past them): the host half refuses the step before it runs."""
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=2, page_size=4, check_state=True, async_scheduling=True)
+    eng = llm.engine
+    eng.add_request("b", [8, 9, 10, 11, 12], SamplingParams(max_tokens=8, **GREEDY))
+    eng.add_request("c", [5, 6, 7], SamplingParams(max_tokens=8, **GREEDY))
+    eng.step()
+    eng.step()  # decode steps in flight: the next batch takes b's pending token from the last one
+    seq = next(s for s in eng.running if s.request_id == "b")
+    seq.num_computed += 2
+    _step_error(eng, r"request 'b' \(branch 0\) \(row \d, Mamba slot \d\) would run to KV length \d+, past the "
+                     r"\d+ tokens it has", steps=2)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert llm.state_pool.num_free == llm.state_pool.num_slots
+
+
 @pytest.mark.parametrize("delta", [1, -1])
 def test_device_seq_len_that_differs_from_the_host_copy(tiny_ckpt, make_llm, monkeypatch, delta):
     llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
