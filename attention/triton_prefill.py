@@ -71,6 +71,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from state_pool.util import cdiv, sm_count
+
 try:
     import triton
     import triton.language as tl
@@ -274,16 +276,6 @@ if HAS_TRITON:
 MAX_SPLITS = 16  # KV parts a program's range is split into at most
 MIN_SPLIT_POSITIONS = 512  # and each part covers at least this many KV positions of the capacity
 MAX_PART_BYTES = 32 * 2**20  # the fp32 parts of one launch at most (few programs can still mean many tokens)
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: an H200's, so CPU tests split as the GPU would
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
 
 
 def kv_splits(programs: int, kv_capacity: int, block_n: int, sms: int, row_bytes: int = 0) -> tuple[int, int]:
@@ -300,8 +292,8 @@ def kv_splits(programs: int, kv_capacity: int, block_n: int, sms: int, row_bytes
                  MAX_PART_BYTES // max(row_bytes, 1))
     if splits <= 1:
         return 1, kv_capacity
-    split_len = -(-(-(-kv_capacity // splits)) // block_n) * block_n
-    return -(-kv_capacity // split_len), split_len
+    split_len = cdiv(cdiv(kv_capacity, splits), block_n) * block_n
+    return cdiv(kv_capacity, split_len), split_len
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: "StepBatch", scale: float,
@@ -337,7 +329,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: "Ste
     programs = T // block_q + B
     capacity = batch.page_table.shape[1] * page_size
     if num_splits is None:
-        splits, _ = kv_splits(programs * num_kv_heads, capacity, bn, _sm_count(q.device),
+        splits, _ = kv_splits(programs * num_kv_heads, capacity, bn, sm_count(q.device),
                               row_bytes=T * num_heads * (block_d + 2) * 4)
     else:
         splits = max(1, num_splits)

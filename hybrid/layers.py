@@ -34,6 +34,7 @@ class Linear(nn.Module):
 
 
 _MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+_CPU_WIDEN_BYTES = 64 * 2**20  # the fp32 slab of LM-head rows widened at once on CPU
 
 
 def logits_fp32(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -58,9 +59,6 @@ def logits_fp32(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for start in range(0, weight.shape[0], rows):
         out[:, start:start + rows] = F.linear(h32, weight[start:start + rows].float())
     return out
-
-
-_CPU_WIDEN_BYTES = 64 * 2**20  # the fp32 slab of LM-head rows widened at once on CPU
 
 
 class RMSNorm(nn.Module):

@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
-from state_pool.util import cdiv
+from state_pool.util import cdiv, sm_count
 
 PAD_SLOT_ID = -1
 
@@ -263,16 +263,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
 def default_ssm_config(batch: int, heads: int, head_dim: int, state_size: int, state_dtype: torch.dtype,
                        device: torch.device) -> tuple[int, int]:
     """(BLOCK_P, num_warps): the largest tile that still gives >= 4 programs per SM, at most 16 KiB."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     bn = _next_pow2(state_size)
     elt = torch.empty((), dtype=state_dtype).element_size()
     bp = min(_next_pow2(head_dim), max(1, 16384 // (bn * elt)))

@@ -30,7 +30,7 @@ import torch
 
 from hybrid.ops import triton_moe_align
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
-from state_pool.util import cdiv
+from state_pool.util import cdiv, sm_count
 
 ACT_NONE, ACT_RELU2, ACT_SILU_MUL = 0, 1, 2
 
@@ -219,16 +219,7 @@ def pick_config(num_pairs: int, num_experts: int, gated: bool) -> str:
     return "prefill_gated" if gated else "prefill"
 
 
-_sm_count: dict = {}
 _SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (the H100/H200 limit is 227 KiB)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # (the CPU interpreter: any figure does)
-    if device not in _sm_count:
-        _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _sm_count[device]
 
 
 def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div, act, cfg, narrow: bool,
@@ -249,7 +240,7 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
     n_out = out.shape[1]
     nb = block_expert.shape[0]
     if narrow:  # (32: the narrowest tile measured on the H200, bench/bench_moe_kernels.py)
-        while bn > 32 and nb * cdiv(n_out, bn) < 2 * _num_sms(a.device):
+        while bn > 32 and nb * cdiv(n_out, bn) < 2 * sm_count(a.device):
             bn //= 2
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
     pdl = pdl_options(a.device)
