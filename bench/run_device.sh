@@ -69,6 +69,13 @@ if [[ $what == tests-kernels ]]; then
   gpu_pytest 540 gpu_tests_kernels.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_moe_gpu.py \
       tests/gpu/test_graphs.py
 fi
+# tests-selected+released  both in one call: the node ids of .devkit/sel.txt (at most ${SEL_LIMIT:-300} s), then
+#            the released shapes named in HYBRID_RELEASED (the rest of the call's 570 s)
+if [[ $what == tests-selected+released ]]; then
+  start=$SECONDS
+  gpu_pytest "${SEL_LIMIT:-300}" gpu_tests_selected.log $(cat .devkit/sel.txt)
+  gpu_pytest $((570 - (SECONDS - start))) gpu_tests_released.log tests/gpu/test_released_shapes.py
+fi
 if [[ $what == tests-selected ]]; then
   gpu_pytest 540 gpu_tests_selected.log $(cat .devkit/sel.txt)
 fi
@@ -148,6 +155,12 @@ fi
 if [[ $what == moe-fp8 ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --fp8-experts \
       --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_fp8.log" || rc=1
+fi
+# moe-logits  the two target shapes' graph decode with fp32 logits (the default) against 16-bit logits
+#            (HYBRID_16BIT_LOGITS=1) in the same process, generate at batch 1 (~3 minutes)
+if [[ $what == moe-logits ]]; then
+  timeout 400 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --logits-ab \
+      --gen-batches 1 --out "$OUT" --time-budget 380 2>&1 | tee "$OUT/bench_moe_logits.log" || rc=1
 fi
 if [[ $what == moe-pdl ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --pdl-ab --linear-ab --norm-router-ab --all-ab --logits-ab \

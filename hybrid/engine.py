@@ -7,7 +7,8 @@ A step goes schedule -> build -> launch -> finish, each in its own room:
   prefix-cache holdings);
 - hybrid/launcher.py turns the output into a StepBatch, queues the forward (the model runner,
   graphs/runner.py), sampling and the copy to the host, and reads the results back;
-- hybrid/output_processor.py detokenises, checks stops and builds each request's output.
+- hybrid/output_processor.py detokenises, checks stops and builds each request's output;
+- hybrid/step_sanitizer.py runs the state sanitizer's checks around each step (check_state=True).
 This module joins them, and applies a finished step's tokens (draft acceptance, forks).
 
 A step that fails does not stop the engine. An exception raised while a step is scheduled,
@@ -37,14 +38,13 @@ from hybrid.outputs import RequestOutput
 from hybrid.prefix_cache import PrefixCache
 from hybrid.request import (Request, ScheduledChunk, Sequence, Status, make_generator, validate_params,
                             validate_prompt)
-from hybrid.resources import ResourceManager, row_owners
+from hybrid.resources import ResourceManager
 from hybrid.sampling import SamplingParams
 from hybrid.scheduler import Scheduler, SchedulerOutput
 from hybrid.spec_decode import NgramProposer, verify_drafts
+from hybrid.step_sanitizer import StepSanitizer
 from hybrid.structured_outputs import GrammarCompiler
-from state_pool.errors import StateCorruptionError
 from state_pool.pool import MambaStatePool
-from state_pool.sanitizer import ExpectedInputs, device_checks, read_faults
 from state_pool.util import cdiv
 
 logger = logging.getLogger("hybrid.engine")
@@ -103,6 +103,7 @@ class Engine:
         self._in_flight: LaunchedStep | None = None
         self.resources = ResourceManager(state_pool, kv_cache, self.stats, config)
         self.scheduler = Scheduler(self.resources, self.stats, config, proposer=proposer)
+        self.sanitizer = StepSanitizer(runner, self.resources, self.scheduler)  # used when check_state
         self.grammars = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids)  # structured outputs
         self.launcher = StepLauncher(self.resources, device=device, max_pages_per_seq=self.max_pages_per_seq,
                                      eos_token_ids=self.eos_token_ids, vocab_size=vocab_size,
@@ -262,44 +263,16 @@ class Engine:
     def _build_batch(self, out: SchedulerOutput) -> StepBatch:
         return self.launcher.build_batch(out, self._in_flight)
 
-    def check_batch(self, batch: StepBatch, chunks: list[ScheduledChunk]) -> ExpectedInputs:
-        """Raise StateCorruptionError if the batch would touch a slot or page its rows do not own;
-        return what its index tensors must hold as they run (state_pool/sanitizer.py)."""
-        return self.resources.check_batch(batch, chunks)
-
-    def _device_checks(self, expected: ExpectedInputs | None) -> dict[str, torch.Tensor]:
-        """The sanitizer's device half for the step just queued (state_pool/sanitizer.py)."""
-        ran = self.runner.inputs_that_ran() if expected is not None else None
-        return device_checks(expected, ran, self._zero_regions())
-
-    def _zero_regions(self) -> list[tuple[str, torch.Tensor]]:
-        ctx = self.runner.ctx
-        return ctx.attention_backend.must_stay_zero() if ctx is not None else []
-
-    def _sanitizer_fault(self, step: LaunchedStep, checks: dict[str, list]) -> tuple[str, list[str]] | None:
-        """(reason, request ids to fail) when the sanitizer's device half found a fault in `step`: its
-        requests, and the owners of any slot a faulty row ran on."""
-        fault = read_faults(checks, row_owners(step.chunks), [name for name, _ in self._zero_regions()])
-        if fault is None:
-            return None
-        if fault.dirty_regions:
-            self.runner.ctx.attention_backend.clear_regions()  # so that the next steps can run
-        victims = [s.request_id for s in self.scheduler.running if s.slot in fault.named_slots]
-        return fault.reason, [c.seq.request_id for c in step.chunks] + victims
-
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Queue the forward pass and the sampling of the scheduled chunks on the device, and the copy
         of the sampled tokens to the host; advance each sequence past the tokens the step consumes."""
         batch = self._build_batch(out)
         state_nan_before = None
-        checks = None
-        if self.check_state:
-            expected = self.check_batch(batch, out.chunks)  # host half: refuses the step before it runs
-            # read by the rows: before the forward
-            state_nan_before = self.resources.state_nan(batch) & batch.has_initial_state
+        if self.check_state:  # host half: refuses the step before it runs
+            expected, state_nan_before = self.sanitizer.before_forward(batch, out.chunks)
         logits = self.runner.execute(batch)
-        if self.check_state:  # device half: what ran, padding rows the runner added included
-            checks = self._device_checks(expected)
+        # device half: what ran, padding rows the runner added included
+        checks = self.sanitizer.device_checks(expected) if self.check_state else None
         self.resources.cache_prefixes(out.chunks)  # queued right behind the forward that computed them
         index = self.resources.step_launched()
         self.stats["steps"] += 1
@@ -318,9 +291,9 @@ class Engine:
         Returns the requests it changed."""
         result = self.launcher.read_back(step)
         changed: dict[str, Request] = {}
-        fault = self._sanitizer_fault(step, result.checks) if result.checks else None
+        fault = self.sanitizer.fault(step, result.checks) if result.checks else None
         if fault is not None:
-            self._fail_step(StateCorruptionError(fault[0]), fault[1], changed, "finish (state sanitizer)")
+            self._fail_step(*fault, changed, "finish (state sanitizer)")
             return changed
         self.resources.step_synced(step.index)
         for row, c in enumerate(step.chunks):

@@ -48,7 +48,7 @@ class StepResult:
     logprobs: dict[int, tuple[float, list[float], list[int]]]  # logits row -> (token's, top values, top ids)
     # prompt logprobs: (first prompt logits row, each row's prompt-token logprob, top values, top ids)
     prompt_lp: tuple[int, list[float], list[list[float]], list[list[int]]] | None = None
-    checks: dict[str, list] | None = None  # sanitizer: device-side check results (Engine._device_checks)
+    checks: dict[str, list] | None = None  # sanitizer: device-side check results (StepSanitizer.device_checks)
 
     def prompt_logprobs_at(self, row: int, token: int, k: int) -> dict[int, float]:
         first, token_lp, values, ids = self.prompt_lp

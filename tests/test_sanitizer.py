@@ -110,7 +110,7 @@ def test_write_into_shared_prompt_page(tiny_ckpt, make_llm, monkeypatch):
 def test_poisoned_read_shows_up_as_nan(tiny_ckpt, make_llm, monkeypatch):
     """Even past the index checks, a read of a freed slot yields NaN logits, which are reported."""
     llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
-    monkeypatch.setattr(eng, "check_batch", lambda batch, chunks: None)
+    monkeypatch.setattr(eng.sanitizer, "check_batch", lambda batch, chunks: None)
     _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0]))
     _step_error(eng, r"request 'b'.*NaN.*held NaN before the step.*poisoned \(freed\) state")
 
@@ -121,7 +121,7 @@ def test_off_by_default_costs_nothing(tiny_ckpt, make_llm, monkeypatch):
     assert not eng.check_state and not llm.state_pool.poison_freed
     assert not torch.isnan(llm.state_pool.ssm_state).any()
     calls = []
-    monkeypatch.setattr(eng, "check_batch", lambda *a: calls.append(a))
+    monkeypatch.setattr(eng.sanitizer, "check_batch", lambda *a: calls.append(a))
     while eng.has_unfinished_requests():
         eng.step()
     assert calls == []
@@ -163,14 +163,14 @@ def test_padding_rows_added_by_the_runner_are_checked(tiny_ckpt, make_llm, monke
     llm = make_llm(path, max_num_seqs=4, page_size=4, check_state=True)
     llm.runner.pad_decode = True  # pad decode batches to buckets 1, 2, 4 on CPU, as the graph runner does
     ran = []
-    real_checks = llm.engine._device_checks
+    real_checks = llm.engine.sanitizer.device_checks
 
     def record(expected):
         inputs = llm.runner.inputs_that_ran()
         ran.append((inputs.num_real_requests, int(inputs.state_slot.shape[0])))
         return real_checks(expected)
 
-    monkeypatch.setattr(llm.engine, "_device_checks", record)
+    monkeypatch.setattr(llm.engine.sanitizer, "device_checks", record)
     out = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert llm.runner.stats["padded_eager"] > 0 and (3, 4) in ran  # the padded batches were checked
@@ -374,7 +374,7 @@ def test_the_host_half_reads_no_device_tensor(tiny_ckpt, make_llm, monkeypatch):
     (any read of their values raises) it still passes a correct batch and refuses a wrong slot."""
     llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
     seen = []
-    real_check = eng.check_batch
+    real_check = eng.sanitizer.check_batch
 
     def on_meta(batch, chunks):
         fields = {f.name: getattr(batch, f.name).to("meta") for f in dataclasses.fields(batch)
@@ -382,7 +382,7 @@ def test_the_host_half_reads_no_device_tensor(tiny_ckpt, make_llm, monkeypatch):
         seen.append(real_check(dataclasses.replace(batch, **fields), chunks))
         return real_check(batch, chunks)
 
-    monkeypatch.setattr(eng, "check_batch", on_meta)
+    monkeypatch.setattr(eng.sanitizer, "check_batch", on_meta)
     eng.step()
     assert seen and seen[0].slots == [1]
     _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0]))
@@ -398,6 +398,6 @@ def test_poisoned_read_is_reported_under_async_scheduling(tiny_ckpt, make_llm, m
     for _ in range(4):  # 'a' stops; its slot is freed (and poisoned) once no launched step uses it
         eng.step()
     assert torch.isnan(llm.state_pool.ssm_state[:, 0]).all() and [s.slot for s in eng.running] == [1]
-    monkeypatch.setattr(eng, "check_batch", lambda batch, chunks: None)
+    monkeypatch.setattr(eng.sanitizer, "check_batch", lambda batch, chunks: None)
     _patch_batch(monkeypatch, eng, lambda b: _with_slots(b, [0]))
     _step_error(eng, r"request 'b'.*NaN.*held NaN before the step", steps=2)
