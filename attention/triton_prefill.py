@@ -154,6 +154,12 @@ if HAS_TRITON:
             v = tl.load(ptrs + stride_kv, mask=d_mask, other=0.0)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
+        if MASKED:
+            # A masked tile may hold positions a row must not see whose V is not finite: a padded verify
+            # row's KV length runs over its padding tokens, whose K/V went to the dummy page, so those
+            # positions hold what an earlier owner of the page left. p is 0 there, but 0 * NaN = NaN in
+            # the dot below: such V reads as 0 (finite values are kept as they are).
+            v = tl.where(tl.abs(v.to(tl.float32)) < float("inf"), v, 0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

@@ -4,20 +4,21 @@ KV layout (shared with attention/kv_cache.py, FlashInfer/trtllm "HND"):
     kv_layer: [num_pages, 2, num_kv_heads, page_size, head_dim]
 - KV writes: one fused Triton launch writes K and V of every new token (rows with a negative
   location are skipped).
-- decode-only steps: `flashinfer.decode.trtllm_batch_decode_with_kv_cache` (XQA on sm_90,
-  trtllm-gen on sm_100). It reads only device tensors (page table, seq lens) and a fixed
+- decode-only steps: `flashinfer.decode.trtllm_batch_decode_with_kv_cache` (XQA on sm_90 and
+  sm_120, trtllm-gen on sm_100; GPUs before sm_90 have neither: their decode and verify steps run
+  our Triton paged kernel). It reads only device tensors (page table, seq lens) and a fixed
   max_seq_len (page-table width * page size), so it is CUDA-graph capturable.
 - padded verify steps (every row K+1 tokens, `StepBatch.uniform_q_len`: the verify graphs'
   shape, graphs/padding.pad_verify_batch): the same decode kernel with q_len_per_req = K+1 and
   XQA's bit-packed causal mask over each request's new tokens; capturable too.
-- prefill / mixed steps: on sm_100 `trtllm_batch_context_with_kv_cache`; on sm_90
+- prefill / mixed steps: on sm_100 `trtllm_batch_context_with_kv_cache`; elsewhere
   `BatchPrefillWithPagedKVCacheWrapper` (HND, causal bottom-right), planned once per step and
   reused by every attention layer. Head dims those have no kernel for (other than 64/128/256, e.g.
   Zamba2-2.7B's 160 and -7B's 224) run our Triton paged prefill kernel instead
   (attention/triton_prefill.py: no plan, its grid from T and B only; said once per head dim in the
   log), and so do decode and verify steps where the decode kernel does not build for the head dim
-  (`decode_kernel_builds`: on sm_90 XQA takes unpadded power-of-two heads, elsewhere only
-  64/128/256 are assumed); the Triton kernel splits the KV of such small launches itself.
+  (`decode_kernel_builds`: XQA takes unpadded power-of-two heads, trtllm-gen is assumed to take
+  64/128/256 only); the Triton kernel splits the KV of such small launches itself.
   Non-16-bit model dtypes (and a cache dtype other than the model's or FP8) run the torch
   reference (attention/reference.py), every step.
 - workspaces: each kernel family has its own (`Workspaces`). XQA keeps semaphores at the start of
@@ -59,11 +60,21 @@ def xqa_builds(head_dim: int) -> bool:
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
+def uses_trtllm_gen(sm: int) -> bool:
+    """Whether FlashInfer's trtllm entry points run trtllm-gen on this major architecture: sm_100
+    (B200/GB200) only. Its "auto" backend picks XQA on the others it supports (sm_90, sm_120)."""
+    return sm == 10
+
+
 def decode_kernel_builds(head_dim: int, sm: int) -> bool:
     """Whether FlashInfer's trtllm decode entry point has a kernel for this head dim on this major
-    architecture: XQA on sm_90 (xqa_builds); trtllm-gen's prebuilt kernels elsewhere, assumed for
-    the head dims FlashInfer's prefill has (64/128/256) only (no sm_100 at hand to try others)."""
-    return xqa_builds(head_dim) if sm == 9 else head_dim in _PREFILL_HEAD_DIMS
+    architecture: XQA on sm_90 / sm_120 (xqa_builds); trtllm-gen's prebuilt kernels on sm_100,
+    assumed for the head dims FlashInfer's prefill has (64/128/256) only (no sm_100 at hand to try
+    others); none on older GPUs (sm_80 / sm_86 / sm_89: XQA refuses them), whose decode and verify
+    steps run our Triton paged kernel."""
+    if uses_trtllm_gen(sm):
+        return head_dim in _PREFILL_HEAD_DIMS
+    return sm in (9, 12) and xqa_builds(head_dim)
 
 
 @triton.jit
@@ -148,7 +159,7 @@ class TrtllmAttentionBackend:
         self._plans: PrefillPlans | None = None
         self._reference = TorchAttentionBackend()
         self._sm = None
-        self._logged_head_dims: set[int] = set()  # head dims the Triton prefill kernel runs (logged once)
+        self._logged_head_dims: set[tuple[int, str]] = set()  # (head dim, step kind) the Triton kernel runs
         self._masks: dict[tuple, torch.Tensor] = {}  # speculative verify masks by (rows, tokens, device)
 
     def graph_safe(self, dtype: torch.dtype) -> bool:
@@ -188,28 +199,34 @@ class TrtllmAttentionBackend:
         verify_step = batch.uniform_q_len > 1 and batch.num_verify == batch.num_requests
         if (decode_step or verify_step) and not decode_kernel_builds(head_dim, self._sm):
             # reads only device tensors and its grid depends on T and B alone: graph capturable as XQA is
-            self._log_triton_head_dim(head_dim)
+            self._log_triton(head_dim, "decode")
             out = paged_prefill_attention(q, kv_layer, batch, scale, kv_scales)
         elif decode_step:
             out = self.decode(q, kv_layer, batch, scale, kv_scales)
         elif verify_step:
             out = self.verify(q, kv_layer, batch, scale, kv_scales)
-        elif self._sm >= 10 and head_dim in _PREFILL_HEAD_DIMS:
+        elif uses_trtllm_gen(self._sm) and head_dim in _PREFILL_HEAD_DIMS:
             out = self.context_sm100(q, kv_layer, batch, scale, kv_scales)
         elif head_dim in _PREFILL_HEAD_DIMS:
             out = self.prefill_sm90(q, kv_layer, batch, scale, kv_scales)
         else:  # e.g. Zamba2-2.7B / 7B (160 / 224): our Triton kernel over the pages (K/V are written already)
-            self._log_triton_head_dim(head_dim)
+            self._log_triton(head_dim, "prefill")
             out = paged_prefill_attention(q, kv_layer, batch, scale, kv_scales)
         return out.reshape(num_tokens, num_heads * head_dim)
 
-    def _log_triton_head_dim(self, head_dim: int) -> None:
-        if head_dim not in self._logged_head_dims:
-            self._logged_head_dims.add(head_dim)
-            also = "" if decode_kernel_builds(head_dim, self._sm) else \
-                "; so do decode and verify steps (FlashInfer's decode kernel does not build for it either)"
-            log.info("attention head dim %d has no FlashInfer prefill kernel on sm_%d0: prefill attention runs "
-                     "the Triton paged prefill kernel (attention/triton_prefill.py)%s", head_dim, self._sm, also)
+    def _log_triton(self, head_dim: int, kind: str) -> None:
+        """Say once per (head dim, kind of step) that our Triton paged kernel runs it, and why."""
+        if (head_dim, kind) in self._logged_head_dims:
+            return
+        self._logged_head_dims.add((head_dim, kind))
+        if kind == "decode":
+            why = "FlashInfer's decode kernel (XQA / trtllm-gen) does not build for it here"
+            what = "decode and verify steps"
+        else:
+            why = "FlashInfer's prefill has no kernel for it"
+            what = "prefill and mixed steps"
+        log.info("attention head dim %d on sm_%d0: %s run the Triton paged kernel (attention/triton_prefill.py): %s",
+                 head_dim, self._sm, what, why)
 
     def decode(self, q, kv_layer, batch, scale, kv_scales=(1.0, 1.0)):
         from flashinfer.decode import trtllm_batch_decode_with_kv_cache
@@ -226,12 +243,12 @@ class TrtllmAttentionBackend:
     def verify(self, q, kv_layer, batch, scale, kv_scales=(1.0, 1.0)):
         """A padded verify step (every row batch.uniform_q_len tokens, graphs/padding.pad_verify_batch):
         the decode kernel in its speculative mode, q_len_per_req tokens a request under a causal mask
-        over them (XQA on sm_90; trtllm-gen applies the causal mask itself). Reads only device tensors
+        over them (XQA; trtllm-gen on sm_100 applies the causal mask itself). Reads only device tensors
         and a fixed mask, so a verify step is CUDA-graph capturable like a decode step."""
         from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
         page_size, n = kv_layer.shape[3], batch.uniform_q_len
-        extra = {} if self._sm >= 10 else {"mask": self._causal_mask(batch.num_requests, n, q.device)}
+        extra = {} if uses_trtllm_gen(self._sm) else {"mask": self._causal_mask(batch.num_requests, n, q.device)}
         return trtllm_batch_decode_with_kv_cache(
             query=q.contiguous(), kv_cache=kv_layer, workspace_buffer=self.workspace("decode", q.device),
             block_tables=batch.page_table, seq_lens=batch.seq_lens,

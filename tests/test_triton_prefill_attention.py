@@ -241,3 +241,24 @@ def test_a_decode_batch_picks_the_split_itself():
     auto = paged_prefill_attention(q, kv, batch, 0.08)
     ref = TorchAttentionBackend().attend(q, kv, batch, 0.08)
     assert _rel(auto.reshape(batch.num_tokens, -1), ref) < 1e-4
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_padded_verify_row_over_stale_non_finite_kv(num_splits):
+    """A padded verify row (graphs/padding.pad_verify_batch) has a KV length that runs over its
+    padding tokens, whose K/V went to the dummy page: those positions of the row's own last page
+    hold what an earlier owner left, here NaN. The real tokens give them weight 0, and must come out
+    exactly as the unpadded row does (0 * NaN must not reach them)."""
+    import dataclasses
+
+    ps = 16
+    batch, npages = paged_batch([(4, 20)], ps, seed=0)  # context 20: 2 real tokens padded to 4, seq_len 24
+    real = dataclasses.replace(batch, seq_lens_cpu=[22])
+    kv = kv_cache(real, npages, 2, ps, 160, torch.float32, seed=1)  # NaN from position 22 on
+    q = torch.randn(4, 2, 160, generator=torch.Generator().manual_seed(2))
+    out = paged_prefill_attention(q, kv, batch, 160 ** -0.5, num_splits=num_splits, block_m=16, block_n=16)
+    unpadded, _ = paged_batch([(2, 20)], ps, seed=0)
+    assert torch.equal(unpadded.page_table, batch.page_table)  # the same pages
+    ref = paged_prefill_attention(q[:2].contiguous(), kv, unpadded, 160 ** -0.5, block_m=16, block_n=16)
+    assert torch.isfinite(out[:2]).all()
+    assert torch.allclose(out[:2], ref, atol=1e-6, rtol=1e-5)

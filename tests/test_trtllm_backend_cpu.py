@@ -234,3 +234,49 @@ def test_sm100_runs_the_triton_kernel_at_head_dims_outside_64_128_256(backend, k
     ref = TorchAttentionBackend().attend(q.float(), kv.float(), batch, 160 ** -0.5)
     assert backend.decode_calls == []
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_which_decode_kernel_each_architecture_gets():
+    """FlashInfer's trtllm decode entry point runs XQA on sm_90 / sm_120 (unpadded power-of-two heads)
+    and trtllm-gen on sm_100 (64/128/256 assumed); GPUs before sm_90 (A100, L40S) have neither, so
+    every head dim is our Triton kernel's there."""
+    from attention.trtllm import decode_kernel_builds, uses_trtllm_gen
+
+    assert [uses_trtllm_gen(sm) for sm in (8, 9, 10, 12)] == [False, False, True, False]
+    for sm in (9, 12):
+        assert decode_kernel_builds(128, sm) and decode_kernel_builds(16, sm) and not decode_kernel_builds(160, sm)
+    assert decode_kernel_builds(128, 10) and not decode_kernel_builds(16, 10) and not decode_kernel_builds(160, 10)
+    assert not any(decode_kernel_builds(d, sm) for d in (64, 128, 256) for sm in (7, 8))
+
+
+@pytest.mark.parametrize("sm", [8, 12])
+def test_architectures_without_trtllm_gen_route_each_step(backend, sm):
+    """sm_80 (no XQA, no trtllm-gen): decode steps run the Triton kernel, never the decode entry point,
+    and prefill steps FlashInfer's paged prefill wrapper. sm_120 (XQA, no trtllm-gen): verify steps
+    pass XQA its causal mask, and prefill never reaches the sm_100 context kernel."""
+    import dataclasses
+    import os
+
+    if sm == 8 and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernel on CPU tensors: needs TRITON_INTERPRET=1 (tests/conftest.py)")
+    backend._sm = sm
+    backend.context_sm100 = lambda *a, **k: pytest.fail("the sm_100 context kernel off sm_100")
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(40, 2, 2, 16, 64, generator=g).half()
+    if sm == 8:
+        batch = _batch([1, 1], [30, 7])
+        q = torch.randn(batch.num_tokens, 4, 64, generator=g).half()
+        out = backend.forward(q, q[:, :2], q[:, :2], kv, batch, 64 ** -0.5)
+        from attention.reference import TorchAttentionBackend
+
+        ref = TorchAttentionBackend().attend(q.float(), kv.float(), batch, 64 ** -0.5)
+        assert backend.decode_calls == [], "XQA was called on sm_80"
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+    else:
+        b = dataclasses.replace(_batch([4, 4], [20, 9]), num_decodes=0, num_prefills=0, num_verify=2, uniform_q_len=4)
+        _run(backend, b)
+        assert "mask" in backend.decode_kwargs[-1]
+    prefill = _batch([5, 3], [37, 3])
+    q = torch.randn(prefill.num_tokens, 4, 64, generator=g).half()
+    backend.forward(q, q[:, :2], q[:, :2], kv, prefill, 64 ** -0.5)
+    assert backend._plans is not None and any(w.plans for w in backend._plans._wrappers), "FlashInfer's prefill"
