@@ -273,6 +273,7 @@ class Engine:
         logits = self.runner.execute(batch)
         # device half: what ran, padding rows the runner added included
         checks = self.sanitizer.device_checks(expected) if self.check_state else None
+        self.resources.state_launched(out.chunks)  # the sanitizer's ledger (check_state only)
         self.resources.cache_prefixes(out.chunks)  # queued right behind the forward that computed them
         index = self.resources.step_launched()
         self.stats["steps"] += 1

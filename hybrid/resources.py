@@ -16,6 +16,7 @@ import torch
 from attention.kv_cache import DUMMY_PAGE, PagedKVCache
 from hybrid.batch import StepBatch
 from hybrid.prefix_cache import PrefixCache
+from state_pool.errors import StateCorruptionError
 from state_pool.pool import PAD_SLOT_ID, MambaStatePool
 from state_pool.sanitizer import ExpectedInputs, RowOwner, check_batch
 from state_pool.util import cdiv
@@ -25,15 +26,22 @@ if TYPE_CHECKING:
     from hybrid.request import ScheduledChunk, Sequence
 
 
-def row_owners(chunks: list[ScheduledChunk], with_lengths: bool = False) -> list[RowOwner]:
+def row_owners(chunks: list[ScheduledChunk], with_lengths: bool = False,
+               state_tokens: dict[int, int] | None = None) -> list[RowOwner]:
     """Who each row of a step's batch belongs to (row i: chunk i), as the sanitizer names them;
     `with_lengths` (before the step is launched, while num_computed is the context it runs on):
-    also the KV length each row must run to, its token count, and the most tokens the sequence
-    can run (known, sampled in flight, drafted)."""
+    also the KV length each row must run to, its token count, the most tokens the sequence can run
+    (known, sampled in flight, drafted) and, from `state_tokens` (ResourceManager.state_tokens), the
+    tokens the state in its slot has absorbed."""
+    def lengths(c: ScheduledChunk) -> tuple[int, ...]:
+        if not with_lengths:
+            return ()
+        absorbed = -1 if state_tokens is None else state_tokens.get(c.seq.slot, -1)
+        return (c.seq.num_computed + c.num_tokens, c.num_tokens, c.seq.num_tokens + c.seq.pending + len(c.draft),
+                absorbed)
+
     return [RowOwner(c.seq.label, c.seq.slot if c.seq.slot is not None else PAD_SLOT_ID, list(c.seq.pages),
-                     *((c.seq.num_computed + c.num_tokens, c.num_tokens,
-                        c.seq.num_tokens + c.seq.pending + len(c.draft)) if with_lengths else ()))
-            for c in chunks]
+                     *lengths(c)) for c in chunks]
 
 
 class ResourceManager:
@@ -51,6 +59,11 @@ class ResourceManager:
         self.launched = 0  # steps launched so far
         self.synced = 0  # steps whose device work is known to be complete
         self._deferred: list[tuple[int, int | None, list[int]]] = []  # (fence step, slot, pages) to free
+        # The sanitizer's ledger (check_state only): slot -> tokens the state in it has absorbed, counted
+        # from the slot's own history: 0 when allocated (zeroed), + each launched chunk's tokens, + a
+        # verify's accepted inputs at commit, the source's count on a copy (fork, prefix cache). The host
+        # check compares every row's context with it: the scheduler's num_computed cannot vouch for itself.
+        self.state_tokens: dict[int, int] | None = {} if config.check_state else None
 
     @property
     def num_free_pages(self) -> int:
@@ -72,6 +85,8 @@ class ResourceManager:
         slot = self.state_pool.allocate()
         if slot is None and self.evict_cached_prefix():
             slot = self.state_pool.allocate()
+        if slot is not None and self.state_tokens is not None:
+            self.state_tokens[slot] = 0
         return slot
 
     def grow_pages(self, seq: Sequence, num_tokens: int) -> bool:
@@ -107,6 +122,7 @@ class ResourceManager:
             return False
         if new_pages:
             self.kv_cache.copy_page(parent.pages[full], new_pages[0])
+        self._copy_state_tokens(parent.slot, slot)
         shared = parent.pages[:full]
         self.pages.share(shared)
         child.slot = slot
@@ -116,6 +132,24 @@ class ResourceManager:
     def commit_verify(self, seq: Sequence, scratch_index: int, position: int) -> None:
         """A verify row's accepted state (after its input `position`) into the sequence's slot."""
         self.state_pool.commit_spec(seq.slot, scratch_index, position)
+        if self.state_tokens is not None and seq.slot in self.state_tokens:
+            self.state_tokens[seq.slot] += position + 1  # inputs 0 .. position of the verify row
+
+    def state_launched(self, chunks: list[ScheduledChunk]) -> None:
+        """The sanitizer's ledger after a launch: each chunk's slot absorbed its tokens (a verify
+        chunk's only at commit_verify). Before cache_prefixes, which copies the counts."""
+        if self.state_tokens is None:
+            return
+        for c in chunks:
+            if not c.draft and c.seq.slot in self.state_tokens:
+                self.state_tokens[c.seq.slot] += c.num_tokens
+
+    def _copy_state_tokens(self, src: int, dst: int) -> None:
+        if self.state_tokens is not None:
+            if src in self.state_tokens:
+                self.state_tokens[dst] = self.state_tokens[src]
+            else:
+                self.state_tokens.pop(dst, None)
 
     # ------------------------------------------------------------------ release
     def release(self, seq: Sequence) -> None:
@@ -138,6 +172,8 @@ class ResourceManager:
     def free(self, slot: int | None, pages: list[int]) -> None:
         if slot is not None:
             self.state_pool.free(slot)
+            if self.state_tokens is not None:
+                self.state_tokens.pop(slot, None)
         if pages:
             self.pages.release(pages)
 
@@ -180,6 +216,7 @@ class ResourceManager:
         entry = None if seq.scores_prompt else cache.lookup(seq.prompt_token_ids)
         if entry is not None:
             self.state_pool.copy_slot(entry.slot, seq.slot)
+            self._copy_state_tokens(entry.slot, seq.slot)
             self.pages.share(entry.pages)
             seq.pages = list(entry.pages)
             seq.num_computed = len(entry.tokens)
@@ -204,10 +241,15 @@ class ResourceManager:
             return
         if cache.is_full:
             self.evict_cached_prefix()
+        if self.state_tokens is not None and self.state_tokens.get(seq.slot, len(tokens)) != len(tokens):
+            raise StateCorruptionError(
+                f"{seq.label} would snapshot its Mamba slot {seq.slot} as the state after {len(tokens)} prompt "
+                f"tokens, but that state has absorbed {self.state_tokens[seq.slot]}")
         slot = self.state_pool.allocate()
         if slot is None:
             return  # every slot runs a sequence: not cached
         self.state_pool.copy_slot(seq.slot, slot)
+        self._copy_state_tokens(seq.slot, slot)
         pages = seq.pages[:len(tokens) // self.page_size]
         self.pages.share(pages)
         displaced = cache.insert(tokens, slot, pages)
@@ -236,8 +278,8 @@ class ResourceManager:
     def check_batch(self, batch: StepBatch, chunks: list[ScheduledChunk]) -> ExpectedInputs:
         """Raise StateCorruptionError if the batch would touch a slot or page its rows do not own (host
         copies only); return what its index tensors must hold as they run (checked on the device)."""
-        return check_batch(batch, self.state_pool, self.pages, self.page_size, row_owners(chunks, with_lengths=True),
-                           DUMMY_PAGE)
+        return check_batch(batch, self.state_pool, self.pages, self.page_size,
+                           row_owners(chunks, with_lengths=True, state_tokens=self.state_tokens), DUMMY_PAGE)
 
     def state_nan(self, batch: StepBatch) -> torch.Tensor:
         """Per batch row: whether the Mamba state in the row's slot holds NaN now (in stream order:

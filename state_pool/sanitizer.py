@@ -27,7 +27,12 @@ What is checked, for every row of the batch:
 - a real row's KV length (seq_lens) and token count are its request's (where the owner states them:
   the context before the step plus the tokens it runs; a padded verify row's padding tokens on top,
   as it ran), so attention reads exactly the positions the request has; a padding row's length
-  covers its own tokens and stays inside its page-table row (all dummy pages).
+  covers its own tokens and stays inside its page-table row (all dummy pages);
+- a real row's context (KV length less its tokens) is the number of tokens the state in its slot
+  has absorbed, as the resources count them from the slot's own history (`RowOwner.state_len`:
+  zero when allocated, plus each launched chunk, plus a verify's accepted inputs, copied with the
+  state by forks and prefix-cache copies): a scheduler count that is off by any amount within the
+  sequence (a token applied twice, or skipped) is refused.
 Replay rows (a readmitted sequence's known generated tokens) are ordinary real rows: they write
 their own slot and their own pages, and get exactly the checks above.
 """
@@ -57,6 +62,7 @@ class RowOwner:
     seq_len: int = -1  # KV length after the step (context + the tokens it runs); -1: not stated
     q_len: int = -1  # tokens the row runs; -1: not stated
     max_len: int = -1  # tokens the sequence has to run (known, in flight, drafts): -1: not stated
+    state_len: int = -1  # tokens the state in its slot has absorbed, by the slot's own ledger: -1: not kept
 
 
 @dataclass
@@ -256,6 +262,10 @@ def check_batch(batch: StepBatch, pool, page_allocator, page_size: int, owners: 
             raise StateCorruptionError(
                 f"{owner.name} (row {row}, Mamba slot {slot}) would run to KV length {seq_len}, past the "
                 f"{owner.max_len} tokens it has")
+        if owner.state_len >= 0 and seq_len - q_len != owner.state_len:  # a miscount within the sequence
+            raise StateCorruptionError(
+                f"{owner.name} (row {row}, Mamba slot {slot}) would run on a context of {seq_len - q_len} tokens, "
+                f"but the state in its slot has absorbed {owner.state_len}")
         seq_lens.append(seq_len)
         n_pages = cdiv(seq_len, ps)
         if n_pages > len(owner.pages):

@@ -244,6 +244,41 @@ def test_a_context_count_past_the_sequence_is_refused(tiny_ckpt, make_llm):
     assert llm.state_pool.num_free == llm.state_pool.num_slots
 
 
+@pytest.mark.parametrize("case", ["decode_undercount", "prefill_skips_tokens"])
+def test_a_context_count_off_within_the_sequence_is_refused(tiny_ckpt, make_llm, case):
+    """The scheduler's count of a sequence's cached tokens is off but stays within the tokens it has,
+    so every length the batch states is self-consistent: one token too few while decoding (its state
+    would absorb that token twice) or a prefill chunk that skips prompt tokens. The slot's own ledger
+    of absorbed tokens refuses the step; without the check the first case silently changes the
+    output. The step's requests fail, and the engine serves the next ones."""
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=2, page_size=4, check_state=True,
+                   max_num_batched_tokens=4 if case == "prefill_skips_tokens" else None)
+    eng = llm.engine
+    eng.add_request("b", [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], SamplingParams(max_tokens=8, **GREEDY))
+    eng.add_request("c", [5, 6, 7], SamplingParams(max_tokens=8, **GREEDY))
+    eng.step()
+    if case == "decode_undercount":
+        eng.step()
+        eng.step()
+    seq = next(s for s in eng.running if s.request_id == "b")
+    if case == "decode_undercount":
+        assert seq.is_decoding
+        seq.num_computed -= 1
+    else:
+        assert not seq.is_decoding and 0 < seq.num_computed < len(seq.prompt_token_ids) - 2
+        seq.num_computed += 2
+    _step_error(eng, r"request 'b' \(branch 0\) \(row \d, Mamba slot \d\) would run on a context of \d+ tokens, "
+                     r"but the state in its slot has absorbed \d+", steps=3)
+    eng.add_request("d", [5, 6, 7], SamplingParams(max_tokens=8, **GREEDY))  # the engine serves on
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done["d"].error is None and len(done["d"].outputs[0].token_ids) == 8
+    assert llm.state_pool.num_free == llm.state_pool.num_slots and not llm.engine.resources.state_tokens
+
+
 @pytest.mark.parametrize("delta", [1, -1])
 def test_device_seq_len_that_differs_from_the_host_copy(tiny_ckpt, make_llm, monkeypatch, delta):
     llm, eng = _engine_with_freed_slot(make_llm, tiny_ckpt("nemotron_h"), check_state=True)
