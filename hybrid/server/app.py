@@ -20,6 +20,7 @@ from hybrid.errors import HybridError, InvalidRequestError
 from hybrid.server.api_errors import APIError, error_for, from_invalid, internal_error
 from hybrid.server.handlers import Handlers
 from hybrid.server.protocol import parse_body
+from hybrid.server.tool_parsers import check_tool_options
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
@@ -160,14 +161,19 @@ async def _read_json(request, max_bytes: int) -> dict:
 def build_app(llm_or_engine, served_model_name: str | None = None,
               max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS, *,
               api_key: str | None = None, allowed_origins: list[str] | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False):
     """A FastAPI app serving `llm_or_engine` (an LLM, an Engine or an AsyncEngine).
 
     The engine worker thread starts with the app (lifespan) and stops with it.
     max_queued_requests: how many sequences may wait beyond the engine's max_num_seqs running
     ones before new requests get 429 (None: no limit). api_key: required as a Bearer token on
     /v1/* (None: open). allowed_origins: origins whose browser requests are served ("*": any;
-    default none). max_request_bytes: the largest request body accepted (413 past it)."""
+    default none). max_request_bytes: the largest request body accepted (413 past it).
+    Tool calling (vLLM's flags): enable_auto_tool_choice with tool_call_parser (a name of
+    hybrid.server.tool_parsers.TOOL_PARSERS; ValueError for another) parses the calls out of the
+    output for tool_choice "auto"; exclude_tools_when_tool_choice_none: tool_choice "none" renders
+    no tools into the prompt."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -176,6 +182,7 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
 
     if max_request_bytes < 1:
         raise ValueError("max_request_bytes must be >= 1")
+    check_tool_options(enable_auto_tool_choice, tool_call_parser)  # before anything is built
     async_engine, engine, tokenizer, llm = _unwrap(llm_or_engine)
     name = served_model_name or model_name_of(llm)
     metrics = ServerMetrics(name)
@@ -185,7 +192,9 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
         async_engine.metrics = metrics
         async_engine.max_queued_requests = max_queued_requests
     srv = Handlers(async_engine, tokenizer, name, engine.max_model_len, engine.max_num_seqs,
-                   max_queued_requests, metrics)
+                   max_queued_requests, metrics, enable_auto_tool_choice=enable_auto_tool_choice,
+                   tool_call_parser=tool_call_parser,
+                   exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
     metrics.bind(async_engine, admitted_requests=lambda: srv.admitted_requests,
                  admitted_seqs=lambda: srv.reserved_seqs)
 

@@ -18,6 +18,8 @@ from hybrid.sampling import SamplingParams
 from hybrid.server.api_errors import APIError, bad, engine_dead_error, from_invalid
 from hybrid.server.protocol import parse_chat, parse_completion
 from hybrid.server.streaming import ChatFormat, CompletionFormat, Prompt, ResponseFormat, respond
+from hybrid.server.tool_calls import ToolMode
+from hybrid.server.tool_parsers import MarkerTokens, check_tool_options
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -59,8 +61,16 @@ class Handlers:
     """/v1/completions and /v1/chat/completions (build_app routes them here; app.state.server)."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int,
-                 max_num_seqs: int, max_queued_requests: int | None, metrics) -> None:
+                 max_num_seqs: int, max_queued_requests: int | None, metrics, *,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 exclude_tools_when_tool_choice_none: bool = False) -> None:
         self.engine = engine
+        # tool calling: tool_choice "auto" needs enable_auto_tool_choice and a parser (as vLLM's
+        # --enable-auto-tool-choice --tool-call-parser); a named or "required" choice needs neither
+        self.tool_parser_cls = check_tool_options(enable_auto_tool_choice, tool_call_parser)
+        self.auto_tools = enable_auto_tool_choice
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
+        self.tool_markers = MarkerTokens(tokenizer, self.tool_parser_cls.tags) if self.tool_parser_cls else None
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -192,6 +202,21 @@ class Handlers:
             out.append(Prompt(text, ids, self.fit_max_tokens(params, ids, max_tokens_param)))
         return out
 
+    def tool_mode(self, req) -> ToolMode | None:
+        """How the request's output is read for tool calls (None: plain content). tool_choice "auto"
+        (the default with tools) on a server started without auto tool choice is a 400, as vLLM answers."""
+        kind = req.tool_choice
+        if kind == "none":
+            return None
+        if kind == "auto":
+            if not self.auto_tools:
+                raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                               "set on the server (tool_choice is \"auto\" by default when 'tools' are given): send "
+                               '"tool_choice": "none", "required" or a named function instead', 400, "tool_choice",
+                               "invalid_value")
+            return ToolMode("auto", req.tools, self.tool_parser_cls, parallel=req.parallel_tool_calls)
+        return ToolMode(kind, req.tools, function=req.tool_name, parallel=req.parallel_tool_calls)
+
     # ---------------------------------------------------------------- the endpoints
     def _respond(self, request, prompts: list[Prompt], fmt: ResponseFormat, req, admission: Admission):
         return respond(self.engine, request, prompts, fmt, model=self.model_name, stream=req.stream,
@@ -213,13 +238,17 @@ class Handlers:
     async def chat(self, request, body: dict):
         self.check_model(body)
         req = parse_chat(body, self.max_model_len)
+        tools = self.tool_mode(req)
+        # tool_choice "none": the tools are still rendered (vLLM's default) unless the server says not to
+        shown = None if req.tool_choice == "none" and self.exclude_tools_when_tool_choice_none else req.tools
         template = self.chat_template()
         with self.admit(req.params.n, "n") as admission:  # before rendering and tokenizing
             # off the event loop: rendering and tokenizing a long conversation takes a while
-            text = await asyncio.to_thread(self.render, template, req.messages, req.add_generation_prompt, req.tools)
+            text = await asyncio.to_thread(self.render, template, req.messages, req.add_generation_prompt, shown)
             ids = await self.encode(text, False)
             self.check_prompt(ids, "messages")
             prompts = [Prompt(text, ids, self.fit_max_tokens(req.params, ids, req.max_tokens_param))]
-            self.validate(prompts, "messages")
-            fmt = ChatFormat(req.params.n, req.logprobs, self.token_str)
+            # (a named or "required" tool_choice compiles the tools' schemas here)
+            self.validate(prompts, "tools" if req.tool_choice in ("function", "required") else "messages")
+            fmt = ChatFormat(req.params.n, req.logprobs, self.token_str, tools, self.tool_markers)
             return await self._respond(request, prompts, fmt, req, admission)

@@ -7,6 +7,7 @@ import logging
 import os
 
 from hybrid.server.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, build_app
+from hybrid.server.tool_parsers import TOOL_PARSERS, check_tool_options
 
 logger = logging.getLogger("hybrid.server")
 
@@ -30,6 +31,15 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
                         "'*' for any; repeatable (default: none, cross-origin browser requests get 403)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='parse tool calls out of chat outputs for tool_choice "auto" (the default when a request '
+                        "has tools); needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call format: " + ", ".join(sorted(TOOL_PARSERS))
+                        + " (hermes: Granite 4.0, Qwen, Hermes; granite: Granite 3.x; nemotron_json: Nemotron Nano v2; "
+                          "qwen3_coder: Nemotron 3 Nano)")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='with tool_choice "none", do not render the tools into the prompt (default: rendered)')
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -42,8 +52,11 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
     origins = [o for flag in (args.allowed_origins or []) for o in flag.split(",") if o.strip()]
     if args.max_request_bytes < 1:
         raise ValueError("--max-request-bytes must be >= 1")
+    check_tool_options(args.enable_auto_tool_choice, args.tool_call_parser)  # at startup, before the model loads
     return {"max_queued_requests": limit, "api_key": args.api_key or environ.get("HYBRID_API_KEY") or None,
-            "allowed_origins": origins, "max_request_bytes": args.max_request_bytes}
+            "allowed_origins": origins, "max_request_bytes": args.max_request_bytes,
+            "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
+            "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none}
 
 
 def run_server(llm, args: argparse.Namespace, options: dict) -> None:
@@ -51,6 +64,7 @@ def run_server(llm, args: argparse.Namespace, options: dict) -> None:
     import uvicorn
 
     app = build_app(llm, served_model_name=args.served_model_name, **options)
-    logger.info("serving '%s' on http://%s:%d/v1%s", app.state.served_model_name, args.host, args.port,
-                " (API key required)" if options["api_key"] else "")
+    logger.info("serving '%s' on http://%s:%d/v1%s%s", app.state.served_model_name, args.host, args.port,
+                " (API key required)" if options["api_key"] else "",
+                f" (auto tool choice: {options['tool_call_parser']})" if options.get("enable_auto_tool_choice") else "")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

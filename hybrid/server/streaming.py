@@ -16,6 +16,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from hybrid.async_engine import TextDeltas
 from hybrid.sampling import SamplingParams
 from hybrid.server.api_errors import error_for
+from hybrid.server.tool_calls import ChoiceStream, ToolMode
+from hybrid.server.tool_parsers import MarkedText, MarkerTokens
 
 
 class Prompt(NamedTuple):
@@ -79,9 +81,11 @@ async def run(engine, prompts: list[Prompt], base_id: str):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logprobs: bool):
+async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logprobs: bool,
+                         text_of: Callable | None = None):
     """Updates per choice: ChoiceUpdate with the text delta (stop strings and partial characters
-    held back), the logprob rows whose text is now sent, and the finish reason once it ends."""
+    held back), the logprob rows whose text is now sent, and the finish reason once it ends.
+    text_of((prompt index, choice index), output): the choice's text (default: output.text)."""
     states: dict[tuple[int, int], _ChoiceState] = {}
     agen = run(engine, prompts, base_id)
     try:
@@ -93,7 +97,7 @@ async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logpr
                 if st.done:
                     continue
                 finished = c.finish_reason is not None
-                delta = st.deltas.update(c.text, finished)
+                delta = st.deltas.update(text_of((pi, c.index), c) if text_of else c.text, finished)
                 rows = None
                 if want_logprobs and c.logprobs is not None:
                     # logprobs of the tokens whose text is now (fully or partly) sent
@@ -171,6 +175,10 @@ class ResponseFormat:
     def logprobs(self, lps: list[dict[int, float]], token_ids: list[int], text_offset: int) -> dict:
         raise NotImplementedError
 
+    def text(self, key: tuple[int, int], c) -> str:
+        """The text of choice `key` ((prompt index, choice index)) in its output `c` so far."""
+        return c.text
+
     def choice(self, index: int, text: str, lp: dict | None, reason: str | None) -> dict:
         """A choice of the non-streamed response."""
         raise NotImplementedError
@@ -234,7 +242,27 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
+    """Chat choices: message / delta with the content; with a ToolMode (hybrid/server/tool_calls.py)
+    the tool calls too. `markers` (tool_parsers.MarkerTokens, active): the parser's tags are special
+    tokens of the tokenizer, so the text parsed is rebuilt from the token ids with them kept."""
     id_prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, n: int, logprobs: int | None, token_str: Callable[[int], str], tools: ToolMode | None = None,
+                 markers: MarkerTokens | None = None) -> None:
+        super().__init__(n, logprobs, token_str)
+        self.tools = tools
+        self.markers = markers if tools is not None and tools.kind == "auto" and markers and markers.ids else None
+        self._texts: dict[tuple[int, int], MarkedText] = {}
+        self._streams: dict[int, ChoiceStream] = {}
+        self._held_lp: dict[int, list] = {}
+
+    def text(self, key, c):
+        if self.markers is None:
+            return c.text
+        marked = self._texts.get(key)
+        if marked is None:
+            marked = self._texts[key] = MarkedText(self.markers)
+        return marked.text(c.token_ids, c.text, c.stop_reason, c.finish_reason is not None)
 
     def _entry(self, tid: int, logprob: float | None) -> dict:
         s = self.token_str(tid)
@@ -248,20 +276,55 @@ class ChatFormat(ResponseFormat):
         return {"content": content}
 
     def choice(self, index, text, lp, reason):
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                "finish_reason": reason}
+        if self.tools is None:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                    "finish_reason": reason}
+        content, calls = self.tools.read(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.as_dict() for c in calls]
+        return {"index": index, "message": message, "logprobs": lp,
+                "finish_reason": self.tools.finish_reason(reason, bool(calls))}
 
     def opening(self):
         return [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
                 for i in range(self.n)]
 
     def deltas(self, u, index, lp):
+        if self.tools is not None:
+            return self._tool_deltas(u, index, lp)
         chunks = []
         if u.delta or lp is not None:
             chunks.append([{"index": index, "delta": {"content": u.delta}, "logprobs": lp, "finish_reason": None}])
         if u.finish_reason is not None:
             chunks.append([{"index": index, "delta": {}, "logprobs": None,
                             "finish_reason": finish_reason(u.finish_reason)}])
+        return chunks
+
+    def _tool_deltas(self, u, index, lp):
+        """With tools: the choice's ChoiceStream turns text deltas into content and tool-call deltas
+        (text that may be a call is held back until it is known); logprob rows ride on the next
+        chunk sent, the rest on the finishing one."""
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = self.tools.stream()
+        held = self._held_lp.setdefault(index, [])
+        if lp is not None:
+            held.extend(lp["content"])
+
+        def take_lp():
+            if not held:
+                return None
+            rows = {"content": list(held)}
+            held.clear()
+            return rows
+
+        final = u.finish_reason is not None
+        chunks = [[{"index": index, "delta": d, "logprobs": take_lp(), "finish_reason": None}]
+                  for d in stream.update(u.delta, final)]
+        if final:
+            reason = self.tools.finish_reason(finish_reason(u.finish_reason), stream.called)
+            chunks.append([{"index": index, "delta": {}, "logprobs": take_lp(), "finish_reason": reason}])
         return chunks
 
 
@@ -323,7 +386,8 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
                 completion_tokens += len(c.token_ids)
                 lp = fmt.logprobs(c.logprobs, c.token_ids, 0) if fmt.k is not None and c.logprobs is not None \
                     else None
-                choices.append(fmt.choice(pi * n + c.index, c.text, lp, finish_reason(c.finish_reason)))
+                choices.append(fmt.choice(pi * n + c.index, fmt.text((pi, c.index), c), lp,
+                                          finish_reason(c.finish_reason)))
         return JSONResponse({"id": request_id, "object": fmt.object_name, "created": created, "model": model,
                              "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
 
@@ -334,7 +398,7 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
             d["usage"] = usage_
         return sse(d)
 
-    updates = choice_updates(engine, prompts, request_id, fmt.k is not None)
+    updates = choice_updates(engine, prompts, request_id, fmt.k is not None, fmt.text)
 
     async def events():
         completion_tokens = 0
