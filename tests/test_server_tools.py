@@ -12,9 +12,10 @@ import shutil
 
 import pytest
 
-from hybrid.server.tool_parsers import (TOOL_PARSERS, GraniteToolParser, HermesToolParser, MarkedText, MarkerTokens,
-                                        NemotronJsonToolParser, Qwen3CoderToolParser, ToolCallStream,
-                                        check_tool_options, parse_tool_calls, tool_parser_class)
+from hybrid.server.tool_parsers import (TOOL_PARSERS, GraniteToolParser, HermesToolParser, NemotronJsonToolParser,
+                                        Qwen3CoderToolParser, ToolCallStream, check_tool_options, parse_tool_calls,
+                                        tool_parser_class)
+from hybrid.server.tool_tags import MarkedText, MarkerTokens
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",

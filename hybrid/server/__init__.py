@@ -20,8 +20,9 @@ stream that got its 200 fails in-band only for errors during generation.
 The rooms: protocol.py parses and checks the requests (api_errors.py: the error shapes),
 handlers.py admits, tokenizes and renders chats, streaming.py runs the prompts and writes the
 response (one path for both endpoints, JSON or SSE), app.py is the FastAPI app and its guard,
-options.py the `hybrid serve` flags; tool calling: tool_parsers.py the tool-call formats
-(--tool-call-parser), tool_calls.py what a request's tool_choice makes of its output.
+options.py the `hybrid serve` flags; tool calling: tool_protocol.py the request's tools and
+tool_choice, tool_parsers.py the tool-call formats (--tool-call-parser), tool_tags.py the tags a
+tokenizer has as special tokens, tool_calls.py what a request's tool_choice makes of its output.
 """
 from hybrid.server.api_errors import APIError
 from hybrid.server.app import (DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, build_app,

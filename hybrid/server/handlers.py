@@ -19,7 +19,8 @@ from hybrid.server.api_errors import APIError, bad, engine_dead_error, from_inva
 from hybrid.server.protocol import parse_chat, parse_completion
 from hybrid.server.streaming import ChatFormat, CompletionFormat, Prompt, ResponseFormat, respond
 from hybrid.server.tool_calls import ToolMode
-from hybrid.server.tool_parsers import MarkerTokens, check_tool_options
+from hybrid.server.tool_parsers import check_tool_options
+from hybrid.server.tool_tags import MarkerTokens
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:

@@ -17,7 +17,7 @@ from hybrid.async_engine import TextDeltas
 from hybrid.sampling import SamplingParams
 from hybrid.server.api_errors import error_for
 from hybrid.server.tool_calls import ChoiceStream, ToolMode
-from hybrid.server.tool_parsers import MarkedText, MarkerTokens
+from hybrid.server.tool_tags import MarkedText, MarkerTokens
 
 
 class Prompt(NamedTuple):
@@ -243,7 +243,7 @@ class CompletionFormat(ResponseFormat):
 
 class ChatFormat(ResponseFormat):
     """Chat choices: message / delta with the content; with a ToolMode (hybrid/server/tool_calls.py)
-    the tool calls too. `markers` (tool_parsers.MarkerTokens, active): the parser's tags are special
+    the tool calls too. `markers` (tool_tags.MarkerTokens, active): the parser's tags are special
     tokens of the tokenizer, so the text parsed is rebuilt from the token ids with them kept."""
     id_prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
