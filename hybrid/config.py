@@ -32,6 +32,15 @@ class MambaConfig:
     # Prefill clamps dt to this range; the one-token decode recurrence does not (as in transformers).
     dt_limit: tuple[float, float]
     gate: str = GATE_THEN_NORM
+    # the activation after the causal conv: transformers' mamba_hidden_act (NemotronH) or hidden_act
+    # (Bamba, Granite, Falcon-H1); Zamba2's is always silu
+    conv_act: str = "silu"
+    # out_proj bias when it differs from the in_proj one (`proj_bias`): Falcon-H1's projectors_bias
+    out_proj_bias: bool | None = None
+
+    @property
+    def out_bias(self) -> bool:
+        return self.proj_bias if self.out_proj_bias is None else self.out_proj_bias
 
     @property
     def intermediate_size(self) -> int:
@@ -50,7 +59,13 @@ class AttentionConfig:
     scale: float
     bias: bool
     rope_theta: float | None  # None: no rotary embedding (NoPE)
-    rotary_dim: int  # leading dims of each head that are rotated (partial RoPE)
+    rotary_dim: int  # int(head_dim * partial_rotary_factor): the RoPE frequency dim (partial RoPE)
+
+    @property
+    def rotary_width(self) -> int:
+        """The leading dims of each head that are rotated: one (cos, sin) pair per frequency of
+        arange(0, rotary_dim, 2), i.e. rotary_dim rounded up to even (as transformers rotates)."""
+        return 2 * ((self.rotary_dim + 1) // 2)
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,9 @@ class SharedBlockConfig:
     num_mem_blocks: int
     adapter_rank: int
     attention_adapters: bool  # use_shared_attention_adapter
+    # transformers ties the later uses' blocks to the first num_mem_blocks ones only with
+    # tie_word_embeddings; without it every hybrid layer has (and saves) a block of its own
+    tied: bool = True
 
 
 @dataclass(frozen=True)
@@ -101,7 +119,7 @@ class ModelConfig:
     mamba: MambaConfig
     attention: AttentionConfig
     intermediate_size: int  # dense MLP width (NemotronH '-', Bamba SwiGLU, Granite shared MLP)
-    mlp_act: str  # "relu2" | "silu"
+    mlp_act: str  # "relu2" | "silu" | "gelu" | ... (hybrid/layers.activation)
     moe: MoEConfig | None
     tie_word_embeddings: bool
     max_position_embeddings: int
@@ -116,6 +134,7 @@ class ModelConfig:
     lm_head_multiplier: float = 1.0
     mup: FalconMultipliers | None = None
     shared_blocks: SharedBlockConfig | None = None  # Zamba2
+    mlp_bias: bool = False  # biases on the dense / shared MLPs (NemotronH, Bamba, Falcon-H1 mlp_bias)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -129,3 +148,12 @@ class ModelConfig:
     @property
     def attention_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t in (ATTENTION, PARALLEL, HYBRID)]
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Zamba2: how many distinct shared transformer blocks the checkpoint holds (hybrid layer j runs
+        block j % this): at most num_mem_blocks, or one per hybrid layer when they are not tied."""
+        n_hybrid = self.layer_types.count(HYBRID)
+        if self.shared_blocks is None or not n_hybrid:
+            return 0
+        return min(self.shared_blocks.num_mem_blocks, n_hybrid) if self.shared_blocks.tied else n_hybrid

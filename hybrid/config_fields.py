@@ -148,14 +148,22 @@ def _dt_limit(cfg: dict[str, Any], key: str) -> tuple[float, float]:
     return (float(value[0]), float(value[1]))
 
 
-def _time_step_min(cfg: dict[str, Any]) -> float:
-    value = _float(cfg, "time_step_min", 0.001)
+def _time_step_min(cfg: dict[str, Any], key: str = "time_step_min") -> float:
+    value = _float(cfg, key, 0.001)
     if value < 0:
-        raise CheckpointError(f"config.json: 'time_step_min' must be >= 0, got {value!r}")
+        raise CheckpointError(f"config.json: '{key}' must be >= 0, got {value!r}")
     return value
 
 
-_ACTIVATIONS = ("relu2", "silu", "gelu")
+# transformers' ACT2FN names that the layers implement (hybrid/layers.activation); "swish" is silu
+_ACTIVATIONS = ("relu2", "silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+
+
+def _act(cfg: dict[str, Any], key: str, default: str) -> str:
+    """An activation name (cfg[key]) as the layers spell it; CheckpointError naming the key for one
+    that is not implemented."""
+    name = _str(cfg, key, default, _ACTIVATIONS)
+    return "silu" if name == "swish" else name
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -175,19 +183,30 @@ def _token_id(value: Any, key: str) -> int | None:
     return value
 
 
-def _rope(cfg: dict[str, Any], head_dim: int, default_partial: float) -> tuple[float, int]:
+def _rope(cfg: dict[str, Any], head_dim: int, default_partial: float | None) -> tuple[float, int]:
+    """(theta, rotary dim). `default_partial` None: the family's RoPE rotates whole heads whatever
+    partial_rotary_factor says (transformers' default RoPE of Granite, Falcon-H1 and Zamba2 does not
+    read it); else (Bamba) rope_parameters' partial_rotary_factor, by default `default_partial`
+    (transformers' BambaConfig overrides a top-level partial_rotary_factor with 0.5, so only the one
+    inside rope_parameters counts)."""
     params = _dict(cfg, "rope_parameters")
     scaling = _dict(cfg, "rope_scaling")
     theta = _float(params, "rope_theta", _float(cfg, "rope_theta", 10000.0, positive=True), positive=True)
-    partial = _float(params, "partial_rotary_factor",
-                     _float(cfg, "partial_rotary_factor", default_partial, positive=True), positive=True)
+    if default_partial is None:
+        partial = 1.0
+    else:
+        partial = _float(params, "partial_rotary_factor", default_partial, positive=True)
     if partial > 1.0:
         raise CheckpointError(f"config.json: 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
     # (older configs spell rope_scaling's type as "type": a linear or dynamic scaling is not ignored)
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")) if scaling else None)
     if rope_type not in (None, "default"):
         raise CheckpointError(f"unsupported rope_type '{rope_type}' (only the default RoPE is implemented)")
-    return theta, int(head_dim * partial)
+    rotary = int(head_dim * partial)
+    if rotary < 1:
+        raise CheckpointError(f"config.json: partial_rotary_factor {partial!r} leaves no rotary dims of the "
+                              f"{head_dim}-dim heads")
+    return theta, rotary
 
 
 def _check_divides(what: str, a: int, b: int, a_name: str, b_name: str) -> None:

@@ -16,7 +16,7 @@ from hybrid.config import (
     FalconMultipliers, MambaConfig, ModelConfig, MoEConfig, SharedBlockConfig,
 )
 from hybrid.config_fields import (
-    _ACTIVATIONS, _bool, _check_divides, _dt_limit, _eos_ids, _float, _floats, _int, _json_kind, _need, _rope, _str,
+    _act, _bool, _check_divides, _dt_limit, _eos_ids, _float, _floats, _int, _json_kind, _need, _rope,
     _time_step_min, _token_id, read_json,
 )
 from hybrid.errors import CheckpointError
@@ -25,6 +25,12 @@ SUPPORTED_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "z
 
 # NemotronH layer letters and the layer-type names transformers writes (old and new spellings).
 _NEMOTRON_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
+# NemotronHConfig's legacy key for each new one: when present, the legacy key wins (its __post_init__)
+_NEMOTRON_LEGACY = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "chunk_size": "mamba_chunk_size",
+                    "use_conv_bias": "mamba_conv_bias", "time_step_min": "mamba_dt_min"}
+_KV_HEADS_DEFAULT_8 = ("nemotron_h", "bamba", "falcon_h1")
+_MAX_POSITIONS_DEFAULT = {"nemotron_h": 4096, "granitemoehybrid": 2048, "bamba": 262144, "falcon_h1": 8192,
+                          "zamba2": 4096}
 _LAYER_TYPE_ALIASES = {
     "mamba": MAMBA, "linear_attention": MAMBA, "M": MAMBA,
     "attention": ATTENTION, "full_attention": ATTENTION, "*": ATTENTION,
@@ -54,17 +60,21 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         )
     hidden = _int(cfg, "hidden_size", family)
     n_heads = _int(cfg, "num_attention_heads", family)
-    n_kv = _int(cfg, "num_key_value_heads", family, n_heads)
+    # transformers: null means one kv head per query head; a missing key is the config class's default
+    # (8 for NemotronH, Bamba and Falcon-H1; the head count for Granite and Zamba2)
+    n_kv = _int(cfg, "num_key_value_heads", family,
+                n_heads if "num_key_value_heads" in cfg or family not in _KV_HEADS_DEFAULT_8 else 8)
     gen = generation_config or {}
-    eos = _eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id")))
+    # a missing eos / bos key is the config class's default (2 / 1 in every family), null is none
+    eos = _eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id", 2)))
     common = dict(
         family=family,
         vocab_size=_int(cfg, "vocab_size", family),
         hidden_size=hidden,
-        max_position_embeddings=_int(cfg, "max_position_embeddings", family, 4096),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", family, _MAX_POSITIONS_DEFAULT[family]),
         eos_token_ids=eos,
-        bos_token_id=_token_id(gen.get("bos_token_id", cfg.get("bos_token_id")), "bos_token_id"),
-        torch_dtype=str(cfg.get("dtype", cfg.get("torch_dtype", "float32"))),
+        bos_token_id=_token_id(gen.get("bos_token_id", cfg.get("bos_token_id", 1)), "bos_token_id"),
+        torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         raw=cfg,
     )
 
@@ -83,21 +93,26 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
             raise CheckpointError("config.json of a nemotron_h model has neither layers_block_type nor hybrid_override_pattern")
         if not layer_types:
             raise CheckpointError("config.json of a nemotron_h model lists no layers")
-        nh = _int(cfg, "mamba_num_heads", family)
+        nh = _int(cfg, "mamba_num_heads", family, 128)
+        # transformers' NemotronHConfig reads the legacy mamba_* spellings in preference to the new keys
+        key = {new: (old if old in cfg else new) for new, old in _NEMOTRON_LEGACY.items()}
         mamba = MambaConfig(
             num_heads=nh,
-            head_dim=_int(cfg, "mamba_head_dim", family),
-            n_groups=_int(cfg, "n_groups", family, _int(cfg, "mamba_n_groups", family, 8)),
+            head_dim=_int(cfg, "mamba_head_dim", family, 64),
+            n_groups=_int(cfg, key["n_groups"], family, 8),
             state_size=_int(cfg, "ssm_state_size", family, 128),
-            conv_kernel=_int(cfg, "conv_kernel", family, _int(cfg, "mamba_d_conv", family, 4)),
-            chunk_size=_int(cfg, "chunk_size", family, _int(cfg, "mamba_chunk_size", family, 128)),
-            conv_bias=_bool(cfg, "use_conv_bias", True),
+            conv_kernel=_int(cfg, key["conv_kernel"], family, 4),
+            chunk_size=_int(cfg, key["chunk_size"], family, 128),
+            conv_bias=_bool(cfg, key["use_conv_bias"], True),
             proj_bias=_bool(cfg, "use_bias", False),
             norm_eps=_float(cfg, "layer_norm_epsilon", 1e-5, positive=True),
             # NemotronH ignores time_step_limit and clamps from time_step_min upwards.
-            dt_limit=(_time_step_min(cfg), math.inf),
+            dt_limit=(_time_step_min(cfg, key["time_step_min"]), math.inf),
+            conv_act=_act(cfg, "mamba_hidden_act", "silu"),
         )
-        head_dim = _int(cfg, "head_dim", family, 0, lo=0) or hidden // n_heads
+        # a missing head_dim is the config class's 128 (null: hidden / heads); no attention bias
+        # whatever attention_bias says (transformers' NemotronH projections have none)
+        head_dim = _int(cfg, "head_dim", family, 128 if "head_dim" not in cfg else 0, lo=0) or hidden // n_heads
         attention = AttentionConfig(n_heads, n_kv, head_dim, head_dim**-0.5, False, None, 0)
         moe = None
         if MOE in layer_types:
@@ -113,21 +128,25 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
             )
             if cfg.get("moe_latent_size") is not None:
                 raise CheckpointError("nemotron_h with moe_latent_size is not supported yet")
+        _bool(cfg, "tie_word_embeddings", False)  # (type-checked; not used, see below)
         return _checked(ModelConfig(
             layer_types=layer_types,
             norm_eps=_float(cfg, "layer_norm_epsilon", 1e-5, positive=True),
             mamba=mamba,
             attention=attention,
             intermediate_size=_int(cfg, "intermediate_size", family, 21504),
-            mlp_act=_str(cfg, "mlp_hidden_act", "relu2", _ACTIVATIONS),
+            mlp_act=_act(cfg, "mlp_hidden_act", "relu2"),
             moe=moe,
-            tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
+            # transformers' NemotronHForCausalLM ties nothing (its _tied_weights_keys is empty): the
+            # LM head is lm_head.weight even where the config says tie_word_embeddings
+            tie_word_embeddings=False,
+            mlp_bias=_bool(cfg, "mlp_bias", False),  # the '-' MLPs and the MoE shared experts
             **common,
         ))
 
     if family == "zamba2":
         return _checked(_parse_zamba2(cfg, common, hidden, n_heads, n_kv))
-    n_layers = _int(cfg, "num_hidden_layers", family)
+    n_layers = _int(cfg, "num_hidden_layers", family, 32)  # (the config classes' default)
     if family == "falcon_h1":
         return _checked(_parse_falcon_h1(cfg, common, hidden, n_heads, n_kv, n_layers))
 
@@ -150,7 +169,7 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         raise CheckpointError(f"{family} layers must be mamba or attention, got {sorted(set(layer_types))}")
     expand = _int(cfg, "mamba_expand", family, 2)
     mamba_inner = expand * hidden
-    nh = _int(cfg, "mamba_n_heads", family)
+    nh = _int(cfg, "mamba_n_heads", family, 128)
     d_head = cfg.get("mamba_d_head", "auto")
     d_head = mamba_inner // nh if d_head in (None, "auto") else _int(cfg, "mamba_d_head", family)
     if d_head * nh != mamba_inner:
@@ -159,13 +178,14 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         num_heads=nh,
         head_dim=d_head,
         n_groups=_int(cfg, "mamba_n_groups", family, 1),
-        state_size=_int(cfg, "mamba_d_state", family, 128),
+        state_size=_int(cfg, "mamba_d_state", family, 256),
         conv_kernel=_int(cfg, "mamba_d_conv", family, 4),
         chunk_size=_int(cfg, "mamba_chunk_size", family, 256),
         conv_bias=_bool(cfg, "mamba_conv_bias", True),
         proj_bias=_bool(cfg, "mamba_proj_bias", False),
-        norm_eps=_float(cfg, "rms_norm_eps", 1e-6, positive=True),
+        norm_eps=_float(cfg, "rms_norm_eps", 1e-5 if family == "bamba" else 1e-6, positive=True),
         dt_limit=_dt_limit(cfg, "time_step_limit"),
+        conv_act=_act(cfg, "hidden_act", "silu"),  # transformers' Bamba / Granite mixers use hidden_act there too
     )
     head_dim = _int(cfg, "head_dim", family, 0, lo=0) or hidden // n_heads
     if family == "bamba":
@@ -174,35 +194,37 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
                                     theta, rotary_dim)
         return _checked(ModelConfig(
             layer_types=layer_types, norm_eps=_float(cfg, "rms_norm_eps", 1e-5, positive=True), mamba=mamba,
-            attention=attention, intermediate_size=_int(cfg, "intermediate_size", family),
-            mlp_act=_str(cfg, "hidden_act", "silu", _ACTIVATIONS),
+            attention=attention, intermediate_size=_int(cfg, "intermediate_size", family, 14336),
+            mlp_act=_act(cfg, "hidden_act", "silu"), mlp_bias=_bool(cfg, "mlp_bias", False),
             moe=None, tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False), **common,
         ))
     # granitemoehybrid
     pos = cfg.get("position_embedding_type", "nope")
     if pos == "rope":
-        theta, rotary_dim = _rope(cfg, head_dim, default_partial=1.0)
+        theta, rotary_dim = _rope(cfg, head_dim, default_partial=None)
     elif pos in (None, "nope"):
         theta, rotary_dim = None, 0
     else:
         raise CheckpointError(f"unsupported position_embedding_type '{pos}'")
     attention = AttentionConfig(
-        n_heads, n_kv, head_dim, _float(cfg, "attention_multiplier", head_dim**-0.5, positive=True),
+        # the attention scale is attention_multiplier itself (transformers' default 1.0, not head_dim^-0.5)
+        n_heads, n_kv, head_dim, _float(cfg, "attention_multiplier", 1.0, positive=True),
         _bool(cfg, "attention_bias", False), theta, rotary_dim,
     )
-    n_experts = _int(cfg, "num_local_experts", family, 0, lo=0)
+    n_experts = _int(cfg, "num_local_experts", family, 8, lo=0)
     moe = None
     if n_experts > 0:
         moe = MoEConfig(
             num_experts=n_experts, top_k=_int(cfg, "num_experts_per_tok", family, 2),
-            intermediate_size=_int(cfg, "intermediate_size", family),
-            shared_intermediate_size=_int(cfg, "shared_intermediate_size", family),
+            intermediate_size=_int(cfg, "intermediate_size", family, 11008),
+            shared_intermediate_size=_int(cfg, "shared_intermediate_size", family, 1024, lo=0),
         )
     return _checked(ModelConfig(
         layer_types=layer_types, norm_eps=_float(cfg, "rms_norm_eps", 1e-6, positive=True), mamba=mamba,
-        attention=attention, intermediate_size=_int(cfg, "shared_intermediate_size", family),
-        mlp_act=_str(cfg, "hidden_act", "silu", _ACTIVATIONS),
-        moe=moe, tie_word_embeddings=_bool(cfg, "tie_word_embeddings", True),
+        # shared_intermediate_size 0: no shared MLP (transformers' is zero-width: adds nothing)
+        attention=attention, intermediate_size=_int(cfg, "shared_intermediate_size", family, 1024, lo=0),
+        mlp_act=_act(cfg, "hidden_act", "silu"),
+        moe=moe, tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
         embedding_multiplier=_float(cfg, "embedding_multiplier", 1.0),
         residual_multiplier=_float(cfg, "residual_multiplier", 1.0),
         logits_scaling=_float(cfg, "logits_scaling", 1.0),
@@ -233,9 +255,10 @@ def _checked(cfg: ModelConfig) -> ModelConfig:
 def _parse_falcon_h1(cfg: dict[str, Any], common: dict[str, Any], hidden: int, n_heads: int, n_kv: int,
                      n_layers: int) -> ModelConfig:
     family = "falcon_h1"
-    inner = _int(cfg, "mamba_d_ssm", family, None)
+    # mamba_d_ssm: a missing key is FalconH1Config's 1024, null means mamba_expand * hidden_size
+    inner = _int(cfg, "mamba_d_ssm", family, None if "mamba_d_ssm" in cfg else 1024)
     inner = inner if inner is not None else _int(cfg, "mamba_expand", family, 2) * hidden
-    nh = _int(cfg, "mamba_n_heads", family)
+    nh = _int(cfg, "mamba_n_heads", family, 128)
     d_head = cfg.get("mamba_d_head", "auto")
     d_head = inner // nh if d_head in (None, "auto") else _int(cfg, "mamba_d_head", family)
     if d_head * nh != inner:
@@ -250,15 +273,13 @@ def _parse_falcon_h1(cfg: dict[str, Any], common: dict[str, Any], hidden: int, n
         chunk_size=_int(cfg, "mamba_chunk_size", family, 256), conv_bias=_bool(cfg, "mamba_conv_bias", True),
         proj_bias=_bool(cfg, "mamba_proj_bias", False), norm_eps=_float(cfg, "rms_norm_eps", 1e-5, positive=True),
         dt_limit=_dt_limit(cfg, "time_step_limit"), gate=gate,
+        conv_act=_act(cfg, "hidden_act", "silu"),  # (transformers' FalconH1Mixer uses hidden_act after the conv)
+        out_proj_bias=_bool(cfg, "projectors_bias", False),  # in_proj's is mamba_proj_bias
     )
-    if _bool(cfg, "projectors_bias", False) != mamba.proj_bias:
-        raise CheckpointError("falcon_h1 with projectors_bias != mamba_proj_bias is not supported")
     head_dim = _int(cfg, "head_dim", family, 0, lo=0) or hidden // n_heads
-    theta, rotary_dim = _rope(cfg, head_dim, default_partial=1.0)
+    theta, rotary_dim = _rope(cfg, head_dim, default_partial=None)
     attention = AttentionConfig(n_heads, n_kv, head_dim, head_dim**-0.5, _bool(cfg, "attention_bias", False),
                                 theta, rotary_dim)
-    if _bool(cfg, "mlp_bias", False):
-        raise CheckpointError("falcon_h1 with mlp_bias is not supported")
     zxbcdt = _floats(cfg, "ssm_multipliers", 5, (1.0,) * 5)
     mlp = _floats(cfg, "mlp_multipliers", 2, (1.0, 1.0))
     mup = FalconMultipliers(
@@ -269,8 +290,8 @@ def _parse_falcon_h1(cfg: dict[str, Any], common: dict[str, Any], hidden: int, n
     )
     return ModelConfig(
         layer_types=(PARALLEL,) * n_layers, norm_eps=_float(cfg, "rms_norm_eps", 1e-5, positive=True), mamba=mamba,
-        attention=attention, intermediate_size=_int(cfg, "intermediate_size", family),
-        mlp_act=_str(cfg, "hidden_act", "silu", _ACTIVATIONS), moe=None,
+        attention=attention, intermediate_size=_int(cfg, "intermediate_size", family, 14336),
+        mlp_act=_act(cfg, "hidden_act", "silu"), mlp_bias=_bool(cfg, "mlp_bias", False), moe=None,
         tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
         embedding_multiplier=_float(cfg, "embedding_multiplier", 1.0),
         lm_head_multiplier=_float(cfg, "lm_head_multiplier", 1.0), mup=mup, **common,
@@ -312,12 +333,13 @@ def _parse_zamba2(cfg: dict[str, Any], common: dict[str, Any], hidden: int, n_he
     head_dim = 2 * hidden // n_heads
     theta, rotary_dim = None, 0
     if _bool(cfg, "use_mem_rope", False):
-        theta, _ = _rope(cfg, head_dim, default_partial=1.0)
-        rotary_dim = head_dim  # transformers' Zamba2 rotates whole heads (partial_rotary_factor is not read)
+        # transformers' Zamba2 rotates whole heads (partial_rotary_factor is not read)
+        theta, rotary_dim = _rope(cfg, head_dim, default_partial=None)
     attention = AttentionConfig(n_heads, n_kv, head_dim, (head_dim / 2) ** -0.5, False, theta, rotary_dim)
     shared = SharedBlockConfig(
         num_mem_blocks=_int(cfg, "num_mem_blocks", family, 1), adapter_rank=_int(cfg, "adapter_rank", family, 128),
         attention_adapters=_bool(cfg, "use_shared_attention_adapter", False),
+        tied=_bool(cfg, "tie_word_embeddings", True),
     )
     if shared.attention_adapters and n_kv != n_heads:
         # the adapters output 2H columns, the k / v projections n_kv * head_dim (transformers fails too)
@@ -328,7 +350,7 @@ def _parse_zamba2(cfg: dict[str, Any], common: dict[str, Any], hidden: int, n_he
     return ModelConfig(
         layer_types=layer_types, norm_eps=_float(cfg, "rms_norm_eps", 1e-5, positive=True), mamba=mamba,
         attention=attention, intermediate_size=_int(cfg, "intermediate_size", family, 4 * hidden),
-        mlp_act=_str(cfg, "hidden_act", "gelu", _ACTIVATIONS), moe=None,
+        mlp_act=_act(cfg, "hidden_act", "gelu"), moe=None,
         tie_word_embeddings=_bool(cfg, "tie_word_embeddings", True), shared_blocks=shared, **common,
     )
 
@@ -341,10 +363,31 @@ def load_config(model_dir: str) -> ModelConfig:
     gen_path = os.path.join(model_dir, "generation_config.json")
     gen = read_json(gen_path) if os.path.isfile(gen_path) else None
     try:
-        return parse_config(cfg, gen)
+        parsed = parse_config(cfg, gen)
+        _check_declared_biases(model_dir, parsed)
+        return parsed
     except CheckpointError as e:
         msg = str(e)
         raise CheckpointError(f"{path}: {msg.removeprefix('config.json: ')}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as e:
         # a value of a shape no check above foresaw: still the checkpoint's fault, not a crash
         raise CheckpointError(f"{path}: invalid configuration ({type(e).__name__}: {e})") from None
+
+
+def _check_declared_biases(model_dir: str, cfg: ModelConfig) -> None:
+    """Falcon-H1's optional biases (mlp_bias, projectors_bias) named as config keys when the checkpoint
+    lacks them (transformers would start them at zero; the loader would only name the missing tensor)."""
+    if cfg.family != "falcon_h1" or not (cfg.mlp_bias or (cfg.mamba.out_bias and not cfg.mamba.proj_bias)):
+        return
+    from hybrid.loader import weight_files  # (reads the safetensors headers only)
+
+    names = weight_files(model_dir)
+    wanted = []
+    if cfg.mlp_bias:
+        wanted.append(("mlp_bias", "model.layers.0.feed_forward.down_proj.bias"))
+    if cfg.mamba.out_bias and not cfg.mamba.proj_bias:
+        wanted.append(("projectors_bias", "model.layers.0.mamba.out_proj.bias"))
+    for key, name in wanted:
+        if name not in names:
+            raise CheckpointError(f"config.json: '{key}' is true but the checkpoint holds no such bias "
+                                  f"(no tensor '{name}')")

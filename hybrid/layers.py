@@ -98,13 +98,25 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    # transformers' NewGELUActivation, op for op
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 def activation(name: str):
+    """transformers' ACT2FN[name] (the names hybrid/config_fields._ACTIVATIONS accepts)."""
     if name == "relu2":
         return lambda x: torch.square(F.relu(x))
-    if name == "silu":
+    if name in ("silu", "swish"):
         return F.silu
     if name == "gelu":
         return F.gelu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu_new":
+        return _gelu_new
+    if name == "relu":
+        return F.relu
     raise ValueError(f"unsupported activation '{name}'")
 
 
@@ -124,7 +136,8 @@ class Mamba2Mixer(nn.Module):
         self.D = _param(nh)
         self.dt_bias = _param(nh)
         self.norm_weight = None if cfg.gate == GATE_ONLY else _param(inner)
-        self.out_proj = Linear(inner, hidden_size, cfg.proj_bias)
+        self.out_proj = Linear(inner, hidden_size, cfg.out_bias)
+        self.conv_act = None if cfg.conv_act == "silu" else activation(cfg.conv_act)  # None: silu
         self.kernels = None  # set by the model when GPU kernels are in use
         self.fused = False  # gated norm as one Triton launch (see use_fused_ops)
         # Tensor parallelism with groups wider than a rank's channels: maps the local mean of squares
@@ -194,7 +207,8 @@ class Mamba2Mixer(nn.Module):
             if slot < 0:  # padding row: touches no state
                 continue
             rows = slice(row.start, row.start + length)
-            xbc = mamba_torch.conv_prefill(xBC[rows], conv_state, slot, has_init, self.conv_weight, self.conv_bias)
+            xbc = mamba_torch.conv_prefill(xBC[rows], conv_state, slot, has_init, self.conv_weight, self.conv_bias,
+                                           self.conv_act)
             x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
             init = ssm_state[slot] if has_init else None
             out, final = mamba_torch.ssm_prefill(
@@ -212,7 +226,7 @@ class Mamba2Mixer(nn.Module):
         clamp), on state rows `index` of the buffers (slots, or verify scratch rows). Returns y [n, H, P]."""
         cfg = self.cfg
         n, gn = xBC.shape[0], cfg.n_groups * cfg.state_size
-        xbc = mamba_torch.conv_decode(xBC, conv_buf, index, self.conv_weight, self.conv_bias)
+        xbc = mamba_torch.conv_decode(xBC, conv_buf, index, self.conv_weight, self.conv_bias, self.conv_act)
         x, B, C = torch.split(xbc, [cfg.intermediate_size, gn, gn], dim=-1)
         return mamba_torch.ssm_decode(
             x.reshape(n, cfg.num_heads, cfg.head_dim), dt, A, B.reshape(n, cfg.n_groups, -1),
@@ -289,6 +303,8 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, cfg.bias)  # [q | k | v] rows
         self.o_proj = Linear(cfg.num_heads * hd, out_features or hidden_size, cfg.bias)
         if cfg.rope_theta is not None:
+            # transformers' default RoPE: frequencies arange(0, dim, 2) / dim of dim = rotary_dim, each
+            # rotating a pair of dims (an odd rotary_dim rotates rotary_dim + 1 of them)
             dim = cfg.rotary_dim
             inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -300,7 +316,7 @@ class Attention(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(q.dtype)[:, None, :]
         sin = emb.sin().to(q.dtype)[:, None, :]
-        d = self.cfg.rotary_dim
+        d = self.cfg.rotary_width
 
         def apply(t: torch.Tensor) -> torch.Tensor:
             rot, rest = t[..., :d], t[..., d:]

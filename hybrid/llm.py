@@ -165,7 +165,8 @@ class LLM:
             from hybrid.ops.mamba_cuda import attach_kernels
 
             if attach_kernels(self.model, config.mamba_decode_kernels) is None and cfg.mamba_layers:
-                logger.warning("mamba-ssm / causal-conv1d not importable: Mamba layers use the torch path")
+                logger.warning("Mamba layers use the torch path: mamba-ssm / causal-conv1d are not importable, or "
+                               "the conv is not the kernels' (a conv activation other than silu, conv_kernel 1)")
 
             def plan_fn(trial: EngineSizes, probe_len: int):
                 kwargs = dict(

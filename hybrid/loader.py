@@ -110,6 +110,8 @@ def weight_files(model_dir: str) -> dict[str, str]:
     raise CheckpointError(f"missing file: no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
+_ZAMBA2_ADAPTER = re.compile(r"^model\.layers\.\d+\.shared_transformer\..*_adapter_list\.\d+\.[01]\.weight$")
+
 # safetensors dtype names of floating-point weights; anything else (integers, bool, fp8 without its
 # scales) would be converted silently into meaningless values.
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -196,6 +198,14 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
     if cfg.family == "falcon_h1" and cfg.mamba.gate == GATE_ONLY:
         # without mamba_rms_norm transformers makes the norm an identity and ignores a stored weight
         wanted_optional |= {f"model.layers.{i}.mamba.norm.weight" for i in range(cfg.num_layers)}
+    if cfg.family == "granitemoehybrid" and cfg.intermediate_size == 0:
+        # shared_intermediate_size 0: transformers saves the zero-width shared MLP's empty tensors
+        wanted_optional |= {f"model.layers.{i}.shared_mlp.{n}.weight" for i in range(cfg.num_layers)
+                            for n in ("input_linear", "output_linear")}
+    if cfg.shared_blocks is not None and not cfg.shared_blocks.tied:
+        # untied Zamba2 blocks each hold the adapters of every hybrid layer of their block id, and use only
+        # their own layer's (transformers' adapter lists)
+        wanted_optional |= {n for n in files if _ZAMBA2_ADAPTER.match(n)}
     if qplan is not None:
         wanted_optional |= qplan.optional
     unexpected = sorted(n for n in files if n not in wanted and n not in wanted_optional
@@ -293,11 +303,30 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         _set_param(model, pname, tensor)
     for pname, src, parts in fp8_parts:  # after the loop: their biases are loaded by now
         _set_fp8_linear(model, qplan.linear[pname], src, parts, read, stored_dtype)
+    if cfg.tie_word_embeddings and "lm_head.weight" in files and shard is None and qplan is None:
+        _untie_differing_lm_head(model, read("lm_head.weight"), device)
     handles.clear()
     if keep_experts and settle_fp8_experts(model, dtype):
         logger.info("FP8 routed experts kept in FP8 (weight-only, dequantized inside the fused MoE kernel)")
     _move_buffers(model, device)
     return model
+
+
+def _untie_differing_lm_head(model: HybridModel, head: torch.Tensor, device: torch.device) -> None:
+    """A tied checkpoint that stores lm_head.weight with values of its own: transformers then does not
+    tie (it warns and keeps both), so the logits come from the stored head, not the embeddings."""
+    embed = model.embed
+    if head.shape != embed.shape:
+        raise CheckpointError(f"shape mismatch for tensor 'lm_head.weight': expected {list(embed.shape)}, "
+                              f"found {list(head.shape)}")
+    head = head.to(device=device, dtype=embed.dtype)
+    if torch.equal(head, embed):
+        return
+    logger.warning("tie_word_embeddings is set but lm_head.weight differs from the embeddings: not tied "
+                   "(as transformers)")
+    lm_head = Linear(embed.shape[1], embed.shape[0], bias=False)
+    lm_head.weight = torch.nn.Parameter(head.contiguous(), requires_grad=False)
+    model.lm_head = lm_head
 
 
 def _set_fp8_linear(model: torch.nn.Module, param, src: Source, weights: list[torch.Tensor], read,

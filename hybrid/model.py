@@ -30,9 +30,9 @@ class NemotronHBlock(nn.Module):
         elif kind == ATTENTION:
             self.mixer = Attention(cfg.hidden_size, cfg.attention, attn_index)
         elif kind == MLP:
-            self.mixer = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act)
+            self.mixer = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, bias=cfg.mlp_bias)
         else:
-            self.mixer = NemotronMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act)
+            self.mixer = NemotronMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act, shared_bias=cfg.mlp_bias)
 
     def forward(self, x, residual, batch, ctx):
         if isinstance(self.mixer, NemotronMoE):
@@ -62,7 +62,9 @@ class TwoStageBlock(nn.Module):
             self.mixer = Mamba2Mixer(cfg.hidden_size, cfg.mamba, mamba_index)
         else:
             self.mixer = Attention(cfg.hidden_size, cfg.attention, attn_index)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act)
+        # (Granite's shared MLP; none for shared_intermediate_size 0; Bamba's mlp_bias)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, bias=cfg.mlp_bias) \
+            if cfg.intermediate_size > 0 else None
         self.moe = GraniteMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act) if cfg.moe is not None else None
 
     def forward(self, x, residual, batch, ctx):
@@ -74,7 +76,7 @@ class TwoStageBlock(nn.Module):
             x = self.mixer(x, batch, ctx.kv_layer(self.mixer.layer_index), ctx.attention_backend)
         if self.moe is None:
             x, residual = self.ffn_norm.add_norm(x, residual, m)
-            return self.mlp(x), residual
+            return (self.mlp(x) if self.mlp is not None else torch.zeros_like(x)), residual
         x, residual, routing = add_norm_route(self.ffn_norm, x, residual, m, self.moe, self.mlp)
         return self.moe(x, shared=self.mlp, routing=routing), residual
 
@@ -92,7 +94,7 @@ class ParallelBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=False)
         self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba, mamba_index)
         self.attn = Attention(cfg.hidden_size, cfg.attention, attn_index)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, bias=cfg.mlp_bias)
 
     def forward(self, x, residual, batch, ctx):
         x, residual = self.input_norm.add_norm(x, residual)
@@ -171,10 +173,11 @@ class HybridModel(nn.Module):
         blocks = []
         mamba_index = attn_index = 0
         block_cls = _BLOCKS.get(cfg.family, TwoStageBlock)
-        # Zamba2: the shared blocks, one per distinct use (at most num_mem_blocks)
+        # Zamba2: the shared blocks, one per distinct use (at most num_mem_blocks; one per hybrid layer when
+        # transformers does not tie them, see SharedBlockConfig.tied)
         n_hybrid = cfg.layer_types.count(HYBRID)
         self.shared_blocks = nn.ModuleList(
-            SharedTransformerBlock(cfg) for _ in range(min(cfg.shared_blocks.num_mem_blocks, n_hybrid))
+            SharedTransformerBlock(cfg) for _ in range(cfg.num_shared_blocks)
         ) if n_hybrid else None
         for kind in cfg.layer_types:
             if kind == HYBRID:

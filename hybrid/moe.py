@@ -101,13 +101,13 @@ class Experts(nn.Module):
 class NemotronMoE(nn.Module):
     """Sigmoid router with grouped top-k and score correction bias, relu2 experts, one shared expert."""
 
-    def __init__(self, hidden_size: int, cfg: MoEConfig, act: str) -> None:
+    def __init__(self, hidden_size: int, cfg: MoEConfig, act: str, shared_bias: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.router_weight = _param(cfg.num_experts, hidden_size)
         self.router_bias = _param(cfg.num_experts)  # e_score_correction_bias, fp32
         self.experts = Experts(hidden_size, cfg, act, gated=False)
-        self.shared = DenseMLP(hidden_size, cfg.shared_intermediate_size, act)
+        self.shared = DenseMLP(hidden_size, cfg.shared_intermediate_size, act, bias=shared_bias)  # (mlp_bias)
 
     def router_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, int, dict] | None:
         """(router weight, k, keyword arguments) of triton_moe_route.route_hidden for this router, or None

@@ -36,7 +36,9 @@ def _mamba_sources(param_prefix: str, disk_prefix: str, cfg: ModelConfig) -> dic
     if m.gate != GATE_ONLY:
         out["norm_weight"] = "norm.weight"
     if m.proj_bias:
-        out.update({"in_proj.bias": "in_proj.bias", "out_proj.bias": "out_proj.bias"})
+        out["in_proj.bias"] = "in_proj.bias"
+    if m.out_bias:
+        out["out_proj.bias"] = "out_proj.bias"
     if m.conv_bias:
         out["conv_bias"] = "conv1d.bias"
     plan = {f"{param_prefix}{k}": Source([f"{disk_prefix}{v}"], "whole") for k, v in out.items()}
@@ -53,6 +55,20 @@ def _attention_sources(param_prefix: str, disk_prefix: str, cfg: ModelConfig) ->
         plan[f"{param_prefix}qkv_proj.{k}"] = Source([f"{disk_prefix}{n}.{k}" for n in ("q_proj", "k_proj", "v_proj")],
                                                      "concat", rows)
         plan[f"{param_prefix}o_proj.{k}"] = Source([f"{disk_prefix}o_proj.{k}"], "whole")
+    return plan
+
+
+def _leaves(bias: bool) -> list[str]:
+    return ["weight", "bias"] if bias else ["weight"]
+
+
+def _gated_mlp_sources(param_prefix: str, disk_prefix: str, bias: bool) -> dict[str, Source]:
+    """A SwiGLU MLP stored as gate_proj / up_proj / down_proj (Bamba, Falcon-H1): [gate | up] as one."""
+    plan = {}
+    for leaf in _leaves(bias):
+        plan[f"{param_prefix}gate_up_proj.{leaf}"] = Source(
+            [f"{disk_prefix}gate_proj.{leaf}", f"{disk_prefix}up_proj.{leaf}"], "concat")
+        plan[f"{param_prefix}down_proj.{leaf}"] = Source([f"{disk_prefix}down_proj.{leaf}"], "whole")
     return plan
 
 
@@ -75,7 +91,8 @@ def tensor_plan(cfg: ModelConfig) -> dict[str, Source]:
                 plan.update(_attention_sources(f"{p}mixer.", f"{d}mixer.", cfg))
             elif kind == MLP:
                 for n in ("up_proj", "down_proj"):
-                    plan[f"{p}mixer.{n}.weight"] = Source([f"{d}mixer.{n}.weight"], "whole")
+                    for leaf in _leaves(cfg.mlp_bias):
+                        plan[f"{p}mixer.{n}.{leaf}"] = Source([f"{d}mixer.{n}.{leaf}"], "whole")
             elif kind == MOE:
                 e = range(cfg.moe.num_experts)
                 plan[f"{p}mixer.router_weight"] = Source([f"{d}mixer.gate.weight"], "whole")
@@ -83,7 +100,8 @@ def tensor_plan(cfg: ModelConfig) -> dict[str, Source]:
                 plan[f"{p}mixer.experts.up"] = Source([f"{d}mixer.experts.{j}.up_proj.weight" for j in e], "stack")
                 plan[f"{p}mixer.experts.down"] = Source([f"{d}mixer.experts.{j}.down_proj.weight" for j in e], "stack")
                 for n in ("up_proj", "down_proj"):
-                    plan[f"{p}mixer.shared.{n}.weight"] = Source([f"{d}mixer.shared_experts.{n}.weight"], "whole")
+                    for leaf in _leaves(cfg.mlp_bias):
+                        plan[f"{p}mixer.shared.{n}.{leaf}"] = Source([f"{d}mixer.shared_experts.{n}.{leaf}"], "whole")
     else:
         plan["embed"] = Source(["model.embed_tokens.weight"], "whole")
         final = "model.final_layernorm.weight" if cfg.family == "bamba" else "model.norm.weight"
@@ -97,13 +115,12 @@ def tensor_plan(cfg: ModelConfig) -> dict[str, Source]:
                 plan.update(_attention_sources(f"{p}mixer.", f"{d}self_attn.", cfg))
             if cfg.family == "bamba":
                 plan[f"{p}ffn_norm.weight"] = Source([f"{d}pre_ff_layernorm.weight"], "whole")
-                plan[f"{p}mlp.gate_up_proj.weight"] = Source(
-                    [f"{d}feed_forward.gate_proj.weight", f"{d}feed_forward.up_proj.weight"], "concat")
-                plan[f"{p}mlp.down_proj.weight"] = Source([f"{d}feed_forward.down_proj.weight"], "whole")
+                plan.update(_gated_mlp_sources(f"{p}mlp.", f"{d}feed_forward.", cfg.mlp_bias))
             else:
                 plan[f"{p}ffn_norm.weight"] = Source([f"{d}post_attention_layernorm.weight"], "whole")
-                plan[f"{p}mlp.gate_up_proj.weight"] = Source([f"{d}shared_mlp.input_linear.weight"], "whole")
-                plan[f"{p}mlp.down_proj.weight"] = Source([f"{d}shared_mlp.output_linear.weight"], "whole")
+                if cfg.intermediate_size > 0:  # (shared_intermediate_size 0: zero-size tensors, not loaded)
+                    plan[f"{p}mlp.gate_up_proj.weight"] = Source([f"{d}shared_mlp.input_linear.weight"], "whole")
+                    plan[f"{p}mlp.down_proj.weight"] = Source([f"{d}shared_mlp.output_linear.weight"], "whole")
                 if cfg.moe is not None:
                     plan[f"{p}moe.router_weight"] = Source([f"{d}block_sparse_moe.router.layer.weight"], "whole")
                     plan[f"{p}moe.experts.up"] = Source([f"{d}block_sparse_moe.input_linear.weight"], "whole")
@@ -140,9 +157,7 @@ def _falcon_h1_plan(cfg: ModelConfig) -> dict[str, Source]:
         plan[f"{p}ffn_norm.weight"] = Source([f"{d}pre_ff_layernorm.weight"], "whole")
         plan.update(_mamba_sources(f"{p}mamba.", f"{d}mamba.", cfg))
         plan.update(_attention_sources(f"{p}attn.", f"{d}self_attn.", cfg))
-        plan[f"{p}mlp.gate_up_proj.weight"] = Source(
-            [f"{d}feed_forward.gate_proj.weight", f"{d}feed_forward.up_proj.weight"], "concat")
-        plan[f"{p}mlp.down_proj.weight"] = Source([f"{d}feed_forward.down_proj.weight"], "whole")
+        plan.update(_gated_mlp_sources(f"{p}mlp.", f"{d}feed_forward.", cfg.mlp_bias))
         for name, (weight_runs, bias_runs) in scales.items():
             for leaf, runs in (("weight", weight_runs), ("bias", bias_runs)):
                 src = plan.get(f"{p}{name}.{leaf}")
@@ -158,10 +173,12 @@ def _falcon_h1_plan(cfg: ModelConfig) -> dict[str, Source]:
 def _zamba2_plan(cfg: ModelConfig) -> dict[str, Source]:
     """Zamba2. Shared block k is stored once, under the k-th hybrid layer
     (`model.layers.{hybrid[k]}.shared_transformer.*`; the later layers' copies are tied to it and not
-    saved). The adapters of hybrid layer j live inside the block it uses, at index j of its adapter
-    lists (`...linear_q_adapter_list.{j}.{0: down, 1: up}`, `...gate_up_proj_adapter_list.{j}.*`)."""
+    saved; without tie_word_embeddings transformers ties none of them: every hybrid layer then has and
+    saves its own, cfg.num_shared_blocks). The adapters of hybrid layer j live inside the block it uses,
+    at index j of its adapter lists (`...linear_q_adapter_list.{j}.{0: down, 1: up}`,
+    `...gate_up_proj_adapter_list.{j}.*`)."""
     hybrid = [i for i, kind in enumerate(cfg.layer_types) if kind == HYBRID]
-    n_shared = min(cfg.shared_blocks.num_mem_blocks, len(hybrid))
+    n_shared = cfg.num_shared_blocks  # (one per hybrid layer, stored under it, when not tied)
     bias = ["weight", "bias"] if cfg.mamba.proj_bias else ["weight"]  # add_bias_linear: the MLP too
     plan = {"embed": Source(["model.embed_tokens.weight"], "whole"),
             "final_norm.weight": Source(["model.final_layernorm.weight"], "whole")}

@@ -247,6 +247,9 @@ def attach_kernels(model, decode_kernels: str = "triton") -> MambaCudaKernels | 
     mixers = model.mamba_mixers()
     if not mixers or not kernels_available():
         return None
+    # the kernels' conv ends in silu and keeps a K-1 >= 1 wide history: anything else runs the torch path
+    if any(m.cfg.conv_act != "silu" or m.cfg.conv_kernel < 2 for m in mixers):
+        return None
     if mixers[0].A_log.device.type != "cuda":
         return None
     kernels = MambaCudaKernels(decode_kernels)

@@ -27,8 +27,9 @@ def _write_slots(state: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, 
 
 
 def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """One token per request. x [B, C]; conv_state [S, C, K-1]; weight [C, K]. Returns silu(conv) [B, C]."""
+                bias: torch.Tensor | None, act=None) -> torch.Tensor:
+    """One token per request. x [B, C]; conv_state [S, C, K-1]; weight [C, K]. Returns act(conv) [B, C]
+    (`act` None: silu)."""
     valid = slots >= 0  # PAD_SLOT_ID rows read a zero history and write nothing
     history = _read_slots(conv_state, slots, valid)
     window = torch.cat([history.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=-1)  # [B, C, K]
@@ -36,21 +37,22 @@ def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, 
     out = (window * weight).sum(-1)
     if bias is not None:
         out = out + bias
-    return F.silu(out).to(x.dtype)
+    return (F.silu(out) if act is None else act(out)).to(x.dtype)
 
 
 def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int, has_initial_state: bool,
-                 weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One request's chunk. x [L, C]. Returns silu(conv) [L, C] and stores the last K-1 inputs."""
+                 weight: torch.Tensor, bias: torch.Tensor | None, act=None) -> torch.Tensor:
+    """One request's chunk. x [L, C]. Returns act(conv) [L, C] (`act` None: silu) and stores the last
+    K-1 inputs."""
     width = conv_state.shape[-1]
     if has_initial_state:
         history = conv_state[slot].to(weight.dtype)
     else:
         history = torch.zeros(x.shape[1], width, dtype=weight.dtype, device=x.device)
     window = torch.cat([history, x.t().to(weight.dtype)], dim=-1)  # [C, K-1 + L]
-    conv_state[slot] = window[:, -width:].to(conv_state.dtype)
+    conv_state[slot] = window[:, window.shape[1] - width:].to(conv_state.dtype)  # (width 0: conv_kernel 1)
     out = F.conv1d(window[None], weight[:, None, :], bias, groups=weight.shape[0])[0]  # [C, L]
-    return F.silu(out).t().to(x.dtype)
+    return (F.silu(out) if act is None else act(out)).t().to(x.dtype)
 
 
 def ssm_decode(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

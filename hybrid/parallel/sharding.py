@@ -49,6 +49,9 @@ def check_shapes(cfg: ModelConfig, tp: int) -> None:
             bad.append(f"routed expert width (moe intermediate_size={cfg.moe.intermediate_size})")
         if cfg.family == "nemotron_h" and cfg.moe.shared_intermediate_size % tp:
             bad.append(f"shared expert width (shared_intermediate_size={cfg.moe.shared_intermediate_size})")
+        if cfg.family == "nemotron_h" and cfg.mlp_bias and tp > 1:
+            # the shared expert's output is summed with the routed experts' in one all-reduce
+            bad.append("MoE shared-expert biases (mlp_bias)")
     if bad:
         raise ConfigurationError(f"tensor_parallel_size={tp} does not divide this checkpoint's "
                                  + "; ".join(bad))
