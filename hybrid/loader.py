@@ -303,8 +303,9 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         _set_param(model, pname, tensor)
     for pname, src, parts in fp8_parts:  # after the loop: their biases are loaded by now
         _set_fp8_linear(model, qplan.linear[pname], src, parts, read, stored_dtype)
-    if cfg.tie_word_embeddings and "lm_head.weight" in files and shard is None and qplan is None:
-        _untie_differing_lm_head(model, read("lm_head.weight"), device)
+    if cfg.tie_word_embeddings and "lm_head.weight" in files:
+        _untie_differing_lm_head(model, "lm_head.weight", read, stored_dtype("lm_head.weight"), device,
+                                 None if shard is None else shard.cut("embed"), check_finite, files["lm_head.weight"])
     handles.clear()
     if keep_experts and settle_fp8_experts(model, dtype):
         logger.info("FP8 routed experts kept in FP8 (weight-only, dequantized inside the fused MoE kernel)")
@@ -312,16 +313,32 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
     return model
 
 
-def _untie_differing_lm_head(model: HybridModel, head: torch.Tensor, device: torch.device) -> None:
+def _untie_differing_lm_head(model: HybridModel, name: str, read, stored: str, device: torch.device, cut,
+                             check_finite: bool, path: str) -> None:
     """A tied checkpoint that stores lm_head.weight with values of its own: transformers then does not
-    tie (it warns and keeps both), so the logits come from the stored head, not the embeddings."""
+    tie (it warns and keeps both), so the logits come from the stored head, not the embeddings.
+    `cut` (tensor parallelism): the rank's vocab rows of the embedding, which its head takes too."""
+    if stored not in _FLOAT_DTYPES:  # e.g. an FP8 head: no format this loader knows quantizes the LM head
+        raise CheckpointError(f"{path}: tensor '{name}' of a tied checkpoint is stored as {stored}: an LM head "
+                              f"must be floating point ({', '.join(_FLOAT_DTYPES)})")
     embed = model.embed
-    if head.shape != embed.shape:
-        raise CheckpointError(f"shape mismatch for tensor 'lm_head.weight': expected {list(embed.shape)}, "
+    head = read(name)
+    full_rows = embed.shape[0] if cut is None else getattr(model, "full_vocab_size", embed.shape[0])
+    if tuple(head.shape) != (full_rows, embed.shape[1]):
+        raise CheckpointError(f"shape mismatch for tensor '{name}': expected {[full_rows, embed.shape[1]]}, "
                               f"found {list(head.shape)}")
+    if cut is not None:  # this rank's rows, zero-padded as its embedding is
+        local = torch.zeros(embed.shape, dtype=head.dtype)
+        at = 0
+        for a, b in cut.ranges:
+            local[at:at + b - a] = head[a:b]
+            at += b - a
+        head = local
     head = head.to(device=device, dtype=embed.dtype)
     if torch.equal(head, embed):
         return
+    if check_finite and not torch.isfinite(head).all():
+        raise CheckpointError(f"{path}: tensor '{name}' holds non-finite values")
     logger.warning("tie_word_embeddings is set but lm_head.weight differs from the embeddings: not tied "
                    "(as transformers)")
     lm_head = Linear(embed.shape[1], embed.shape[0], bias=False)

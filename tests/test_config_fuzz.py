@@ -112,3 +112,24 @@ def test_variant_matches_transformers(family, overrides, tmp_path):
     res = config_fuzz.run_case(family, cfg, seed=7, workdir=tmp_path)
     assert res["status"] in ("ok", "noisy"), res
     assert res["steps"] >= config_fuzz.MAX_NEW  # some prompts' continuations were compared in full
+
+
+def test_tied_checkpoint_with_its_own_head_under_tensor_parallelism(tmp_path):
+    """The stored head of a tied checkpoint whose lm_head.weight differs from the embeddings (not tied,
+    as transformers) is used on every tensor-parallel rank too: tp=2 gives tp=1's tokens and logprobs."""
+    from hybrid import LLM, SamplingParams
+
+    cfg = dict(BASE["granitemoehybrid"], _own_lm_head=True)
+    path = config_fuzz.build("granitemoehybrid", cfg, tmp_path / "ckpt", seed=7)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=tp)
+        assert llm.model.lm_head is not None  # the stored head, not the embeddings
+        outs[tp] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp, use_tqdm=False)]
+        del llm
+    for (t1, l1), (t2, l2) in zip(outs[1], outs[2]):
+        assert t1 == t2
+        for a, b in zip(l1, l2):
+            assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < 2e-4
