@@ -46,11 +46,12 @@ def logits_fp32(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows at a time (a whole fp32 copy of a 131072-row head would be GiBs)."""
     if h.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.linear(h, weight)
-    if h.is_cuda and _MM_OUT_DTYPE and h.dtype == weight.dtype and h.dtype in (torch.bfloat16, torch.float16) \
-            and not switch("bf16_logits"):
+    if switch("bf16_logits"):  # HYBRID_16BIT_LOGITS=1, on any device: 16-bit logits, widened after
+        return F.linear(h, weight).float()
+    if h.is_cuda and _MM_OUT_DTYPE and h.dtype == weight.dtype and h.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(h, weight.t(), out_dtype=torch.float32)
     if h.is_cuda:
-        return F.linear(h, weight).float()  # older torch, or HYBRID_16BIT_LOGITS=1: 16-bit logits
+        return F.linear(h, weight).float()  # older torch: 16-bit logits
     h32 = h.float()
     rows = max(1, _CPU_WIDEN_BYTES // (4 * weight.shape[1]))
     if rows >= weight.shape[0]:

@@ -60,3 +60,22 @@ def test_bf16_model_logits_are_not_rounded(name, tiny_ckpt, make_llm):
     out = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
                                                                logprobs=3), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 2 and all(out.token_ids[i] in out.logprobs[i] for i in range(2))
+
+
+def test_the_16bit_switch_on_the_cpu(monkeypatch):
+    """HYBRID_16BIT_LOGITS=1 gives the model dtype's rounded logits on the CPU too (as on CUDA)."""
+    from hybrid.ops import triton_guard
+
+    g = torch.Generator().manual_seed(5)
+    h = (torch.randn(4, 64, generator=g) * 3).bfloat16()
+    w = torch.randn(200, 64, generator=g).bfloat16()
+    monkeypatch.setenv("HYBRID_16BIT_LOGITS", "1")
+    triton_guard.reset_switches()
+    try:
+        out = logits_fp32(h, w)
+    finally:
+        monkeypatch.delenv("HYBRID_16BIT_LOGITS")
+        triton_guard.reset_switches()
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.nn.functional.linear(h, w).float())
+    assert not torch.equal(logits_fp32(h, w), out)  # the default: the unrounded product
