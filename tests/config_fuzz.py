@@ -440,6 +440,19 @@ def fp64_noise(path, runs, outs) -> tuple[float, float]:
     return hf_err, ours_err
 
 
+def _logprob_mismatch(entry: dict, ref, stats: dict, what: str) -> str | None:
+    """The first of `entry`'s logprobs {token: value} off the reference row `ref` by more than the
+    tolerance, described (None: all within it); stats["worst"] takes every error."""
+    bad = None
+    for t, v in entry.items():
+        r = float(ref[t])
+        err = abs(v - r)
+        stats["worst"] = max(stats["worst"], err)
+        if err > ATOL + RTOL * abs(r) and bad is None:
+            bad = f"{what}: logprob of {t} {v:.6f} vs HF {r:.6f} (|diff| {err:.2e})"
+    return bad
+
+
 def compare(runs, outs) -> tuple[list[str], dict]:
     """Problems (one at most per prompt: later steps condition on what came before) and stats."""
     problems = []
@@ -451,25 +464,13 @@ def compare(runs, outs) -> tuple[list[str], dict]:
         if len(got) != len(run.tokens):
             problems.append(f"{where}: {len(got)} tokens, HF {len(run.tokens)}")
         for i, entry in enumerate(out.prompt_logprobs[1:] if out.prompt_logprobs else []):
-            bad = None
-            for t, v in entry.items():
-                ref = float(run.prompt_lp[i, t])
-                err = abs(v - ref)
-                stats["worst"] = max(stats["worst"], err)
-                if err > ATOL + RTOL * abs(ref) and bad is None:
-                    bad = f"{where} prompt position {i + 1}: logprob of {t} {v:.6f} vs HF {ref:.6f} (|diff| {err:.2e})"
+            bad = _logprob_mismatch(entry, run.prompt_lp[i], stats, f"{where} prompt position {i + 1}")
             if bad is not None:
                 problems.append(bad)
                 break
         for step in range(min(len(run.tokens), len(got))):
-            hf = run.logprobs[step]
-            bad = None
-            for t, v in (comp.logprobs[step] if comp.logprobs else {}).items():
-                ref = float(hf[t])
-                err = abs(v - ref)
-                stats["worst"] = max(stats["worst"], err)
-                if err > ATOL + RTOL * abs(ref) and bad is None:
-                    bad = f"{where} step {step}: logprob of {t} {v:.6f} vs HF {ref:.6f} (|diff| {err:.2e})"
+            bad = _logprob_mismatch(comp.logprobs[step] if comp.logprobs else {}, run.logprobs[step], stats,
+                                    f"{where} step {step}")
             if bad is not None:
                 problems.append(bad)
                 break

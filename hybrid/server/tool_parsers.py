@@ -139,11 +139,26 @@ class ToolParser:
         raise NotImplementedError
 
 
+def _calls_of_json_text(body: str) -> list[ToolCall] | None:
+    """The calls of a block's JSON text (one call object or a list of them), None if it is not JSON."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return calls_of_json(value)
+
+
 class TaggedJsonParser(ToolParser):
     """JSON between an opening and a closing tag (an unclosed block at the end of the output is
-    taken up to the end): one call object, or a list of them."""
+    taken up to the end): one call object, or a list of them. A subclass names its two tags; its
+    start marker and tags follow from them."""
 
     start_tag = end_tag = ""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.start_markers = (cls.start_tag,)
+        cls.tags = (cls.start_tag, cls.end_tag)
 
     def block_end(self, text, final):
         at = text.find(self.end_tag, len(self.start_tag))
@@ -155,25 +170,17 @@ class TaggedJsonParser(ToolParser):
         body = block[len(self.start_tag):]
         if body.endswith(self.end_tag):
             body = body[:-len(self.end_tag)]
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        return calls_of_json(value)
+        return _calls_of_json_text(body)
 
 
 class HermesToolParser(TaggedJsonParser):
     name = "hermes"
     start_tag, end_tag = "<tool_call>", "</tool_call>"
-    start_markers = (start_tag,)
-    tags = (start_tag, end_tag)
 
 
 class NemotronJsonToolParser(TaggedJsonParser):
     name = "nemotron_json"
     start_tag, end_tag = "<TOOLCALL>", "</TOOLCALL>"
-    start_markers = (start_tag,)
-    tags = (start_tag, end_tag)
 
 
 class GraniteToolParser(ToolParser):
@@ -207,11 +214,7 @@ class GraniteToolParser(ToolParser):
         body = block[len(self.marker_at(block)):].strip()
         if body.endswith(self.close_tag):
             body = body[:-len(self.close_tag)]
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        return calls_of_json(value)
+        return _calls_of_json_text(body)
 
 
 _FUNCTION_RE = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.DOTALL)
@@ -225,8 +228,6 @@ class Qwen3CoderToolParser(TaggedJsonParser):
 
     name = "qwen3_coder"
     start_tag, end_tag = "<tool_call>", "</tool_call>"
-    start_markers = (start_tag,)
-    tags = (start_tag, end_tag)
 
     def _properties(self, function: str) -> dict:
         for t in self.tools:
