@@ -239,12 +239,12 @@ class ResourceManager:
         seq.cache_at = cache.next_point(seq.prompt_token_ids, seq.cache_at)
         if cache.contains(tokens):
             return
-        if cache.is_full:
-            self.evict_cached_prefix()
         if self.state_tokens is not None and self.state_tokens.get(seq.slot, len(tokens)) != len(tokens):
             raise StateCorruptionError(
                 f"{seq.label} would snapshot its Mamba slot {seq.slot} as the state after {len(tokens)} prompt "
                 f"tokens, but that state has absorbed {self.state_tokens[seq.slot]}")
+        if cache.is_full:
+            self.evict_cached_prefix()
         slot = self.state_pool.allocate()
         if slot is None:
             return  # every slot runs a sequence: not cached
