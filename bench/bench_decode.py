@@ -105,6 +105,9 @@ def make_llm(args, enforce_eager, **llm_kwargs):
         return model
 
     L.load_model = load
+    # the in-memory model has no checkpoint to read K/V scales from: an FP8 cache takes scales 1.0
+    L.kv_cache_dtype_note = lambda model, model_dir, c, kv_dtype: "" if str(kv_dtype) == "auto" else \
+        f"KV cache {kv_dtype} with K/V scales 1.0 (random in-memory model)"
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         llm_kwargs.setdefault("kv_cache_dtype", args.kv_cache_dtype)
     return L.LLM("/nonexistent-random-model", device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),

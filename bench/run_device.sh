@@ -97,6 +97,22 @@ if [[ $what == fp8 ]]; then
   timeout 120 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 --fp8 pcpt --kv-cache-dtype fp8 \
       --json "$OUT/decode_fp8_kv.json" 2>&1 | tee "$OUT/decode_fp8_kv.log" | grep -v Warn | tail -8 || rc=1
 fi
+# fp8-decode  the FP8 decode projections' A/B: the 8B shape in FP8 (pcpt), graphs, batch 1 / 8 / 64, with the
+#            one-launch Triton FP8 linear for decode-sized steps (the default) and with the Triton row
+#            quantization + torch._scaled_mm (HYBRID_FP8_DECODE_GEMM=scaled_mm), after the kernel's GPU tests
+if [[ $what == fp8-decode ]]; then
+  gpu_pytest 150 gpu_tests_fp8_decode.log tests/gpu/test_fp8_gpu.py -k "decode_sized or quantize_rows or misaligned or captured"
+  for gemm in triton scaled_mm; do
+    HYBRID_FP8_DECODE_GEMM=$gemm timeout 170 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 \
+        --fp8 pcpt --batches 1 8 64 --json "$OUT/decode_fp8_$gemm.json" 2>&1 | tee "$OUT/decode_fp8_$gemm.log" \
+        | grep -v Warn | grep -E "batch|tok/s|Error|error" | tail -8 || rc=1
+  done
+fi
+# fp8-gemv  bench_fp8_gemv.py: the 8B shape's FP8 projections alone at batch 1 / 8 / 16 / 64 (one-launch Triton,
+#           Triton quantization + _scaled_mm, torch quantization + _scaled_mm, bf16 cuBLAS) (~1-2 minutes)
+if [[ $what == fp8-gemv ]]; then
+  timeout 200 python3 bench/bench_fp8_gemv.py --json "$OUT/fp8_gemv.json" 2>&1 | tee "$OUT/fp8_gemv.log" || rc=1
+fi
 if [[ $what == generate ]]; then
   timeout 240 python3 bench/bench_generate.py --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" || rc=1
 fi

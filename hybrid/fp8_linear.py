@@ -3,9 +3,11 @@ module that runs an FP8 checkpoint's weights, beside hybrid/quantization.py, whi
 and plans the load.
 
 CPU (and any shape cuBLASLt cannot take): the reference, in plain torch: the weight dequantized with
-its scales, the input rounded to e4m3 with its scale and back. CUDA (bf16, dims divisible by 16):
-torch._scaled_mm, per-tensor or row-wise scales, per-token scales computed on the device (no host
-sync: capturable in CUDA graphs).
+its scales, the input rounded to e4m3 with its scale and back. CUDA (sm_89+, 16-bit activations):
+decode-sized steps on one Triton launch that quantizes the rows and streams the e4m3 weight
+(hybrid/ops/triton_fp8.py); larger steps quantize the rows in one Triton launch and run
+torch._scaled_mm, per-tensor or row-wise scales (bf16, dims divisible by 16). No host sync:
+capturable in CUDA graphs.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.errors import CheckpointError
+from hybrid.ops import triton_fp8
+from hybrid.ops.triton_guard import HAS_TRITON, switch
 from hybrid.quantization import _SCALE_DTYPES, DYNAMIC, FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE, STATIC, Fp8Param
 
 
@@ -133,10 +137,14 @@ class Fp8Linear(nn.Module):
     (weight.float() * scale, cast to the activation dtype) and, when the checkpoint quantizes
     activations, the input quantized to e4m3 with its scale and dequantized back, then F.linear in
     the activation dtype: what the FP8 GEMM computes, up to accumulation order.
-    CUDA (sm_89+, bf16 activations, in and out features multiples of 16, activations quantized):
-    torch._scaled_mm, e4m3 x e4m3 -> bf16 with fp32 scales: per-tensor scales when weight and
-    input are both per tensor, else row-wise (input [T, 1], weight [1, out]). No host syncs (the
-    dynamic scales are computed on the device), so it is captured in CUDA graphs."""
+    CUDA (sm_89+, 16-bit activations), steps of at most triton_fp8.MAX_ROWS tokens: one Triton launch
+    (triton_fp8.fp8_small_m_linear: the rows rounded to e4m3 in registers, the e4m3 weight streamed
+    once; weight-only projections too). Larger steps (bf16, in and out features multiples of 16,
+    activations quantized): the rows quantized in one Triton launch, then torch._scaled_mm, e4m3 x
+    e4m3 -> bf16 with fp32 scales: per-tensor scales when weight and input are both per tensor, else
+    row-wise (input [T, 1], weight [1, out]). HYBRID_FP8_DECODE_GEMM=scaled_mm sends decode-sized
+    steps to the second path too (the benchmarks' A/B). No host syncs (the dynamic scales are
+    computed on the device), so both are captured in CUDA graphs."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
                  activation: str | None, bias: torch.Tensor | None) -> None:
@@ -186,20 +194,30 @@ class Fp8Linear(nn.Module):
         """torch._scaled_mm on x [..., in] (bf16 on CUDA; see the class docs)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()
-        m = x2.shape[0]
-        s = self.input_scales(x2)
-        xq = (x2.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        if s.dim() == 0 and self.weight_scale.dim() == 0:  # per-tensor x per-tensor
-            out = torch._scaled_mm(xq, self.weight.t(), scale_a=s, scale_b=self.weight_scale, out_dtype=x.dtype)
+        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale)  # sa [M, 1]: the row's or the static scale
+        if self.activation == STATIC and self.weight_scale.dim() == 0:  # per-tensor x per-tensor
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
+                                   out_dtype=x.dtype)
         else:  # row-wise: input [M, 1], weight [1, N]; bf16 output
-            sa = s.expand(m, 1).contiguous() if s.dim() == 0 else s
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=sa, scale_b=self._scale_b_row,
                                    out_dtype=torch.bfloat16).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
+    def forward_small_m(self, x: torch.Tensor) -> torch.Tensor:
+        """A decode-sized step [..., in] on the one-launch Triton kernel (see the class docs)."""
+        shape = x.shape
+        act = {None: triton_fp8.ACT_NONE, STATIC: triton_fp8.ACT_STATIC, DYNAMIC: triton_fp8.ACT_DYNAMIC}
+        out = triton_fp8.fp8_small_m_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale,
+                                            act[self.activation], self.input_scale, self.bias)
+        return out.reshape(*shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and HAS_TRITON and not switch("fp8_scaled_mm_decode"):
+            x2 = x.reshape(-1, self.in_features)
+            if triton_fp8.eligible(x2, self.weight):
+                return self.forward_small_m(x)
         if self.use_scaled_mm and x.is_cuda and x.dtype == torch.bfloat16:
             return self.forward_scaled_mm(x)
         return self.forward_reference(x)

@@ -75,10 +75,55 @@ def test_scaled_mm_matches_dequantized_reference_8b_shapes(name, per_channel, ac
 
 
 def test_misaligned_dims_fall_back_to_the_reference_path():
+    """Past the decode-sized kernel's rows, dims _scaled_mm cannot take run the reference; decode-sized
+    steps take the Triton kernel, which has no alignment rule."""
     layer = _layer(328, 64, False, DYNAMIC, seed=3)  # a tiny Mamba in_proj: 328 rows, not a multiple of 16
     assert not layer.use_scaled_mm
-    x = torch.randn(5, 64, device="cuda").to(torch.bfloat16)
+    x = torch.randn(40, 64, device="cuda").to(torch.bfloat16)
     assert torch.equal(layer(x), layer.forward_reference(x))
+    assert rel_err(layer(x[:5]), _exact(layer, x[:5])) < 5e-3
+
+
+@pytest.mark.parametrize("act", [None, STATIC, DYNAMIC])
+@pytest.mark.parametrize("name", ["mamba.in_proj", "mamba.out_proj", "mlp.down_proj"])
+def test_decode_sized_kernel_matches_the_exact_product(name, act):
+    """The one-launch FP8 kernel (hybrid/ops/triton_fp8.py) that decode-sized steps take, every
+    activation scheme (weight-only too) at the 8B shapes: the exact product of the e4m3 operands
+    rounded once, as close as _scaled_mm's (HYBRID_FP8_DECODE_GEMM=scaled_mm) route to it."""
+    from hybrid.ops import triton_fp8
+
+    n, k = SHAPES_8B[name]
+    layer = _layer(n, k, per_channel=True, act=act if act is not None else DYNAMIC, seed=11)
+    if act is None:
+        layer = Fp8Linear(layer.weight.data, layer.weight_scale.data, None, None, None)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for m in (1, 3, 16):
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        x[0, 0] = 30.0  # row scales that differ
+        assert triton_fp8.eligible(x, layer.weight)
+        got = layer(x)
+        exact = _exact(layer, x) if act is not None else F.linear(
+            x.double(), layer.weight.double() * layer.weight_scale.double()[:, None])
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert rel_err(got, exact) < 5e-3, (name, act, m)
+        if act is not None:
+            assert rel_err(layer.forward_scaled_mm(x), exact) < 5e-3
+
+
+def test_quantize_rows_gives_torchs_bytes_on_the_gpu():
+    """The Triton row quantization before _scaled_mm gives the reference's e4m3 bytes and scales
+    (torch's cast), dynamic and static, on real widths."""
+    from hybrid.fp8_linear import per_token_scale
+    from hybrid.ops import triton_fp8
+
+    x = (torch.randn(300, 8192, device="cuda") * 4).to(torch.bfloat16)
+    x[5] = 0
+    for static in (None, torch.tensor(0.013, device="cuda")):
+        q, s = triton_fp8.quantize_rows(x, static)
+        want_s = per_token_scale(x) if static is None else static.expand(300, 1)
+        assert torch.equal(s, want_s.float().contiguous())
+        want = (x.float() / want_s).clamp(-448, 448).to(FP8_DTYPE)
+        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("per_channel,act", [(False, STATIC), (True, DYNAMIC), (False, DYNAMIC)])

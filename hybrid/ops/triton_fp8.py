@@ -1,0 +1,184 @@
+"""Triton kernels of the FP8 projection (hybrid/fp8_linear.py Fp8Linear) on CUDA.
+
+Why: measured on the H200 (bench/bench_decode.py --fp8 pcpt, BENCHMARKS.md), the 8B shape in FP8
+decoded slower than in bf16 at every batch size (155 against 219 tok/s at batch 1), although it
+streams half the weight bytes: each projection was ~9 launches, the per-token activation scale
+and the e4m3 rounding in separate torch ops around torch._scaled_mm. Two kernels replace them:
+
+- `fp8_small_m_linear`, decode-sized steps (M <= MAX_ROWS rows): one launch. A program per
+  BLOCK_N output columns streams its [BLOCK_N, K] e4m3 weight slab once (the first tile before the
+  PDL wait: no kernel writes weights); with dynamic activation scales it first takes each row's
+  absmax over K (the rows are a few KB, read from L2), then quantizes the rows to e4m3 as it goes.
+  e4m3 values are exact in bf16 / fp16 and their products in fp32, so the dot on tiles widened to
+  the activations' dtype with an fp32 accumulator computes what an e4m3 x e4m3 GEMM does, up to summation order; the scales
+  are applied to the accumulator at the end. Weight-only projections (no activation scheme) take
+  the bf16 rows as they are.
+- `quantize_rows`, larger steps: one launch writing each row's e4m3 values and fp32 scale, the
+  inputs torch._scaled_mm takes.
+
+The rounding is the reference's (fp8_linear.fake_quantize / per_token_scale): x / scale in fp32,
+clamped to +-448, rounded to nearest e4m3; a row's scale is its absmax / 448, floored at
+MIN_DYNAMIC_SCALE. CPU tests run both through Triton's interpreter (tests/test_triton_fp8.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
+from hybrid.quantization import FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE
+from state_pool.util import cdiv
+
+MAX_ROWS = 16  # tl.dot's smallest tile height: rows past M are masked
+ACT_NONE, ACT_STATIC, ACT_DYNAMIC = 0, 1, 2
+
+if HAS_TRITON:
+    from hybrid.ops.triton_guard import pdl_wait
+
+    @triton.jit
+    def _round_e4m3(v):
+        """fp32 values in [-448, 448] rounded to the nearest e4m3 value (ties to even), in fp32. Done in
+        arithmetic rather than by the cast, whose rounding Triton's CPU interpreter gets wrong where
+        the mantissa carries into the exponent (31.9 -> 16); the GPU's cast agrees with this. a * 2^(3-e)
+        is exact (e: the binade, at least -6, e4m3's subnormal spacing 2^-9), and adding and taking
+        away 2^23 rounds it to an integer, ties to even."""
+        a = tl.abs(v)
+        e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        e = tl.maximum(e, -6)
+        up = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3-e)
+        down = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e-3)
+        r = ((a * up + 8388608.0) - 8388608.0) * down
+        return tl.where(v < 0, -r, r)
+
+    @triton.jit
+    def _quantized(x, x_scale, ACT: tl.constexpr):
+        """Rows x [BLOCK_M, BLOCK_K] as the GEMM sees them, in x's dtype: rounded to e4m3 with their
+        scale [BLOCK_M] (ACT static or dynamic), or as they are (ACT none)."""
+        if ACT == 0:
+            return x
+        q = _round_e4m3(tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0))
+        return q.to(x.dtype)  # exact: every e4m3 value is a 16-bit float
+
+    @triton.jit
+    def _fp8_small_m_kernel(x_ptr, w_ptr, w_scale_ptr, in_scale_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
+                            min_scale, ACT: tl.constexpr, W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PDL: tl.constexpr):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_n = offs_n < N
+        mask_m = offs_m < M
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
+        x_rows = x_ptr + offs_m[:, None] * s_xm
+        offs_k = tl.arange(0, BLOCK_K)
+        w_first = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0,
+                          eviction_policy="evict_first")
+        pdl_wait(PDL)
+        if ACT == 2:  # dynamic: each row's absmax over K first
+            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+            x_scale = tl.maximum(amax / 448.0, min_scale)
+        elif ACT == 1:
+            x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(in_scale_ptr)
+        else:
+            x_scale = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc = tl.dot(_quantized(x, x_scale, ACT), tl.trans(w_first.to(x.dtype)))
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            ks = k0 + offs_k
+            mask_k = ks < K
+            x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc = tl.dot(_quantized(x, x_scale, ACT), tl.trans(w.to(x.dtype)), acc)
+        if W_PER_ROW:
+            w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        else:
+            w_scale = tl.load(w_scale_ptr)
+        acc = acc * w_scale
+        if ACT != 0:
+            acc = acc * x_scale[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * s_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, in_scale_ptr, K, s_xm, s_qm, min_scale,
+                              STATIC: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        pdl_wait(PDL)
+        if STATIC:
+            s = tl.load(in_scale_ptr)
+        else:
+            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
+                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+            s = tl.maximum(tl.max(amax, axis=0) / 448.0, min_scale)
+        tl.store(scale_ptr + row, s)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
+            q = _round_e4m3(tl.clamp(x.to(tl.float32) / s, -448.0, 448.0))
+            tl.store(q_ptr + row * s_qm + ks, q.to(tl.float8e4nv), mask=ks < K)  # exact: q is an e4m3 value
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Inputs fp8_small_m_linear serves: a decode-sized step of 16-bit rows (last dim contiguous) on a
+    CUDA device with e4m3 (compute capability 8.9+), an e4m3 weight [N, K]."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == FP8_DTYPE and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, activation: int,
+                       input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+                       block_n: int | None = None, block_k: int = 256, num_warps: int = 4,
+                       num_stages: int = 4) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) @ (weight [N, K] e4m3 * weight_scale).T (+ bias) -> [M, N] in x's dtype,
+    with x rounded to e4m3 per `activation` (ACT_NONE, ACT_STATIC with the 0-dim fp32 `input_scale`,
+    ACT_DYNAMIC: per row). `weight_scale`: fp32, 0-dim or [N]. `block_n` default: 32 columns a
+    program for wide projections, 16 below 8192 outputs (more programs for the SMs)."""
+    require(__name__)
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > MAX_ROWS or weight.shape[1] != K:
+        raise ValueError(f"fp8_small_m_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} (at most {MAX_ROWS} rows)")
+    if activation == ACT_STATIC and input_scale is None:
+        raise ValueError("fp8_small_m_linear: a static activation scheme needs input_scale")
+    if block_n is None:
+        block_n = 32 if N >= 8192 else 16
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _fp8_small_m_kernel[(cdiv(N, block_n),)](
+        x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
+        bias if bias is not None else weight_scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        MIN_DYNAMIC_SCALE, ACT=activation, W_PER_ROW=weight_scale.dim() == 1, HAS_BIAS=bias is not None,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(x.device),
+    )
+    return y
+
+
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
+                  block_k: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dim contiguous) rounded to e4m3: (q [M, K] e4m3, scales [M, 1] fp32), each row with
+    its own absmax / 448 scale, or with the 0-dim fp32 `input_scale` (static) for every row."""
+    require(__name__)
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M:
+        _quantize_rows_kernel[(M,)](
+            x, q, scales, input_scale if input_scale is not None else scales, K, x.stride(0), q.stride(0),
+            MIN_DYNAMIC_SCALE, STATIC=input_scale is not None, BLOCK_K=min(block_k, triton.next_power_of_2(K)),
+            num_warps=4, **pdl_options(x.device),
+        )
+    return q, scales
+
+
+assert FP8_MAX == 448.0  # the kernels clamp to the e4m3 range as a literal

@@ -1,0 +1,93 @@
+"""The FP8 projection's Triton kernels (hybrid/ops/triton_fp8.py) against the reference numerics of
+hybrid/fp8_linear.py, on CPU through Triton's interpreter (see tests/test_triton_kernels.py for why
+the interpreter is switched on here only)."""
+import os
+import sys
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CPU interpreter tests: run in their own process with TRITON_INTERPRET=1", allow_module_level=True)
+
+from hybrid.fp8_linear import Fp8Linear, fake_quantize, per_token_scale  # noqa: E402
+from hybrid.ops import triton_fp8  # noqa: E402
+from hybrid.quantization import DYNAMIC, FP8_DTYPE, STATIC  # noqa: E402
+
+ACTS = {None: triton_fp8.ACT_NONE, STATIC: triton_fp8.ACT_STATIC, DYNAMIC: triton_fp8.ACT_DYNAMIC}
+
+
+def _layer(n: int, k: int, activation, per_row: bool, bias: bool, seed: int) -> Fp8Linear:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 60).clamp(-448, 448).to(FP8_DTYPE)
+    ws = (torch.rand(n, generator=g) + 0.5) / 200 if per_row else torch.tensor(0.004)
+    b = torch.randn(n, generator=g) if bias else None
+    s_in = torch.tensor(0.02) if activation == STATIC else None
+    return Fp8Linear(w, ws.float(), s_in, activation, b)
+
+
+@pytest.mark.parametrize("activation", [None, STATIC, DYNAMIC])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("m,n,k,block_k", [(1, 40, 96, 32), (3, 17, 100, 32), (16, 64, 300, 128)])
+def test_small_m_linear_matches_the_reference(activation, per_row, m, n, k, block_k):
+    """Every activation scheme (weight-only, static, dynamic per row) and weight scale (per tensor,
+    per row), ragged N and K (masked tails), row counts up to the tile height, with a bias: the
+    kernel computes the reference's dequantized GEMM up to summation order."""
+    layer = _layer(n, k, activation, per_row, bias=m != 1, seed=m * 7 + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[0, 0] = 40.0  # one large value: a dynamic row scale that differs from the rest
+    got = triton_fp8.fp8_small_m_linear(x, layer.weight, layer.weight_scale, ACTS[activation], layer.input_scale,
+                                        layer.bias, block_n=16, block_k=block_k)
+    want = layer.forward_reference(x)
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_rows_do_not_depend_on_each_other():
+    """A row's output is the same alone and among others (dynamic scales are per row)."""
+    layer = _layer(32, 64, DYNAMIC, True, False, seed=3)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    x[2] *= 100
+    many = triton_fp8.fp8_small_m_linear(x, layer.weight, layer.weight_scale, triton_fp8.ACT_DYNAMIC,
+                                         block_n=16, block_k=32)
+    one = triton_fp8.fp8_small_m_linear(x[1:2], layer.weight, layer.weight_scale, triton_fp8.ACT_DYNAMIC,
+                                        block_n=16, block_k=32)
+    torch.testing.assert_close(many[1:2], one, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("k,block_k", [(100, 32), (256, 1024)])
+def test_quantize_rows_gives_the_reference_bytes(static, k, block_k):
+    """quantize_rows writes exactly the e4m3 values and fp32 scales of the reference
+    (per_token_scale, then x / scale clamped and rounded), saturating values past 448 x scale."""
+    g = torch.Generator().manual_seed(k + static)
+    x = (torch.randn(6, k, generator=g) * 5).to(torch.bfloat16)
+    x[3] = 0.0  # an all-zero row: the floor scale
+    s_in = torch.tensor(0.01) if static else None
+    q, s = triton_fp8.quantize_rows(x, s_in, block_k=block_k)
+    want_s = s_in.expand(6, 1) if static else per_token_scale(x)
+    assert q.dtype == FP8_DTYPE and s.shape == (6, 1) and s.dtype == torch.float32
+    torch.testing.assert_close(s, want_s.float(), atol=0, rtol=0)
+    want_q = (x.float() / want_s).clamp(-448, 448).to(FP8_DTYPE)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close((q.float() * s).to(x.dtype), fake_quantize(x, want_s), atol=0, rtol=0)
+
+
+def test_eligible_only_on_cuda():
+    w = torch.zeros(4, 8, dtype=FP8_DTYPE)
+    assert not triton_fp8.eligible(torch.zeros(2, 8, dtype=torch.bfloat16), w)
+
+
+def test_rounding_at_ties_binade_carries_subnormals_and_saturation():
+    """The kernels' e4m3 rounding is torch's cast: ties to even (17 -> 16, 19 -> 20), a mantissa that
+    carries into the next binade (31.9 -> 32, which Triton's interpreter's own cast gets wrong),
+    subnormals (spacing 2^-9), signs, and values past 448 saturated by the clamp."""
+    v = torch.tensor([17.0, 19.0, 31.9, -127.6, 0.003, -0.0009765625, 0.0, 447.0, 1000.0, -1e6, 1.0625, 2.0 ** -10])
+    q, _ = triton_fp8.quantize_rows(v[None], torch.tensor(1.0))
+    want = v.clamp(-448, 448).to(FP8_DTYPE)
+    assert torch.equal(q[0].view(torch.uint8), want.view(torch.uint8)), (q[0].float(), want.float())
