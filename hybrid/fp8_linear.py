@@ -3,11 +3,10 @@ module that runs an FP8 checkpoint's weights, beside hybrid/quantization.py, whi
 and plans the load.
 
 CPU (and any shape cuBLASLt cannot take): the reference, in plain torch: the weight dequantized with
-its scales, the input rounded to e4m3 with its scale and back. CUDA (sm_89+, 16-bit activations):
-decode-sized steps on one Triton launch that quantizes the rows and streams the e4m3 weight
-(hybrid/ops/triton_fp8.py); larger steps quantize the rows in one Triton launch and run
-torch._scaled_mm, per-tensor or row-wise scales (bf16, dims divisible by 16). No host sync:
-capturable in CUDA graphs.
+its scales, the input rounded to e4m3 with its scale and back. CUDA (sm_89+): the rows quantized in
+one Triton launch (hybrid/ops/triton_fp8.py), then torch._scaled_mm, per-tensor or row-wise scales
+(bf16, dims divisible by 16); weight-only projections at decode sizes on one Triton launch that
+streams the e4m3 weight. No host sync: capturable in CUDA graphs.
 """
 from __future__ import annotations
 
@@ -137,14 +136,14 @@ class Fp8Linear(nn.Module):
     (weight.float() * scale, cast to the activation dtype) and, when the checkpoint quantizes
     activations, the input quantized to e4m3 with its scale and dequantized back, then F.linear in
     the activation dtype: what the FP8 GEMM computes, up to accumulation order.
-    CUDA (sm_89+, 16-bit activations), steps of at most triton_fp8.MAX_ROWS tokens: one Triton launch
-    (triton_fp8.fp8_small_m_linear: the rows rounded to e4m3 in registers, the e4m3 weight streamed
-    once; weight-only projections too). Larger steps (bf16, in and out features multiples of 16,
-    activations quantized): the rows quantized in one Triton launch, then torch._scaled_mm, e4m3 x
-    e4m3 -> bf16 with fp32 scales: per-tensor scales when weight and input are both per tensor, else
-    row-wise (input [T, 1], weight [1, out]). HYBRID_FP8_DECODE_GEMM=scaled_mm sends decode-sized
-    steps to the second path too (the benchmarks' A/B). No host syncs (the dynamic scales are
-    computed on the device), so both are captured in CUDA graphs."""
+    CUDA (sm_89+, bf16, in and out features multiples of 16, activations quantized): the rows
+    quantized in one Triton launch (triton_fp8.quantize_rows), then torch._scaled_mm, e4m3 x e4m3 ->
+    bf16 with fp32 scales: per-tensor scales when weight and input are both per tensor, else
+    row-wise (input [T, 1], weight [1, out]). Weight-only projections (16-bit activations), steps of
+    at most triton_fp8.MAX_ROWS tokens: one Triton launch streaming the e4m3 weight
+    (triton_fp8.fp8_small_m_linear), which HYBRID_FP8_DECODE_GEMM=triton also gives the quantized
+    ones (it lost to _scaled_mm alone on the H200: the benchmarks' A/B). No host syncs (the dynamic
+    scales are computed on the device), so both are captured in CUDA graphs."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
                  activation: str | None, bias: torch.Tensor | None) -> None:
@@ -214,11 +213,10 @@ class Fp8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and HAS_TRITON and not switch("fp8_scaled_mm_decode"):
-            x2 = x.reshape(-1, self.in_features)
-            if triton_fp8.eligible(x2, self.weight):
+        if x.is_cuda and HAS_TRITON and (self.activation is None or switch("fp8_triton_decode")):
+            if triton_fp8.eligible(x.reshape(-1, self.in_features), self.weight):
                 return self.forward_small_m(x)
-        if self.use_scaled_mm and x.is_cuda and x.dtype == torch.bfloat16:
+        if self.use_scaled_mm and x.is_cuda and x.dtype == torch.bfloat16 and HAS_TRITON:
             return self.forward_scaled_mm(x)
         return self.forward_reference(x)
 

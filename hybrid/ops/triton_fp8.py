@@ -3,9 +3,16 @@
 Why: measured on the H200 (bench/bench_decode.py --fp8 pcpt, BENCHMARKS.md), the 8B shape in FP8
 decoded slower than in bf16 at every batch size (155 against 219 tok/s at batch 1), although it
 streams half the weight bytes: each projection was ~9 launches, the per-token activation scale
-and the e4m3 rounding in separate torch ops around torch._scaled_mm. Two kernels replace them:
+and the e4m3 rounding in separate torch ops around torch._scaled_mm.
 
-- `fp8_small_m_linear`, decode-sized steps (M <= MAX_ROWS rows): one launch. A program per
+- `quantize_rows` (the default before torch._scaled_mm): one launch writing each row's e4m3 values
+  and fp32 scale. Alone on the H200 (bench/bench_fp8_gemv.py) it took 13-22 us off each 8B
+  projection at batch 1 against the torch ops.
+- `fp8_small_m_linear`, decode-sized steps (M <= MAX_ROWS rows): one launch. Alone it lost to
+  quantize_rows + torch._scaled_mm at every 8B shape (e.g. 58 against 41 us for the Mamba in_proj at
+  batch 1, 99 against 78 us for the MLP down_proj), so projections whose activations are quantized
+  take it only when asked (HYBRID_FP8_DECODE_GEMM=triton); weight-only projections take it by
+  default (their alternative dequantizes the whole weight each call). A program per
   BLOCK_N output columns streams its [BLOCK_N, K] e4m3 weight slab once (the first tile before the
   PDL wait: no kernel writes weights); with dynamic activation scales it first takes each row's
   absmax over K (the rows are a few KB, read from L2), then quantizes the rows to e4m3 as it goes.
@@ -13,10 +20,9 @@ and the e4m3 rounding in separate torch ops around torch._scaled_mm. Two kernels
   the activations' dtype with an fp32 accumulator computes what an e4m3 x e4m3 GEMM does, up to summation order; the scales
   are applied to the accumulator at the end. Weight-only projections (no activation scheme) take
   the bf16 rows as they are.
-- `quantize_rows`, larger steps: one launch writing each row's e4m3 values and fp32 scale, the
-  inputs torch._scaled_mm takes.
 
-The rounding is the reference's (fp8_linear.fake_quantize / per_token_scale): x / scale in fp32,
+The rounding is the reference's (fp8_linear.fake_quantize / per_token_scale): x / scale in fp32
+(IEEE division, as torch's; Triton's `/` is an approximate one on the GPU),
 clamped to +-448, rounded to nearest e4m3; a row's scale is its absmax / 448, floored at
 MIN_DYNAMIC_SCALE. CPU tests run both through Triton's interpreter (tests/test_triton_fp8.py).
 """
@@ -55,7 +61,7 @@ if HAS_TRITON:
         scale [BLOCK_M] (ACT static or dynamic), or as they are (ACT none)."""
         if ACT == 0:
             return x
-        q = _round_e4m3(tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0))
+        q = _round_e4m3(tl.clamp(tl.div_rn(x.to(tl.float32), x_scale[:, None]), -448.0, 448.0))
         return q.to(x.dtype)  # exact: every e4m3 value is a 16-bit float
 
     @triton.jit
@@ -79,7 +85,7 @@ if HAS_TRITON:
                 ks = k0 + offs_k
                 x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
                 amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-            x_scale = tl.maximum(amax / 448.0, min_scale)
+            x_scale = tl.maximum(tl.div_rn(amax, 448.0), min_scale)
         elif ACT == 1:
             x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(in_scale_ptr)
         else:
@@ -119,12 +125,12 @@ if HAS_TRITON:
                 ks = k0 + offs_k
                 x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
                 amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-            s = tl.maximum(tl.max(amax, axis=0) / 448.0, min_scale)
+            s = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), min_scale)
         tl.store(scale_ptr + row, s)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
             x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
-            q = _round_e4m3(tl.clamp(x.to(tl.float32) / s, -448.0, 448.0))
+            q = _round_e4m3(tl.clamp(tl.div_rn(x.to(tl.float32), s), -448.0, 448.0))
             tl.store(q_ptr + row * s_qm + ks, q.to(tl.float8e4nv), mask=ks < K)  # exact: q is an e4m3 value
 
 

@@ -21,10 +21,11 @@ again: benchmarks comparing both):
 - "bf16_logits" (HYBRID_16BIT_LOGITS=1): the LM head's logits in the model dtype, widened after
   (hybrid/layers.logits_fp32 otherwise writes the fp32 accumulator): the A/B of the fp32 head's cost
   (bench/bench_moe.py --logits-ab).
-- "fp8_scaled_mm_decode" (HYBRID_FP8_DECODE_GEMM=scaled_mm): decode-sized FP8 projections on the
-  Triton quantization launch and torch._scaled_mm instead of the one-launch FP8 linear
-  (hybrid/ops/triton_fp8.py): the A/B of `bash bench/run_device.sh fp8-decode`.
-The first three are off: measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
+- "fp8_triton_decode" (HYBRID_FP8_DECODE_GEMM=triton): decode-sized FP8 projections with quantized
+  activations on the one-launch Triton FP8 linear instead of the Triton row quantization and
+  torch._scaled_mm (hybrid/ops/triton_fp8.py; alone it lost at every 8B shape on the H200): the A/B
+  of `bash bench/run_device.sh fp8-decode`.
+All off: the first three measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) the first loses 37-45% at batch 1 and the second is neutral.
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ def require(module: str) -> None:
 
 
 _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "norm_router": ("HYBRID_NORM_ROUTER", "1"),
-             "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_scaled_mm_decode": ("HYBRID_FP8_DECODE_GEMM", "scaled_mm")}
+             "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton")}
 _switch_values: dict[str, bool] = {}
 
 
