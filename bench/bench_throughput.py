@@ -32,7 +32,9 @@ scheduling keeps overlapping, but an event interval also counts device idle gaps
 (an eager prefill whose kernel launches outrun the GPU). `--split sync` synchronises the device
 around each step instead (strict device time, but it serialises host and device: the wall time
 then includes what async scheduling normally hides); `--split off` installs nothing. Compilation
-inside a step (Triton / FlashInfer JIT in a first batch) counts in that step's interval.
+inside a step (Triton / FlashInfer JIT in a first batch) counts in that step's interval; each run
+also lists the Triton compiles that happened in it (kernel, seconds, argument classes), which the
+startup warm-up should leave at none.
 Startup (LLM construction: load, kernels, memory planning, graph capture) is timed separately.
 """
 from __future__ import annotations
@@ -304,6 +306,9 @@ def run_once(llm, reqs: list[Request], args: argparse.Namespace, timer: StepTime
     params = [SamplingParams(max_tokens=r.output_len, temperature=args.temperature, top_p=args.top_p,
                              ignore_eos=True) for r in reqs]
     prompts = [r.prompt for r in reqs]
+    from hybrid.ops import compile_watch
+
+    compiles_before = len(compile_watch.events())
     timer.reset()
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
@@ -321,6 +326,10 @@ def run_once(llm, reqs: list[Request], args: argparse.Namespace, timer: StepTime
     if split:
         split["host_s"] = max(0.0, elapsed - split["prefill_s"] - split["decode_s"])
         row["split"] = split
+    # Triton compiles inside the run (hybrid/ops/compile_watch.py): what the startup warm-up left
+    compiled = compile_watch.events()[compiles_before:]
+    row["triton_compiles"] = {"count": len(compiled), "seconds": sum(e.seconds for e in compiled),
+                              "kernels": [f"{e.kernel} ({e.seconds:.2f} s): {e.signature}" for e in compiled]}
     return row
 
 
@@ -333,6 +342,10 @@ def describe(i: int, row: dict) -> str:
         per = f", {sp['decode_ms_per_step']:.2f} ms/decode step" if sp["decode_ms_per_step"] else ""
         s += (f"\n       prefill {sp['prefill_s']:.3f} s ({sp['prefill_steps']} steps, {sp['mixed_steps']} mixed), "
               f"decode {sp['decode_s']:.3f} s ({sp['decode_steps']} steps{per}), host/other {sp['host_s']:.3f} s")
+    tc = row.get("triton_compiles")
+    if tc and tc["count"]:
+        s += f"\n       {tc['count']} Triton compiles in the run ({tc['seconds']:.2f} s): " + \
+            ", ".join(sorted({k.split(' (')[0] for k in tc["kernels"]}))
     return s
 
 

@@ -132,6 +132,26 @@ class ModelRunner:
         # The torch Mamba decode path is capturable too, but reads no CPU lists only with kernels.
         return all(m.kernels is not None for m in self.model.mamba_mixers())
 
+    # ------------------------------------------------------------------ warm-up
+    @torch.inference_mode()
+    def warm_up_prefill_kernels(self, max_tokens: int) -> int:
+        """Compile the Mamba prefill kernels' specialisations now (MambaCudaKernels.warm_up_prefill):
+        once per distinct layer shape and state dtype, on that layer's own pool tensors (their
+        scratch row). Returns the prefill launches run (0 without the CUDA kernels). Under tensor
+        parallelism this runs on the driver's rank only; the workers meet them on first use."""
+        seen = set()
+        runs = 0
+        for mixer in self.model.mamba_mixers():
+            if not hasattr(mixer.kernels, "warm_up_prefill"):
+                continue
+            conv_state, ssm_state = self.ctx.mamba_state(mixer.layer_index)
+            key = (repr(mixer.cfg), conv_state.dtype, ssm_state.dtype, tuple(conv_state.shape[1:]))
+            if key in seen:
+                continue
+            seen.add(key)
+            runs += mixer.kernels.warm_up_prefill(mixer, conv_state, ssm_state, max_tokens, self.model.embed.dtype)
+        return runs
+
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:

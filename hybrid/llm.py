@@ -108,7 +108,20 @@ class LLM:
 
     def _start(self, config: EngineConfig) -> None:
         """Load the checkpoint, settle the sizes (device defaults; on CUDA the memory plan) and build
-        the state pool, the KV cache, the model runner and the engine."""
+        the state pool, the KV cache, the model runner and the engine. On CUDA the Triton compiles
+        after it are logged as warnings (hybrid/ops/compile_watch.py)."""
+        from hybrid.ops import compile_watch
+
+        watched = config.device.type == "cuda" and compile_watch.install()
+        if watched:
+            compile_watch.startup_begins()
+        try:
+            self._build(config)
+        finally:
+            if watched:
+                compile_watch.startup_ends()
+
+    def _build(self, config: EngineConfig) -> None:
         cache = config.cache
         phases = StartupPhases()
         self.device, self.dtype, self.ssm_dtype = config.device, config.dtype, cache.mamba_ssm_dtype

@@ -11,6 +11,13 @@ warm-up meets the common ones the way requests do, through `Engine.add_request` 
 so it needs no path of its own: its requests take slots and pages as any request does and give
 them back. Afterwards nothing of it is left: no request, no cached prefix, zeroed statistics.
 
+Requests cannot choose how the scheduler cuts their prompts into chunks, and the Mamba prefill's
+chunked scan (mamba-ssm's Triton kernels) compiles per class of chunk length and chunk count (1, a
+multiple of 16, other: Triton's integer specialisation; on the H200 a first batch of 256 x 1024-token
+prompts spent ~9 s of its 17.5 s prefill compiling, and a 16 x 128-token batch after a restart 3.7 s).
+So before the requests the runner runs each Mamba layer shape's prefill path once per class
+(`ModelRunner.warm_up_prefill_kernels`, on the pool's scratch row).
+
 On by default on CUDA (`LLM(warmup=...)`, `hybrid serve --no-warmup`); off on CPU, where nothing
 compiles. Its time is the "warm-up" phase of the startup log.
 """
@@ -56,7 +63,12 @@ def warmup_requests(vocab_size: int, max_num_batched_tokens: int, max_model_len:
 
 def warm_up(engine: Engine, *, vocab_size: int, max_num_batched_tokens: int, max_model_len: int,
             max_num_seqs: int, runner_stats: dict[str, int] | None = None) -> int:
-    """Run the warm-up requests to their end and leave the engine as it was: returns the steps run."""
+    """Run the Mamba prefill specialisations, then the warm-up requests to their end, and leave the
+    engine as it was: returns the steps run."""
+    prefill_kernels = getattr(engine.runner, "warm_up_prefill_kernels", None)  # absent on test doubles
+    if prefill_kernels is not None:
+        launches = prefill_kernels(min(max_num_batched_tokens, max_model_len))
+        logger.debug("warm-up: %d Mamba prefill launches", launches)
     requests = warmup_requests(vocab_size, max_num_batched_tokens, max_model_len, max_num_seqs,
                                speculative=engine.spec_config is not None)
     ids = [f"warmup-{i}" for i in range(len(requests))]

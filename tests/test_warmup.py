@@ -56,3 +56,68 @@ def test_warmup_requests_cover_the_step_shapes():
 def test_warmup_default_is_cuda_only():
     assert engine_config(device="cpu").warmup is False
     assert engine_config(device="cpu", warmup=True).warmup is True
+
+
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+def test_prefill_warmup_lengths_meet_every_specialisation_class(chunk):
+    """The Mamba prefill warm-up's chunk lengths meet every (length, chunk count) pair of Triton's
+    integer classes (1, a multiple of 16, other) that a chunk can have, and none is over the budget."""
+    from hybrid.ops.mamba_cuda import prefill_warmup_lengths
+
+    def cls(n):
+        return "1" if n == 1 else "D" if n % 16 == 0 else "N"
+
+    lengths = prefill_warmup_lengths(chunk, 8192)
+    met = {(cls(n), cls(-(-n // chunk))) for n in lengths}
+    # a length of 1 has one chunk; otherwise a length of each class with 1, N and 16k chunks
+    assert met == {("1", "1"), ("N", "1"), ("D", "1"), ("N", "N"), ("D", "N"), ("N", "D"), ("D", "D")}
+    assert all(n <= 100 for n in prefill_warmup_lengths(chunk, 100)) and 1 in prefill_warmup_lengths(chunk, 100)
+
+
+def test_prefill_warmup_runs_on_the_scratch_row_only(tiny_ckpt):
+    """ModelRunner.warm_up_prefill_kernels runs each distinct Mamba layer shape's prefill once per
+    length, from a zero and from a given state, on the pool's scratch row only, and leaves that row
+    zero; every live slot is untouched (kernels stand-in: the CUDA path needs mamba-ssm)."""
+    import torch
+
+    from hybrid.ops.mamba_cuda import MambaCudaKernels, prefill_warmup_lengths
+
+    class Recording(MambaCudaKernels):
+        def __init__(self):  # no library kernels on the CPU
+            self.decode_kernels, self.calls = "triton", []
+
+        def params(self, mixer):
+            return {}
+
+        def _prefill_row(self, mixer, p, xBC, dt, conv_state, ssm_state, slot, has_init):
+            self.calls.append((xBC.shape[0], has_init, slot, xBC.stride(0), dt.stride(0)))
+            conv_state[slot].fill_(3.0)
+            ssm_state[slot].fill_(3.0)
+            return torch.zeros(xBC.shape[0], mixer.cfg.num_heads, mixer.cfg.head_dim)
+
+    llm = LLM(tiny_ckpt("nemotron_h"), warmup=False, **KW)
+    kernels = Recording()
+    mixers = llm.model.mamba_mixers()
+    for m in mixers:
+        m.kernels = kernels
+    pool = llm.state_pool
+    pool.conv_state.fill_(7.0)
+    pool.ssm_state.fill_(7.0)
+    try:
+        runs = llm.runner.warm_up_prefill_kernels(48)
+    finally:
+        for m in mixers:
+            m.kernels = None
+    cfg = mixers[0].cfg
+    lengths = prefill_warmup_lengths(cfg.chunk_size, 48)
+    assert runs == len(kernels.calls) == 2 * len(lengths)  # the tiny model's Mamba layers share one shape
+    scratch = pool.conv_state.shape[1] - 1
+    width = cfg.intermediate_size + cfg.conv_dim + cfg.num_heads  # the in_proj output's row, as in the forward
+    assert sorted(c[:2] for c in kernels.calls) == sorted((n, h) for n in lengths for h in (False, True))
+    assert all(c[2] == scratch and c[3] == c[4] == width for c in kernels.calls)
+    ran = mixers[0].layer_index  # the one layer of that shape it ran on: its scratch row ends zero
+    for state in (pool.conv_state, pool.ssm_state):
+        assert bool((state[ran, scratch] == 0).all())
+        untouched = torch.ones(state.shape[:2], dtype=torch.bool)
+        untouched[ran, scratch] = False
+        assert bool((state[untouched] == 7).all())  # every live slot, and the other layers' scratch

@@ -95,8 +95,6 @@ class MambaCudaKernels:
                       ssm_state: torch.Tensor) -> torch.Tensor:
         cfg = mixer.cfg
         inner, conv_dim, nh, P = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim
-        G, N = cfg.n_groups, cfg.state_size
-        gn = G * N
         p = self.params(mixer)
         zxbcdt = mixer.in_proj(hidden)
         z, xBC, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
@@ -130,28 +128,72 @@ class MambaCudaKernels:
             if slot < 0:  # padding row: touches no state
                 y[rows].zero_()
                 continue
-            if self.decode_kernels == "triton":
-                # token-major causal conv over [slot history | chunk]: our Triton kernel, no transposes
-                xbc = self.triton.conv_prefill(xBC[rows], conv_state, slot, has_init, mixer.conv_weight,
-                                               mixer.conv_bias)
-            else:
-                xbc = self._library_conv_prefill(mixer, xBC[rows], conv_state, slot, has_init)
-            x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
-            init = ssm_state[slot][None].float() if has_init else None
-            # strided views: the scan copies only what its kernels need contiguous
-            out_y, final = self.chunk_scan(
-                x.reshape(1, length, nh, P), dt[rows][None], p["A"],
-                B.reshape(1, length, G, N), C.reshape(1, length, G, N),
-                cfg.chunk_size, D=p["D"], z=None, dt_bias=p["dt_bias"], initial_states=init,
-                dt_softplus=True, dt_limit=tuple(cfg.dt_limit), return_final_states=True,
-            )
-            ssm_state[slot] = final[0].to(ssm_state.dtype)
+            out_y = self._prefill_row(mixer, p, xBC[rows], dt[rows], conv_state, ssm_state, slot, has_init)
             if length == T and out_y.dtype == y.dtype:
-                y = out_y[0]  # the step is this one chunk: the scan's output is y (no copy of T x inner)
+                y = out_y  # the step is this one chunk: the scan's output is y (no copy of T x inner)
             else:
-                y[rows] = out_y[0].to(y.dtype)
+                y[rows] = out_y.to(y.dtype)
 
         return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
+
+    def _prefill_row(self, mixer, p: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,
+                     conv_state: torch.Tensor, ssm_state: torch.Tensor, slot: int, has_init: bool) -> torch.Tensor:
+        """One request's prefill chunk (xBC, dt: its rows of the in_proj output): the causal conv over
+        [slot history | chunk], then the chunked scan from the slot's state (or zero); the slot's conv
+        and SSM state become the chunk's last. Returns y [length, heads, head_dim]."""
+        cfg = mixer.cfg
+        inner, nh, P, G, N = cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
+        length = xBC.shape[0]
+        if self.decode_kernels == "triton":
+            # token-major causal conv over [slot history | chunk]: our Triton kernel, no transposes
+            xbc = self.triton.conv_prefill(xBC, conv_state, slot, has_init, mixer.conv_weight, mixer.conv_bias)
+        else:
+            xbc = self._library_conv_prefill(mixer, xBC, conv_state, slot, has_init)
+        x, B, C = torch.split(xbc, [inner, G * N, G * N], dim=-1)
+        init = ssm_state[slot][None].float() if has_init else None
+        # strided views: the scan copies only what its kernels need contiguous
+        out_y, final = self.chunk_scan(
+            x.reshape(1, length, nh, P), dt[None], p["A"],
+            B.reshape(1, length, G, N), C.reshape(1, length, G, N),
+            cfg.chunk_size, D=p["D"], z=None, dt_bias=p["dt_bias"], initial_states=init,
+            dt_softplus=True, dt_limit=tuple(cfg.dt_limit), return_final_states=True,
+        )
+        ssm_state[slot] = final[0].to(ssm_state.dtype)
+        return out_y[0]
+
+    @torch.inference_mode()
+    def warm_up_prefill(self, mixer, conv_state: torch.Tensor, ssm_state: torch.Tensor, max_tokens: int,
+                        dtype: torch.dtype) -> int:
+        """Run the prefill path once per length of prefill_warmup_lengths, from a zero and from a given
+        state, on the pool's scratch row (the last, which no request owns; left zero), so that the
+        Triton specialisations a prefill chunk can meet are compiled (or loaded from the on-disk
+        cache) now rather than under the first requests that meet them. Returns the launches run."""
+        cfg = mixer.cfg
+        inner, nh = cfg.intermediate_size, cfg.num_heads
+        scratch = conv_state.shape[0] - 1
+        p = self.params(mixer)
+        runs = 0
+        for length in prefill_warmup_lengths(cfg.chunk_size, max_tokens):
+            # a slice of an in_proj-shaped output, as the forward's split gives it (same strides)
+            zxbcdt = torch.zeros(length, inner + cfg.conv_dim + nh, dtype=dtype, device=conv_state.device)
+            _, xBC, dt = torch.split(zxbcdt, [inner, cfg.conv_dim, nh], dim=-1)
+            for has_init in (False, True):
+                self._prefill_row(mixer, p, xBC, dt, conv_state, ssm_state, scratch, has_init)
+                runs += 1
+        conv_state[scratch].zero_()
+        ssm_state[scratch].zero_()
+        return runs
+
+
+def prefill_warmup_lengths(chunk_size: int, max_tokens: int) -> list[int]:
+    """Prefill chunk lengths (at most max_tokens) that between them meet every specialisation class
+    Triton compiles the chunked scan's kernels for: their integer arguments are specialised by value
+    (1, a multiple of 16, anything else), the sequence length and the chunk count among them, so a
+    chunk of 16 x k tokens, or one of 16 chunks, compiles kernels a chunk of 37 tokens did not.
+    (length, chunks): (1, 1), (37, 1), (48, 1), c+37 and c+16 (2 chunks), 16c-3 and 16c (16 chunks)."""
+    c = chunk_size
+    wanted = [1, 37, 48, c + 37, c + 16, 16 * c - 3, 16 * c]
+    return sorted({n for n in wanted if 1 <= n <= max_tokens})
 
     def _library_conv_prefill(self, mixer, x: torch.Tensor, conv_state: torch.Tensor, slot: int,
                               has_init: bool) -> torch.Tensor:
