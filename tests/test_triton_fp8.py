@@ -37,7 +37,8 @@ def _layer(n: int, k: int, activation, per_row: bool, bias: bool, seed: int) -> 
 def test_small_m_linear_matches_the_reference(activation, per_row, m, n, k, block_k):
     """Every activation scheme (weight-only, static, dynamic per row) and weight scale (per tensor,
     per row), ragged N and K (masked tails), row counts up to the tile height, with a bias: the
-    kernel computes the reference's dequantized GEMM up to summation order."""
+    kernel computes the reference's dequantized GEMM up to summation order. fp32 rows here: the
+    interpreter's tl.dot on bf16 tiles is wrong (bf16 rows: tests/gpu/test_fp8_gpu.py)."""
     layer = _layer(n, k, activation, per_row, bias=m != 1, seed=m * 7 + n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
     x[0, 0] = 40.0  # one large value: a dynamic row scale that differs from the rest
@@ -87,7 +88,8 @@ def test_rounding_at_ties_binade_carries_subnormals_and_saturation():
     """The kernels' e4m3 rounding is torch's cast: ties to even (17 -> 16, 19 -> 20), a mantissa that
     carries into the next binade (31.9 -> 32, which Triton's interpreter's own cast gets wrong),
     subnormals (spacing 2^-9), signs, and values past 448 saturated by the clamp."""
-    v = torch.tensor([17.0, 19.0, 31.9, -127.6, 0.003, -0.0009765625, 0.0, 447.0, 1000.0, -1e6, 1.0625, 2.0 ** -10])
+    v = torch.tensor([17.0, 19.0, 31.9, -127.6, 0.003, -0.0009765625, 0.0, -0.0, 447.0, 1000.0, -1e6, 1.0625,
+                      2.0 ** -10])
     q, _ = triton_fp8.quantize_rows(v[None], torch.tensor(1.0))
     want = v.clamp(-448, 448).to(FP8_DTYPE)
     assert torch.equal(q[0].view(torch.uint8), want.view(torch.uint8)), (q[0].float(), want.float())

@@ -71,6 +71,10 @@ def test_prefill_warmup_lengths_meet_every_specialisation_class(chunk):
     met = {(cls(n), cls(-(-n // chunk))) for n in lengths}
     # a length of 1 has one chunk; otherwise a length of each class with 1, N and 16k chunks
     assert met == {("1", "1"), ("N", "1"), ("D", "1"), ("N", "N"), ("D", "N"), ("N", "D"), ("D", "D")}
+    # a budget under 16 chunks' worth still meets the 16-chunk classes when a chunk can have 16 chunks
+    budget = 15 * chunk + 20
+    assert {cls(-(-n // chunk)) for n in prefill_warmup_lengths(chunk, budget) if n > 15 * chunk} == {"D"}
+    assert len([n for n in prefill_warmup_lengths(chunk, budget) if n > 15 * chunk]) == 2
     assert all(n <= 100 for n in prefill_warmup_lengths(chunk, 100)) and 1 in prefill_warmup_lengths(chunk, 100)
 
 
@@ -110,10 +114,16 @@ def test_prefill_warmup_runs_on_the_scratch_row_only(tiny_ckpt):
             m.kernels = None
     cfg = mixers[0].cfg
     lengths = prefill_warmup_lengths(cfg.chunk_size, 48)
-    assert runs == len(kernels.calls) == 2 * len(lengths)  # the tiny model's Mamba layers share one shape
-    scratch = pool.conv_state.shape[1] - 1
     width = cfg.intermediate_size + cfg.conv_dim + cfg.num_heads  # the in_proj output's row, as in the forward
-    assert sorted(c[:2] for c in kernels.calls) == sorted((n, h) for n in lengths for h in (False, True))
+    aligned = 1 if width % 8 == 0 else 2  # rows of a width no multiple of 8: both pointer alignments
+    # the tiny model's Mamba layers share one shape: one pass
+    assert runs == len(kernels.calls) == 2 * aligned * len(lengths)
+    scratch = pool.conv_state.shape[1] - 1
+    assert sorted(c[:2] for c in kernels.calls) == sorted((n, h) for n in lengths for h in (False, True)
+                                                          for _ in range(aligned))
+    # the library kernels' methods are the class's (a module-level function once split the class)
+    assert all(callable(getattr(MambaCudaKernels, n, None))
+               for n in ("_library_conv_prefill", "_library_replay", "_library_step", "_prefill_row"))
     assert all(c[2] == scratch and c[3] == c[4] == width for c in kernels.calls)
     ran = mixers[0].layer_index  # the one layer of that shape it ran on: its scratch row ends zero
     for state in (pool.conv_state, pool.ssm_state):

@@ -164,8 +164,8 @@ class MambaCudaKernels:
     @torch.inference_mode()
     def warm_up_prefill(self, mixer, conv_state: torch.Tensor, ssm_state: torch.Tensor, max_tokens: int,
                         dtype: torch.dtype) -> int:
-        """Run the prefill path once per length of prefill_warmup_lengths, from a zero and from a given
-        state, on the pool's scratch row (the last, which no request owns; left zero), so that the
+        """Run the prefill path once per length of prefill_warmup_lengths (and pointer alignment class),
+        from a zero and from a given state, on the pool's scratch row (the last, which no request owns; left zero), so that the
         Triton specialisations a prefill chunk can meet are compiled (or loaded from the on-disk
         cache) now rather than under the first requests that meet them. Returns the launches run."""
         cfg = mixer.cfg
@@ -173,27 +173,23 @@ class MambaCudaKernels:
         scratch = conv_state.shape[0] - 1
         p = self.params(mixer)
         runs = 0
+        width = inner + cfg.conv_dim + nh
+        # Triton also specialises pointers on 16-byte alignment: a request's rows start at row
+        # `start` of the in_proj output, so with rows of a width that is no multiple of 8 elements
+        # both classes occur (a start of 1 gives the other)
+        first_rows = (0,) if width % 8 == 0 else (0, 1)
         for length in prefill_warmup_lengths(cfg.chunk_size, max_tokens):
-            # a slice of an in_proj-shaped output, as the forward's split gives it (same strides)
-            zxbcdt = torch.zeros(length, inner + cfg.conv_dim + nh, dtype=dtype, device=conv_state.device)
-            _, xBC, dt = torch.split(zxbcdt, [inner, cfg.conv_dim, nh], dim=-1)
-            for has_init in (False, True):
-                self._prefill_row(mixer, p, xBC, dt, conv_state, ssm_state, scratch, has_init)
-                runs += 1
+            for first in first_rows:
+                # rows of an in_proj-shaped output, as the forward's split gives them (same strides)
+                zxbcdt = torch.zeros(first + length, width, dtype=dtype, device=conv_state.device)[first:]
+                _, xBC, dt = torch.split(zxbcdt, [inner, cfg.conv_dim, nh], dim=-1)
+                for has_init in (False, True):
+                    self._prefill_row(mixer, p, xBC, dt, conv_state, ssm_state, scratch, has_init)
+                    runs += 1
         conv_state[scratch].zero_()
         ssm_state[scratch].zero_()
         return runs
 
-
-def prefill_warmup_lengths(chunk_size: int, max_tokens: int) -> list[int]:
-    """Prefill chunk lengths (at most max_tokens) that between them meet every specialisation class
-    Triton compiles the chunked scan's kernels for: their integer arguments are specialised by value
-    (1, a multiple of 16, anything else), the sequence length and the chunk count among them, so a
-    chunk of 16 x k tokens, or one of 16 chunks, compiles kernels a chunk of 37 tokens did not.
-    (length, chunks): (1, 1), (37, 1), (48, 1), c+37 and c+16 (2 chunks), 16c-3 and 16c (16 chunks)."""
-    c = chunk_size
-    wanted = [1, 37, 48, c + 37, c + 16, 16 * c - 3, 16 * c]
-    return sorted({n for n in wanted if 1 <= n <= max_tokens})
 
     def _library_conv_prefill(self, mixer, x: torch.Tensor, conv_state: torch.Tensor, slot: int,
                               has_init: bool) -> torch.Tensor:
@@ -298,3 +294,14 @@ def attach_kernels(model, decode_kernels: str = "triton") -> MambaCudaKernels | 
     for m in mixers:
         m.kernels = kernels
     return kernels
+
+
+def prefill_warmup_lengths(chunk_size: int, max_tokens: int) -> list[int]:
+    """Prefill chunk lengths (at most max_tokens) that between them meet every specialisation class
+    Triton compiles the chunked scan's kernels for: their integer arguments are specialised by value
+    (1, a multiple of 16, anything else), the sequence length and the chunk count among them, so a
+    chunk of 16 x k tokens, or one of 16 chunks, compiles kernels a chunk of 37 tokens did not.
+    (length, chunks): (1, 1), (37, 1), (48, 1), c+37 and c+16 (2 chunks), 15c+17 and 15c+16 (16 chunks)."""
+    c = chunk_size
+    wanted = [1, 37, 48, c + 37, c + 16, 15 * c + 17, 15 * c + 16]
+    return sorted({n for n in wanted if 1 <= n <= max_tokens})

@@ -53,7 +53,8 @@ if HAS_TRITON:
         up = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3-e)
         down = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e-3)
         r = ((a * up + 8388608.0) - 8388608.0) * down
-        return tl.where(v < 0, -r, r)
+        sign = (v.to(tl.int32, bitcast=True) >> 31) << 31  # v's sign bit (-0.0 stays -0.0, as torch's cast)
+        return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _quantized(x, x_scale, ACT: tl.constexpr):
@@ -176,6 +177,8 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
     its own absmax / 448 scale, or with the 0-dim fp32 `input_scale` (static) for every row."""
     require(__name__)
     M, K = x.shape
+    if x.stride(-1) != 1:
+        raise ValueError(f"quantize_rows: the rows' last dim must be contiguous, got strides {x.stride()}")
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
