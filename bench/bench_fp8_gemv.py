@@ -5,7 +5,9 @@ hybrid/fp8_linear.py Fp8Linear with dynamic per-token activation scales and per-
   of a few tilings (printed with it), and its default tiling;
 - `scaled_mm`: the Triton row quantization and torch._scaled_mm (Fp8Linear.forward_scaled_mm);
 - `torch_quant`: the per-token scale and the e4m3 rounding in torch ops, then torch._scaled_mm (what
-  Fp8Linear ran before the Triton kernels).
+  Fp8Linear ran before the Triton kernels);
+- `scaled_mm_tensorwise_gemm`: torch._scaled_mm alone with per-tensor scales (a different cuBLASLt
+  kernel from the row-wise one), and `quantize_rows` alone.
 
 Each timing is one CUDA graph of back-to-back calls over distinct weight copies (>= 256 MB in all, so
 the weights stream from HBM), divided by the number of calls; the bandwidth is weight bytes over
@@ -89,6 +91,13 @@ def main() -> int:
             row["scaled_mm_us"] = graph_us_per_call([lambda l=l: l.forward_scaled_mm(x) for l in layers])
             row["scaled_mm_err"] = err(lay.forward_scaled_mm(x))
             row["torch_quant_us"] = graph_us_per_call([lambda l=l: _torch_quant_scaled_mm(l, x) for l in layers])
+            # per-tensor scales on both operands (cuBLASLt's tensor-wise kernel, not the row-wise one):
+            # the quantization is timed apart, the GEMM alone here
+            xq, _ = triton_fp8.quantize_rows(x)
+            one = torch.ones((), device=dev)
+            row["scaled_mm_tensorwise_gemm_us"] = graph_us_per_call([lambda l=l: torch._scaled_mm(
+                xq, l.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16) for l in layers])
+            row["quantize_rows_us"] = graph_us_per_call([lambda: triton_fp8.quantize_rows(x)] * 8)
             if m <= triton_fp8.MAX_ROWS:
                 row["triton_default_us"] = graph_us_per_call([lambda l=l: l.forward_small_m(x) for l in layers])
                 row["triton_err"] = err(lay.forward_small_m(x))
@@ -104,7 +113,8 @@ def main() -> int:
                         best = (us, cfg)
                 if best is not None:
                     row.update(triton_best_us=best[0], triton_best_cfg=best[1])
-            for key in ("bf16_cublas", "scaled_mm", "torch_quant", "triton_default", "triton_best"):
+            for key in ("bf16_cublas", "scaled_mm", "torch_quant", "scaled_mm_tensorwise_gemm", "triton_default",
+                        "triton_best"):
                 if f"{key}_us" in row:
                     mb = n * k * (2 if key == "bf16_cublas" else 1) / 1e6
                     row[f"{key}_tb_s"] = mb / row[f"{key}_us"]

@@ -300,6 +300,46 @@ def llm_kwargs(args: argparse.Namespace, model_dir: str, max_len: int) -> dict:
     return kw
 
 
+def _weight_files(model_dir: str) -> list[str]:
+    return sorted(os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+
+
+def evict_from_page_cache(paths: list[str]) -> None:
+    """Ask the kernel to drop the files' cached pages (flushed first: dirty pages are not dropped)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def measure_disk(model_dir: str, chunk: int = 64 << 20) -> dict:
+    """The disk's sequential read speed over the checkpoint's weight files, from a dropped page
+    cache, then the cache dropped again for the load that follows. A speed far above a disk's (tens
+    of GB/s) means the kernel kept the pages (posix_fadvise is advice), and the cold load is not."""
+    paths = _weight_files(model_dir)
+    evict_from_page_cache(paths)
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    total = 0
+    t0 = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                n = f.readinto(view)
+                if not n:
+                    break
+                total += n
+    seconds = time.perf_counter() - t0
+    evict_from_page_cache(paths)
+    out = {"bytes": total, "read_s": seconds, "read_gb_s": total / seconds / 1e9}
+    print(f"disk: {total / 1e9:.2f} GB of weight files read in {seconds:.2f} s from a dropped page cache "
+          f"({out['read_gb_s']:.2f} GB/s); dropped again for the load", flush=True)
+    return out
+
+
 def run_once(llm, reqs: list[Request], args: argparse.Namespace, timer: StepTimer) -> dict:
     from hybrid import SamplingParams
 
@@ -399,6 +439,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--split", default="events", choices=["events", "sync", "off"])
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--build-only", action="store_true", help="only save the --shape checkpoint (print its path)")
+    ap.add_argument("--cold-load", action="store_true",
+                    help="evict the checkpoint's files from the page cache, time a plain sequential read of them "
+                         "(the disk's speed), evict them again, then start: the load phase reads from the disk")
     args = ap.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.model and args.shape:
@@ -424,12 +467,17 @@ def main(argv: list[str] | None = None) -> dict:
         reqs = random_requests(args.num_prompts, args.input_len, args.output_len, vocab_size_of(model_dir),
                                args.seed, args.range_ratio)
     max_len = max(r.prompt_len + r.output_len for r in reqs) + 1
+    disk = measure_disk(model_dir) if args.cold_load else None
     t0 = time.perf_counter()
     llm = LLM(**llm_kwargs(args, model_dir, max_len))
     startup = time.perf_counter() - t0
     phases = getattr(llm, "startup_phases", {})
     print(f"startup (LLM construction) {startup:.1f} s ("
           + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + f"); model {model_dir}", flush=True)
+    if disk is not None and phases.get("load weights"):
+        disk["cold_load_s"] = phases["load weights"]
+        disk["cold_load_gb_s"] = disk["bytes"] / phases["load weights"] / 1e9
+        print(f"cold load: {disk['cold_load_gb_s']:.2f} GB/s against the disk's {disk['read_gb_s']:.2f} GB/s", flush=True)
     timer = StepTimer(llm, args.split)
     timer.install()
     runs: list[dict] = []
@@ -444,7 +492,8 @@ def main(argv: list[str] | None = None) -> dict:
             "num_prompts": len(reqs), "input_len": args.input_len, "output_len": args.output_len,
             "dataset": args.dataset, "temperature": args.temperature, "top_p": args.top_p, "split_mode": args.split,
             "llm_kwargs": {k: v for k, v in llm_kwargs(args, model_dir, max_len).items() if k != "model"},
-            "checkpoint_build_s": build_s, "startup_s": startup, "startup_phases_s": phases, "runs": runs,
+            "checkpoint_build_s": build_s, "startup_s": startup, "startup_phases_s": phases, "disk": disk,
+            "runs": runs,
             # the headline figures: the last run (steady state when --repeat > 1)
             **{k: runs[-1][k] for k in ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s", "elapsed_s")},
         }

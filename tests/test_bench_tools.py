@@ -33,6 +33,19 @@ def test_throughput_json(tiny_ckpt, tmp_path):
         assert run["split"]["prefill_steps"] >= 1 and run["split"]["decode_steps"] >= 5
 
 
+def test_throughput_cold_load_and_compile_counts(tiny_ckpt, tmp_path):
+    """--cold-load reads the weight files once from a dropped page cache (the disk's speed) before the
+    start, and reports the load phase against it; every run lists its Triton compiles (none on CPU)."""
+    path = tiny_ckpt("granite_moe")
+    out = tmp_path / "tp.json"
+    bench_throughput.main(["--model", path, "--device", "cpu", "--num-prompts", "2", "--input-len", "8",
+                           "--output-len", "3", "--max-num-seqs", "2", "--cold-load", "--json", str(out)])
+    r = json.loads(out.read_text())
+    weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    assert r["disk"]["bytes"] == weights and r["disk"]["read_gb_s"] > 0 and r["disk"]["cold_load_gb_s"] > 0
+    assert r["runs"][0]["triton_compiles"] == {"count": 0, "seconds": 0, "kernels": []}
+
+
 def test_throughput_shape_saved_with_transformers(tmp_path):
     """--shape: a released shape (cut down by --shape-override) saved with save_pretrained, then loaded."""
     pytest.importorskip("transformers")
