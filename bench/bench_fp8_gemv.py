@@ -6,6 +6,9 @@ hybrid/fp8_linear.py Fp8Linear with dynamic per-token activation scales and per-
 - `scaled_mm`: the Triton row quantization and torch._scaled_mm (Fp8Linear.forward_scaled_mm);
 - `torch_quant`: the per-token scale and the e4m3 rounding in torch ops, then torch._scaled_mm (what
   Fp8Linear ran before the Triton kernels);
+- `gemv` (M <= 4): quantize_rows, then triton_fp8.fp8_gemv (a weight-streaming reduction without
+  tl.dot; HYBRID_FP8_DECODE_GEMM=gemv), its default tiling with the quantization, and the kernel's
+  best tiling alone;
 - `scaled_mm_tensorwise_gemm`: torch._scaled_mm alone with per-tensor scales (a different cuBLASLt
   kernel from the row-wise one), and `quantize_rows` alone.
 
@@ -39,9 +42,11 @@ SHAPES = {  # (N, K) of each projection of the 8B shape (bench_decode.py CONFIG)
     "mlp.up_proj": (21504, 4096),
     "mlp.down_proj": (4096, 21504),
 }
-ROWS = (1, 8, 16, 64)
+ROWS = (1, 4, 8, 16, 64)
 TILINGS = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=s)
            for bn, bk, s in itertools.product((16, 32, 64), (128, 256, 512), (4,))]
+GEMV_TILINGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=4)
+                for bn, bk, w in itertools.product((8, 16, 32), (128, 256, 512), (4, 8))]
 
 
 def _torch_quant_scaled_mm(layer, x):
@@ -113,8 +118,24 @@ def main() -> int:
                         best = (us, cfg)
                 if best is not None:
                     row.update(triton_best_us=best[0], triton_best_cfg=best[1])
+            if m <= triton_fp8.GEMV_MAX_ROWS:
+                row["gemv_us"] = graph_us_per_call([lambda l=l: l.forward_gemv(x) for l in layers])
+                row["gemv_err"] = err(lay.forward_gemv(x))
+                xq, xs = triton_fp8.quantize_rows(x)
+                best = None
+                for cfg in GEMV_TILINGS:
+                    try:
+                        us = graph_us_per_call([lambda l=l, c=cfg: triton_fp8.fp8_gemv(
+                            xq, xs, l.weight, l.weight_scale, **c) for l in layers])
+                    except Exception as e:  # noqa: BLE001 - a tiling the compiler refuses is skipped
+                        print(f"  gemv {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                        continue
+                    if best is None or us < best[0]:
+                        best = (us, cfg)
+                if best is not None:
+                    row.update(gemv_kernel_best_us=best[0], gemv_kernel_best_cfg=best[1])
             for key in ("bf16_cublas", "scaled_mm", "torch_quant", "scaled_mm_tensorwise_gemm", "triton_default",
-                        "triton_best"):
+                        "triton_best", "gemv", "gemv_kernel_best"):
                 if f"{key}_us" in row:
                     mb = n * k * (2 if key == "bf16_cublas" else 1) / 1e6
                     row[f"{key}_tb_s"] = mb / row[f"{key}_us"]

@@ -142,8 +142,10 @@ class Fp8Linear(nn.Module):
     row-wise (input [T, 1], weight [1, out]). Weight-only projections (16-bit activations), steps of
     at most triton_fp8.MAX_ROWS tokens: one Triton launch streaming the e4m3 weight
     (triton_fp8.fp8_small_m_linear), which HYBRID_FP8_DECODE_GEMM=triton also gives the quantized
-    ones (it lost to _scaled_mm alone on the H200: the benchmarks' A/B). No host syncs (the dynamic
-    scales are computed on the device), so both are captured in CUDA graphs."""
+    ones (it lost to _scaled_mm alone on the H200: the benchmarks' A/B). HYBRID_FP8_DECODE_GEMM=gemv:
+    steps of at most triton_fp8.GEMV_MAX_ROWS tokens on triton_fp8.fp8_gemv after the row
+    quantization (not measured yet). No host syncs (the dynamic scales are computed on the device),
+    so all are captured in CUDA graphs."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
                  activation: str | None, bias: torch.Tensor | None) -> None:
@@ -212,7 +214,22 @@ class Fp8Linear(nn.Module):
                                             act[self.activation], self.input_scale, self.bias)
         return out.reshape(*shape[:-1], self.out_features)
 
+    def forward_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """At most triton_fp8.GEMV_MAX_ROWS tokens [..., in]: the rows quantized (triton_fp8.quantize_rows,
+        unless weight-only), then triton_fp8.fp8_gemv (HYBRID_FP8_DECODE_GEMM=gemv)."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if self.activation is None:
+            out = triton_fp8.fp8_gemv(x2, None, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
+        else:
+            xq, xs = triton_fp8.quantize_rows(x2, self.input_scale)
+            out = triton_fp8.fp8_gemv(xq, xs, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.is_cuda and HAS_TRITON and switch("fp8_gemv_decode") and x.dtype in (torch.bfloat16, torch.float16)
+                and 0 < x.numel() // self.in_features <= triton_fp8.GEMV_MAX_ROWS):
+            return self.forward_gemv(x)
         if x.is_cuda and HAS_TRITON and (self.activation is None or switch("fp8_triton_decode")):
             if triton_fp8.eligible(x.reshape(-1, self.in_features), self.weight):
                 return self.forward_small_m(x)

@@ -93,3 +93,41 @@ def test_rounding_at_ties_binade_carries_subnormals_and_saturation():
     q, _ = triton_fp8.quantize_rows(v[None], torch.tensor(1.0))
     want = v.clamp(-448, 448).to(FP8_DTYPE)
     assert torch.equal(q[0].view(torch.uint8), want.view(torch.uint8)), (q[0].float(), want.float())
+
+
+@pytest.mark.parametrize("activation", [None, STATIC, DYNAMIC])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("m,n,k,block_n,block_k", [(1, 40, 96, 16, 32), (3, 17, 100, 16, 64), (4, 64, 300, 32, 128)])
+def test_gemv_matches_the_reference(activation, per_row, m, n, k, block_n, block_k):
+    """fp8_gemv after quantize_rows (or on the rows as they are, weight-only), ragged N and K, 1-4
+    rows, with a bias: the reference's dequantized GEMM up to summation order; rows independent."""
+    layer = _layer(n, k, activation, per_row, bias=m > 1, seed=m * 5 + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n)) * 3
+    x[0, 1] = -35.0
+    if activation is None:
+        got = triton_fp8.fp8_gemv(x, None, layer.weight, layer.weight_scale, layer.bias, out_dtype=x.dtype,
+                                  block_n=block_n, block_k=block_k)
+    else:
+        xq, xs = triton_fp8.quantize_rows(x, layer.input_scale)
+        got = triton_fp8.fp8_gemv(xq, xs, layer.weight, layer.weight_scale, layer.bias, out_dtype=x.dtype,
+                                  block_n=block_n, block_k=block_k)
+        alone = triton_fp8.fp8_gemv(xq[-1:], xs[-1:], layer.weight, layer.weight_scale, layer.bias,
+                                    out_dtype=x.dtype, block_n=block_n, block_k=block_k)
+        torch.testing.assert_close(got[-1:], alone, atol=0, rtol=0)
+    torch.testing.assert_close(got, layer.forward_reference(x), atol=2e-3, rtol=2e-3)
+
+
+def test_gemv_refuses_more_rows_than_it_reduces():
+    w = torch.zeros(16, 32, dtype=FP8_DTYPE)
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        triton_fp8.fp8_gemv(torch.zeros(5, 32), None, w, torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("activation", [None, DYNAMIC])
+def test_layer_gemv_path(activation):
+    """Fp8Linear.forward_gemv (HYBRID_FP8_DECODE_GEMM=gemv on CUDA) on [batch, tokens, in] rows."""
+    layer = _layer(48, 64, activation, True, bias=True, seed=9)
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(2))
+    got = layer.forward_gemv(x)
+    assert got.shape == (1, 3, 48)
+    torch.testing.assert_close(got, layer.forward_reference(x), atol=2e-3, rtol=2e-3)

@@ -135,6 +135,72 @@ if HAS_TRITON:
             tl.store(q_ptr + row * s_qm + ks, q.to(tl.float8e4nv), mask=ks < K)  # exact: q is an e4m3 value
 
 
+    @triton.jit
+    def _fp8_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
+                         HAS_X_SCALE: tl.constexpr, W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # y[m, n] = sum_k x[m, k] w[n, k] * x_scale[m] * w_scale[n]: each program's [BLOCK_N, BLOCK_K] e4m3
+        # weight tile is loaded once per K step and reduced against every row m in turn (no tl.dot:
+        # with M <= 4 rows a 16-row tile would be mostly padding); products in fp32 (exact for e4m3
+        # operands), sums in fp32
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        rows = tl.arange(0, M_P)
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0,
+                    eviction_policy="evict_first")  # no kernel writes weights: before the wait
+        pdl_wait(PDL)
+        acc = tl.zeros((M_P, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            mask_k = ks < K
+            if k0 > 0:
+                w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            wf = w.to(tl.float32)
+            for m in tl.static_range(M_P):
+                xm = tl.load(x_ptr + m * s_xm + ks, mask=mask_k & (m < M), other=0.0).to(tl.float32)
+                part = tl.sum(wf * xm[None, :], axis=1)
+                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+        if W_PER_ROW:
+            acc = acc * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        else:
+            acc = acc * tl.load(w_scale_ptr)
+        if HAS_X_SCALE:
+            acc = acc * tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows[:, None] * s_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rows < M)[:, None] & mask_n[None, :])
+
+
+GEMV_MAX_ROWS = 4  # fp8_gemv reduces the weight tile against each row in turn
+
+
+def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.bfloat16, block_n: int = 16,
+             block_k: int = 256, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """y [M, N] = (x [M, K] * x_scale) @ (weight [N, K] e4m3 * weight_scale).T (+ bias), M <= GEMV_MAX_ROWS:
+    x is e4m3 rows with their scales [M, 1] (quantize_rows' output: a quantized-activation scheme) or
+    16-bit rows with x_scale None (weight-only). `weight_scale`: fp32, 0-dim or [N]."""
+    require(__name__)
+    M, K = x.shape
+    N = weight.shape[0]
+    if not 0 < M <= GEMV_MAX_ROWS or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} "
+                         f"(1 to {GEMV_MAX_ROWS} rows, last dims contiguous)")
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    _fp8_gemv_kernel[(cdiv(N, block_n),)](
+        x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
+        bias if bias is not None else weight_scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_X_SCALE=x_scale is not None, W_PER_ROW=weight_scale.dim() == 1, HAS_BIAS=bias is not None,
+        M_P=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages, **pdl_options(x.device),
+    )
+    return y
+
+
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Inputs fp8_small_m_linear serves: a decode-sized step of 16-bit rows (last dim contiguous) on a
     CUDA device with e4m3 (compute capability 8.9+), an e4m3 weight [N, K]."""

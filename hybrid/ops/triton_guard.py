@@ -24,7 +24,10 @@ again: benchmarks comparing both):
 - "fp8_triton_decode" (HYBRID_FP8_DECODE_GEMM=triton): decode-sized FP8 projections with quantized
   activations on the one-launch Triton FP8 linear instead of the Triton row quantization and
   torch._scaled_mm (hybrid/ops/triton_fp8.py; alone it lost at every 8B shape on the H200): the A/B
-  of `bash bench/run_device.sh fp8-decode`.
+  of `bash bench/run_device.sh fp8-decode`;
+- "fp8_gemv_decode" (HYBRID_FP8_DECODE_GEMM=gemv): FP8 projections of steps of at most 4 tokens on
+  triton_fp8.fp8_gemv (a weight-streaming reduction without tl.dot) after the row quantization:
+  written after that measurement, not measured yet.
 All off: the first three measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) the first loses 37-45% at batch 1 and the second is neutral.
 """
@@ -50,7 +53,8 @@ def require(module: str) -> None:
 
 
 _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "norm_router": ("HYBRID_NORM_ROUTER", "1"),
-             "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton")}
+             "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
+             "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv")}
 _switch_values: dict[str, bool] = {}
 
 

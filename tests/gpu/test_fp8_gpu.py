@@ -91,7 +91,7 @@ def test_decode_sized_kernel_matches_the_exact_product(name, act):
     """The one-launch FP8 kernel (hybrid/ops/triton_fp8.py; the default for weight-only projections at
     decode sizes, HYBRID_FP8_DECODE_GEMM=triton for the others), every activation scheme at the 8B
     shapes: the exact product of the e4m3 operands rounded once, as the default path (_scaled_mm
-    after the Triton row quantization) is."""
+    after the Triton row quantization) and fp8_gemv (HYBRID_FP8_DECODE_GEMM=gemv, up to 4 rows) are."""
     from hybrid.ops import triton_fp8
 
     n, k = SHAPES_8B[name]
@@ -109,6 +109,8 @@ def test_decode_sized_kernel_matches_the_exact_product(name, act):
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         assert rel_err(got, exact) < 5e-3, (name, act, m)
         assert rel_err(layer(x), exact) < 5e-3, (name, act, m)
+        if m <= triton_fp8.GEMV_MAX_ROWS:
+            assert rel_err(layer.forward_gemv(x), exact) < 5e-3, (name, act, m)
 
 
 def test_quantize_rows_gives_torchs_bytes_on_the_gpu():
