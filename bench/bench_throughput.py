@@ -320,6 +320,10 @@ def measure_disk(model_dir: str, chunk: int = 64 << 20) -> dict:
     cache, then the cache dropped again for the load that follows. A speed far above a disk's (tens
     of GB/s) means the kernel kept the pages (posix_fadvise is advice), and the cold load is not."""
     paths = _weight_files(model_dir)
+    if not paths:
+        raise SystemExit(f"--cold-load: no .safetensors files in {model_dir}")
+    if not hasattr(os, "posix_fadvise"):
+        raise SystemExit("--cold-load needs os.posix_fadvise (Linux)")
     evict_from_page_cache(paths)
     buf = bytearray(chunk)
     view = memoryview(buf)

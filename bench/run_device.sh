@@ -102,9 +102,9 @@ fi
 #            (HYBRID_FP8_DECODE_GEMM=gemv) and with the one-launch Triton FP8 linear for decode-sized steps
 #            (HYBRID_FP8_DECODE_GEMM=triton), after the kernels' GPU tests
 if [[ $what == fp8-decode ]]; then
-  gpu_pytest 150 gpu_tests_fp8_decode.log tests/gpu/test_fp8_gpu.py -k "decode_sized or quantize_rows or misaligned or captured or gemv"
+  gpu_pytest 150 gpu_tests_fp8_decode.log tests/gpu/test_fp8_gpu.py -k "decode_sized or quantize_rows or misaligned or captured or switches"
   for gemm in scaled_mm gemv triton; do
-    HYBRID_FP8_DECODE_GEMM=$gemm timeout 170 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 \
+    HYBRID_FP8_DECODE_GEMM=$gemm timeout 140 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 \
         --fp8 pcpt --batches 1 8 64 --json "$OUT/decode_fp8_$gemm.json" 2>&1 | tee "$OUT/decode_fp8_$gemm.log" \
         | grep -v Warn | grep -E "batch|tok/s|Error|error" | tail -8 || rc=1
   done

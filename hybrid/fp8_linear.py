@@ -227,8 +227,8 @@ class Fp8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.is_cuda and HAS_TRITON and switch("fp8_gemv_decode") and x.dtype in (torch.bfloat16, torch.float16)
-                and 0 < x.numel() // self.in_features <= triton_fp8.GEMV_MAX_ROWS):
+        if (x.is_cuda and HAS_TRITON and switch("fp8_gemv_decode")
+                and triton_fp8.gemv_eligible(x.reshape(-1, self.in_features), self.weight)):
             return self.forward_gemv(x)
         if x.is_cuda and HAS_TRITON and (self.activation is None or switch("fp8_triton_decode")):
             if triton_fp8.eligible(x.reshape(-1, self.in_features), self.weight):

@@ -33,6 +33,7 @@ def test_throughput_json(tiny_ckpt, tmp_path):
         assert run["split"]["prefill_steps"] >= 1 and run["split"]["decode_steps"] >= 5
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="--cold-load evicts pages with posix_fadvise (Linux)")
 def test_throughput_cold_load_and_compile_counts(tiny_ckpt, tmp_path):
     """--cold-load reads the weight files once from a dropped page cache (the disk's speed) before the
     start, and reports the load phase against it; every run lists its Triton compiles (none on CPU)."""

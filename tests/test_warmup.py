@@ -82,6 +82,8 @@ def test_prefill_warmup_runs_on_the_scratch_row_only(tiny_ckpt):
     """ModelRunner.warm_up_prefill_kernels runs each distinct Mamba layer shape's prefill once per
     length, from a zero and from a given state, on the pool's scratch row only, and leaves that row
     zero; every live slot is untouched (kernels stand-in: the CUDA path needs mamba-ssm)."""
+    import math
+
     import torch
 
     from hybrid.ops.mamba_cuda import MambaCudaKernels, prefill_warmup_lengths
@@ -115,7 +117,8 @@ def test_prefill_warmup_runs_on_the_scratch_row_only(tiny_ckpt):
     cfg = mixers[0].cfg
     lengths = prefill_warmup_lengths(cfg.chunk_size, 48)
     width = cfg.intermediate_size + cfg.conv_dim + cfg.num_heads  # the in_proj output's row, as in the forward
-    aligned = 1 if width % 8 == 0 else 2  # rows of a width no multiple of 8: both pointer alignments
+    # rows of a width no multiple of 16 bytes: every pointer alignment a request's first row can have
+    aligned = 16 // math.gcd(width * llm.model.embed.element_size(), 16)
     # the tiny model's Mamba layers share one shape: one pass
     assert runs == len(kernels.calls) == 2 * aligned * len(lengths)
     scratch = pool.conv_state.shape[1] - 1

@@ -27,6 +27,8 @@ mamba-ssm and causal-conv1d are optional: nothing here is imported on CPU.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hybrid.mamba_metadata import step_metadata
@@ -175,9 +177,10 @@ class MambaCudaKernels:
         runs = 0
         width = inner + cfg.conv_dim + nh
         # Triton also specialises pointers on 16-byte alignment: a request's rows start at row
-        # `start` of the in_proj output, so with rows of a width that is no multiple of 8 elements
-        # both classes occur (a start of 1 gives the other)
-        first_rows = (0,) if width % 8 == 0 else (0, 1)
+        # `start` of the in_proj output, so with rows of a width that is no multiple of 16 bytes
+        # other alignments occur; starting rows 0..15 meet every one (16 / gcd of the widths)
+        row_bytes = width * torch.empty((), dtype=dtype).element_size()
+        first_rows = range(16 // math.gcd(row_bytes, 16))
         for length in prefill_warmup_lengths(cfg.chunk_size, max_tokens):
             for first in first_rows:
                 # rows of an in_proj-shaped output, as the forward's split gives them (same strides)

@@ -136,6 +136,16 @@ if HAS_TRITON:
 
 
     @triton.jit
+    def _gemv_step(acc, w, x_ptr, s_xm, M, ks, mask_k, rows, M_P: tl.constexpr):
+        """acc [M_P, BLOCK_N] plus the weight tile w [BLOCK_N, BLOCK_K] reduced against each row's columns ks."""
+        wf = w.to(tl.float32)
+        for m in tl.static_range(M_P):
+            xm = tl.load(x_ptr + m * s_xm + ks, mask=mask_k & (m < M), other=0.0).to(tl.float32)
+            part = tl.sum(wf * xm[None, :], axis=1)
+            acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+        return acc
+
+    @triton.jit
     def _fp8_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
                          HAS_X_SCALE: tl.constexpr, W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                          M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -151,18 +161,13 @@ if HAS_TRITON:
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0,
                     eviction_policy="evict_first")  # no kernel writes weights: before the wait
         pdl_wait(PDL)
-        acc = tl.zeros((M_P, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc = _gemv_step(tl.zeros((M_P, BLOCK_N), dtype=tl.float32), w, x_ptr, s_xm, M, offs_k, offs_k < K, rows, M_P)
+        for k0 in range(BLOCK_K, K, BLOCK_K):  # the first step peeled off: the loop's loads pipeline
             ks = k0 + offs_k
             mask_k = ks < K
-            if k0 > 0:
-                w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                            eviction_policy="evict_first")
-            wf = w.to(tl.float32)
-            for m in tl.static_range(M_P):
-                xm = tl.load(x_ptr + m * s_xm + ks, mask=mask_k & (m < M), other=0.0).to(tl.float32)
-                part = tl.sum(wf * xm[None, :], axis=1)
-                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+            w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc = _gemv_step(acc, w, x_ptr, s_xm, M, ks, mask_k, rows, M_P)
         if W_PER_ROW:
             acc = acc * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
         else:
@@ -190,6 +195,8 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
     if not 0 < M <= GEMV_MAX_ROWS or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} "
                          f"(1 to {GEMV_MAX_ROWS} rows, last dims contiguous)")
+    if x_scale is not None and (x_scale.numel() != M or not x_scale.is_contiguous()):
+        raise ValueError(f"fp8_gemv: x_scale must hold one contiguous scale per row ({M}), got {tuple(x_scale.shape)}")
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     _fp8_gemv_kernel[(cdiv(N, block_n),)](
         x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
@@ -199,6 +206,11 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
         num_stages=num_stages, **pdl_options(x.device),
     )
     return y
+
+
+def gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Inputs fp8_gemv serves in Fp8Linear: eligible(), with at most GEMV_MAX_ROWS rows."""
+    return eligible(x, weight) and x.shape[0] <= GEMV_MAX_ROWS
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:

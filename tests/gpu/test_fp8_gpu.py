@@ -113,6 +113,35 @@ def test_decode_sized_kernel_matches_the_exact_product(name, act):
             assert rel_err(layer.forward_gemv(x), exact) < 5e-3, (name, act, m)
 
 
+@pytest.mark.parametrize("gemm", ["gemv", "triton"])
+def test_decode_switches_route_and_capture(gemm, monkeypatch):
+    """HYBRID_FP8_DECODE_GEMM=gemv / triton send a decode-sized step to fp8_gemv / the one-launch
+    linear (the same bytes as calling them directly), and the layer captures in a CUDA graph."""
+    from hybrid.ops import triton_guard
+
+    n, k = SHAPES_8B["attn.o_proj"]
+    layer = _layer(n, k, True, DYNAMIC, seed=5)
+    x = torch.randn(2, k, device="cuda").to(torch.bfloat16)
+    monkeypatch.setenv("HYBRID_FP8_DECODE_GEMM", gemm)
+    triton_guard.reset_switches()
+    try:
+        direct = layer.forward_gemv(x) if gemm == "gemv" else layer.forward_small_m(x)
+        assert torch.equal(layer(x), direct)
+        graph = torch.cuda.CUDAGraph()
+        layer(x)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        new = torch.randn(2, k, device="cuda").to(torch.bfloat16)
+        x.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, layer(new))
+    finally:
+        monkeypatch.delenv("HYBRID_FP8_DECODE_GEMM")
+        triton_guard.reset_switches()
+
+
 def test_quantize_rows_gives_torchs_bytes_on_the_gpu():
     """The Triton row quantization before _scaled_mm gives the reference's e4m3 bytes and scales
     (torch's cast), dynamic and static, on real widths."""
