@@ -58,6 +58,21 @@ def _torch_quant_scaled_mm(layer, x):
     return torch._scaled_mm(xq, layer.weight.t(), scale_a=s, scale_b=layer._scale_b_row, out_dtype=torch.bfloat16)
 
 
+def _best_tiling(tilings: list[dict], call, layers) -> tuple[float, dict] | None:
+    """(us per call, tiling) of the fastest tiling of call(layer, tiling) over the weight copies;
+    None if the compiler refused them all (each refusal printed)."""
+    best = None
+    for cfg in tilings:
+        try:
+            us = graph_us_per_call([lambda l=l, c=cfg: call(l, c) for l in layers])
+        except Exception as e:  # noqa: BLE001 - a tiling the compiler refuses is skipped
+            print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -106,32 +121,16 @@ def main() -> int:
             if m <= triton_fp8.MAX_ROWS:
                 row["triton_default_us"] = graph_us_per_call([lambda l=l: l.forward_small_m(x) for l in layers])
                 row["triton_err"] = err(lay.forward_small_m(x))
-                best = None
-                for cfg in TILINGS:
-                    try:
-                        us = graph_us_per_call([lambda l=l, c=cfg: triton_fp8.fp8_small_m_linear(
-                            x, l.weight, l.weight_scale, triton_fp8.ACT_DYNAMIC, **c) for l in layers])
-                    except Exception as e:  # noqa: BLE001 - a tiling the compiler refuses is skipped
-                        print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-                        continue
-                    if best is None or us < best[0]:
-                        best = (us, cfg)
+                best = _best_tiling(TILINGS, lambda l, c: triton_fp8.fp8_small_m_linear(
+                    x, l.weight, l.weight_scale, triton_fp8.ACT_DYNAMIC, **c), layers)
                 if best is not None:
                     row.update(triton_best_us=best[0], triton_best_cfg=best[1])
             if m <= triton_fp8.GEMV_MAX_ROWS:
                 row["gemv_us"] = graph_us_per_call([lambda l=l: l.forward_gemv(x) for l in layers])
                 row["gemv_err"] = err(lay.forward_gemv(x))
                 xq, xs = triton_fp8.quantize_rows(x)
-                best = None
-                for cfg in GEMV_TILINGS:
-                    try:
-                        us = graph_us_per_call([lambda l=l, c=cfg: triton_fp8.fp8_gemv(
-                            xq, xs, l.weight, l.weight_scale, **c) for l in layers])
-                    except Exception as e:  # noqa: BLE001 - a tiling the compiler refuses is skipped
-                        print(f"  gemv {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-                        continue
-                    if best is None or us < best[0]:
-                        best = (us, cfg)
+                best = _best_tiling(GEMV_TILINGS, lambda l, c: triton_fp8.fp8_gemv(
+                    xq, xs, l.weight, l.weight_scale, **c), layers)
                 if best is not None:
                     row.update(gemv_kernel_best_us=best[0], gemv_kernel_best_cfg=best[1])
             for key in ("bf16_cublas", "scaled_mm", "torch_quant", "scaled_mm_tensorwise_gemm", "triton_default",
