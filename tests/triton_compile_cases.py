@@ -18,11 +18,11 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from attention import triton_prefill  # noqa: E402
 from hybrid.ops import (  # noqa: E402
-    triton_gemv, triton_mamba, triton_moe, triton_moe_align, triton_moe_route, triton_norm,
+    triton_fp8, triton_gemv, triton_mamba, triton_moe, triton_moe_align, triton_moe_route, triton_norm,
 )
 
 SM90 = GPUTarget("cuda", 90, 32)
-FLOATS = {"eps", "scale"}
+FLOATS = {"eps", "scale", "min_scale"}
 
 
 def signature(fn, constexprs: dict, ptr_types: dict[str, str], default_ptr: str = "*bf16") -> dict[str, str]:
@@ -83,6 +83,32 @@ for _i, ((_e, _h, _inter, _gated), _pair) in enumerate(sorted(triton_moe.TUNED_D
                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early, PDL=True),
                      dict(MOE_PTRS, ws_ptr="*fp32"), warps, stages)
     CASES[f"moe_gemm-tuned{_i}"] = _tuned
+
+
+FP8_PTRS = dict(w_ptr="*fp8e4nv", q_ptr="*fp8e4nv", w_scale_ptr="*fp32", in_scale_ptr="*fp32", scale_ptr="*fp32",
+                x_scale_ptr="*fp32")
+
+
+@case("fp8_quantize_rows")
+def _fp8_quantize_rows():
+    for static in (False, True):
+        compiles(triton_fp8._quantize_rows_kernel, dict(STATIC=static, BLOCK_K=1024, PDL=True), FP8_PTRS)
+
+
+for _act in (triton_fp8.ACT_NONE, triton_fp8.ACT_STATIC, triton_fp8.ACT_DYNAMIC):
+    def _fp8_small_m(act=_act):
+        compiles(triton_fp8._fp8_small_m_kernel,
+                 dict(ACT=act, W_PER_ROW=True, HAS_BIAS=False, BLOCK_M=triton_fp8.MAX_ROWS, BLOCK_N=32, BLOCK_K=256,
+                      PDL=True), FP8_PTRS, num_stages=4)
+    CASES[f"fp8_small_m-act{_act}"] = _fp8_small_m
+
+for _mp in (1, 2, 4):
+    def _fp8_gemv(m_p=_mp):
+        for x_scale in (True, False):  # e4m3 rows with their scales, or 16-bit rows (weight-only)
+            compiles(triton_fp8._fp8_gemv_kernel,
+                     dict(HAS_X_SCALE=x_scale, W_PER_ROW=True, HAS_BIAS=True, M_P=m_p, BLOCK_N=16, BLOCK_K=256,
+                          PDL=True), dict(FP8_PTRS, x_ptr="*fp8e4nv" if x_scale else "*bf16"), num_stages=4)
+    CASES[f"fp8_gemv-m{_mp}"] = _fp8_gemv
 
 
 @case("router")
