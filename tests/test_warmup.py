@@ -58,24 +58,25 @@ def test_warmup_default_is_cuda_only():
     assert engine_config(device="cpu", warmup=True).warmup is True
 
 
-@pytest.mark.parametrize("chunk", [64, 128, 256])
-def test_prefill_warmup_lengths_meet_every_specialisation_class(chunk):
+@pytest.mark.parametrize("chunk", [8, 64, 128, 256])
+@pytest.mark.parametrize("budget", [100, 3900, 8192])
+def test_prefill_warmup_lengths_meet_every_specialisation_class(chunk, budget):
     """The Mamba prefill warm-up's chunk lengths meet every (length, chunk count) pair of Triton's
-    integer classes (1, a multiple of 16, other) that a chunk can have, and none is over the budget."""
+    integer classes (1, a multiple of 16, other) that a chunk within the budget can have (found
+    here by trying every length), and none is over the budget."""
     from hybrid.ops.mamba_cuda import prefill_warmup_lengths
 
     def cls(n):
         return "1" if n == 1 else "D" if n % 16 == 0 else "N"
 
-    lengths = prefill_warmup_lengths(chunk, 8192)
-    met = {(cls(n), cls(-(-n // chunk))) for n in lengths}
-    # a length of 1 has one chunk; otherwise a length of each class with 1, N and 16k chunks
-    assert met == {("1", "1"), ("N", "1"), ("D", "1"), ("N", "N"), ("D", "N"), ("N", "D"), ("D", "D")}
-    # a budget under 16 chunks' worth still meets the 16-chunk classes when a chunk can have 16 chunks
-    budget = 15 * chunk + 20
-    assert {cls(-(-n // chunk)) for n in prefill_warmup_lengths(chunk, budget) if n > 15 * chunk} == {"D"}
-    assert len([n for n in prefill_warmup_lengths(chunk, budget) if n > 15 * chunk]) == 2
-    assert all(n <= 100 for n in prefill_warmup_lengths(chunk, 100)) and 1 in prefill_warmup_lengths(chunk, 100)
+    def pair(n):
+        return cls(n), cls(-(-n // chunk))
+
+    lengths = prefill_warmup_lengths(chunk, budget)
+    assert all(1 <= n <= budget for n in lengths)
+    assert {pair(n) for n in lengths} == {pair(n) for n in range(1, budget + 1)}
+    if chunk >= 64 and budget >= 16 * chunk:
+        assert len(lengths) == 7  # (1, 1) and each of the other six
 
 
 def test_prefill_warmup_runs_on_the_scratch_row_only(tiny_ckpt):

@@ -299,12 +299,20 @@ def attach_kernels(model, decode_kernels: str = "triton") -> MambaCudaKernels | 
     return kernels
 
 
+def _int_class(n: int) -> str:
+    """Triton's specialisation class of an integer argument: 1, a multiple of 16, or other."""
+    return "1" if n == 1 else "16k" if n % 16 == 0 else "other"
+
+
 def prefill_warmup_lengths(chunk_size: int, max_tokens: int) -> list[int]:
     """Prefill chunk lengths (at most max_tokens) that between them meet every specialisation class
     Triton compiles the chunked scan's kernels for: their integer arguments are specialised by value
     (1, a multiple of 16, anything else), the sequence length and the chunk count among them, so a
-    chunk of 16 x k tokens, or one of 16 chunks, compiles kernels a chunk of 37 tokens did not.
-    (length, chunks): (1, 1), (37, 1), (48, 1), c+37 and c+16 (2 chunks), 15c+17 and 15c+16 (16 chunks)."""
-    c = chunk_size
-    wanted = [1, 37, 48, c + 37, c + 16, 15 * c + 17, 15 * c + 16]
-    return sorted({n for n in wanted if 1 <= n <= max_tokens})
+    chunk of 16 x k tokens, or one of 16 chunks, compiles kernels a chunk of 37 tokens did not. For
+    each (length class, chunk-count class) pair some chunk can have, the shortest such length."""
+    shortest: dict[tuple[str, str], int] = {}
+    for n in range(1, max_tokens + 1):
+        shortest.setdefault((_int_class(n), _int_class(-(-n // chunk_size))), n)
+        if len(shortest) == 7:  # every pair a length can have: (1, 1) and the 2 x 3 others
+            break
+    return sorted(shortest.values())
