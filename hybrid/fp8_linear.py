@@ -227,14 +227,14 @@ class Fp8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.is_cuda and HAS_TRITON and switch("fp8_gemv_decode")
-                and triton_fp8.gemv_eligible(x.reshape(-1, self.in_features), self.weight)):
-            return self.forward_gemv(x)
-        if x.is_cuda and HAS_TRITON and (self.activation is None or switch("fp8_triton_decode")):
-            if triton_fp8.eligible(x.reshape(-1, self.in_features), self.weight):
+        if x.is_cuda and HAS_TRITON:
+            rows = x.reshape(-1, self.in_features)
+            if switch("fp8_gemv_decode") and triton_fp8.gemv_eligible(rows, self.weight):
+                return self.forward_gemv(x)
+            if (self.activation is None or switch("fp8_triton_decode")) and triton_fp8.eligible(rows, self.weight):
                 return self.forward_small_m(x)
-        if self.use_scaled_mm and x.is_cuda and x.dtype == torch.bfloat16 and HAS_TRITON:
-            return self.forward_scaled_mm(x)
+            if self.use_scaled_mm and x.dtype == torch.bfloat16:
+                return self.forward_scaled_mm(x)
         return self.forward_reference(x)
 
 

@@ -167,9 +167,10 @@ class MambaCudaKernels:
     def warm_up_prefill(self, mixer, conv_state: torch.Tensor, ssm_state: torch.Tensor, max_tokens: int,
                         dtype: torch.dtype) -> int:
         """Run the prefill path once per length of prefill_warmup_lengths (and pointer alignment class),
-        from a zero and from a given state, on the pool's scratch row (the last, which no request owns; left zero), so that the
-        Triton specialisations a prefill chunk can meet are compiled (or loaded from the on-disk
-        cache) now rather than under the first requests that meet them. Returns the launches run."""
+        from a zero and from a given state, on the pool's scratch row (the last, which no request
+        owns; left zero), so that the Triton specialisations a prefill chunk can meet are compiled (or
+        loaded from the on-disk cache) now rather than under the first requests that meet them.
+        Returns the launches run."""
         cfg = mixer.cfg
         inner, nh = cfg.intermediate_size, cfg.num_heads
         scratch = conv_state.shape[0] - 1
@@ -179,7 +180,7 @@ class MambaCudaKernels:
         # Triton also specialises pointers on 16-byte alignment: a request's rows start at row
         # `start` of the in_proj output, so with rows of a width that is no multiple of 16 bytes
         # other alignments occur; starting rows 0..15 meet every one (16 / gcd of the widths)
-        row_bytes = width * torch.empty((), dtype=dtype).element_size()
+        row_bytes = width * dtype.itemsize
         first_rows = range(16 // math.gcd(row_bytes, 16))
         for length in prefill_warmup_lengths(cfg.chunk_size, max_tokens):
             for first in first_rows:

@@ -57,13 +57,17 @@ if HAS_TRITON:
         return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _e4m3_values(x, scale):
+        """x / scale (IEEE division) clamped to +-448 and rounded to e4m3, in fp32; `scale` broadcasts."""
+        return _round_e4m3(tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0))
+
+    @triton.jit
     def _quantized(x, x_scale, ACT: tl.constexpr):
         """Rows x [BLOCK_M, BLOCK_K] as the GEMM sees them, in x's dtype: rounded to e4m3 with their
         scale [BLOCK_M] (ACT static or dynamic), or as they are (ACT none)."""
         if ACT == 0:
             return x
-        q = _round_e4m3(tl.clamp(tl.div_rn(x.to(tl.float32), x_scale[:, None]), -448.0, 448.0))
-        return q.to(x.dtype)  # exact: every e4m3 value is a 16-bit float
+        return _e4m3_values(x, x_scale[:, None]).to(x.dtype)  # exact: every e4m3 value is a 16-bit float
 
     @triton.jit
     def _fp8_small_m_kernel(x_ptr, w_ptr, w_scale_ptr, in_scale_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
@@ -131,7 +135,7 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
             x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
-            q = _round_e4m3(tl.clamp(tl.div_rn(x.to(tl.float32), s), -448.0, 448.0))
+            q = _e4m3_values(x, s)
             tl.store(q_ptr + row * s_qm + ks, q.to(tl.float8e4nv), mask=ks < K)  # exact: q is an e4m3 value
 
 
