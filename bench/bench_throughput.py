@@ -36,6 +36,9 @@ inside a step (Triton / FlashInfer JIT in a first batch) counts in that step's i
 also lists the Triton compiles that happened in it (kernel, seconds, argument classes), which the
 startup warm-up should leave at none.
 Startup (LLM construction: load, kernels, memory planning, graph capture) is timed separately.
+`--sampled-ab` then runs the same batch sampled (temperature 0.8, request i seeded with seed + i) with
+top-p 0.95, top-k 50, min-p 0.05 and the three together, each reported with its decode step rate
+against the last greedy run's (the same steps, so that ratio is the ratio of decode tokens/s).
 """
 from __future__ import annotations
 
@@ -344,11 +347,28 @@ def measure_disk(model_dir: str, chunk: int = 64 << 20) -> dict:
     return out
 
 
-def run_once(llm, reqs: list[Request], args: argparse.Namespace, timer: StepTimer) -> dict:
+# --sampled-ab: after the greedy runs, the same batch once per sampler setting (temperature 0.8, a seed
+# per request), to set sampled decode against greedy in one process (issue 15: >= 90% at batch 256)
+SAMPLED_SETTINGS = {
+    "top_p": dict(top_p=0.95),
+    "top_k": dict(top_k=50),
+    "min_p": dict(min_p=0.05),
+    "top_k_top_p_min_p": dict(top_k=50, top_p=0.95, min_p=0.05),
+}
+
+
+def run_once(llm, reqs: list[Request], args: argparse.Namespace, timer: StepTimer,
+             sampling: dict | None = None) -> dict:
+    """One llm.generate of the whole batch: greedy (or --temperature / --top-p), or with `sampling`
+    (SamplingParams fields) at temperature 0.8 and request i seeded with args.seed + i."""
     from hybrid import SamplingParams
 
-    params = [SamplingParams(max_tokens=r.output_len, temperature=args.temperature, top_p=args.top_p,
-                             ignore_eos=True) for r in reqs]
+    if sampling is None:
+        params = [SamplingParams(max_tokens=r.output_len, temperature=args.temperature, top_p=args.top_p,
+                                 ignore_eos=True) for r in reqs]
+    else:
+        params = [SamplingParams(max_tokens=r.output_len, temperature=0.8, seed=args.seed + i, ignore_eos=True,
+                                 **sampling) for i, r in enumerate(reqs)]
     prompts = [r.prompt for r in reqs]
     from hybrid.ops import compile_watch
 
@@ -440,6 +460,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=1, help="run the same batch this many times (2: first vs second)")
+    ap.add_argument("--sampled-ab", action="store_true",
+                    help="then the same batch sampled (temperature 0.8, per-request seeds) with top-p 0.95, top-k 50, "
+                         "min-p 0.05 and all three: each run's decode step time against the last greedy run's")
     ap.add_argument("--split", default="events", choices=["events", "sync", "off"])
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--build-only", action="store_true", help="only save the --shape checkpoint (print its path)")
@@ -447,6 +470,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="evict the checkpoint's files from the page cache, time a plain sequential read of them "
                          "(the disk's speed), evict them again, then start: the load phase reads from the disk")
     args = ap.parse_args(argv)
+    if args.sampled_ab and args.repeat < 1:
+        ap.error("--sampled-ab compares with the last greedy run: it needs --repeat >= 1")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.model and args.shape:
         raise SystemExit("--model or --shape, not both")
@@ -486,10 +511,23 @@ def main(argv: list[str] | None = None) -> dict:
     timer.install()
     runs: list[dict] = []
     result: dict = {}
-    for i in range(args.repeat):
-        row = run_once(llm, reqs, args, timer)
-        runs.append(row)
-        print(describe(i + 1, row), flush=True)
+    plan = [None] * args.repeat + (list(SAMPLED_SETTINGS) if args.sampled_ab else [])
+    sampled: dict[str, dict] = {}
+    for i, setting in enumerate(plan):
+        row = run_once(llm, reqs, args, timer, SAMPLED_SETTINGS[setting] if setting else None)
+        if setting is None:
+            runs.append(row)
+            print(describe(i + 1, row), flush=True)
+        else:
+            row["sampling"] = {"temperature": 0.8, "per_request_seeds": True, **SAMPLED_SETTINGS[setting]}
+            greedy = runs[-1].get("split", {}).get("decode_ms_per_step")
+            mine = row.get("split", {}).get("decode_ms_per_step")
+            if greedy and mine:  # the same steps, so the ratio of step times is the ratio of decode tok/s
+                row["decode_rate_vs_greedy"] = greedy / mine
+            row["output_rate_vs_greedy"] = row["output_tokens_per_s"] / runs[-1]["output_tokens_per_s"]
+            sampled[setting] = row
+            ratio = f", decode {row['decode_rate_vs_greedy']:.1%} of greedy's rate" if "decode_rate_vs_greedy" in row else ""
+            print(describe(i + 1, row).replace(f"run {i + 1}:", f"sampled ({setting}):", 1) + ratio, flush=True)
         result = {
             "benchmark": "throughput", "model": model_dir, "shape": args.shape, "device": str(llm.device),
             "device_name": torch.cuda.get_device_name(0) if llm.device.type == "cuda" else "cpu",
@@ -497,7 +535,7 @@ def main(argv: list[str] | None = None) -> dict:
             "dataset": args.dataset, "temperature": args.temperature, "top_p": args.top_p, "split_mode": args.split,
             "llm_kwargs": {k: v for k, v in llm_kwargs(args, model_dir, max_len).items() if k != "model"},
             "checkpoint_build_s": build_s, "startup_s": startup, "startup_phases_s": phases, "disk": disk,
-            "runs": runs,
+            "runs": runs, "sampled": sampled,
             # the headline figures: the last run (steady state when --repeat > 1)
             **{k: runs[-1][k] for k in ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s", "elapsed_s")},
         }

@@ -189,18 +189,26 @@ fi
 #            state, greedy, the same batch twice (first after startup vs second); startup and the
 #            prefill / decode / host split and each run's Triton compiles in the JSON, the disk's read speed
 #            and the cold load (--cold-load), then a second start of the same checkpoint with a small first
-#            batch. `throughput nemotron-nano-9b-v2` for the Nano shape
+#            batch, then (8B shape) the synthetic device step at the offline decode's mean context. --sampled-ab:
+#            the same batch sampled (top-p / top-k / min-p, per-request seeds) against greedy.
+#            `throughput nemotron-nano-9b-v2` for the Nano shape
 #            (64 x (1024, 129), as in issue 15). ~4-6 minutes on a fresh machine (most of it JIT at startup)
 if [[ $what == throughput ]]; then
   shape=${2:-nemotron-h-8b}
   if [[ $shape == nemotron-nano-9b-v2 ]]; then n=64; olen=129; else n=256; olen=257; fi
   timeout 460 python3 bench/bench_throughput.py --shape "$shape" --num-prompts $n --input-len 1024 --output-len $olen \
-      --max-num-seqs 256 --max-num-batched-tokens 8192 --mamba-ssm-dtype bfloat16 --repeat 2 --cold-load \
+      --max-num-seqs 256 --max-num-batched-tokens 8192 --mamba-ssm-dtype bfloat16 --repeat 2 --cold-load --sampled-ab \
       --json "$OUT/throughput_$shape.json" 2>&1 | tee "$OUT/throughput_$shape.log" | grep -v -E "^Loading|^Capturing" || rc=1
   # a second start on the same machine (JIT caches on disk, files in the page cache) and its first batch
   timeout 90 python3 bench/bench_throughput.py --shape "$shape" --num-prompts 16 --input-len 128 --output-len 16 \
       --max-num-seqs 256 --max-num-batched-tokens 8192 --mamba-ssm-dtype bfloat16 \
       --json "$OUT/throughput_second_start_$shape.json" 2>&1 | grep -v -E "^Loading|^Capturing" | tail -6 || rc=1
+  # the synthetic device step at batch $n and the offline decode's mean context (input + half the output):
+  # the offline decode phase against the device-step rate (issue 15: within 5%)
+  if [[ $shape == nemotron-h-8b ]]; then
+    timeout 120 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 --batches $n \
+        --ctx $((1024 + olen / 2)) --json "$OUT/decode_step_at_offline_ctx.json" 2>&1 | grep -v Warn | tail -4 || rc=1
+  fi
 fi
 # serving  bench_serving.py: `hybrid serve` on 127.0.0.1 driven by the openai client (streamed completions,
 #            1024 in / 256 out) at concurrency 1, 8, 64, 256, then the offline LLM.generate figure per level in

@@ -33,6 +33,23 @@ def test_throughput_json(tiny_ckpt, tmp_path):
         assert run["split"]["prefill_steps"] >= 1 and run["split"]["decode_steps"] >= 5
 
 
+def test_throughput_sampled_ab(tiny_ckpt, tmp_path):
+    """--sampled-ab runs the greedy batch, then the same batch once per sampler setting, each with its
+    decode rate against greedy's and exact lengths."""
+    out = tmp_path / "tp.json"
+    bench_throughput.main(["--model", tiny_ckpt("nemotron_h"), "--device", "cpu", "--num-prompts", "3",
+                           "--input-len", "10", "--output-len", "5", "--max-num-seqs", "3",
+                           "--sampled-ab", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert len(r["runs"]) == 1 and set(r["sampled"]) == set(bench_throughput.SAMPLED_SETTINGS)
+    for name, run in r["sampled"].items():
+        assert RUN_FIELDS <= set(run) and run["output_tokens"] == 3 * 5
+        assert run["sampling"]["temperature"] == 0.8 and run["sampling"]["per_request_seeds"]
+        assert run["decode_rate_vs_greedy"] > 0 and run["output_rate_vs_greedy"] > 0
+    with pytest.raises(SystemExit):
+        bench_throughput.main(["--model", tiny_ckpt("nemotron_h"), "--device", "cpu", "--repeat", "0", "--sampled-ab"])
+
+
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="--cold-load evicts pages with posix_fadvise (Linux)")
 def test_throughput_cold_load_and_compile_counts(tiny_ckpt, tmp_path):
     """--cold-load reads the weight files once from a dropped page cache (the disk's speed) before the
