@@ -5,8 +5,9 @@ and plans the load.
 CPU (and any shape cuBLASLt cannot take): the reference, in plain torch: the weight dequantized with
 its scales, the input rounded to e4m3 with its scale and back. CUDA (sm_89+): the rows quantized in
 one Triton launch (hybrid/ops/triton_fp8.py), then torch._scaled_mm, per-tensor or row-wise scales
-(bf16, dims divisible by 16); weight-only projections at decode sizes on one Triton launch that
-streams the e4m3 weight. No host sync: capturable in CUDA graphs.
+(bf16, dims divisible by 16; decode-sized steps with row-wise scales on the tensor-wise GEMM with the
+scales applied after it, which streams faster); weight-only projections at decode sizes on one
+Triton launch that streams the e4m3 weight. No host sync: capturable in CUDA graphs.
 """
 from __future__ import annotations
 
@@ -117,6 +118,15 @@ def per_token_scale(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+# Steps of at most this many tokens whose scales are not both per tensor run cuBLASLt's tensor-wise
+# FP8 GEMM (unit scales, fp32 out) and apply the scales after it (Fp8Linear.forward_tensorwise). On
+# the H200 (bench/bench_fp8_gemv.py, 2026-12-02, M = 1..64) the tensor-wise GEMM streamed the 8B
+# projections at 2.3-3.4 TB/s against 1.0-2.0 TB/s for the row-wise one (e.g. the MLP down_proj in
+# 26 against 79 us); larger steps keep the row-wise GEMM (an fp32 [M, N] accumulator would cost
+# prefill bandwidth).
+TENSORWISE_MAX_ROWS = 64
+
+
 def _scaled_mm_capable(device: torch.device) -> bool:
     """torch._scaled_mm with e4m3 operands: CUDA devices of compute capability 8.9 (Ada) and up."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
@@ -139,7 +149,9 @@ class Fp8Linear(nn.Module):
     CUDA (sm_89+, bf16, in and out features multiples of 16, activations quantized): the rows
     quantized in one Triton launch (triton_fp8.quantize_rows), then torch._scaled_mm, e4m3 x e4m3 ->
     bf16 with fp32 scales: per-tensor scales when weight and input are both per tensor, else
-    row-wise (input [T, 1], weight [1, out]). Weight-only projections (16-bit activations), steps of
+    row-wise (input [T, 1], weight [1, out]); steps of at most TENSORWISE_MAX_ROWS tokens take the
+    tensor-wise GEMM with unit scales into fp32 and the row-wise scales after it instead
+    (forward_tensorwise; HYBRID_FP8_DECODE_GEMM=rowwise keeps the row-wise GEMM). Weight-only projections (16-bit activations), steps of
     at most triton_fp8.MAX_ROWS tokens: one Triton launch streaming the e4m3 weight
     (triton_fp8.fp8_small_m_linear), which HYBRID_FP8_DECODE_GEMM=triton also gives the quantized
     ones (it lost to _scaled_mm alone on the H200: the benchmarks' A/B). HYBRID_FP8_DECODE_GEMM=gemv:
@@ -163,6 +175,7 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.use_scaled_mm = (activation is not None and k % 16 == 0 and n % 16 == 0
                               and _scaled_mm_capable(weight.device))
+        self.register_buffer("_unit_scale", torch.ones((), dtype=torch.float32, device=weight.device), persistent=False)
         # row-wise GEMMs take the weight scale as [1, out] (a per-tensor one expanded once here)
         self.register_buffer("_scale_b_row", self.weight_scale.detach().expand(n).reshape(1, n).contiguous(),
                              persistent=False)
@@ -206,6 +219,19 @@ class Fp8Linear(nn.Module):
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
+    def forward_tensorwise(self, x: torch.Tensor) -> torch.Tensor:
+        """A decode-sized step [..., in] (at most TENSORWISE_MAX_ROWS tokens) of a row-wise scaled
+        projection: the rows quantized, cuBLASLt's tensor-wise FP8 GEMM with unit scales into an fp32
+        accumulator, then the row and column scales (and bias) in one Triton launch
+        (triton_fp8.scale_accumulator): the row-wise GEMM's result, one rounding to x.dtype."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale)
+        acc = torch._scaled_mm(xq, self.weight.t(), scale_a=self._unit_scale, scale_b=self._unit_scale,
+                               out_dtype=torch.float32)
+        out = triton_fp8.scale_accumulator(acc, sa, self.weight_scale, self.bias, out_dtype=x.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
     def forward_small_m(self, x: torch.Tensor) -> torch.Tensor:
         """A decode-sized step [..., in] on the one-launch Triton kernel (see the class docs)."""
         shape = x.shape
@@ -234,6 +260,9 @@ class Fp8Linear(nn.Module):
             if (self.activation is None or switch("fp8_triton_decode")) and triton_fp8.eligible(rows, self.weight):
                 return self.forward_small_m(x)
             if self.use_scaled_mm and x.dtype == torch.bfloat16:
+                per_tensor = self.activation == STATIC and self.weight_scale.dim() == 0
+                if not per_tensor and rows.shape[0] <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode"):
+                    return self.forward_tensorwise(x)
                 return self.forward_scaled_mm(x)
         return self.forward_reference(x)
 

@@ -62,7 +62,7 @@ def test_rows_do_not_depend_on_each_other():
 
 
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("k,block_k", [(100, 32), (256, 1024)])
+@pytest.mark.parametrize("k,block_k", [(100, 32), (256, 1024), (300, None)])
 def test_quantize_rows_gives_the_reference_bytes(static, k, block_k):
     """quantize_rows writes exactly the e4m3 values and fp32 scales of the reference
     (per_token_scale, then x / scale clamped and rounded), saturating values past 448 x scale."""
@@ -77,6 +77,29 @@ def test_quantize_rows_gives_the_reference_bytes(static, k, block_k):
     want_q = (x.float() / want_s).clamp(-448, 448).to(FP8_DTYPE)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     torch.testing.assert_close((q.float() * s).to(x.dtype), fake_quantize(x, want_s), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("per_row,bias", [(True, True), (False, False)])
+def test_scale_accumulator_applies_row_and_column_scales_once(per_row, bias):
+    """scale_accumulator: the fp32 product of e4m3 operands times each row's and each column's
+    scale, plus bias, rounded once to the output dtype (torch's fp32 ops in the same order)."""
+    g = torch.Generator().manual_seed(7)
+    m, n = 3, 1500  # N past one 1024-wide program
+    acc = torch.randn(m, n, generator=g) * 1e3
+    xs = torch.rand(m, 1, generator=g) / 100
+    ws = (torch.rand(n, generator=g) / 100) if per_row else torch.tensor(0.004)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    want = acc * xs * (ws[None, :] if per_row else ws)
+    if bias:
+        want = want + b.float()
+    # fp32 out: bit for bit (the interpreter's own fp32 -> bf16 cast truncates, so the bf16 output is
+    # checked to its spacing only; the GPU test compares the rounded bf16 against the exact product)
+    assert torch.equal(triton_fp8.scale_accumulator(acc, xs, ws, b, out_dtype=torch.float32), want)
+    got = triton_fp8.scale_accumulator(acc, xs, ws, b, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=0)
+    with pytest.raises(ValueError, match="fp32 accumulator"):
+        triton_fp8.scale_accumulator(acc.to(torch.bfloat16), xs, ws)
 
 
 def test_eligible_only_on_cuda():

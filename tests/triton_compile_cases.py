@@ -91,8 +91,17 @@ FP8_PTRS = dict(w_ptr="*fp8e4nv", q_ptr="*fp8e4nv", w_scale_ptr="*fp32", in_scal
 
 @case("fp8_quantize_rows")
 def _fp8_quantize_rows():
-    for static in (False, True):
-        compiles(triton_fp8._quantize_rows_kernel, dict(STATIC=static, BLOCK_K=1024, PDL=True), FP8_PTRS)
+    for static in (False, True):  # the loop, and one register tile of a 21504-wide row (16 warps)
+        compiles(triton_fp8._quantize_rows_kernel, dict(STATIC=static, BLOCK_K=1024, ONE_TILE=False, PDL=True), FP8_PTRS)
+        compiles(triton_fp8._quantize_rows_kernel, dict(STATIC=static, BLOCK_K=32768, ONE_TILE=True, PDL=True),
+                 FP8_PTRS, num_warps=16)
+
+
+@case("fp8_scale_accumulator")
+def _fp8_scale_accumulator():
+    for per_row, bias in ((True, True), (False, False)):
+        compiles(triton_fp8._scale_accumulator_kernel, dict(W_PER_ROW=per_row, HAS_BIAS=bias, BLOCK_N=1024, PDL=True),
+                 dict(FP8_PTRS, acc_ptr="*fp32"))
 
 
 for _act in (triton_fp8.ACT_NONE, triton_fp8.ACT_STATIC, triton_fp8.ACT_DYNAMIC):

@@ -118,10 +118,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, in_scale_ptr, K, s_xm, s_qm, min_scale,
-                              STATIC: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                              STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+                              PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         pdl_wait(PDL)
+        if ONE_TILE:  # the whole row in one tile (BLOCK_K >= K): read once, no dependent loop steps
+            mask = offs_k < K
+            x = tl.load(x_ptr + row * s_xm + offs_k, mask=mask, other=0.0)
+            if STATIC:
+                s = tl.load(in_scale_ptr)
+            else:
+                s = tl.maximum(tl.div_rn(tl.max(tl.abs(x.to(tl.float32)), axis=0), 448.0), min_scale)
+            tl.store(scale_ptr + row, s)
+            tl.store(q_ptr + row * s_qm + offs_k, _e4m3_values(x, s).to(tl.float8e4nv), mask=mask)
+            return
         if STATIC:
             s = tl.load(in_scale_ptr)
         else:
@@ -188,14 +199,19 @@ GEMV_MAX_ROWS = 4  # fp8_gemv reduces the weight tile against each row in turn
 
 
 def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.bfloat16, block_n: int = 16,
-             block_k: int = 256, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+             bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None,
+             block_k: int = 512, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """y [M, N] = (x [M, K] * x_scale) @ (weight [N, K] e4m3 * weight_scale).T (+ bias), M <= GEMV_MAX_ROWS:
     x is e4m3 rows with their scales [M, 1] (quantize_rows' output: a quantized-activation scheme) or
-    16-bit rows with x_scale None (weight-only). `weight_scale`: fp32, 0-dim or [N]."""
+    16-bit rows with x_scale None (weight-only). `weight_scale`: fp32, 0-dim or [N]. The default tiling
+    is the H200's best at one row over the 8B projections (bench/bench_fp8_gemv.py, 2026-12-02): 8
+    columns a program up to 8192 outputs, 16 above, K steps of 512 (2.0-3.9 TB/s, against 1.0-2.6 for
+    the 16 x 256 it replaced)."""
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]
+    if block_n is None:
+        block_n = 8 if N <= 8192 else 16
     if not 0 < M <= GEMV_MAX_ROWS or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} "
                          f"(1 to {GEMV_MAX_ROWS} rows, last dims contiguous)")
@@ -253,10 +269,17 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     return y
 
 
+# Rows of at most this many elements are quantized from one register tile (read once). On the H200
+# the 1024-wide loop took 11.6 us for one 21504-wide row (bench/bench_fp8_gemv.py): two passes of 21
+# dependent loads each, against 3.3 us for a 4096-wide row.
+ONE_TILE_MAX_K = 32768
+
+
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
-                  block_k: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (last dim contiguous) rounded to e4m3: (q [M, K] e4m3, scales [M, 1] fp32), each row with
-    its own absmax / 448 scale, or with the 0-dim fp32 `input_scale` (static) for every row."""
+    its own absmax / 448 scale, or with the 0-dim fp32 `input_scale` (static) for every row.
+    `block_k` (tests): loop over the row in tiles of this width; default: one tile up to ONE_TILE_MAX_K."""
     require(__name__)
     M, K = x.shape
     if x.stride(-1) != 1:
@@ -264,12 +287,63 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
+        width = triton.next_power_of_2(K)
+        if block_k is None:
+            block_k = width if width <= ONE_TILE_MAX_K else 1024
+        block_k = min(block_k, width)
+        one_tile = block_k >= K
+        warps = 4 if block_k <= 4096 else (8 if block_k <= 8192 else 16)  # <= 64 fp32 values a thread
         _quantize_rows_kernel[(M,)](
             x, q, scales, input_scale if input_scale is not None else scales, K, x.stride(0), q.stride(0),
-            MIN_DYNAMIC_SCALE, STATIC=input_scale is not None, BLOCK_K=min(block_k, triton.next_power_of_2(K)),
-            num_warps=4, **pdl_options(x.device),
+            MIN_DYNAMIC_SCALE, STATIC=input_scale is not None, BLOCK_K=block_k, ONE_TILE=one_tile,
+            num_warps=warps, **pdl_options(x.device),
         )
     return q, scales
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _scale_accumulator_kernel(acc_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, N, s_am, s_ym,
+                                  W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  PDL: tl.constexpr):
+        # y[m, n] = acc[m, n] * x_scale[m] * w_scale[n] (+ bias[n]), rounded once to y's dtype
+        m = tl.program_id(0).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = offs_n < N
+        if W_PER_ROW:  # weight scales and bias are written by no kernel: loaded before the wait
+            w_scale = tl.load(w_scale_ptr + offs_n, mask=mask, other=0.0)
+        else:
+            w_scale = tl.load(w_scale_ptr)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+        pdl_wait(PDL)
+        acc = tl.load(acc_ptr + m * s_am + offs_n, mask=mask, other=0.0)
+        y = acc * tl.load(x_scale_ptr + m) * w_scale
+        if HAS_BIAS:
+            y += bias
+        tl.store(y_ptr + m * s_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_accumulator(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The fp32 product acc [M, N] of e4m3 operands (a unit-scaled torch._scaled_mm) times each row's
+    scale x_scale [M, 1] and each column's weight_scale (0-dim or [N]), plus bias [N], rounded once to
+    out_dtype: what a row-wise scaled GEMM writes, in one launch after the tensor-wise one."""
+    require(__name__)
+    M, N = acc.shape
+    if acc.dtype != torch.float32 or acc.stride(-1) != 1 or x_scale.numel() != M or not x_scale.is_contiguous():
+        raise ValueError(f"scale_accumulator: acc {tuple(acc.shape)} {acc.dtype} {acc.stride()}, "
+                         f"x_scale {tuple(x_scale.shape)}: an fp32 accumulator and one contiguous scale per row")
+    y = torch.empty(M, N, dtype=out_dtype, device=acc.device)
+    if M:
+        block = min(1024, triton.next_power_of_2(N))
+        _scale_accumulator_kernel[(M, cdiv(N, block))](
+            acc, x_scale, weight_scale, bias if bias is not None else weight_scale, y, N, acc.stride(0), y.stride(0),
+            W_PER_ROW=weight_scale.dim() == 1, HAS_BIAS=bias is not None, BLOCK_N=block, num_warps=4,
+            **pdl_options(acc.device),
+        )
+    return y
 
 
 assert FP8_MAX == 448.0  # the kernels clamp to the e4m3 range as a literal

@@ -28,6 +28,8 @@ again: benchmarks comparing both):
 - "fp8_gemv_decode" (HYBRID_FP8_DECODE_GEMM=gemv): FP8 projections of steps of at most 4 tokens on
   triton_fp8.fp8_gemv (a weight-streaming reduction without tl.dot) after the row quantization:
   written after that measurement, not measured yet.
+- "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
+  scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
 All off: the first three measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) the first loses 37-45% at batch 1 and the second is neutral.
 """
@@ -54,7 +56,8 @@ def require(module: str) -> None:
 
 _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "norm_router": ("HYBRID_NORM_ROUTER", "1"),
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
-             "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv")}
+             "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
+             "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise")}
 _switch_values: dict[str, bool] = {}
 
 

@@ -142,20 +142,60 @@ def test_decode_switches_route_and_capture(gemm, monkeypatch):
         triton_guard.reset_switches()
 
 
+@pytest.mark.parametrize("per_channel,act,bias", [(True, DYNAMIC, False), (False, DYNAMIC, True), (True, STATIC, True)])
+def test_tensorwise_decode_path_routes_and_matches_rowwise(per_channel, act, bias, monkeypatch):
+    """Steps of at most TENSORWISE_MAX_ROWS tokens with row-wise scales take the tensor-wise GEMM and
+    the scales after it (forward_tensorwise); longer steps, and HYBRID_FP8_DECODE_GEMM=rowwise, the
+    row-wise GEMM. Both are the exact product rounded once (and agree to bf16 rounding), and the
+    tensor-wise path captures in a CUDA graph."""
+    from hybrid import fp8_linear
+    from hybrid.ops import triton_guard
+
+    n, k = SHAPES_8B["mlp.down_proj"]
+    layer = _layer(n, k, per_channel, act, seed=9, bias=bias)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for m in (1, 5, fp8_linear.TENSORWISE_MAX_ROWS, fp8_linear.TENSORWISE_MAX_ROWS + 1):
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        x[0, :7] = 25.0  # row scales that differ
+        want = layer.forward_tensorwise(x) if m <= fp8_linear.TENSORWISE_MAX_ROWS else layer.forward_scaled_mm(x)
+        assert torch.equal(layer(x), want), m
+        assert rel_err(layer.forward_tensorwise(x), _exact(layer, x)) < 5e-3, m
+        assert rel_err(layer.forward_tensorwise(x), layer.forward_scaled_mm(x)) < 8e-3, m
+    x = torch.randn(3, k, generator=g, device="cuda").to(torch.bfloat16)
+    monkeypatch.setenv("HYBRID_FP8_DECODE_GEMM", "rowwise")
+    triton_guard.reset_switches()
+    try:
+        assert torch.equal(layer(x), layer.forward_scaled_mm(x))
+    finally:
+        monkeypatch.delenv("HYBRID_FP8_DECODE_GEMM")
+        triton_guard.reset_switches()
+    layer(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer.forward_tensorwise(x)
+    new = torch.randn(3, k, generator=g, device="cuda").to(torch.bfloat16)
+    x.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, layer.forward_tensorwise(new))
+
+
 def test_quantize_rows_gives_torchs_bytes_on_the_gpu():
     """The Triton row quantization before _scaled_mm gives the reference's e4m3 bytes and scales
     (torch's cast), dynamic and static, on real widths."""
     from hybrid.fp8_linear import per_token_scale
     from hybrid.ops import triton_fp8
 
-    x = (torch.randn(300, 8192, device="cuda") * 4).to(torch.bfloat16)
-    x[5] = 0
-    for static in (None, torch.tensor(0.013, device="cuda")):
-        q, s = triton_fp8.quantize_rows(x, static)
-        want_s = per_token_scale(x) if static is None else static.expand(300, 1)
-        assert torch.equal(s, want_s.float().contiguous())
-        want = (x.float() / want_s).clamp(-448, 448).to(FP8_DTYPE)
-        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    for width in (8192, 21504, 40000):  # one register tile (up to ONE_TILE_MAX_K), and the loop past it
+        x = (torch.randn(300, width, device="cuda") * 4).to(torch.bfloat16)
+        x[5] = 0
+        for static in (None, torch.tensor(0.013, device="cuda")):
+            q, s = triton_fp8.quantize_rows(x, static)
+            want_s = per_token_scale(x) if static is None else static.expand(300, 1)
+            assert torch.equal(s, want_s.float().contiguous()), width
+            want = (x.float() / want_s).clamp(-448, 448).to(FP8_DTYPE)
+            assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), width
 
 
 @pytest.mark.parametrize("per_channel,act", [(False, STATIC), (True, DYNAMIC), (False, DYNAMIC)])
