@@ -67,6 +67,61 @@ def _open(path: str, device: str = "cpu"):
         raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
 
 
+def _available_memory() -> int:
+    """Bytes of memory the kernel could give without swapping (MemAvailable), 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class _Readahead:
+    """Reads the checkpoint's files front to back in a background thread, in the order the load
+    needs them, so that the load's reads (safetensors maps the files and reads each tensor where it
+    lies, in the tensor plan's order) find their pages in the page cache: one sequential stream keeps
+    a cold disk at its speed, where the load's own faults alone read at ~78% of it (H200 machine,
+    bench_throughput --cold-load, 1.28 against 1.65 GB/s). Only when the files fit in half the
+    available memory (otherwise the read-ahead would push out pages before they are used). Best
+    effort: a read error ends it quietly (the load's own read then reports the file)."""
+
+    CHUNK = 16 << 20
+
+    def __init__(self, paths: list[str]) -> None:
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = None
+        try:
+            total = sum(os.path.getsize(p) for p in paths)
+        except OSError:
+            return
+        if not paths or total * 2 > _available_memory():
+            return
+        self._thread = threading.Thread(target=self._run, args=(paths,), name="checkpoint-readahead", daemon=True)
+        self._thread.start()
+
+    def _run(self, paths: list[str]) -> None:
+        buf = memoryview(bytearray(self.CHUNK))
+        try:
+            for path in paths:
+                with open(path, "rb", buffering=0) as f:
+                    while not self._stop.is_set() and f.readinto(buf):
+                        pass
+                if self._stop.is_set():
+                    return
+        except OSError:
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 def _shard_path(model_dir: str, index: str, shard) -> str:
     """The path of a shard named by the index: only a relative path that stays inside the checkpoint
     directory (checked on the name, before anything is opened). Symlinks inside the directory are
@@ -222,6 +277,20 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
     items = list(plan.items())
+    in_order = list(dict.fromkeys(files[n] for _, src in items for n in src.disk_names if n in files))
+    readahead = _Readahead(in_order + sorted(set(files.values()) - set(in_order)))
+    try:
+        return _load_parameters(model, cfg, items, params, files, handle, read, stored_dtype, qplan, shard,
+                                device, dtype, progress, check_finite)
+    finally:
+        readahead.stop()
+        handles.clear()
+
+
+def _load_parameters(model: HybridModel, cfg: ModelConfig, items: list, params: dict, files: dict, handle, read,
+                     stored_dtype, qplan, shard, device: torch.device, dtype: torch.dtype, progress: bool,
+                     check_finite: bool) -> HybridModel:
+    """load_model's second half: every parameter read, assembled and set (see load_model)."""
     if progress:
         from tqdm import tqdm
 
@@ -306,7 +375,6 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
     if cfg.tie_word_embeddings and "lm_head.weight" in files:
         _untie_differing_lm_head(model, "lm_head.weight", read, stored_dtype("lm_head.weight"), device,
                                  None if shard is None else shard.cut("embed"), check_finite, files["lm_head.weight"])
-    handles.clear()
     if keep_experts and settle_fp8_experts(model, dtype):
         logger.info("FP8 routed experts kept in FP8 (weight-only, dequantized inside the fused MoE kernel)")
     _move_buffers(model, device)
