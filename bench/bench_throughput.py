@@ -466,6 +466,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--split", default="events", choices=["events", "sync", "off"])
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--build-only", action="store_true", help="only save the --shape checkpoint (print its path)")
+    ap.add_argument("--load-only", action="store_true",
+                    help="only time loading the weights (hybrid.loader.load_model, bf16) onto the device; with "
+                         "--cold-load from a dropped page cache, against the disk's speed")
     ap.add_argument("--cold-load", action="store_true",
                     help="evict the checkpoint's files from the page cache, time a plain sequential read of them "
                          "(the disk's speed), evict them again, then start: the load phase reads from the disk")
@@ -497,6 +500,25 @@ def main(argv: list[str] | None = None) -> dict:
                                args.seed, args.range_ratio)
     max_len = max(r.prompt_len + r.output_len for r in reqs) + 1
     disk = measure_disk(model_dir) if args.cold_load else None
+    if args.load_only:  # the load alone (hybrid.loader.load_model), no LLM: no kernels, no JIT
+        from hybrid.config_parse import load_config
+        from hybrid.loader import load_model
+
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        t0 = time.perf_counter()
+        load_model(model_dir, load_config(model_dir), device, torch.bfloat16)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        size = sum(os.path.getsize(p) for p in _weight_files(model_dir))
+        result = {"benchmark": "load", "model": model_dir, "bytes": size, "load_s": seconds,
+                  "load_gb_s": size / seconds / 1e9, "disk": disk}
+        print(f"load alone{' (cold)' if disk else ''}: {size / 1e9:.2f} GB in {seconds:.2f} s ({size / seconds / 1e9:.2f} GB/s"
+              + (f" against the disk's {disk['read_gb_s']:.2f} GB/s)" if disk else ")"), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return result
     t0 = time.perf_counter()
     llm = LLM(**llm_kwargs(args, model_dir, max_len))
     startup = time.perf_counter() - t0

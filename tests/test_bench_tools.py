@@ -64,6 +64,16 @@ def test_throughput_cold_load_and_compile_counts(tiny_ckpt, tmp_path):
     assert r["runs"][0]["triton_compiles"] == {"count": 0, "seconds": 0, "kernels": []}
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="--cold-load evicts pages with posix_fadvise (Linux)")
+def test_load_only_cold(tiny_ckpt, tmp_path):
+    """--load-only --cold-load: the disk's speed, then the load alone from a dropped page cache."""
+    out = tmp_path / "load.json"
+    bench_throughput.main(["--model", tiny_ckpt("nemotron_h"), "--device", "cpu", "--load-only", "--cold-load",
+                           "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "load" and r["bytes"] == r["disk"]["bytes"] and r["load_gb_s"] > 0
+
+
 def test_throughput_shape_saved_with_transformers(tmp_path):
     """--shape: a released shape (cut down by --shape-override) saved with save_pretrained, then loaded."""
     pytest.importorskip("transformers")
