@@ -179,7 +179,9 @@ if HAS_TRITON:
             acc = tl.dot(p.to(v.dtype), v, acc)
         return acc, l_i, m_new
 
-    @triton.jit
+    # num_seqs and num_splits follow the step's batch: not specialised (a compile per value class at
+    # run time otherwise); the head counts and strides are fixed per model.
+    @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
     def _paged_prefill_kernel(
         q_ptr, kv_ptr, out_ptr, qsl_ptr, seq_lens_ptr, pt_ptr, part_ptr, part_ml_ptr,
         num_seqs, group, num_heads, num_splits,
@@ -257,7 +259,7 @@ if HAS_TRITON:
             o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
             tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])  # follows the step's batch (kv_splits)
     def _combine_splits_kernel(part_ptr, part_ml_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh, v_mul,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
         """One token and head: its num_splits parts rescaled to their common max, summed, normalised."""

@@ -62,7 +62,7 @@ if HAS_TRITON:
         tl.store(out_ptr + offs_m[:, None] * s_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask_m[:, None] & mask_n[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # the step's row count: a new compile per value class otherwise
     def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
                                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
@@ -99,7 +99,7 @@ if HAS_TRITON:
         nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)
         return (nw.to(tl.float32)[None, :] * r.to(nw.dtype).to(tl.float32)).to(nw.dtype)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # the step's row count: a new compile per value class otherwise
     def _gated_norm_linear_kernel(y_ptr, z_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, G, eps,
                                   s_y, s_z, s_wn, s_o, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE_K: tl.constexpr,

@@ -56,7 +56,16 @@ def is_available() -> bool:
 
 
 if HAS_TRITON:
+    import inspect
+
     from hybrid.ops.triton_guard import pdl_wait
+
+    # The decode kernels' token count T: 1 (decode), K+1 (verify) or any count (replay of a readmitted
+    # sequence). T == 1 stays specialised (see _ssm_update_kernel), but not "a multiple of 16", so a
+    # replay length compiles nothing a verify or other replay did not (on a Triton without the
+    # option, T keeps both classes).
+    T_KEEPS_ONLY_ONE = ({"do_not_specialize_on_alignment": ["T"]}
+                        if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters else {})
 
     @triton.jit
     def _softplus(v):
@@ -69,7 +78,7 @@ if HAS_TRITON:
     # T=1 (decode) compiles its own specialisation (not specialising T costs bf16 decodes ~40% on
     # the H200); its per-token arithmetic is the loop body's, and tests/gpu checks that T tokens in
     # one launch equal T decodes bit for bit on the compiled kernels.
-    @triton.jit
+    @triton.jit(**T_KEEPS_ONLY_ONE)
     def _ssm_update_kernel(
         state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, out_ptr, idx_ptr,
         inter_ptr, inter_idx_ptr,
@@ -183,7 +192,7 @@ if HAS_TRITON:
             acc = acc / (1.0 + tl.exp(-acc))
         return acc
 
-    @triton.jit
+    @triton.jit(**T_KEEPS_ONLY_ONE)
     def _conv_update_kernel(
         x_ptr, cs_ptr, w_ptr, bias_ptr, out_ptr, idx_ptr, inter_ptr, inter_idx_ptr,
         T, CD,
@@ -227,7 +236,7 @@ if HAS_TRITON:
             tl.store(cs_row + offs_c[:, None] * s_cs_c + cols[None, :] * s_cs_k, new.to(cs_ptr.dtype.element_ty),
                      mask=mask_c[:, None] & (cols < K - 1)[None, :] & valid)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["L"])  # the chunk length: a new compile per value class otherwise
     def _conv_prefill_kernel(x_ptr, hist_ptr, w_ptr, bias_ptr, out_ptr, L, CD,
                              s_x, s_o, s_h_c, s_h_k, s_w_c,
                              K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,

@@ -42,7 +42,9 @@ def is_available() -> bool:
 if HAS_TRITON:
     from hybrid.ops.triton_guard import pdl_wait
 
-    @triton.jit
+    # num_pairs, num_m_blocks: batch-dependent (specialising them compiles a kernel per value class
+    # at run time); N, K, a_div, num_experts and the strides are fixed per model and stay specialised.
+    @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
     def _moe_gemm_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, pairs_ptr, block_expert_ptr, total_ptr,
                          ws_ptr, N, K, num_pairs, a_div, num_m_blocks, num_experts, s_am, s_be, s_bn, s_sn,
                          s_se, s_up, s_cm, s_ws, ACT: tl.constexpr, MUL_W: tl.constexpr,

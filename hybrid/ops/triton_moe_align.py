@@ -103,7 +103,11 @@ if HAS_TRITON:
             tl.store(pairs_ptr + dest, offs, mask=offs < end)
             next_row += tl.sum(hit, axis=0)
 
-    @triton.jit
+    # Batch-dependent integer arguments (pair counts, block and program counts) are not specialised:
+    # Triton compiles a kernel per value class (1, a multiple of 16, other), which a step can change
+    # after the warm-up. Not listed: num_rows and per_program, always multiples of BLOCK_M / CHUNK
+    # (their class never changes, and the alignment lets the fills and id loads vectorise).
+    @triton.jit(do_not_specialize=["n", "num_blocks"])
     def _align_kernel(ids_ptr, n, pairs_ptr, block_expert_ptr, total_ptr, num_rows, num_blocks,
                       BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
@@ -121,7 +125,7 @@ if HAS_TRITON:
         tl.debug_barrier()  # the sentinel fill above must land before the pairs below
         _place_pairs(ids_ptr, pairs_ptr, 0, n, pad_end - padded, EP, CHUNK)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _align_count_kernel(ids_ptr, n, counts_ptr, per_program, EP: tl.constexpr, CHUNK: tl.constexpr,
                             PDL: tl.constexpr):
         # counts[p, e]: the pairs of program p's slice [p * per_program, ...) routed to expert e
@@ -131,7 +135,7 @@ if HAS_TRITON:
         counts = _count_experts(ids_ptr, begin, tl.minimum(begin + per_program, n), EP, CHUNK)
         tl.store(counts_ptr + p * EP + tl.arange(0, EP), counts)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_programs", "num_blocks"])
     def _align_offsets_kernel(counts_ptr, base_ptr, block_expert_ptr, total_ptr, num_programs, num_blocks,
                               BLOCK_M: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr, CHUNK: tl.constexpr,
                               PDL: tl.constexpr):
@@ -150,7 +154,7 @@ if HAS_TRITON:
         tl.store(base_ptr + progs[:, None] * EP + experts[None, :], base, mask=(progs < num_programs)[:, None])
         _store_block_experts(block_expert_ptr, pad_end, num_blocks, BLOCK_M, CHUNK)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _align_place_kernel(ids_ptr, n, base_ptr, pairs_ptr, per_program, EP: tl.constexpr, CHUNK: tl.constexpr,
                             PDL: tl.constexpr):
         # program p's pairs into their places (the rows past each expert's pairs keep the sentinel

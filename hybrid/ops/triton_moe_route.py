@@ -38,7 +38,7 @@ if HAS_TRITON:
         wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & (offs_k < k_end)[None, :], other=0.0)
         return offs_e, e_ok, k_begin, k_end, w_rows, wv.to(tl.float32)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # the step's token count: a new compile per value class otherwise
     def _router_partial_kernel(x_ptr, w_ptr, out_ptr, T, E, K, s_x, s_w, k_per_split,
                                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # partial[s, t, e] = sum over split s's slice of K of x[t, k] * w[e, k], in fp32. A step of few
@@ -57,7 +57,7 @@ if HAS_TRITON:
             acc += tl.sum(wv * xv[None, :], axis=1)
         tl.store(out_ptr + (tl.program_id(2) * T + t) * E + offs_e, acc, mask=e_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["s_split"])  # T * E for split-K partials: batch-dependent
     def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, s_split, scale, TOP_K: tl.constexpr,
                       KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                       NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr,

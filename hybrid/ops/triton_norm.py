@@ -107,7 +107,7 @@ if HAS_TRITON:
         y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # the step's token count: a new compile per value class otherwise
     def _add_rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, normed_ptr, new_res_ptr, rw_ptr, partial_ptr,
                                     T, E, H, s_x, s_r, s_rw, eps, scale, k_per_split,
                                     BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
