@@ -31,6 +31,7 @@ does not depend on C or on the path. Rows without top-k/top-p/min-p draw over th
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -379,20 +380,38 @@ def _fallback_kernel_launch(scaled: torch.Tensor, probs: torch.Tensor, covered: 
     S, V = scaled.shape
     dev = scaled.device
     scaled, probs = scaled.contiguous(), probs.contiguous()
-    none = torch.empty(1, device=dev)
-    top_k = knobs.top_k.contiguous() if knobs.top_k is not None else none
-    kth = cuts.kth.contiguous() if cuts.kth is not None else none
-    top_p = knobs.top_p.contiguous() if knobs.top_p is not None else none
-    floor = cuts.floor.contiguous() if cuts.floor is not None else none
+    # One signature for every mix of filters, so the startup warm-up compiles all there are
+    # (warm_up_fallback_kernel): top-p and min-p always on, with their neutral values (top_p 1: the
+    # search is skipped at run time; floor 0: keeps every probability) where a step has none, every
+    # argument in its own dtype; only top-k (which costs the search passes a load of the logits)
+    # stays a compile-time choice.
+    top_k = knobs.top_k.contiguous() if knobs.top_k is not None else torch.zeros(1, dtype=torch.long, device=dev)
+    kth = cuts.kth.contiguous() if cuts.kth is not None else torch.full((1,), -math.inf, dtype=scaled.dtype, device=dev)
+    top_p = knobs.top_p.contiguous() if knobs.top_p is not None else torch.ones(S, dtype=torch.float64, device=dev)
+    floor = cuts.floor.contiguous() if cuts.floor is not None else torch.zeros(S, dtype=probs.dtype, device=dev)
     try:
         triton_sampling.fallback_kernel[(S,)](
-            scaled, probs, covered.to(torch.int32), top_k, kth, top_p, floor, u.contiguous(), tokens, V,
-            TOP_K=cuts.kth is not None, TOP_P=knobs.top_p is not None, MIN_P=cuts.floor is not None,
-            BLOCK=1024, PIVOTS=8, PASSES=12, num_warps=8)
+            scaled, probs, covered.to(torch.int32), top_k, kth, top_p, floor.to(probs.dtype), u.contiguous(), tokens,
+            V, TOP_K=cuts.kth is not None, TOP_P=True, MIN_P=True, BLOCK=1024, PIVOTS=8, PASSES=12, num_warps=8)
     except Exception as e:  # a compile failure (raised before anything runs): the torch redo from now on
         _kernel_failed.append(repr(e))
         logger.warning("sampler fallback kernel unavailable (%r): uncovered rows are found with a host sync", e)
         _redo_sorted(scaled, probs, covered, knobs, u, tokens)
+
+
+def warm_up_fallback_kernel(device: torch.device, vocab_size: int) -> None:
+    """Compile the fallback kernel's variants (with and without top-k) for this vocabulary before
+    serving: one covered row each, which returns at once (nothing is drawn)."""
+    if not _use_kernel(torch.empty(0, device=device)):
+        return
+    scaled = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)
+    probs = torch.softmax(scaled, dim=-1)
+    covered = torch.ones(1, dtype=torch.bool, device=device)
+    u = torch.zeros(1, dtype=torch.float64, device=device)
+    tokens = torch.zeros(1, dtype=torch.long, device=device)
+    for top_k in (None, torch.ones(1, dtype=torch.long, device=device)):
+        kth = None if top_k is None else torch.zeros(1, dtype=scaled.dtype, device=device)
+        _fallback_kernel_launch(scaled, probs, covered, _Cuts(kth, None, None), _Knobs(top_k, None, None), u, tokens)
 
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -343,3 +343,29 @@ def test_the_fallback_kernel_draws_the_tokens_of_the_torch_redo(monkeypatch):
             got = sample_tokens(logits, [sp] * 12, streams(), candidates=8)[0]
             assert not sampling._kernel_failed, sampling._kernel_failed
             assert torch.equal(got, want), f"{sp} V={V}: {got.tolist()} != {want.tolist()}"
+
+
+def test_warm_up_fallback_kernel_meets_both_variants(monkeypatch):
+    """The startup warm-up launches the fallback kernel once with and once without top-k (its one
+    compile-time choice; top-p and min-p are always on, neutral where unused), on covered rows."""
+    import os
+
+    import hybrid.sampling as sampling
+
+    if not sampling.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton's interpreter must be on before triton is imported (tests/conftest.py)")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    calls = []
+    real = sampling._fallback_kernel_launch
+
+    def record(scaled, probs, covered, cuts, knobs, u, tokens):
+        calls.append(cuts.kth is not None)
+        real(scaled, probs, covered, cuts, knobs, u, tokens)
+        assert tokens.tolist() == [0]  # a covered row keeps its token
+
+    monkeypatch.setattr(sampling, "_use_kernel", lambda t: True)
+    monkeypatch.setattr(sampling, "_fallback_kernel_launch", record)
+    sampling.warm_up_fallback_kernel(dev, 3000)
+    assert sorted(calls) == [False, True] and not sampling._kernel_failed

@@ -6,9 +6,7 @@ length, a stride of a per-step buffer) can take any class at run time, so each n
 a new kernel after the startup warm-up (hybrid/warmup.py, hybrid/ops/compile_watch.py): those are in
 the kernel's `do_not_specialize`. Model dimensions (hidden size, heads, vocabulary, weight strides)
 are fixed per model and stay specialised. KERNELS lists every kernel launched from these modules,
-with an empty tuple where nothing is batch-dependent, so that a new kernel needs a decision here.
-hybrid/ops/triton_fp8.py is not listed here (its _fp8_small_m_kernel / _fp8_gemv_kernel `M` is a
-step's row count too)."""
+with an empty tuple where nothing is batch-dependent, so that a new kernel needs a decision here."""
 from __future__ import annotations
 
 import importlib
@@ -52,6 +50,12 @@ KERNELS = {
     ("attention.triton_prefill", "_paged_prefill_kernel"): ("num_seqs", "num_splits"),
     ("attention.triton_prefill", "_combine_splits_kernel"): ("num_splits",),
     ("attention.trtllm", "_write_kv_kernel"): (),  # page size, strides of the cache and of K / V rows
+    # the FP8 projection: M, the step's rows; the quantization and the scales after the GEMM take
+    # their rows from the grid (K, N, strides: the model's)
+    ("hybrid.ops.triton_fp8", "_fp8_small_m_kernel"): ("M",),
+    ("hybrid.ops.triton_fp8", "_fp8_gemv_kernel"): ("M",),
+    ("hybrid.ops.triton_fp8", "_quantize_rows_kernel"): (),
+    ("hybrid.ops.triton_fp8", "_scale_accumulator_kernel"): (),
 }
 
 # the arguments specialised on == 1 only, not on divisibility by 16 (do_not_specialize_on_alignment),
@@ -73,6 +77,7 @@ HELPERS = {
     "hybrid.ops.triton_sampling": {"_fixed", "_kept_masses"},
     "attention.triton_prefill": {"_attend_tile"},
     "attention.trtllm": set(),
+    "hybrid.ops.triton_fp8": {"_round_e4m3", "_e4m3_values", "_quantized", "_gemv_step"},
 }
 
 

@@ -69,7 +69,7 @@ if HAS_TRITON:
             return x
         return _e4m3_values(x, x_scale[:, None]).to(x.dtype)  # exact: every e4m3 value is a 16-bit float
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # the step's rows: any value class at run time
     def _fp8_small_m_kernel(x_ptr, w_ptr, w_scale_ptr, in_scale_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
                             min_scale, ACT: tl.constexpr, W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -160,7 +160,7 @@ if HAS_TRITON:
             acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
         return acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _fp8_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
                          HAS_X_SCALE: tl.constexpr, W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                          M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
