@@ -54,8 +54,31 @@ def main() -> None:
         turn1b = [(t + 7 * i + 3) % 100000 + 4 for t in first]
         llm.generate([turn1b], sp, use_tqdm=False)  # the first turn, cached
         hit.append(ttft(llm, turn1b + extra, sp))  # the second turn resumes after it
+    # where a hit's time goes: its steps (tokens each, device-synchronised wall time around
+    # runner.execute) in one more hit, against the whole call
+    steps = []
+    execute = llm.runner.execute
+
+    def timed(batch, *a, **k):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = execute(batch, *a, **k)
+        torch.cuda.synchronize()
+        steps.append({"tokens": int(getattr(batch, "num_tokens", 0)), "ms": (time.perf_counter() - t) * 1e3})
+        return out
+
+    turn1c = [(t + 101) % 100000 + 4 for t in first]
+    llm.generate([turn1c], sp, use_tqdm=False)
+    llm.runner.execute = timed
+    try:
+        timed_hit = ttft(llm, turn1c + extra, sp)
+    finally:
+        llm.runner.execute = execute
     result = dict(prompt=args.prompt, follow=args.follow, interval=args.interval, full_prefill_ttft_ms=min(miss[1:]) * 1e3,
-                  cache_hit_ttft_ms=min(hit[1:]) * 1e3, hit_tokens=llm.engine.stats["prefix_cache_hit_tokens"])
+                  cache_hit_ttft_ms=min(hit[1:]) * 1e3, hit_tokens=llm.engine.stats["prefix_cache_hit_tokens"],
+                  hit_steps=steps, timed_hit_ms=timed_hit * 1e3)
+    print("a hit's steps: " + ", ".join(f"{s['tokens']} tokens {s['ms']:.1f} ms" for s in steps)
+          + f" (the call: {timed_hit * 1e3:.1f} ms)", flush=True)
     print(f"second turn ({args.prompt} + {args.follow} tokens): full prefill {result['full_prefill_ttft_ms']:.1f} ms, "
           f"after a prefix-cache hit {result['cache_hit_ttft_ms']:.1f} ms", flush=True)
     if args.json:
