@@ -11,6 +11,8 @@ Triton launch that streams the e4m3 weight. No host sync: capturable in CUDA gra
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,6 +21,8 @@ from hybrid.errors import CheckpointError
 from hybrid.ops import triton_fp8
 from hybrid.ops.triton_guard import HAS_TRITON, switch
 from hybrid.quantization import _SCALE_DTYPES, DYNAMIC, FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE, STATIC, Fp8Param
+
+logger = logging.getLogger("hybrid")
 
 
 def check_scale(t: torch.Tensor, name: str, stored: str, rows: int | None = None,
@@ -125,6 +129,7 @@ def per_token_scale(x: torch.Tensor) -> torch.Tensor:
 # 26 against 79 us); larger steps keep the row-wise GEMM (an fp32 [M, N] accumulator would cost
 # prefill bandwidth).
 TENSORWISE_MAX_ROWS = 64
+_tensorwise_failed: list[str] = []  # set once the tensor-wise path raised: every step row-wise then
 
 
 def _scaled_mm_capable(device: torch.device) -> bool:
@@ -261,8 +266,14 @@ class Fp8Linear(nn.Module):
                 return self.forward_small_m(x)
             if self.use_scaled_mm and x.dtype == torch.bfloat16:
                 per_tensor = self.activation == STATIC and self.weight_scale.dim() == 0
-                if not per_tensor and rows.shape[0] <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode"):
-                    return self.forward_tensorwise(x)
+                if (not per_tensor and rows.shape[0] <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode")
+                        and not _tensorwise_failed):
+                    try:
+                        return self.forward_tensorwise(x)
+                    except RuntimeError as e:  # a torch/cuBLASLt without an fp32-output FP8 GEMM: the row-wise
+                        # one from now on (the first call is an eager warm-up step, before any graph capture)
+                        _tensorwise_failed.append(repr(e))
+                        logger.warning("FP8 tensor-wise GEMM unavailable (%r): row-wise _scaled_mm for every step", e)
                 return self.forward_scaled_mm(x)
         return self.forward_reference(x)
 
