@@ -109,24 +109,24 @@ if [[ $what == fp8-decode ]]; then
         | grep -v Warn | grep -E "batch|tok/s|Error|error" | tail -8 || rc=1
   done
 fi
-# fp8-tensorwise  the FP8 decode path after the projection A/B above (~8 minutes on a fresh machine, most of it
-#            the first memory plan's JIT): the 8B shape in FP8 (pcpt) at batch 1 / 8 / 64 / 256 and the 8K TTFT with
-#            the default (tensor-wise GEMM + scales after it for steps of <= 64 tokens), then fp8_gemv at batch 1 / 8
-#            (HYBRID_FP8_DECODE_GEMM=gemv), the per-tensor static scheme (ModelOpt's) at batch 1 / 64, the kernel
-#            profile of the batch-1 replay and of the 8K prefill, the FP8 and warm-up GPU tests, and the cold load
-#            alone (bench_throughput --load-only --cold-load) against the disk
+# fp8-tensorwise  the FP8 decode path after the projection A/B above (<= 560 s on a fresh machine, most of it the
+#            first memory plan's JIT): the 8B shape in FP8 (pcpt) at batch 1 / 8 / 64 / 256 and the 8K TTFT with the
+#            default (tensor-wise GEMM + scales after it for steps of <= 64 tokens), the same decode with the row-wise
+#            GEMM (HYBRID_FP8_DECODE_GEMM=rowwise) at batch 1 / 8 / 64, the per-tensor static scheme (ModelOpt's) at
+#            batch 1 / 64, the kernel profile of the batch-1 replay and of the 8K prefill, the FP8 and warm-up GPU
+#            tests, and the cold load alone (bench_throughput --load-only --cold-load) against the disk
 if [[ $what == fp8-tensorwise ]]; then
-  timeout 240 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt --json "$OUT/decode_fp8.json" 2>&1 \
+  timeout 220 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt --json "$OUT/decode_fp8.json" 2>&1 \
       | tee "$OUT/decode_fp8.log" | grep -E "^\{'batch|TTFT|ttft|rror" | cut -c1-160 || rc=1
-  HYBRID_FP8_DECODE_GEMM=gemv timeout 60 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 \
-      --fp8 pcpt --batches 1 8 --json "$OUT/decode_fp8_gemv.json" 2>&1 | grep -E "^\{'batch|rror" | cut -c1-160 || rc=1
-  timeout 60 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 --fp8 static --batches 1 64 \
+  HYBRID_FP8_DECODE_GEMM=rowwise timeout 50 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 \
+      --fp8 pcpt --batches 1 8 64 --json "$OUT/decode_fp8_rowwise.json" 2>&1 | grep -E "^\{'batch|rror" | cut -c1-160 || rc=1
+  timeout 45 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 --fp8 static --batches 1 64 \
       --json "$OUT/decode_fp8_static.json" 2>&1 | grep -E "^\{'batch|rror" | cut -c1-160 || rc=1
-  timeout 80 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt --batches 1 --steps 5 --profile \
+  timeout 70 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt --batches 1 --steps 5 --profile \
       > "$OUT/decode_fp8_profile.log" 2>&1 || rc=1
   gpu_pytest 100 gpu_tests_fp8_tensorwise.log tests/gpu/test_fp8_gpu.py tests/gpu/test_warmup_gpu.py \
-      -k "tensorwise or quantize_rows or decode_sized or switches or captured or no_triton_compile"
-  timeout 90 python3 bench/bench_throughput.py --shape nemotron-h-8b --load-only --cold-load \
+      -k "tensorwise or quantize_rows or decode_sized or switches or captured or no_triton_compile or 8b_shapes or replay_equals_eager"
+  timeout 75 python3 bench/bench_throughput.py --shape nemotron-h-8b --load-only --cold-load \
       --json "$OUT/cold_load.json" 2>&1 | grep -E "disk|load alone" || rc=1
 fi
 # fp8-gemv  bench_fp8_gemv.py: the 8B shape's FP8 projections alone at batch 1 / 8 / 16 / 64 (one-launch Triton,

@@ -129,7 +129,25 @@ def per_token_scale(x: torch.Tensor) -> torch.Tensor:
 # 26 against 79 us); larger steps keep the row-wise GEMM (an fp32 [M, N] accumulator would cost
 # prefill bandwidth).
 TENSORWISE_MAX_ROWS = 64
-_tensorwise_failed: list[str] = []  # set once the tensor-wise path raised: every step row-wise then
+_tensorwise_probed: dict[torch.device, bool] = {}
+
+
+def _tensorwise_fp32_out(device: torch.device) -> bool:
+    """Whether this device's torch._scaled_mm takes e4m3 x e4m3 with 0-dim scales into fp32 (probed
+    once per device on a 16 x 16 product, eagerly: the first FP8 step of an LLM is a warm-up or
+    memory-plan step, before any graph capture); without it the row-wise GEMM serves every step."""
+    if device not in _tensorwise_probed:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        a = torch.ones(16, 16, device=device).to(FP8_DTYPE)
+        try:
+            out = torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            ok = bool((out == 16.0).all())
+        except (RuntimeError, ValueError) as e:  # (not an OOM: a 16 x 16 product allocates nothing to speak of)
+            logger.warning("FP8 tensor-wise GEMM with fp32 output unavailable on %s (%r): row-wise _scaled_mm "
+                           "for every step", device, e)
+            ok = False
+        _tensorwise_probed[device] = ok
+    return _tensorwise_probed[device]
 
 
 def _scaled_mm_capable(device: torch.device) -> bool:
@@ -228,7 +246,8 @@ class Fp8Linear(nn.Module):
         """A decode-sized step [..., in] (at most TENSORWISE_MAX_ROWS tokens) of a row-wise scaled
         projection: the rows quantized, cuBLASLt's tensor-wise FP8 GEMM with unit scales into an fp32
         accumulator, then the row and column scales (and bias) in one Triton launch
-        (triton_fp8.scale_accumulator): the row-wise GEMM's result, one rounding to x.dtype."""
+        (triton_fp8.scale_accumulator): the row-wise GEMM's product with one rounding to x.dtype (the
+        row-wise path adds a bias after its rounding: up to one bf16 ulp apart there)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()
         xq, sa = triton_fp8.quantize_rows(x2, self.input_scale)
@@ -267,13 +286,8 @@ class Fp8Linear(nn.Module):
             if self.use_scaled_mm and x.dtype == torch.bfloat16:
                 per_tensor = self.activation == STATIC and self.weight_scale.dim() == 0
                 if (not per_tensor and rows.shape[0] <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode")
-                        and not _tensorwise_failed):
-                    try:
-                        return self.forward_tensorwise(x)
-                    except RuntimeError as e:  # a torch/cuBLASLt without an fp32-output FP8 GEMM: the row-wise
-                        # one from now on (the first call is an eager warm-up step, before any graph capture)
-                        _tensorwise_failed.append(repr(e))
-                        logger.warning("FP8 tensor-wise GEMM unavailable (%r): row-wise _scaled_mm for every step", e)
+                        and _tensorwise_fp32_out(x.device)):
+                    return self.forward_tensorwise(x)
                 return self.forward_scaled_mm(x)
         return self.forward_reference(x)
 

@@ -1,6 +1,6 @@
-"""The loader's background read-ahead (hybrid/loader.py _Readahead): it reads every weight file front
-to back, in the order the load first needs them, only when the files fit in half the available
-memory, and the load gives the same parameters with it as without it."""
+"""The loader's background read-ahead (hybrid/loader.py _Readahead): it covers every weight file,
+in the order the load first needs them, only when the files fit in half the available memory and
+the load is not a tensor-parallel rank's, and the load gives the same parameters with it as without it."""
 from __future__ import annotations
 
 import torch
@@ -40,7 +40,7 @@ def test_readahead_reads_every_file_in_first_use_order(tiny_ckpt, monkeypatch):
 
 def test_readahead_stops_when_told(tmp_path):
     big = tmp_path / "w.bin"
-    big.write_bytes(b"\0" * (3 * loader._Readahead.CHUNK))
+    big.write_bytes(b"\0" * (1 << 20))
     ra = loader._Readahead([str(big)])
     ra.stop()  # joins the thread: no reader left behind after a load (or a failed one)
     assert ra._thread is None or not ra._thread.is_alive()

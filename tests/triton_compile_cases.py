@@ -91,10 +91,10 @@ FP8_PTRS = dict(w_ptr="*fp8e4nv", q_ptr="*fp8e4nv", w_scale_ptr="*fp32", in_scal
 
 @case("fp8_quantize_rows")
 def _fp8_quantize_rows():
-    for static in (False, True):  # the loop, and one register tile of a 21504-wide row (16 warps)
+    for static in (False, True):  # the loop, and one register tile of a 32768-wide row (32 warps)
         compiles(triton_fp8._quantize_rows_kernel, dict(STATIC=static, BLOCK_K=1024, ONE_TILE=False, PDL=True), FP8_PTRS)
         compiles(triton_fp8._quantize_rows_kernel, dict(STATIC=static, BLOCK_K=32768, ONE_TILE=True, PDL=True),
-                 FP8_PTRS, num_warps=16)
+                 FP8_PTRS, num_warps=32)
 
 
 @case("fp8_scale_accumulator")

@@ -205,13 +205,13 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
     x is e4m3 rows with their scales [M, 1] (quantize_rows' output: a quantized-activation scheme) or
     16-bit rows with x_scale None (weight-only). `weight_scale`: fp32, 0-dim or [N]. The default tiling
     is the H200's best at one row over the 8B projections (bench/bench_fp8_gemv.py, 2026-12-02): 8
-    columns a program up to 8192 outputs, 16 above, K steps of 512 (2.0-3.9 TB/s, against 1.0-2.6 for
-    the 16 x 256 it replaced)."""
+    columns a program up to 8192 outputs, 16 up to 20480, 32 above, K steps of 512 (2.0-3.9 TB/s,
+    against 1.0-2.6 for the 16 x 256 it replaced)."""
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]
     if block_n is None:
-        block_n = 8 if N <= 8192 else 16
+        block_n = 8 if N <= 8192 else (16 if N <= 20480 else 32)
     if not 0 < M <= GEMV_MAX_ROWS or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} "
                          f"(1 to {GEMV_MAX_ROWS} rows, last dims contiguous)")
@@ -292,7 +292,7 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
             block_k = width if width <= ONE_TILE_MAX_K else 1024
         block_k = min(block_k, width)
         one_tile = block_k >= K
-        warps = 4 if block_k <= 4096 else (8 if block_k <= 8192 else 16)  # <= 64 fp32 values a thread
+        warps = max(4, min(32, block_k // 1024))  # at most 32 values a thread (the row stays live in registers)
         _quantize_rows_kernel[(M,)](
             x, q, scales, input_scale if input_scale is not None else scales, K, x.stride(0), q.stride(0),
             MIN_DYNAMIC_SCALE, STATIC=input_scale is not None, BLOCK_K=block_k, ONE_TILE=one_tile,
