@@ -113,8 +113,12 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def per_token_scale(x: torch.Tensor) -> torch.Tensor:
-    """Dynamic per-token scales [T, 1] in fp32: each row's absmax / 448 (floored at MIN_DYNAMIC_SCALE)."""
-    return (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(MIN_DYNAMIC_SCALE)
+    """Dynamic per-token scales [T, 1] in fp32: each row's absmax / 448, correctly rounded (floored at
+    MIN_DYNAMIC_SCALE). The divisor is a tensor: torch divides a CUDA tensor by a Python scalar as a
+    multiplication by its reciprocal, one ulp off the IEEE quotient for some rows (measured on the H200),
+    while a tensor divisor is IEEE division on every device, as the Triton kernels' div_rn."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_DYNAMIC_SCALE)
 
 
 # ---------------------------------------------------------------------------------------------
