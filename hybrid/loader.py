@@ -67,76 +67,6 @@ def _open(path: str, device: str = "cpu"):
         raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
 
 
-def _available_memory() -> int:
-    """Bytes of memory the page cache could grow by without swapping: the kernel's MemAvailable, or
-    less where a cgroup (v2) limit leaves less; 0 if unknown."""
-    avail = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                avail = min(avail, max(0, int(limit) - int(f.read().strip())))
-    except (OSError, ValueError):
-        pass
-    return avail
-
-
-class _Readahead:
-    """Asks the kernel to read the checkpoint's files ahead, front to back in the order the load needs
-    them, from a background thread (posix_fadvise WILLNEED, a chunk at a time: no copy, and pages
-    already cached cost nothing), so that the load's reads (safetensors maps the files and reads each
-    tensor where it lies, in the tensor plan's order) find their pages cached or in flight: one
-    sequential stream keeps a cold disk busy, where the load's own faults alone read at ~78% of its
-    speed (H200 machine, bench_throughput --cold-load, 1.28 against 1.65 GB/s). Only when the files
-    fit in half the available memory (otherwise it would push out pages before they are used), and
-    where posix_fadvise exists. Best effort: an error ends it quietly (the load's own read then
-    reports the file)."""
-
-    CHUNK = 64 << 20
-
-    def __init__(self, paths: list[str]) -> None:
-        import threading
-
-        self._stop = threading.Event()
-        self._thread = None
-        if not paths or not hasattr(os, "posix_fadvise"):
-            return
-        try:
-            total = sum(os.path.getsize(p) for p in paths)
-        except OSError:
-            return
-        if total * 2 > _available_memory():
-            return
-        self._thread = threading.Thread(target=self._run, args=(paths,), name="checkpoint-readahead", daemon=True)
-        self._thread.start()
-
-    def _run(self, paths: list[str]) -> None:
-        try:
-            for path in paths:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    size = os.fstat(fd).st_size
-                    for offset in range(0, size, self.CHUNK):
-                        if self._stop.is_set():
-                            return
-                        os.posix_fadvise(fd, offset, min(self.CHUNK, size - offset), os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
-        except OSError:
-            return
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-
 def _shard_path(model_dir: str, index: str, shard) -> str:
     """The path of a shard named by the index: only a relative path that stays inside the checkpoint
     directory (checked on the name, before anything is opened). Symlinks inside the directory are
@@ -292,21 +222,6 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
     items = list(plan.items())
-    in_order = list(dict.fromkeys(files[n] for _, src in items for n in src.disk_names if n in files))
-    # (a tensor-parallel rank reads only its slices: no whole-file read-ahead there)
-    readahead = _Readahead(in_order + sorted(set(files.values()) - set(in_order)) if shard is None else [])
-    try:
-        return _load_parameters(model, cfg, items, params, files, handle, read, stored_dtype, qplan, shard,
-                                device, dtype, progress, check_finite)
-    finally:
-        readahead.stop()
-        handles.clear()
-
-
-def _load_parameters(model: HybridModel, cfg: ModelConfig, items: list, params: dict, files: dict, handle, read,
-                     stored_dtype, qplan, shard, device: torch.device, dtype: torch.dtype, progress: bool,
-                     check_finite: bool) -> HybridModel:
-    """load_model's second half: every parameter read, assembled and set (see load_model)."""
     if progress:
         from tqdm import tqdm
 
@@ -391,6 +306,7 @@ def _load_parameters(model: HybridModel, cfg: ModelConfig, items: list, params: 
     if cfg.tie_word_embeddings and "lm_head.weight" in files:
         _untie_differing_lm_head(model, "lm_head.weight", read, stored_dtype("lm_head.weight"), device,
                                  None if shard is None else shard.cut("embed"), check_finite, files["lm_head.weight"])
+    handles.clear()
     if keep_experts and settle_fp8_experts(model, dtype):
         logger.info("FP8 routed experts kept in FP8 (weight-only, dequantized inside the fused MoE kernel)")
     _move_buffers(model, device)
