@@ -1,6 +1,7 @@
 """The FP8 projection's Triton kernels (hybrid/ops/triton_fp8.py) against the reference numerics of
 hybrid/fp8_linear.py, on CPU through Triton's interpreter (see tests/test_triton_kernels.py for why
 the interpreter is switched on here only)."""
+import math
 import os
 import sys
 
@@ -154,3 +155,57 @@ def test_layer_gemv_path(activation):
     got = layer.forward_gemv(x)
     assert got.shape == (1, 3, 48)
     torch.testing.assert_close(got, layer.forward_reference(x), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fma_quotient_gives_the_ieee_quotient_near_every_rounding_boundary(static, monkeypatch):
+    """quantize_rows' GPU quotient (fma_quotient: RN(1/s) once, then Markstein's correction with
+    fused multiply-adds, no division per value) rounds every value as IEEE division does, on values
+    placed within a few ulps of e4m3 rounding boundaries (midpoints, where x * RN(1/s) alone picks
+    the wrong side), zeros of both signs, values past the clamp and infinities. Triton's interpreter
+    does not fuse tl.fma, so it is fused here (float64 products of fp32 operands are exact)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def fused(self, x, y, z):
+        with np.errstate(invalid="ignore", over="ignore"):  # (inf - inf where the kernel then keeps q0)
+            out = (x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64))
+        return interpreter.TensorHandle(out.astype(z.data.dtype), z.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", fused)
+    g = torch.Generator().manual_seed(11)
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(FP8_DTYPE).float()  # the non-negative e4m3 values
+    mids = (e4m3[1:] + e4m3[:-1]) / 2
+
+    def near_boundaries(s: float, n: int = 700) -> torch.Tensor:
+        """n values a few ulps either side of (midpoint x s), both signs."""
+        m = mids[torch.randint(0, mids.numel(), (n,), generator=g)]
+        x = (m * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0) * s).float()
+        step = torch.randint(-3, 4, (n,), generator=g)
+        for _ in range(3):
+            x = torch.where(step > 0, torch.nextafter(x, torch.full_like(x, math.inf)), x)
+            x = torch.where(step < 0, torch.nextafter(x, torch.full_like(x, -math.inf)), x)
+            step = step - step.sign()
+        x[:2] = torch.tensor([0.0, -0.0])
+        return x
+
+    s_in = torch.tensor(0.013) if static else None
+    rows = []
+    for r in range(24):
+        if static:  # one scale for every row; values past the clamp and infinities too
+            x = near_boundaries(0.013)
+            x[2:5] = torch.tensor([1e9 * 0.013, -math.inf, math.inf])
+        else:  # each row its own scale: its absmax is 448 s
+            s = float(torch.rand((), generator=g) * 0.05 + 1e-3) * 2.0 ** int(torch.randint(-12, 12, (), generator=g))
+            x = near_boundaries(s)
+            x[2] = 448.0 * s
+        rows.append(x)
+    x = torch.stack(rows)
+    q, sc = triton_fp8.quantize_rows(x, s_in, fma_quotient=True, hw_cast=False)
+    want_s = s_in.expand(x.shape[0], 1) if static else per_token_scale(x)
+    assert torch.equal(sc, want_s.float())
+    want = (x / want_s).clamp(-448, 448).to(FP8_DTYPE)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    # without the correction (x * RN(1/s) alone) some of these values round to the other e4m3 neighbour
+    naive = (x * (1.0 / want_s)).clamp(-448, 448).to(FP8_DTYPE)
+    assert not torch.equal(naive.view(torch.uint8), want.view(torch.uint8))

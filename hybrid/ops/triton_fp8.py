@@ -24,9 +24,14 @@ and the e4m3 rounding in separate torch ops around torch._scaled_mm.
 The rounding is the reference's (fp8_linear.fake_quantize / per_token_scale): x / scale in fp32
 (IEEE division, as torch's; Triton's `/` is an approximate one on the GPU),
 clamped to +-448, rounded to nearest e4m3; a row's scale is its absmax / 448, floored at
-MIN_DYNAMIC_SCALE. CPU tests run both through Triton's interpreter (tests/test_triton_fp8.py).
+MIN_DYNAMIC_SCALE. quantize_rows on the GPU gets the same bytes with less arithmetic: the IEEE
+quotient from the row's reciprocal and a fused-multiply-add correction (no division per value) and
+the hardware's fp32 -> e4m3 cast (round to nearest even). CPU tests run the kernels through
+Triton's interpreter (tests/test_triton_fp8.py; the correction with the interpreter's fma fused).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -117,9 +122,41 @@ if HAS_TRITON:
                  mask=mask_m[:, None] & mask_n[None, :])
 
     @triton.jit
+    def _ieee_quotient(x, s, r):
+        """x / s (fp32) correctly rounded, as IEEE division, without a division per value: from
+        r = RN(1 / s), q0 = RN(x r) is within an ulp of x / s, and Markstein's correction
+        RN(q0 + (x - q0 s) r), with the residual exact in a fused multiply-add, is the correctly
+        rounded quotient (valid where nothing over- or underflows: the caller keeps r in
+        [2^-100, 2^100]; past 2^20 in magnitude, and for a zero x, q0 is kept, which the clamp to
+        +-448 then saturates, or which keeps zero's sign)."""
+        q0 = x * r
+        q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
+        return tl.where((tl.abs(q0) > 1048576.0) | (q0 == 0.0), q0, q1)
+
+    @triton.jit
+    def _e4m3_row(x, s, FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr):
+        """Row values x rounded to e4m3 with the row's scale s: clamp(x / s, +-448) to the nearest
+        e4m3 (ties to even). FMA_QUOTIENT: the IEEE quotient without a division per value
+        (_ieee_quotient), for rows whose reciprocal scale is in range; HW_CAST: the rounding by
+        the GPU's fp32 -> e4m3 conversion (round to nearest even, as torch's; Triton's CPU
+        interpreter gets that cast wrong, so it runs the arithmetic rounding of _round_e4m3)."""
+        xf = x.to(tl.float32)
+        if FMA_QUOTIENT:
+            r = tl.div_rn(1.0, s)
+            if (r > 7.9e-31) & (r < 1.26e30):  # 2^-100 .. 2^100
+                v = tl.clamp(_ieee_quotient(xf, s, r), -448.0, 448.0)
+            else:
+                v = tl.clamp(tl.div_rn(xf, s), -448.0, 448.0)
+        else:
+            v = tl.clamp(tl.div_rn(xf, s), -448.0, 448.0)
+        if HW_CAST:
+            return v.to(tl.float8e4nv)
+        return _round_e4m3(v).to(tl.float8e4nv)  # exact: the value is an e4m3 value
+
+    @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, in_scale_ptr, K, s_xm, s_qm, min_scale,
                               STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-                              PDL: tl.constexpr):
+                              FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         pdl_wait(PDL)
@@ -131,7 +168,7 @@ if HAS_TRITON:
             else:
                 s = tl.maximum(tl.div_rn(tl.max(tl.abs(x.to(tl.float32)), axis=0), 448.0), min_scale)
             tl.store(scale_ptr + row, s)
-            tl.store(q_ptr + row * s_qm + offs_k, _e4m3_values(x, s).to(tl.float8e4nv), mask=mask)
+            tl.store(q_ptr + row * s_qm + offs_k, _e4m3_row(x, s, FMA_QUOTIENT, HW_CAST), mask=mask)
             return
         if STATIC:
             s = tl.load(in_scale_ptr)
@@ -146,8 +183,7 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
             x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
-            q = _e4m3_values(x, s)
-            tl.store(q_ptr + row * s_qm + ks, q.to(tl.float8e4nv), mask=ks < K)  # exact: q is an e4m3 value
+            tl.store(q_ptr + row * s_qm + ks, _e4m3_row(x, s, FMA_QUOTIENT, HW_CAST), mask=ks < K)
 
 
     @triton.jit
@@ -275,11 +311,20 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 ONE_TILE_MAX_K = 32768
 
 
+# quantize_rows on the GPU: the quotients without a division per value and the rounding by the
+# hardware cast (its arithmetic was 23 ms of the 8B shape's 8K FP8 prefill on the H200: an IEEE
+# division and the arithmetic e4m3 rounding for each of 7.5 G values, e776d08). Under Triton's CPU
+# interpreter the division and the arithmetic rounding (its cast is wrong; its fma is not fused).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
-                  block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_k: int | None = None, *, fma_quotient: bool | None = None,
+                  hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (last dim contiguous) rounded to e4m3: (q [M, K] e4m3, scales [M, 1] fp32), each row with
     its own absmax / 448 scale, or with the 0-dim fp32 `input_scale` (static) for every row.
-    `block_k` (tests): loop over the row in tiles of this width; default: one tile up to ONE_TILE_MAX_K."""
+    `block_k` (tests): loop over the row in tiles of this width; default: one tile up to ONE_TILE_MAX_K.
+    `fma_quotient` / `hw_cast` (tests): see _e4m3_row; default: on, off under the interpreter."""
     require(__name__)
     M, K = x.shape
     if x.stride(-1) != 1:
@@ -296,7 +341,8 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
         _quantize_rows_kernel[(M,)](
             x, q, scales, input_scale if input_scale is not None else scales, K, x.stride(0), q.stride(0),
             MIN_DYNAMIC_SCALE, STATIC=input_scale is not None, BLOCK_K=block_k, ONE_TILE=one_tile,
-            num_warps=warps, **pdl_options(x.device),
+            FMA_QUOTIENT=not _INTERPRETED if fma_quotient is None else fma_quotient,
+            HW_CAST=not _INTERPRETED if hw_cast is None else hw_cast, num_warps=warps, **pdl_options(x.device),
         )
     return q, scales
 
