@@ -198,6 +198,38 @@ def test_quantize_rows_gives_torchs_bytes_on_the_gpu():
             assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), width
 
 
+def test_quantize_rows_near_every_rounding_boundary_on_the_gpu():
+    """The GPU's quantization (the quotient from the row's reciprocal with a fused-multiply-add
+    correction, the hardware e4m3 cast) against torch's IEEE division and cast, on bf16 values a few
+    ulps either side of (e4m3 midpoint x scale), zeros of both signs, and a static scale with
+    values past the clamp and infinities; and the same bytes as the division path."""
+    from hybrid.fp8_linear import per_token_scale
+    from hybrid.ops import triton_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8, device="cuda").view(FP8_DTYPE).float()
+    mids = (e4m3[1:] + e4m3[:-1]) / 2
+    s = (torch.rand(512, 1, generator=g, device="cuda") * 0.05 + 1e-3) * 2.0 ** torch.randint(
+        -12, 12, (512, 1), generator=g, device="cuda")
+    m = mids[torch.randint(0, mids.numel(), (512, 4096), generator=g, device="cuda")]
+    x = (m * s * torch.where(torch.rand(512, 4096, generator=g, device="cuda") < 0.5, -1.0, 1.0)).to(torch.bfloat16)
+    bits = x.view(torch.int16) + torch.randint(-2, 3, x.shape, generator=g, device="cuda", dtype=torch.int16)
+    x = bits.view(torch.bfloat16)  # a few bf16 ulps either side
+    x[:, 0], x[:, 1] = 0.0, -0.0
+    x[:, 2] = (448 * s[:, 0]).to(torch.bfloat16)
+    for static in (None, torch.tensor(0.013, device="cuda")):
+        xs = x.clone()
+        if static is not None:
+            xs[:, 3], xs[:, 4], xs[:, 5] = 1e9, float("inf"), float("-inf")
+        q, sc = triton_fp8.quantize_rows(xs, static)
+        want_s = per_token_scale(xs) if static is None else static.expand(512, 1)
+        assert torch.equal(sc, want_s.float().contiguous())
+        want = (xs.float() / want_s).clamp(-448, 448).to(FP8_DTYPE)
+        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+        q_div, _ = triton_fp8.quantize_rows(xs, static, fma_quotient=False, hw_cast=False)
+        assert torch.equal(q_div.view(torch.uint8), want.view(torch.uint8))
+
+
 @pytest.mark.parametrize("per_channel,act", [(False, STATIC), (True, DYNAMIC), (False, DYNAMIC)])
 def test_scaled_mm_captured_in_a_cuda_graph(per_channel, act):
     """No host syncs: the layer (dynamic per-token scales included) captures, and a replay on new
