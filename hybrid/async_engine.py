@@ -4,7 +4,8 @@ One worker thread owns the Engine: every engine call (add_request, abort_request
 it, one at a time. The event loop hands it commands through a queue; the worker applies every
 pending command before each step, so an abort (a client that went away) frees the request's
 Mamba slot and KV pages before the next forward pass. Each request's RequestOutput updates are
-delivered to its own asyncio.Queue with loop.call_soon_threadsafe.
+delivered to its own asyncio.Queue; a step's updates go to the event loop in one
+loop.call_soon_threadsafe (see _deliver_batch).
 
 `TextDeltas` turns the full decoded text of a sequence into safe-to-send increments: a trailing
 U+FFFD (a multi-byte character cut in the middle) and any tail that could be the start of a stop
@@ -75,6 +76,12 @@ class TextDeltas:
         return delta
 
 
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: one step's updates into their requests' queues, in order."""
+    for q, item in items:
+        q.put_nowait(item)
+
+
 @dataclass
 class _Tracked:
     request_id: str
@@ -100,7 +107,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._tracked: dict[str, _Tracked] = {}  # touched by the worker only
-        self._inflight: set[str] = set()  # touched by the event loop only
+        self._inflight: dict[str, asyncio.Queue] = {}  # touched by the event loop only: request id -> its queue
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -169,18 +176,23 @@ class AsyncEngine:
                 self._publish()
                 continue
             now = time.monotonic()
+            batch = []  # (tracked, item): the step's updates, handed to the event loop(s) at once
+            new_tokens = 0
             for out in outputs:
                 tr = self._tracked.get(out.request_id)
                 if tr is None:
                     continue
-                self._observe(tr, out, now)
+                new_tokens += self._observe(tr, out, now)
                 if out.error is not None:  # failed in the engine (the others carry on): its stream ends with the error
-                    self._deliver(tr, RequestFailedError(f"request {out.request_id} failed: {out.error}",
-                                                         failed={out.request_id: out.error}))
+                    batch.append((tr, RequestFailedError(f"request {out.request_id} failed: {out.error}",
+                                                         failed={out.request_id: out.error})))
                 else:
-                    self._deliver(tr, out)
+                    batch.append((tr, out))
                 if out.finished:
                     self._tracked.pop(out.request_id, None)
+            if new_tokens and self.metrics is not None:
+                self.metrics.add_tokens(new_tokens)
+            self._deliver_batch(batch)
             self._publish()
 
     def _drain_commands(self) -> None:
@@ -219,7 +231,29 @@ class AsyncEngine:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
-    def _observe(self, tr: _Tracked, out: RequestOutput, now: float) -> None:
+    def _deliver_batch(self, batch: list[tuple[_Tracked, object]]) -> None:
+        """A step's updates, in order, to their requests' queues: one call_soon_threadsafe per event
+        loop (in practice one) instead of one per request. Each of those calls wakes the loop through
+        its self-pipe, a syscall that lets the loop take the GIL in the middle of this thread's step;
+        one per step keeps the worker running and the loop's work in one piece."""
+        if not batch:
+            return
+        loop = batch[0][0].loop
+        if all(tr.loop is loop for tr, _ in batch):
+            groups = {loop: [(tr.queue, item) for tr, item in batch]}
+        else:
+            groups = {}
+            for tr, item in batch:
+                groups.setdefault(tr.loop, []).append((tr.queue, item))
+        for loop, items in groups.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _observe(self, tr: _Tracked, out: RequestOutput, now: float) -> int:
+        """Record the output's latencies; returns how many new tokens it carries (the caller adds
+        them to the token counter once per step)."""
         new = sum(len(c.token_ids) for c in out.outputs)  # a delta output: the new tokens only
         if new > 0:
             if tr.first_token_at is None:
@@ -229,10 +263,9 @@ class AsyncEngine:
             elif self.metrics is not None and tr.last_token_at is not None:
                 self.metrics.observe_tpot(now - tr.last_token_at)
             tr.last_token_at = now
-            if self.metrics is not None:
-                self.metrics.add_tokens(new)
         if out.finished and self.metrics is not None:
             self.metrics.on_finish(out, now - tr.arrival, tr.num_prompt_tokens)
+        return new
 
     def _publish(self) -> None:
         e = self.engine
@@ -277,7 +310,7 @@ class AsyncEngine:
         rid = request_id or self.new_request_id()
         loop = asyncio.get_running_loop()
         tr = _Tracked(rid, loop, asyncio.Queue(), len(prompt_token_ids), params)
-        self._inflight.add(rid)
+        self._inflight[rid] = tr.queue
         finished = False
         totals: dict[int, tuple[list[int], list | None]] = {}  # per completion index: tokens, logprobs
         prompt_logprobs = None  # sent once (the first delta after the prompt is done), kept on every output
@@ -305,9 +338,16 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._inflight.discard(rid)
+            self._inflight.pop(rid, None)
             if not finished:
                 self.abort(rid)
+
+    def has_update(self, request_id: str) -> bool:
+        """Whether an update of the request (in flight through generate()) is already queued, so that
+        generate() yields it without waiting (on the event loop; the streams write what is ready in
+        one piece)."""
+        q = self._inflight.get(request_id)
+        return q is not None and not q.empty()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

@@ -47,49 +47,53 @@ class _ChoiceState:
 
 
 # ---------------------------------------------------------------------------------- running prompts
-async def _pump(engine, idx: int, prompt: Prompt, rid: str, q: asyncio.Queue) -> None:
-    try:
-        async for out in engine.generate(prompt.ids, prompt.params, request_id=rid, prompt=prompt.text):
-            q.put_nowait((idx, out))
-    except asyncio.CancelledError:
-        raise
-    except BaseException as e:
-        q.put_nowait((idx, e))
-        return
-    q.put_nowait((idx, None))
-
-
 async def run(engine, prompts: list[Prompt], base_id: str):
-    """Yield (prompt index, RequestOutput) for every update of every prompt's request."""
-    q: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(engine, i, p, f"{base_id}-{i}", q)) for i, p in enumerate(prompts)]
-    remaining = len(tasks)
+    """Yield (prompt index, RequestOutput) for every update of every prompt's request.
+
+    A request's generator is advanced only once the caller is done with its previous update:
+    AsyncEngine.generate extends the running token and logprob lists of the output it yielded last
+    in place, so reading ahead would show the caller tokens (and logprob rows) of a later update."""
+    gens = [engine.generate(p.ids, p.params, request_id=f"{base_id}-{i}", prompt=p.text)
+            for i, p in enumerate(prompts)]
     try:
-        while remaining:
-            idx, item = await q.get()
-            if item is None:
-                remaining -= 1
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            yield idx, item
-    finally:
-        for t in tasks:
-            if not t.done():
+        if len(gens) == 1:  # one request (the usual case): its updates as they come, no task in between
+            async for out in gens[0]:
+                yield 0, out
+            return
+        # several: one pending __anext__ per request; whichever comes first is yielded
+        pending = {asyncio.ensure_future(g.__anext__()): i for i, g in enumerate(gens)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in sorted(done, key=pending.get):
+                    i = pending.pop(t)
+                    try:
+                        out = t.result()
+                    except StopAsyncIteration:
+                        continue
+                    yield i, out
+                    pending[asyncio.ensure_future(gens[i].__anext__())] = i
+        finally:
+            for t in pending:
                 t.cancel()
-        # let the cancelled pumps run their finally (which queues the aborts) before we return
-        await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        # left early (client gone, cancelled, a failed prompt): the unfinished requests are aborted now
+        for g in gens:
+            await g.aclose()
 
 
 async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logprobs: bool,
                          text_of: Callable | None = None):
-    """Updates per choice: ChoiceUpdate with the text delta (stop strings and partial characters
-    held back), the logprob rows whose text is now sent, and the finish reason once it ends.
+    """Updates per choice, a list for each engine output (one per choice it changed): ChoiceUpdate
+    with the text delta (stop strings and partial characters held back), the logprob rows whose
+    text is now sent, and the finish reason once it ends.
     text_of((prompt index, choice index), output): the choice's text (default: output.text)."""
     states: dict[tuple[int, int], _ChoiceState] = {}
     agen = run(engine, prompts, base_id)
     try:
         async for pi, out in agen:
+            updates = []
             for c in out.outputs:
                 st = states.get((pi, c.index))
                 if st is None:
@@ -109,7 +113,9 @@ async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logpr
                                       c.finish_reason if finished else None, len(c.token_ids))
                 st.text_len += len(delta)
                 st.done = finished
-                yield update
+                updates.append(update)
+            if updates:
+                yield updates
     finally:
         await agen.aclose()
 
@@ -329,6 +335,8 @@ class ChatFormat(ResponseFormat):
 
 
 # ---------------------------------------------------------------------------------- the response
+_MAX_EVENTS_A_WRITE = 64  # events of outputs that are ready at once, written together (at most)
+
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -391,27 +399,53 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
         return JSONResponse({"id": request_id, "object": fmt.object_name, "created": created, "model": model,
                              "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
 
+    # Every chunk is {"id", "object", "created", "model", "choices"[, "usage"]}: the fields around the
+    # choices are the same in each, so they are serialised once (json.dumps writes a dict's items in
+    # order with the same separators, so head + choices + tail is exactly json.dumps of the dict).
+    head = "data: " + json.dumps({"id": request_id, "object": fmt.chunk_object_name, "created": created,
+                                  "model": model}, ensure_ascii=False)[:-1] + ', "choices": '
+    tail = ', "usage": null}\n\n' if include_usage else "}\n\n"
+
     def chunk(choices: list, usage_: dict | None = None) -> str:
-        d = {"id": request_id, "object": fmt.chunk_object_name, "created": created, "model": model,
-             "choices": choices}
-        if usage_ is not None or include_usage:
-            d["usage"] = usage_
-        return sse(d)
+        if usage_ is None:
+            return head + json.dumps(choices, ensure_ascii=False) + tail
+        return sse({"id": request_id, "object": fmt.chunk_object_name, "created": created, "model": model,
+                    "choices": choices, "usage": usage_})
 
     updates = choice_updates(engine, prompts, request_id, fmt.k is not None, fmt.text)
+    has_update = getattr(engine, "has_update", None)
+    rids = [f"{request_id}-{i}" for i in range(len(prompts))]
+
+    def more_ready() -> bool:  # the next engine output is queued already: generate() returns it without waiting
+        return has_update is not None and any(has_update(rid) for rid in rids)
 
     async def events():
+        """The SSE events, one per chunk; the events of the outputs that are ready at once (the loop
+        fell behind the engine) are written together, so the cost of a write (the send chain, the
+        socket call) is paid once for them; the bytes are the same."""
         completion_tokens = 0
         for choices in fmt.opening():
             yield chunk(choices)
-        async for u in updates:
-            lp = fmt.logprobs(*u.logprobs, u.text_offset) if u.logprobs else None
-            if u.finish_reason is not None:
-                completion_tokens += u.num_tokens
-            for choices in fmt.deltas(u, u.prompt_index * n + u.index, lp):
-                yield chunk(choices)
+        parts: list[str] = []
+        try:
+            async for batch in updates:
+                for u in batch:
+                    lp = fmt.logprobs(*u.logprobs, u.text_offset) if u.logprobs else None
+                    if u.finish_reason is not None:
+                        completion_tokens += u.num_tokens
+                    for choices in fmt.deltas(u, u.prompt_index * n + u.index, lp):
+                        parts.append(chunk(choices))
+                if parts and (len(parts) >= _MAX_EVENTS_A_WRITE or not more_ready()):
+                    yield "".join(parts)
+                    parts = []
+        except Exception:
+            if parts:  # what was made before the failure goes out first (then the error event)
+                yield "".join(parts)
+            raise
         if include_usage:
-            yield chunk([], usage(prompt_tokens, completion_tokens))
+            parts.append(chunk([], usage(prompt_tokens, completion_tokens)))
+        if parts:
+            yield "".join(parts)
 
     return AdmittedStream(sse_events(events(), updates), admission, media_type="text/event-stream",
                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
