@@ -24,8 +24,9 @@ wait and the rest (waiting for the GIL).
 
 Clients: --client raw (default): a minimal HTTP/1.1 client on asyncio streams that only counts the
 SSE events, so that one client process can keep up with ~10,000 events/s on a small machine;
---client openai: AsyncOpenAI with stream=True, as bench/bench_serving.py measures (its pydantic
-parsing of every chunk costs the client ~50 us an event).
+--client openai: bench/bench_serving.py's client (AsyncOpenAI, stream=True) from --client-procs
+processes; its parsing of every chunk (SSE, a pydantic model) costs ~0.1-0.2 ms of client CPU, so
+one process cannot read 64 streams at a 6.5 ms step.
 """
 from __future__ import annotations
 
@@ -452,41 +453,25 @@ async def raw_request(port: int, prompt: list[int], max_tokens: int) -> dict:
             "latency": time.perf_counter() - t0, "itl": itl, "events": events}
 
 
-async def openai_request(client, prompt: list[int], max_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    first = last = None
-    itl, tokens, events = [], 0, 0
-    stream = await client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens,
-                                             temperature=0.0, stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
-    async for ch in stream:
-        now = time.perf_counter()
-        events += 1
-        if ch.choices and ch.choices[0].text:
-            if first is None:
-                first = now
-            else:
-                itl.append(now - last)
-            last = now
-        if ch.usage is not None:
-            tokens = ch.usage.completion_tokens
-    return {"ok": first is not None, "tokens": tokens, "ttft": (first or t0) - t0, "latency": time.perf_counter() - t0,
-            "itl": itl, "events": events}
+def drive(args, port: int, prompts: list[list[int]], concurrency: int) -> dict:
+    if args.client == "openai":  # bench_serving.py's client, from --client-procs processes
+        from bench import bench_serving
+        from bench.bench_throughput import Request
+
+        reqs = [Request(p, len(p), args.output_len) for p in prompts]
+        r = bench_serving.drive(f"http://127.0.0.1:{port}", reqs, concurrency, 600, 600,
+                                bench_serving.client_procs_for(args.client_procs, concurrency))
+        r["wall_s"], r["events"] = r["elapsed_s"], None
+        r["client_cpu_s"] = r["client_cpu_per_proc"] * r["client_procs"] * r["elapsed_s"]
+        return r
+    return asyncio.run(_drive_raw(args, port, prompts, concurrency))
 
 
-async def drive(args, port: int, prompts: list[list[int]], concurrency: int) -> dict:
+async def _drive_raw(args, port: int, prompts: list[list[int]], concurrency: int) -> dict:
     sem = asyncio.Semaphore(concurrency)
-    client = None
-    if args.client == "openai":
-        import openai
-
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                                    timeout=600)
 
     async def one(p):
         async with sem:
-            if client is not None:
-                return await openai_request(client, p, args.output_len)
             return await raw_request(port, p, args.output_len)
 
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -494,8 +479,6 @@ async def drive(args, port: int, prompts: list[list[int]], concurrency: int) -> 
     results = await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
-    if client is not None:
-        await client.close()
     ok = [r for r in results if r["ok"]]
     tokens = sum(r["tokens"] for r in ok)
     tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
@@ -537,11 +520,11 @@ def run_server_levels(args) -> dict:
                     raise
                 time.sleep(0.3)
         vocab = 2048
-        asyncio.run(drive(args, port, requests_of(args, 8, vocab, seed=99), 8))  # warm-up
+        drive(args, port, requests_of(args, 8, vocab, seed=99), 8)  # warm-up
         for c in args.concurrency:
             prompts = requests_of(args, args.num_prompts or 2 * c, vocab, seed=c)
             post(port, "/_bench/start" + ("?profile=1" if args.profile else ""))
-            r = asyncio.run(drive(args, port, prompts, c))
+            r = drive(args, port, prompts, c)
             s = post(port, "/_bench/stop")
             if args.profile:
                 d = os.path.join(args.profile, f"c{c}")
@@ -595,7 +578,8 @@ def report(args, server: dict, offline: dict) -> None:
             return "-" if d["p50"] is None else f"{d['p50']:.1f}/{d['p99']:.1f}"
 
         print(f"        TTFT p50/p99 {ms(r['ttft_ms'])} ms  TPOT {ms(r['tpot_ms'])} ms  ITL {ms(r['itl_ms'])} ms; "
-              f"{r['events']} events, client CPU {r['client_cpu_s'] / r['wall_s'] * 100:.0f}% of wall")
+              f"{r['events'] or '-'} events, client CPU {r['client_cpu_s'] / r['wall_s'] * 100:.0f}% of wall"
+              + (f" ({r['client_procs']} processes)" if r.get("client_procs", 1) > 1 else ""))
         print(f"        server CPU per generated token: loop {s['loop_cpu'] / tok * 1e6:.1f} us, engine thread "
               f"{s['engine_cpu'] / tok * 1e6:.1f} us, process {s['process_cpu'] / tok * 1e6:.1f} us "
               f"(loop busy {s['loop_cpu'] / s['t'] * 100:.0f}%, engine thread busy {s['engine_cpu'] / s['t'] * 100:.0f}%)")
@@ -618,6 +602,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--device-ms", type=float, default=0.0, help="the fake device step (0: free)")
     ap.add_argument("--client", choices=["raw", "openai"], default="raw")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="--client openai: client processes (0: bench_serving.py's default)")
     ap.add_argument("--profile", default=None, help="dir: cProfile the server's loop and engine thread per level")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in the server (ms)")
     ap.add_argument("--no-offline", action="store_true")

@@ -17,7 +17,9 @@ What it does:
 3. Warm-up requests (--warmup, untimed), then per concurrency level C: N requests (default
    max(8, 2C)) of random token ids (sent as token-id lists in `prompt`, which the server accepts),
    at most C in flight, each `/v1/completions` with stream=True, ignore_eos, greedy, and
-   stream_options.include_usage (the exact completion token count). Per level: output tokens/s and
+   stream_options.include_usage (the exact completion token count), from --client-procs processes
+   (default one per 16 streams: one openai client process saturates at ~5,000-10,000 chunks/s, and
+   a saturated client reads its streams in bursts). Per level: output tokens/s and
    requests/s over the level's wall time, TTFT (request sent -> first text delta), TPOT ((latency -
    TTFT) / (output tokens - 1), per request) and ITL (gaps between successive text deltas; a delta
    may carry more than one token when the detokenizer holds back an incomplete character), each
@@ -240,8 +242,10 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
             "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_ms": _stats([r.latency for r in ok])}
 
 
-async def drive(url: str, reqs: list, concurrency: int, request_timeout: float, level_timeout: float) -> dict:
-    """Send reqs with at most `concurrency` in flight; summary of the level."""
+async def _run_requests(url: str, reqs: list, concurrency: int, request_timeout: float,
+                        level_timeout: float) -> tuple[list, float, float, bool, float]:
+    """Send reqs with at most `concurrency` in flight from this process: (results, start, end on
+    time.monotonic(), whether the level's time limit cut it short, this process's CPU seconds)."""
     import openai
 
     # the server asks for a key only if HYBRID_API_KEY is set (it inherits this environment)
@@ -253,7 +257,8 @@ async def drive(url: str, reqs: list, concurrency: int, request_timeout: float, 
         async with sem:
             return await one_request(client, req, request_timeout)
 
-    t0 = time.perf_counter()
+    cpu0 = time.process_time()
+    t0 = time.monotonic()
     tasks = [asyncio.create_task(limited(r)) for r in reqs]
     try:
         done, pending = await asyncio.wait(tasks, timeout=level_timeout)
@@ -262,12 +267,102 @@ async def drive(url: str, reqs: list, concurrency: int, request_timeout: float, 
         await asyncio.gather(*pending, return_exceptions=True)
     finally:
         await client.close()
-    wall = time.perf_counter() - t0
+    t1 = time.monotonic()
     results = [t.result() for t in tasks if t in done]
     results += [RequestResult(ok=False, prompt_tokens=0, error=f"not done within --level-timeout {level_timeout:.0f} s")
                 for t in tasks if t not in done]
+    return results, t0, t1, bool(pending), time.process_time() - cpu0
+
+
+def client_procs_for(requested: int, concurrency: int) -> int:
+    """Client processes for a level: `requested` (0: auto). The openai client spends ~0.1-0.2 ms of
+    CPU on each streamed chunk (SSE parsing, a pydantic model per chunk), so one asyncio process
+    tops out at ~5,000-10,000 chunks/s, about what 64 streams at a 6-7 ms decode step make: past
+    that the client, not the server, sets the figures (chunks read in bursts, ITL p50 ~0.1 ms).
+    Auto: one process per 16 streams, at most the cores left after the server's two."""
+    if requested > 0:
+        return max(1, min(requested, concurrency))
+    return max(1, min(-(-concurrency // 16), (os.cpu_count() or 1) - 2, concurrency))
+
+
+def _client_child(url, reqs, concurrency, request_timeout, level_timeout, q, go, i) -> None:
+    """One client process of a level: ready, wait for the common start, run its share, report."""
+    import importlib
+
+    importlib.import_module("openai")  # before the common start, not inside the timed part
+    q.put(("ready", i))
+    go.wait()
+    try:
+        q.put(("done", i, asyncio.run(_run_requests(url, reqs, concurrency, request_timeout, level_timeout))))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which counts the share as failed
+        q.put(("error", i, f"{type(e).__name__}: {e}"))
+
+
+def _drive_procs(url: str, reqs: list, concurrency: int, request_timeout: float, level_timeout: float,
+                 procs: int) -> tuple[list, float, float, bool, float]:
+    """_run_requests over `procs` processes: request k goes to process k % procs, the concurrency is
+    split as evenly as it goes; they start together and the level runs from the first start to the
+    last end."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")  # (a fork would copy whatever this process holds)
+    q, go = ctx.Queue(), ctx.Event()
+    shares = [reqs[i::procs] for i in range(procs)]
+    conc = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
+    children = [ctx.Process(target=_client_child, args=(url, shares[i], conc[i], request_timeout, level_timeout,
+                                                        q, go, i), daemon=True) for i in range(procs)]
+    for ch in children:
+        ch.start()
+    got: dict[int, tuple] = {}
+    try:
+        ready = 0
+        while ready < procs:
+            msg = q.get(timeout=120)
+            ready += msg[0] == "ready"
+        go.set()
+        deadline = time.monotonic() + level_timeout + 60
+        while len(got) < procs:
+            try:
+                msg = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue_mod.Empty:
+                break
+            if msg[0] == "done":
+                got[msg[1]] = msg[2]
+            elif msg[0] == "error":
+                got[msg[1]] = ([RequestResult(ok=False, prompt_tokens=0, error=msg[2]) for _ in shares[msg[1]]],
+                               None, None, False, 0.0)
+    finally:
+        for ch in children:
+            ch.join(timeout=10)
+            if ch.is_alive():
+                ch.kill()
+    results, starts, ends, cut, cpu = [], [], [], False, 0.0
+    for i in range(procs):
+        r = got.get(i) or ([RequestResult(ok=False, prompt_tokens=0, error="the client process did not report")
+                            for _ in shares[i]], None, None, True, 0.0)
+        results += r[0]
+        starts += [r[1]] if r[1] is not None else []
+        ends += [r[2]] if r[2] is not None else []
+        cut, cpu = cut or r[3], cpu + r[4]
+    t0 = min(starts) if starts else 0.0
+    return results, t0, max(ends) if ends else t0, cut, cpu
+
+
+def drive(url: str, reqs: list, concurrency: int, request_timeout: float, level_timeout: float,
+          client_procs: int = 1) -> dict:
+    """Send reqs with at most `concurrency` in flight, from `client_procs` processes (1: this one);
+    summary of the level."""
+    if client_procs > 1:
+        results, t0, t1, cut, cpu = _drive_procs(url, reqs, concurrency, request_timeout, level_timeout,
+                                                 client_procs)
+    else:
+        results, t0, t1, cut, cpu = asyncio.run(_run_requests(url, reqs, concurrency, request_timeout, level_timeout))
+    wall = max(t1 - t0, 1e-9)
     out = summarize(results, wall)
-    out["timed_out"] = bool(pending)
+    out["timed_out"] = cut
+    out["client_procs"] = client_procs
+    out["client_cpu_per_proc"] = cpu / wall / client_procs  # 1.0: the client processes were saturated
     return out
 
 
@@ -279,13 +374,13 @@ def run_server(args: argparse.Namespace, model_dir: str, max_len: int, vocab: in
         print(f"[server] healthy after {startup:.1f} s on {srv.url}", flush=True)
         out = {"startup_s": startup, "levels": {}}
         if args.warmup:
-            w = asyncio.run(drive(srv.url, warmup_requests(args, vocab), max(args.concurrency),
-                                  args.request_timeout, args.level_timeout))
+            w = drive(srv.url, warmup_requests(args, vocab), max(args.concurrency), args.request_timeout,
+                      args.level_timeout)
             out["warmup"] = w
             print(f"[server] warm-up: {w['completed']} requests in {w['elapsed_s']:.2f} s", flush=True)
         for c, n in levels_of(args):
-            r = asyncio.run(drive(srv.url, level_requests(args, vocab, c, n), c, args.request_timeout,
-                                  args.level_timeout))
+            r = drive(srv.url, level_requests(args, vocab, c, n), c, args.request_timeout, args.level_timeout,
+                      client_procs_for(args.client_procs, c))
             out["levels"][c] = r
             print(f"[server] concurrency {c:4d}: {describe(r)}", flush=True)
             if r["failed"]:
@@ -300,7 +395,8 @@ def describe(r: dict) -> str:
         return "-" if d["p50"] is None else f"{d['p50']:.1f}/{d['p99']:.1f}"
 
     return (f"{r['output_tokens_per_s']:9.1f} out tok/s {r['requests_per_s']:7.2f} req/s  TTFT p50/p99 "
-            f"{ms(r['ttft_ms'])} ms  TPOT {ms(r['tpot_ms'])} ms  ITL {ms(r['itl_ms'])} ms")
+            f"{ms(r['ttft_ms'])} ms  TPOT {ms(r['tpot_ms'])} ms  ITL {ms(r['itl_ms'])} ms  "
+            f"(client: {r.get('client_procs', 1)} process(es), CPU {r.get('client_cpu_per_proc', 0) * 100:.0f}% each)")
 
 
 # ------------------------------------------------------------------------------ offline, in a child
@@ -412,6 +508,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--range-ratio", type=float, default=0.0)
     ap.add_argument("--warmup", type=int, default=16, help="untimed requests (16 output tokens) before the levels")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline LLM.generate figures")
+    ap.add_argument("--client-procs", type=int, default=0,
+                    help="client processes per level (default 0: one per 16 streams, at most the cores but two; "
+                         "one openai client process cannot read much more than 64 streams' chunks)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `hybrid serve` flag (repeatable)")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=300)
@@ -464,7 +563,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             row["server_over_offline"] = row["server"]["output_tokens_per_s"] / off["output_tokens_per_s"]
         levels.append(row)
     result = {
-        "benchmark": "serving", "client": "openai.AsyncOpenAI completions, stream=True", "model": model_dir,
+        "benchmark": "serving", "client": "openai.AsyncOpenAI completions, stream=True (per level: client_procs "
+                                          "processes)", "model": model_dir,
         "shape": args.shape, "input_len": args.input_len, "output_len": args.output_len,
         "options": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "out_dir")},
         "checkpoint_build_s": build_s, "server_startup_s": server["startup_s"],
