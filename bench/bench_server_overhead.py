@@ -39,7 +39,6 @@ import random
 import resource
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -407,14 +406,10 @@ def engine_only(args) -> dict:
 
 # ------------------------------------------------------------------------------ clients
 def _stats(xs: list[float]) -> dict:
-    if not xs:
-        return {"mean": None, "p50": None, "p99": None}
-    s = sorted(xs)
+    """mean / p50 / p99 in ms, as bench_serving reports them."""
+    from bench.bench_serving import _stats as serving_stats
 
-    def pct(p: float) -> float:
-        return s[min(len(s) - 1, max(0, int(round(p / 100 * len(s) + 0.5)) - 1))]
-
-    return {"mean": statistics.fmean(s) * 1e3, "p50": pct(50) * 1e3, "p99": pct(99) * 1e3}
+    return serving_stats(xs)
 
 
 async def raw_request(port: int, prompt: list[int], max_tokens: int) -> dict:
