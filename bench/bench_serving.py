@@ -308,6 +308,7 @@ def _drive_procs(url: str, reqs: list, concurrency: int, request_timeout: float,
 
     ctx = mp.get_context("spawn")  # (a fork would copy whatever this process holds)
     q, go = ctx.Queue(), ctx.Event()
+    procs = max(1, min(procs, len(reqs), concurrency))  # (no process without requests)
     shares = [reqs[i::procs] for i in range(procs)]
     conc = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     children = [ctx.Process(target=_client_child, args=(url, shares[i], conc[i], request_timeout, level_timeout,
@@ -316,9 +317,18 @@ def _drive_procs(url: str, reqs: list, concurrency: int, request_timeout: float,
         ch.start()
     got: dict[int, tuple] = {}
     try:
-        ready = 0
-        while ready < procs:
-            msg = q.get(timeout=120)
+        ready, ready_by = 0, time.monotonic() + 120
+        while ready < procs:  # (a child that dies before it is ready is an error now, not a 2-minute wait)
+            try:
+                msg = q.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [i for i, ch in enumerate(children) if ch.exitcode is not None]
+                if dead or time.monotonic() > ready_by:
+                    raise RuntimeError(f"client processes {dead or 'all'} did not start "
+                                       f"(exit codes {[children[i].exitcode for i in dead]})") from None
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"client process {msg[1]} failed before the start: {msg[2]}")
             ready += msg[0] == "ready"
         go.set()
         deadline = time.monotonic() + level_timeout + 60
@@ -333,10 +343,14 @@ def _drive_procs(url: str, reqs: list, concurrency: int, request_timeout: float,
                 got[msg[1]] = ([RequestResult(ok=False, prompt_tokens=0, error=msg[2]) for _ in shares[msg[1]]],
                                None, None, False, 0.0)
     finally:
-        for ch in children:
-            ch.join(timeout=10)
+        if go.is_set():  # one shared deadline for all, then whatever is left is killed
+            stop_by = time.monotonic() + 10
+            for ch in children:
+                ch.join(timeout=max(0.0, stop_by - time.monotonic()))
+        for ch in children:  # (never started: killed at once, no request sent)
             if ch.is_alive():
                 ch.kill()
+            ch.join(timeout=5)
     results, starts, ends, cut, cpu = [], [], [], False, 0.0
     for i in range(procs):
         r = got.get(i) or ([RequestResult(ok=False, prompt_tokens=0, error="the client process did not report")
