@@ -113,11 +113,6 @@ class ModelRunner:
     def _device(self) -> torch.device:
         return self.model.embed.device
 
-    @property
-    def device(self) -> torch.device:
-        """The device the model runs on."""
-        return self._device()
-
     def _graphs_supported(self) -> bool:
         if self._device().type != "cuda" or self.max_model_len is None:
             return False

@@ -202,6 +202,8 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.use_scaled_mm = (activation is not None and k % 16 == 0 and n % 16 == 0
                               and _scaled_mm_capable(weight.device))
+        # both scales one value: the GEMM takes them as they are (no row-wise scaling)
+        self.per_tensor_scales = activation == STATIC and self.weight_scale.dim() == 0
         self.register_buffer("_unit_scale", torch.ones((), dtype=torch.float32, device=weight.device), persistent=False)
         # row-wise GEMMs take the weight scale as [1, out] (a per-tensor one expanded once here)
         self.register_buffer("_scale_b_row", self.weight_scale.detach().expand(n).reshape(1, n).contiguous(),
@@ -236,7 +238,7 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()
         xq, sa = triton_fp8.quantize_rows(x2, self.input_scale)  # sa [M, 1]: the row's or the static scale
-        if self.activation == STATIC and self.weight_scale.dim() == 0:  # per-tensor x per-tensor
+        if self.per_tensor_scales:
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
                                    out_dtype=x.dtype)
         else:  # row-wise: input [M, 1], weight [1, N]; bf16 output
@@ -288,8 +290,7 @@ class Fp8Linear(nn.Module):
             if (self.activation is None or switch("fp8_triton_decode")) and triton_fp8.eligible(rows, self.weight):
                 return self.forward_small_m(x)
             if self.use_scaled_mm and x.dtype == torch.bfloat16:
-                per_tensor = self.activation == STATIC and self.weight_scale.dim() == 0
-                if (not per_tensor and rows.shape[0] <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode")
+                if (not self.per_tensor_scales and rows.shape[0] <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode")
                         and _tensorwise_fp32_out(x.device)):
                     return self.forward_tensorwise(x)
                 return self.forward_scaled_mm(x)

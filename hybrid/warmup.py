@@ -69,7 +69,7 @@ def warm_up(engine: Engine, *, vocab_size: int, max_num_batched_tokens: int, max
     if prefill_kernels is not None:
         launches = prefill_kernels(min(max_num_batched_tokens, max_model_len))
         logger.debug("warm-up: %d Mamba prefill launches", launches)
-    device = getattr(engine.runner, "device", None)  # (absent on test doubles)
+    device = getattr(engine, "device", None)  # (absent on test doubles)
     if device is not None:  # both variants of the sampler's full-row kernel (one warm-up step has one)
         warm_up_fallback_kernel(device, vocab_size)
     requests = warmup_requests(vocab_size, max_num_batched_tokens, max_model_len, max_num_seqs,

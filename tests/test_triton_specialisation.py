@@ -77,7 +77,7 @@ HELPERS = {
     "hybrid.ops.triton_sampling": {"_fixed", "_kept_masses"},
     "attention.triton_prefill": {"_attend_tile"},
     "attention.trtllm": set(),
-    "hybrid.ops.triton_fp8": {"_round_e4m3", "_e4m3_values", "_quantized", "_gemv_step", "_ieee_quotient", "_e4m3_row"},
+    "hybrid.ops.triton_fp8": {"_round_e4m3", "_e4m3_values", "_quantized", "_gemv_step", "_ieee_quotient", "_e4m3_row", "_dynamic_scale"},
 }
 
 

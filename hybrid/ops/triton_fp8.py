@@ -67,6 +67,11 @@ if HAS_TRITON:
         return _round_e4m3(tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0))
 
     @triton.jit
+    def _dynamic_scale(amax, min_scale):
+        """A row's dynamic scale from its absmax: amax / 448 (IEEE), floored at min_scale."""
+        return tl.maximum(tl.div_rn(amax, 448.0), min_scale)
+
+    @triton.jit
     def _quantized(x, x_scale, ACT: tl.constexpr):
         """Rows x [BLOCK_M, BLOCK_K] as the GEMM sees them, in x's dtype: rounded to e4m3 with their
         scale [BLOCK_M] (ACT static or dynamic), or as they are (ACT none)."""
@@ -95,7 +100,7 @@ if HAS_TRITON:
                 ks = k0 + offs_k
                 x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
                 amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-            x_scale = tl.maximum(tl.div_rn(amax, 448.0), min_scale)
+            x_scale = _dynamic_scale(amax, min_scale)
         elif ACT == 1:
             x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(in_scale_ptr)
         else:
@@ -144,11 +149,12 @@ if HAS_TRITON:
         if FMA_QUOTIENT:
             r = tl.div_rn(1.0, s)
             if (r > 7.9e-31) & (r < 1.26e30):  # 2^-100 .. 2^100
-                v = tl.clamp(_ieee_quotient(xf, s, r), -448.0, 448.0)
+                q = _ieee_quotient(xf, s, r)
             else:
-                v = tl.clamp(tl.div_rn(xf, s), -448.0, 448.0)
+                q = tl.div_rn(xf, s)
         else:
-            v = tl.clamp(tl.div_rn(xf, s), -448.0, 448.0)
+            q = tl.div_rn(xf, s)
+        v = tl.clamp(q, -448.0, 448.0)
         if HW_CAST:
             return v.to(tl.float8e4nv)
         return _round_e4m3(v).to(tl.float8e4nv)  # exact: the value is an e4m3 value
@@ -166,7 +172,7 @@ if HAS_TRITON:
             if STATIC:
                 s = tl.load(in_scale_ptr)
             else:
-                s = tl.maximum(tl.div_rn(tl.max(tl.abs(x.to(tl.float32)), axis=0), 448.0), min_scale)
+                s = _dynamic_scale(tl.max(tl.abs(x.to(tl.float32)), axis=0), min_scale)
             tl.store(scale_ptr + row, s)
             tl.store(q_ptr + row * s_qm + offs_k, _e4m3_row(x, s, FMA_QUOTIENT, HW_CAST), mask=mask)
             return
@@ -178,7 +184,7 @@ if HAS_TRITON:
                 ks = k0 + offs_k
                 x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
                 amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-            s = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), min_scale)
+            s = _dynamic_scale(tl.max(amax, axis=0), min_scale)
         tl.store(scale_ptr + row, s)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
