@@ -398,6 +398,8 @@ def variant_decode(llm, rows: list[dict], args, dev: torch.device, env: dict[str
         batch = decode_batch(llm, row["batch"], args.ctx)
         t = time_steps(lambda: runner.execute(batch).argmax(-1), args.steps, dev)
         row.update({f"{key}_ms": t * 1e3, f"{key}_tok_s": row["batch"] / t})
+        if args.profile and row["batch"] == 1:
+            profile_step(lambda: runner.execute(batch).argmax(-1), f"batch 1, graph replay, {key}")
         del batch
     recapture(before)
 
@@ -410,6 +412,10 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                        "the norm before each MoE layer in its router's launch (HYBRID_NORM_ROUTER=1)"),
     "all_ab": ("all_switches", {"HYBRID_DECODE_LINEAR": "triton", "HYBRID_NORM_ROUTER": "1"},
                "both switches on"),
+    "plain_linear_ab": ("plain_linear", {"HYBRID_DECODE_LINEAR": "plain"},
+                        "decode projections through the Triton linear, gated norm its own launch (HYBRID_DECODE_LINEAR=plain)"),
+    "one_launch_ab": ("moe_one_launch", {"HYBRID_MOE_ONE_LAUNCH": "1"},
+                      "both expert GEMMs of a decode step in one launch (HYBRID_MOE_ONE_LAUNCH=1)"),
     "logits_ab": ("bf16_logits", {"HYBRID_16BIT_LOGITS": "1"},
                   "the LM head's logits in bf16, widened after (HYBRID_16BIT_LOGITS=1; fp32 accumulator by default)"),
 }
@@ -786,6 +792,10 @@ def main() -> int:
     ap.add_argument("--norm-router-ab", action="store_true",
                     help="time the graph decode again with the norm before each MoE layer in its router's launch")
     ap.add_argument("--all-ab", action="store_true", help="time the graph decode again with both switches on")
+    ap.add_argument("--plain-linear-ab", action="store_true",
+                    help="time the graph decode again with the decode projections on the Triton linear, no gated-norm fusion")
+    ap.add_argument("--one-launch-ab", action="store_true",
+                    help="time the graph decode again with both expert GEMMs of a decode step in one launch")
     ap.add_argument("--logits-ab", action="store_true",
                     help="time the graph decode again with the LM head's logits in bf16 (the fp32 head's cost)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of one graph replay per batch size (and the prefill)")

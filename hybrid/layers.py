@@ -28,7 +28,8 @@ class Linear(nn.Module):
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and switch("decode_linear") and triton_gemv.eligible(x, self.weight):
+        if (self.fused and (switch("decode_linear") or switch("decode_linear_plain"))
+                and triton_gemv.eligible(x, self.weight)):
             return triton_gemv.small_m_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

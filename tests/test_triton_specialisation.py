@@ -26,6 +26,7 @@ KERNELS = {
     ("hybrid.ops.triton_moe_align", "_align_place_kernel"): ("n",),
     # pair rows and row blocks of the step; N, K, a_div (top-k or 1), num_experts, strides: the model's
     ("hybrid.ops.triton_moe", "_moe_gemm_kernel"): ("num_pairs", "num_m_blocks"),
+    ("hybrid.ops.triton_moe", "_moe_one_launch_kernel"): ("num_pairs", "num_m_blocks"),
     ("hybrid.ops.triton_moe", "_sum_k_kernel"): (),  # H only (tokens are the grid)
     # tokens T, and T * E between the split-K partials' rows
     ("hybrid.ops.triton_moe_route", "_router_partial_kernel"): ("T",),
@@ -68,7 +69,7 @@ MAMBA_UNALIGNED = {
 # @triton.jit helpers only called from kernels: their arguments take the calling kernel's specialisation
 HELPERS = {
     "hybrid.ops.triton_moe_align": {"_count_experts", "_store_block_experts", "_place_pairs"},
-    "hybrid.ops.triton_moe": {"expert_sum"},
+    "hybrid.ops.triton_moe": {"expert_sum", "_block_tile", "_block_operands", "_mma", "_k_steps", "_store_block"},
     "hybrid.ops.triton_moe_route": {"router_split"},
     "hybrid.ops.triton_norm": {"_normalised_cols", "_normalised_row", "_plus_residual", "_added_row"},
     "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed"},

@@ -16,6 +16,8 @@ Kernel switches (`switch(name)`), read from the environment once (`reset_switche
 again: benchmarks comparing both):
 - "decode_linear" (HYBRID_DECODE_LINEAR=triton): decode-sized projections on the Triton linear
   (hybrid/ops/triton_gemv.py), the Mamba gated norm fused into out_proj;
+- "decode_linear_plain" (HYBRID_DECODE_LINEAR=plain): the same Triton linear for decode-sized projections,
+  the gated norm its own launch (no split-K reduce launch after out_proj): not measured yet;
 - "norm_router" (HYBRID_NORM_ROUTER=1): the residual add and norm before an MoE layer computed in its
   router's launch (triton_norm.add_rms_norm_route);
 - "bf16_logits" (HYBRID_16BIT_LOGITS=1): the LM head's logits in the model dtype, widened after
@@ -30,6 +32,9 @@ again: benchmarks comparing both):
   written after that measurement, not measured yet.
 - "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
   scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
+- "moe_one_launch" (HYBRID_MOE_ONE_LAUNCH=1): both expert GEMMs of a decode-sized MoE step in one
+  launch (triton_moe._moe_one_launch_kernel: the second GEMM's tiles wait on per-block counters
+  for the first's): written, not measured yet.
 All off: the first three measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) the first loses 37-45% at batch 1 and the second is neutral.
 """
@@ -54,10 +59,12 @@ def require(module: str) -> None:
         raise RuntimeError(f"{module} needs triton, which is not importable here")
 
 
-_SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "norm_router": ("HYBRID_NORM_ROUTER", "1"),
+_SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear_plain": ("HYBRID_DECODE_LINEAR", "plain"),
+             "norm_router": ("HYBRID_NORM_ROUTER", "1"),
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
-             "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise")}
+             "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
+             "moe_one_launch": ("HYBRID_MOE_ONE_LAUNCH", "1")}
 _switch_values: dict[str, bool] = {}
 
 

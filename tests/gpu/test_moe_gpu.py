@@ -137,6 +137,74 @@ def test_graph_replay_equals_eager(T):
         assert torch.equal(out, eager)
 
 
+# the released expert shapes (E, H, expert width, gated, shared slices): Granite-4.0-H-Tiny (shared MLP
+# 1024 = 2 slices) and Nemotron-3-Nano-30B-A3B (shared 3712 = 2 slices)
+ONE_LAUNCH_SHAPES = {"granite_tiny": (64, 1536, 512, True, 2), "nemotron_nano": (128, 2688, 1856, False, 2)}
+
+
+def _one_launch_case(shape: str, T: int, seed: int):
+    E, H, inter, gated, S = ONE_LAUNCH_SHAPES[shape]
+    w_up, w_down = _layer(E=E, H=H, inter=inter, gated=gated, seed=seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    s_up = torch.randn((2 if gated else 1) * S * inter, H, generator=g, device="cuda").div(H ** 0.5).bfloat16()
+    s_down = torch.randn(H, S * inter, generator=g, device="cuda").div((S * inter) ** 0.5).bfloat16()
+    x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+    idx, w = routing("random", T, E, 6, seed=seed, device="cuda")
+    idx = torch.cat([idx, torch.arange(E, E + S, device="cuda").expand(T, S)], dim=1).contiguous()
+    w = torch.cat([w, torch.ones(T, S, device="cuda")], dim=1).contiguous()
+    return x, w_up, w_down, idx, w, gated, dict(shared_up=s_up, shared_down=s_down)
+
+
+@pytest.mark.parametrize("shape", list(ONE_LAUNCH_SHAPES))
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
+def test_one_launch_equals_two_launches(shape, T):
+    """Both expert GEMMs in one launch (the second's tiles wait on per-block counters for the first's)
+    at the released shapes with their shared slices: the two launches' values bit for bit, launch after
+    launch (a missed wait would read a half-written H), the counters zero after each."""
+    from hybrid.ops import triton_moe
+
+    x, w_up, w_down, idx, w, gated, kw = _one_launch_case(shape, T, seed=T)
+    two = triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, one_launch=False, **kw)
+    for _ in range(50):
+        one = triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, one_launch=True, **kw)
+        assert torch.equal(one, two)
+    torch.cuda.synchronize()
+    assert not triton_moe._sync_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("shape", list(ONE_LAUNCH_SHAPES))
+def test_one_launch_graph_replay_equals_eager(shape):
+    """The one-launch kernel captured with the layers around it (a norm before, the sum after, PDL on)
+    and replayed on new inputs and routings: each replay equals the eager two launches."""
+    from hybrid.ops import triton_moe
+
+    T = 4
+    x, w_up, w_down, idx, w, gated, kw = _one_launch_case(shape, T, seed=11)
+
+    def layer():
+        h = torch.nn.functional.rms_norm(x, (x.shape[1],))
+        return triton_moe.fused_experts(h, w_up, w_down, idx, w, gated, one_launch=True, **kw) * 2
+
+    for _ in range(2):
+        layer()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    E = w_up.shape[0]
+    for seed in range(20):
+        new_idx, new_w = routing(["random", "one_expert", "few_experts"][seed % 3], T, E, 6, seed=seed, device="cuda")
+        idx[:, :6].copy_(new_idx)
+        w[:, :6].copy_(new_w)
+        x.normal_()
+        graph.replay()
+        h = torch.nn.functional.rms_norm(x, (x.shape[1],))
+        eager = triton_moe.fused_experts(h, w_up, w_down, idx, w, gated, one_launch=False, **kw) * 2
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), seed
+    assert not triton_moe._sync_counters(x.device, 1).any()
+
+
 @pytest.mark.parametrize("E,top_k", [(128, 6), (64, 6), (72, 10)])
 def test_route_kernel_vs_torch(E, top_k):
     from hybrid.ops import triton_moe_route
