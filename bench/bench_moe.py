@@ -414,8 +414,6 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                "both switches on"),
     "plain_linear_ab": ("plain_linear", {"HYBRID_DECODE_LINEAR": "plain"},
                         "decode projections through the Triton linear, gated norm its own launch (HYBRID_DECODE_LINEAR=plain)"),
-    "one_launch_ab": ("moe_one_launch", {"HYBRID_MOE_ONE_LAUNCH": "1"},
-                      "both expert GEMMs of a decode step in one launch (HYBRID_MOE_ONE_LAUNCH=1)"),
     "logits_ab": ("bf16_logits", {"HYBRID_16BIT_LOGITS": "1"},
                   "the LM head's logits in bf16, widened after (HYBRID_16BIT_LOGITS=1; fp32 accumulator by default)"),
 }
@@ -794,8 +792,6 @@ def main() -> int:
     ap.add_argument("--all-ab", action="store_true", help="time the graph decode again with both switches on")
     ap.add_argument("--plain-linear-ab", action="store_true",
                     help="time the graph decode again with the decode projections on the Triton linear, no gated-norm fusion")
-    ap.add_argument("--one-launch-ab", action="store_true",
-                    help="time the graph decode again with both expert GEMMs of a decode step in one launch")
     ap.add_argument("--logits-ab", action="store_true",
                     help="time the graph decode again with the LM head's logits in bf16 (the fp32 head's cost)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of one graph replay per batch size (and the prefill)")

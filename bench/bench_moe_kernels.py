@@ -6,9 +6,7 @@ their FLOPs over the bf16 matmul rate (both measured in the same run).
 
 Decode rows also time (first GEMM, second GEMM) pairs of configurations and the model's own default
 (config=None, whose column tiles narrow at few programs). --kernel-profile prints each kernel's
-time in the default's replay (torch profiler). --one-launch: at the steps that allow it, both GEMMs
-in one launch (fused_experts(one_launch=True)) with the default's tiles and with candidate
-(first, second) tile pairs, each checked bit for bit against the two launches.
+time in the default's replay (torch profiler). --no-sweep: the default alone.
 
 Usage: python bench/bench_moe_kernels.py [--tokens 1 8 64 256 8192] [--json FILE]
 """
@@ -101,39 +99,6 @@ def print_kernel_profile(fn, label: str, replays: int = 20) -> None:
             print(f"      {e.key[:70]:70s} {e.device_time_total / replays:8.2f}")
 
 
-def one_launch_candidates(default, inter: int) -> list:
-    """(first GEMM, second GEMM) tile pairs for the one-launch kernel: first-GEMM column tiles of 32 / 64,
-    second-GEMM tiles 16 to 64 wide with K steps up to the whole expert width (its weight tile then
-    loads entirely before the wait), the stages of the default's first GEMM."""
-    from hybrid.ops import triton_moe
-
-    up0, _ = triton_moe.gemm_configs(default)
-    bm, _, bk1, gm, warps, stages = up0
-    whole = min(512, 1 << (inter - 1).bit_length())
-    return [((bm, bn1, bk1, gm, warps, stages), (bm, bn2, bk2, gm, warps, stages))
-            for bn1 in (32, 64) for bn2 in (16, 32, 64) for bk2 in sorted({128, whole})]
-
-
-def time_one_launch(timings: dict, x, w_up, w_down, top_idx, top_w, gated: bool, inter: int, default,
-                    profile, label: str) -> None:
-    """timings["one launch ..."]: the model default (narrowed) and each candidate pair in one launch; the
-    error column says whether it equals the two launches bit for bit."""
-    from hybrid.ops import triton_moe
-
-    def run(cfg, one):
-        return triton_moe.fused_experts(x, w_up, w_down, top_idx, top_w, gated, config=cfg, one_launch=one)
-
-    for cfg in [None] + one_launch_candidates(default, inter):
-        name = "one launch, model default (narrowed)" if cfg is None else f"one launch {cfg}"
-        try:
-            same = torch.equal(run(cfg, True), run(cfg, False))
-            timings[name] = (graph_ms(lambda: run(cfg, True)), "bit-equal" if same else "DIFFERS")
-        except Exception as e:  # noqa: BLE001 - reported, not fatal
-            timings[name] = (float("nan"), repr(e)[:80])
-    if profile is not None:
-        profile(lambda: run(None, True), f"{label} one launch")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 8192])
@@ -143,9 +108,7 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true",
                     help="also the model's default with FP8 experts (e4m3, per-row scales: half the bytes)")
     ap.add_argument("--no-sweep", action="store_true",
-                    help="only the model's default configuration (and --one-launch's), no candidate sweep")
-    ap.add_argument("--one-launch", action="store_true",
-                    help="also both GEMMs in one launch (default tiles and candidate pairs), where the step allows")
+                    help="only the model's default configuration, no candidate sweep")
     args = ap.parse_args()
     from hybrid.ops import triton_moe, triton_moe_align
     from hybrid.tools.quantize_fp8 import quantize_weight
@@ -200,9 +163,6 @@ def main() -> None:
                 timings["torch._grouped_mm"] = (graph_ms(lambda: grouped_mm_experts(x, w_up, w_down, top_idx, top_w, gated)), err)
             except Exception as e:  # noqa: BLE001
                 timings["torch._grouped_mm"] = (float("nan"), repr(e)[:80])
-            if args.one_launch and T * k <= triton_moe.ONE_LAUNCH_MAX_PAIRS:
-                time_one_launch(timings, x, w_up, w_down, top_idx, top_w, gated, inter, default,
-                                print_kernel_profile if args.kernel_profile else None, f"{name} T={T}")
             if args.fp8:
                 # FP8 experts as FP8 checkpoints load on CUDA (hybrid/moe.py Experts); their floor is half
                 (up8, up_s), (down8, down_s) = (quantize_weight(w, True, torch.float32) for w in (w_up, w_down))

@@ -203,20 +203,6 @@ if [[ $what == moe-pdl ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --pdl-ab --linear-ab --norm-router-ab --all-ab --logits-ab \
       --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_pdl.log" || rc=1
 fi
-# moe-one-launch  both expert GEMMs of a decode step in one launch (HYBRID_MOE_ONE_LAUNCH=1): its GPU tests (bit for
-#            bit against the two launches, under graphs), the layer alone at batch 1 / 4 / 8 with candidate tile
-#            pairs (bench_moe_kernels.py --one-launch --no-sweep), then the two target shapes' graph decode with and
-#            without it in one process (bench_moe.py --one-launch-ab), and with the decode projections on the Triton
-#            linear without the gated-norm fusion (--plain-linear-ab), kernel profile, generate at batch 1 (~8 minutes)
-if [[ $what == moe-one-launch ]]; then
-  gpu_pytest 100 gpu_tests_moe_one_launch.log tests/gpu/test_moe_gpu.py -k "one_launch or graph_replay or padding"
-  timeout 110 python3 bench/bench_moe_kernels.py --tokens 1 4 8 --shapes granite4_tiny nemotron3_nano --one-launch \
-      --no-sweep --json "$OUT/moe_one_launch_kernels.json" 2>&1 | tee "$OUT/moe_one_launch_kernels.log" \
-      | grep -E "T=|one launch|default|rror" | cut -c1-160 || rc=1
-  timeout 345 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --one-launch-ab --plain-linear-ab \
-      --batches 1 8 64 256 --gen-batches 1 --out "$OUT" --time-budget 330 2>&1 | tee "$OUT/bench_moe_one_launch.log" \
-      | grep -E "decode|ttft|TTFT|rror|moe_one_launch" | cut -c1-240 || rc=1
-fi
 # throughput  bench_throughput.py: offline LLM.generate throughput of a checkpoint saved from the shape
 #            ${2:-nemotron-h-8b} with transformers (built on the GPU, saved sharded to /tmp, reused while the
 #            machine stays warm), 256 x (1024 in, 257 out), max_num_seqs 256, 8192 batched tokens, bf16 SSM

@@ -167,62 +167,6 @@ def test_tuned_decode_configs_apply_to_their_shape_at_the_smallest_steps(gated, 
     assert triton_moe.decode_tuned(6, 128, 2688, 1856, False) is None  # (patched out here)
 
 
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("kind", ["random", "every_expert", "one_expert"])
-@pytest.mark.parametrize("T,shared,config", [
-    (1, 0, (16, 16, 16, 2, 1, 1)),  # naive alignment, one block per pair
-    (5, 2, ((16, 16, 16, 1, 1, 1), (16, 32, 16, 1, 1, 1))),  # shared slices, a (first, second) tile pair
-    (9, 0, ((16, 32, 16, 1, 1, 1), (16, 16, 32, 1, 1, 1))),  # one-program alignment, whole K in one step
-    (3, 1, None),  # the model's default tiles, narrowed
-])
-def test_one_launch_equals_two_launches(gated, kind, T, shared, config, monkeypatch):
-    """Both GEMMs in one launch (tickets, per-block counters): the two launches' values bit for bit,
-    the counters back at zero after every launch, and no grouped-GEMM launch of the two-launch path."""
-    g = torch.Generator().manual_seed(T + 7 * shared)
-    width = 2 * INTER if gated else INTER
-    up, down = torch.randn(E, width, H, generator=g) / H ** 0.5, torch.randn(E, H, INTER, generator=g) / INTER ** 0.5
-    x = torch.randn(T, H, generator=g)
-    top_idx, top_w = routing(kind, T, E, TOP_K, seed=T)
-    kw = {}
-    if shared:
-        kw = dict(shared_up=torch.randn(width * shared, H, generator=g) / H ** 0.5,
-                  shared_down=torch.randn(H, INTER * shared, generator=g) / INTER ** 0.5)
-        top_idx = torch.cat([top_idx, torch.arange(E, E + shared).expand(T, shared)], dim=1)
-        top_w = torch.cat([top_w, torch.ones(T, shared)], dim=1)
-    two = triton_moe.fused_experts(x, up, down, top_idx, top_w, gated, config=config, one_launch=False, **kw)
-    monkeypatch.setattr(triton_moe, "_grouped_gemm", lambda *a, **k: pytest.fail("two-launch path taken"))
-    for _ in range(2):  # the second launch starts from the counters the first left
-        one = triton_moe.fused_experts(x, up, down, top_idx, top_w, gated, config=config, one_launch=True, **kw)
-        assert torch.equal(one, two)
-        assert not triton_moe._sync_counters(x.device, 1).any(), "counters reset by the last program"
-
-
-def test_one_launch_switch_and_limits(monkeypatch):
-    """HYBRID_MOE_ONE_LAUNCH=1 takes the one-launch kernel for steps of at most ONE_LAUNCH_MAX_PAIRS
-    pairs only; FP8 experts refuse it."""
-    from hybrid.ops import triton_guard
-
-    launches = []
-    real = triton_moe._one_launch
-    monkeypatch.setattr(triton_moe, "_one_launch", lambda *a, **k: launches.append(1) or real(*a, **k))
-    monkeypatch.setenv("HYBRID_MOE_ONE_LAUNCH", "1")
-    triton_guard.reset_switches()
-    try:
-        for T, want in ((2, 1), (triton_moe.ONE_LAUNCH_MAX_PAIRS // TOP_K + 1, 0)):
-            launches.clear()
-            check_fused_experts("random", True, None, T=T, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,
-                                device="cpu")
-            assert len(launches) == want, (T, launches)
-    finally:
-        monkeypatch.delenv("HYBRID_MOE_ONE_LAUNCH")
-        triton_guard.reset_switches()
-    x = torch.randn(2, H)
-    w8 = torch.zeros(E, INTER, H).to(torch.float8_e4m3fn)
-    with pytest.raises(AssertionError, match="16-bit or fp32"):
-        triton_moe.fused_experts(x, w8, torch.zeros(E, H, INTER).to(torch.float8_e4m3fn), *routing("random", 2, E, TOP_K, 1),
-                                 False, up_scale=torch.ones(E, INTER), down_scale=torch.ones(E, H), one_launch=True)
-
-
 def test_fused_experts_prefill_config_and_add():
     # the prefill tiles (BLOCK_M 64, grouped ordering) over more tokens than one block holds
     check_fused_experts("random", True, "torch", T=70, E=E, H=H, inter=INTER, top_k=TOP_K, dtype=torch.float32,

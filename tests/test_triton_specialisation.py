@@ -26,7 +26,6 @@ KERNELS = {
     ("hybrid.ops.triton_moe_align", "_align_place_kernel"): ("n",),
     # pair rows and row blocks of the step; N, K, a_div (top-k or 1), num_experts, strides: the model's
     ("hybrid.ops.triton_moe", "_moe_gemm_kernel"): ("num_pairs", "num_m_blocks"),
-    ("hybrid.ops.triton_moe", "_moe_one_launch_kernel"): ("num_pairs", "num_m_blocks"),
     ("hybrid.ops.triton_moe", "_sum_k_kernel"): (),  # H only (tokens are the grid)
     # tokens T, and T * E between the split-K partials' rows
     ("hybrid.ops.triton_moe_route", "_router_partial_kernel"): ("T",),

@@ -85,25 +85,6 @@ for _i, ((_e, _h, _inter, _gated), _pair) in enumerate(sorted(triton_moe.TUNED_D
     CASES[f"moe_gemm-tuned{_i}"] = _tuned
 
 
-def _one_launch_compiles(up, down, act, shared=True):
-    bm, bn1, bk1, gm, warps, stages = up
-    compiles(triton_moe._moe_one_launch_kernel,
-             dict(ACT=act, HAS_SHARED=shared, IEEE=False, BLOCK_M=bm, BLOCK_N1=bn1, BLOCK_K1=bk1, BLOCK_N2=down[1],
-                  BLOCK_K2=down[2], GROUP_M=gm, PDL=True),
-             dict(MOE_PTRS, tw_ptr="*fp32", sync_ptr="*i32"), warps, min(stages, down[5]))
-
-
-@case("moe_one_launch")
-def _moe_one_launch():
-    up, down = triton_moe.gemm_configs(triton_moe.CONFIGS["decode"])
-    for act in (triton_moe.ACT_RELU2, triton_moe.ACT_SILU_MUL):
-        _one_launch_compiles(up, down, act)
-        # narrowed column tiles, and Granite-Tiny's whole expert width (512) as the second GEMM's K step
-        _one_launch_compiles(up[:1] + (32,) + up[2:], (16, 32, 512, 1, 4, 4), act, shared=False)
-    for (_e, _h, _inter, gated), pair in sorted(triton_moe.TUNED_DECODE.items()):
-        _one_launch_compiles(*triton_moe.gemm_configs(pair), triton_moe.ACT_SILU_MUL if gated else triton_moe.ACT_RELU2)
-
-
 FP8_PTRS = dict(w_ptr="*fp8e4nv", q_ptr="*fp8e4nv", w_scale_ptr="*fp32", in_scale_ptr="*fp32", scale_ptr="*fp32",
                 x_scale_ptr="*fp32")
 

@@ -17,7 +17,8 @@ again: benchmarks comparing both):
 - "decode_linear" (HYBRID_DECODE_LINEAR=triton): decode-sized projections on the Triton linear
   (hybrid/ops/triton_gemv.py), the Mamba gated norm fused into out_proj;
 - "decode_linear_plain" (HYBRID_DECODE_LINEAR=plain): the same Triton linear for decode-sized projections,
-  the gated norm its own launch (no split-K reduce launch after out_proj): not measured yet;
+  the gated norm its own launch (no split-K reduce launch after out_proj): measured at batch 1 +3.2% on
+  Granite-4.0-H-Tiny's shape and -5.3% on Nemotron-3-Nano's (BENCHMARKS.md), so off;
 - "norm_router" (HYBRID_NORM_ROUTER=1): the residual add and norm before an MoE layer computed in its
   router's launch (triton_norm.add_rms_norm_route);
 - "bf16_logits" (HYBRID_16BIT_LOGITS=1): the LM head's logits in the model dtype, widened after
@@ -32,9 +33,6 @@ again: benchmarks comparing both):
   written after that measurement, not measured yet.
 - "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
   scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
-- "moe_one_launch" (HYBRID_MOE_ONE_LAUNCH=1): both expert GEMMs of a decode-sized MoE step in one
-  launch (triton_moe._moe_one_launch_kernel: the second GEMM's tiles wait on per-block counters
-  for the first's): written, not measured yet.
 All off: the first three measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) the first loses 37-45% at batch 1 and the second is neutral.
 """
@@ -63,8 +61,7 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "norm_router": ("HYBRID_NORM_ROUTER", "1"),
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
-             "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
-             "moe_one_launch": ("HYBRID_MOE_ONE_LAUNCH", "1")}
+             "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise")}
 _switch_values: dict[str, bool] = {}
 
 

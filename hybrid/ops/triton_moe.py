@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.ops import triton_moe_align
-from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, switch, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 from state_pool.util import cdiv, sm_count
 
 ACT_NONE, ACT_RELU2, ACT_SILU_MUL = 0, 1, 2
@@ -86,12 +86,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _k_steps(a_ptrs, b_ptrs, up_off, row_ok, n_ok, k_first, K, acc, acc_up, ACT: tl.constexpr,
-                 IEEE: tl.constexpr, BLOCK_K: tl.constexpr, A_CACHE: tl.constexpr):
+                 IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
         """acc (+ acc_up: the up rows, SwiGLU) += the K steps from k_first on (the pointers at k_first)."""
         offs_k = tl.arange(0, BLOCK_K)
         for k0 in range(k_first, K, BLOCK_K):
             k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=A_CACHE)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(a_ptrs.dtype.element_ty)
             acc = _mma(a, b, acc, IEEE)
             if ACT == 2:
@@ -165,67 +165,9 @@ if HAS_TRITON:
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
             k_first = BLOCK_K
-        acc, acc_up = _k_steps(a_ptrs, b_ptrs, up_off, row_ok, n_ok, k_first, K, acc, acc_up, ACT, IEEE, BLOCK_K, "")
+        acc, acc_up = _k_steps(a_ptrs, b_ptrs, up_off, row_ok, n_ok, k_first, K, acc, acc_up, ACT, IEEE, BLOCK_K)
         _store_block(acc, acc_up, expert, pair, row_ok, offs_n, n_ok, c_ptr, w_ptr, ws_ptr, N, s_cm, s_ws,
                      ACT, MUL_W, W_SCALE)
-
-    # One launch for both GEMMs of a decode-sized step (fused_experts(..., one_launch=True)). Each program
-    # first takes a ticket (sync[0]); the first n1 tickets are the first GEMM's tiles, the rest the second
-    # GEMM's. A first-GEMM tile counts itself done in its block's counter (sync[2 + m], release); a
-    # second-GEMM tile loads its first W tile, then waits until its block's counter holds all the block's
-    # first-GEMM tiles (acquire) before it reads H. Tickets go to programs in the order they start, so
-    # a waiting program's producers have all started, whatever order the hardware (or the CPU
-    # interpreter, one program at a time) runs them in: no deadlock. The last second-GEMM program to
-    # finish (sync[1] counts them) sets the counters back to zero for the next launch. No atomics touch
-    # data: the results equal the two launches' bit for bit.
-    @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
-    def _moe_one_launch_kernel(x_ptr, w1_ptr, s1_ptr, h_ptr, w2_ptr, s2_ptr, y_ptr, tw_ptr, pairs_ptr,
-                               block_expert_ptr, total_ptr, sync_ptr, N1, K1, N2, num_pairs, top_k, num_m_blocks,
-                               num_experts, s_xm, s_w1e, s_w1n, s_s1n, s_s1e, s_s1up, s_hm, s_w2e, s_w2n,
-                               s_s2n, s_s2e, s_ym, ACT: tl.constexpr, HAS_SHARED: tl.constexpr,
-                               IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
-                               BLOCK_K1: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr,
-                               GROUP_M: tl.constexpr, PDL: tl.constexpr):
-        pdl_wait(PDL)  # (the counters are shared by every such launch: none is touched before the wait)
-        ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-        tiles_1 = tl.cdiv(N1, BLOCK_N1)
-        n1 = num_m_blocks * tiles_1
-        total = tl.load(total_ptr)
-        if ticket < n1:
-            pid_m, pid_n = _block_tile(ticket, N1, num_m_blocks, BLOCK_N1, GROUP_M)
-            if pid_m * BLOCK_M < total:
-                expert, pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off = _block_operands(
-                    x_ptr, w1_ptr, s1_ptr, pairs_ptr, block_expert_ptr, pid_m, pid_n, N1, num_pairs, top_k,
-                    num_experts, s_xm, s_w1e, s_w1n, s_s1n, s_s1e, s_s1up, HAS_SHARED, BLOCK_M, BLOCK_N1, BLOCK_K1)
-                acc = tl.zeros((BLOCK_M, BLOCK_N1), dtype=tl.float32)
-                acc, acc_up = _k_steps(a_ptrs, b_ptrs, up_off, row_ok, n_ok, 0, K1, acc, acc, ACT, IEEE, BLOCK_K1, "")
-                _store_block(acc, acc_up, expert, pair, row_ok, offs_n, n_ok, h_ptr, tw_ptr, tw_ptr, N1, s_hm, 0,
-                             ACT, False, False)
-                tl.debug_barrier()  # every thread's stores precede the release
-                tl.atomic_add(sync_ptr + 2 + pid_m, 1, sem="release")
-        else:
-            pid_m, pid_n = _block_tile(ticket - n1, N2, num_m_blocks, BLOCK_N2, GROUP_M)
-            if pid_m * BLOCK_M < total:
-                expert, pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off = _block_operands(
-                    h_ptr, w2_ptr, s2_ptr, pairs_ptr, block_expert_ptr, pid_m, pid_n, N2, num_pairs, 1,
-                    num_experts, s_hm, s_w2e, s_w2n, s_s2n, s_s2e, 0, HAS_SHARED, BLOCK_M, BLOCK_N2, BLOCK_K2)
-                k_ok = tl.arange(0, BLOCK_K2) < N1
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(h_ptr.dtype.element_ty)
-                while tl.atomic_add(sync_ptr + 2 + pid_m, 0, sem="acquire") < tiles_1:
-                    pass
-                tl.debug_barrier()  # no thread reads H before the acquire
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
-                acc = _mma(a, b, tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32), IEEE)
-                acc, acc_up = _k_steps(a_ptrs + BLOCK_K2, b_ptrs + BLOCK_K2, 0, row_ok, n_ok, BLOCK_K2, N1, acc, acc,
-                                       0, IEEE, BLOCK_K2, ".cg")
-                _store_block(acc, acc_up, expert, pair, row_ok, offs_n, n_ok, y_ptr, tw_ptr, tw_ptr, N2, s_ym, 0,
-                             0, True, False)
-            n2 = num_m_blocks * tl.cdiv(N2, BLOCK_N2)
-            if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == n2 - 1:  # the last one: every other is done
-                tl.store(sync_ptr, 0)
-                tl.store(sync_ptr + 1, 0)
-                for m in range(0, num_m_blocks):
-                    tl.store(sync_ptr + 2 + m, 0)
 
     @triton.jit
     def expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr):
@@ -347,50 +289,6 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
     )
 
 
-# Steps of at most this many (token, expert) pairs may run both GEMMs in one launch (`one_launch`):
-# a decode batch of 8 at top-6 with two shared slices
-ONE_LAUNCH_MAX_PAIRS = 64
-_SYNC_SLOTS = 2 + 512  # ticket, finished count, one counter per row block (max_blocks(64, E, 16) <= 68 + E)
-_sync_by_device: dict = {}
-
-
-def _sync_counters(device, num_blocks: int) -> torch.Tensor:
-    """The one-launch kernel's counters on `device` (zero between launches: each launch's last program
-    resets them). One buffer for every launch: launches on a stream run in order, and none touches it
-    before its PDL wait."""
-    if num_blocks + 2 > _SYNC_SLOTS:
-        raise ValueError(f"one-launch experts: {num_blocks} row blocks is over the {_SYNC_SLOTS - 2} counters")
-    key = (device.type, device.index)
-    if key not in _sync_by_device:
-        _sync_by_device[key] = torch.zeros(_SYNC_SLOTS, dtype=torch.int32, device=device)
-    return _sync_by_device[key]
-
-
-def _one_launch(x, w_up, up_shared, w_down, down_shared, h, y, top_w, pairs, block_expert, total, top_k, act,
-                cfg_up, cfg_down, narrow: bool) -> None:
-    """Both grouped GEMMs in one launch (_moe_one_launch_kernel): the same tiles, the same results."""
-    bm, bn1, _, gm, warps, _ = cfg_up
-    bn2 = cfg_down[1]
-    bk1, stages1 = _fit_tiles(cfg_up, act, x.element_size())
-    bk2, stages2 = _fit_tiles(cfg_down, ACT_NONE, x.element_size())
-    inter, H = h.shape[1], y.shape[1]
-    nb = block_expert.shape[0]
-    if narrow:
-        bn1, bn2 = _narrowed(bn1, nb, inter, x.device), _narrowed(bn2, nb, H, x.device)
-    s1, s1n, s1e, s1up = up_shared if up_shared is not None else (w_up, 0, 0, 0)
-    s2, s2n, s2e, _ = down_shared if down_shared is not None else (w_down, 0, 0, 0)
-    sync = _sync_counters(x.device, nb)
-    grid = nb * cdiv(inter, bn1) + nb * cdiv(H, bn2)
-    _moe_one_launch_kernel[(grid,)](
-        x, w_up, s1, h, w_down, s2, y, top_w, pairs, block_expert, total, sync, inter, x.shape[1], H,
-        h.shape[0], top_k, nb, w_up.shape[0], x.stride(0), w_up.stride(0), w_up.stride(1), s1n, s1e, s1up,
-        h.stride(0), w_down.stride(0), w_down.stride(1), s2n, s2e, y.stride(0),
-        ACT=act, HAS_SHARED=up_shared is not None, IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N1=bn1,
-        BLOCK_K1=bk1, BLOCK_N2=bn2, BLOCK_K2=bk2, GROUP_M=gm, num_warps=warps, num_stages=min(stages1, stages2),
-        **pdl_options(x.device),
-    )
-
-
 # The shared expert joins the expert launches only for steps of at most this many tokens: then each
 # of its slices is one 16-row block, streamed once, and the step saves the shared MLP's three
 # launches. Above it a slice would span several blocks, each streaming the slice's weights again
@@ -434,7 +332,7 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
                   shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
                   config: tuple | tuple[tuple, tuple] | None = None, align_method: str | None = None,
                   defer_sum: bool = False, up_scale: torch.Tensor | None = None,
-                  down_scale: torch.Tensor | None = None, one_launch: bool | None = None) -> torch.Tensor | ExpertRows:
+                  down_scale: torch.Tensor | None = None) -> torch.Tensor | ExpertRows:
     """The routed experts' output [T, H] in x.dtype (+ `add`); see the module docstring. With
     `defer_sum`, the ExpertRows that sum to it (for the next norm to add up: ExpertRows).
 
@@ -448,11 +346,7 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
 
     FP8 experts (weight-only): w_up / w_down in float8_e4m3fn with up_scale [E, I or 2I] and
     down_scale [E, H] (fp32, one per output row): the result of their dequantized weights
-    (w.float() * scale) up to rounding. The shared expert then runs on its own (no shared_up).
-
-    `one_launch`: both GEMMs in one launch (_moe_one_launch_kernel; the same values bit for bit), for
-    16-bit or fp32 experts and steps of at most ONE_LAUNCH_MAX_PAIRS pairs; None: the
-    HYBRID_MOE_ONE_LAUNCH switch decides for such steps."""
+    (w.float() * scale) up to rounding. The shared expert then runs on its own (no shared_up)."""
     require(__name__)
     T, H = x.shape
     E, width, _ = w_up.shape
@@ -486,18 +380,10 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     narrow = config is None and tuned is None and cfg_up[0] == 16
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
-    act = ACT_SILU_MUL if gated else ACT_RELU2
-    if one_launch is None:
-        one_launch = switch("moe_one_launch") and n <= ONE_LAUNCH_MAX_PAIRS and not fp8
-    if one_launch:
-        assert not fp8, "one-launch experts take 16-bit or fp32 weights"
-        _one_launch(x, w_up, up_shared, w_down, down_shared, h, y, top_w.reshape(-1).contiguous(), pairs,
-                    block_expert, total, top_k, act, cfg_up, cfg_down, narrow)
-    else:
-        _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k, act, cfg_up, narrow,
-                      w_scale=up_scale)
-        _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,
-                      ACT_NONE, cfg_down, narrow, early_b=True, w_scale=down_scale)
+    _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
+                  ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale)
+    _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,
+                  ACT_NONE, cfg_down, narrow, early_b=True, w_scale=down_scale)
     if add is not None:
         assert add.shape == (T, H) and add.stride(1) == 1 and add.stride(0) == H
     rows = ExpertRows(y, add, top_k)
