@@ -241,40 +241,26 @@ def pick_config(num_pairs: int, num_experts: int, gated: bool) -> str:
 _SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (the H100/H200 limit is 227 KiB)
 
 
-def _fit_tiles(cfg: tuple, act: int, elem: int) -> tuple[int, int]:
-    """(BLOCK_K, stages) of `cfg` within the shared memory: fp32 operands (tests, fp32 models) take
-    twice the memory of the bf16 tiles the configs were tuned for, so fewer pipeline stages, then
-    shorter K steps, until the buffers fit."""
-    bm, bn, bk, _, _, stages = cfg
-    tile_bytes = lambda: stages * (bm * bk + (2 if act == ACT_SILU_MUL else 1) * bk * bn) * elem
+def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div, act, cfg, narrow: bool,
+                  early_b: bool = False, w_scale: torch.Tensor | None = None) -> None:
+    """One grouped GEMM launch. `shared`: (tensor, row stride, pseudo-expert stride, up-row offset)
+    or None. `narrow`: halve BLOCK_N (down to 16) while the launch has under two programs per SM,
+    so that a decode step with few pairs still streams the weights from every SM. `early_b`: the
+    blocks were aligned before the previous launch (the second GEMM): see _moe_gemm_kernel.
+    `w_scale` [E, rows of w] fp32: w is FP8 (e4m3) with these per-row scales."""
+    bm, bn, bk, gm, warps, stages = cfg
+    # fp32 operands (tests, fp32 models) take twice the shared memory of the bf16 tiles the configs
+    # were tuned for: fewer pipeline stages, then shorter K steps, until the buffers fit
+    tile_bytes = lambda: stages * (bm * bk + (2 if act == ACT_SILU_MUL else 1) * bk * bn) * a.element_size()
     while stages > 2 and tile_bytes() > _SMEM_BUDGET:
         stages -= 1
     while bk > 32 and tile_bytes() > _SMEM_BUDGET:
         bk //= 2
-    return bk, stages
-
-
-def _narrowed(bn: int, num_blocks: int, n_out: int, device) -> int:
-    """BLOCK_N halved (down to 32: the narrowest tile measured on the H200, bench/bench_moe_kernels.py)
-    while the launch has under two programs per SM, so that a decode step with few pairs still streams
-    the weights from every SM."""
-    while bn > 32 and num_blocks * cdiv(n_out, bn) < 2 * sm_count(device):
-        bn //= 2
-    return bn
-
-
-def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div, act, cfg, narrow: bool,
-                  early_b: bool = False, w_scale: torch.Tensor | None = None) -> None:
-    """One grouped GEMM launch. `shared`: (tensor, row stride, pseudo-expert stride, up-row offset)
-    or None. `narrow`: _narrowed column tiles. `early_b`: the blocks were aligned before the previous
-    launch (the second GEMM): see _moe_gemm_kernel. `w_scale` [E, rows of w] fp32: w is FP8 (e4m3)
-    with these per-row scales."""
-    bm, bn, _, gm, warps, _ = cfg
-    bk, stages = _fit_tiles(cfg, act, a.element_size())
     n_out = out.shape[1]
     nb = block_expert.shape[0]
-    if narrow:
-        bn = _narrowed(bn, nb, n_out, a.device)
+    if narrow:  # (32: the narrowest tile measured on the H200, bench/bench_moe_kernels.py)
+        while bn > 32 and nb * cdiv(n_out, bn) < 2 * sm_count(a.device):
+            bn //= 2
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
     pdl = pdl_options(a.device)
     _moe_gemm_kernel[(nb * cdiv(n_out, bn),)](
@@ -379,9 +365,9 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
     narrow = config is None and tuned is None and cfg_up[0] == 16
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(n, H, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
                   ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale)
+    y = torch.empty(n, H, dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,
                   ACT_NONE, cfg_down, narrow, early_b=True, w_scale=down_scale)
     if add is not None:
