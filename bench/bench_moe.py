@@ -414,12 +414,6 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                "both switches on"),
     "plain_linear_ab": ("plain_linear", {"HYBRID_DECODE_LINEAR": "plain"},
                         "decode projections through the Triton linear, gated norm its own launch (HYBRID_DECODE_LINEAR=plain)"),
-    "prefetch_ab": ("l2_prefetch", {"HYBRID_L2_PREFETCH": "1"},
-                    "weights and routed expert rows prefetched into L2 a few kernels ahead (HYBRID_L2_PREFETCH=1)"),
-    "prefetch_static_ab": ("l2_prefetch_static", {"HYBRID_L2_PREFETCH": "static"},
-                           "fixed weights prefetched into L2 a few kernels ahead (HYBRID_L2_PREFETCH=static)"),
-    "prefetch_rows_ab": ("l2_prefetch_rows", {"HYBRID_L2_PREFETCH": "rows"},
-                         "routed expert rows prefetched into L2 after the routing (HYBRID_L2_PREFETCH=rows)"),
     "logits_ab": ("bf16_logits", {"HYBRID_16BIT_LOGITS": "1"},
                   "the LM head's logits in bf16, widened after (HYBRID_16BIT_LOGITS=1; fp32 accumulator by default)"),
 }
@@ -800,12 +794,6 @@ def main() -> int:
                     help="time the graph decode again with the decode projections on the Triton linear, no gated-norm fusion")
     ap.add_argument("--logits-ab", action="store_true",
                     help="time the graph decode again with the LM head's logits in bf16 (the fp32 head's cost)")
-    ap.add_argument("--prefetch-ab", action="store_true",
-                    help="time the graph decode again with L2 prefetch of fixed weights and routed rows (HYBRID_L2_PREFETCH=1)")
-    ap.add_argument("--prefetch-static-ab", action="store_true",
-                    help="time the graph decode again with L2 prefetch of fixed weights only (HYBRID_L2_PREFETCH=static)")
-    ap.add_argument("--prefetch-rows-ab", action="store_true",
-                    help="time the graph decode again with L2 prefetch of routed expert rows only (HYBRID_L2_PREFETCH=rows)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of one graph replay per batch size (and the prefill)")
     ap.add_argument("--gen-batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--gen-prompt", type=int, default=512)

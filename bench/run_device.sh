@@ -199,15 +199,6 @@ if [[ $what == moe-logits ]]; then
   timeout 400 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --logits-ab \
       --gen-batches 1 --out "$OUT" --time-budget 380 2>&1 | tee "$OUT/bench_moe_logits.log" || rc=1
 fi
-# moe-prefetch  bench_l2_prefetch.py (a projection and the routed experts after small kernels: cold, L2-hot,
-#            prefetched), then the two target shapes' graph decode with the L2 prefetch switches A/B'd in the
-#            same process (HYBRID_L2_PREFETCH=1 / static / rows, recaptured), the kernel profile at batch 1
-if [[ $what == moe-prefetch ]]; then
-  timeout 150 python3 bench/bench_l2_prefetch.py --json "$OUT/l2_prefetch.json" 2>&1 | tee "$OUT/l2_prefetch.log" || rc=1
-  timeout 400 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --no-peer --no-eager --profile \
-      --prefetch-ab --prefetch-static-ab --prefetch-rows-ab --batches 1 8 64 --gen-batches 1 --out "$OUT" \
-      --time-budget 380 2>&1 | tee "$OUT/bench_moe_prefetch.log" || rc=1
-fi
 if [[ $what == moe-pdl ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --pdl-ab --linear-ab --norm-router-ab --all-ab --logits-ab \
       --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_pdl.log" || rc=1

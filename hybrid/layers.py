@@ -145,7 +145,6 @@ class Mamba2Mixer(nn.Module):
         # Tensor parallelism with groups wider than a rank's channels: maps the local mean of squares
         # [T, G, 1] to the whole group's (hybrid/parallel/layers.py GroupNormStats); None: local is whole
         self.norm_stats = None
-        self.l2_after_in_proj = None  # decode-sized steps: weights to prefetch into L2 (hybrid/l2_prefetch.py)
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The SSM output gated by silu(z) and RMS-normalised per group of inner/G channels, in fp32,
@@ -313,7 +312,6 @@ class Attention(nn.Module):
             self.register_buffer("inv_freq", inv_freq, persistent=False)
         else:
             self.inv_freq = None
-        self.l2_after_qkv = None  # decode-sized steps: weights to prefetch into L2 (hybrid/l2_prefetch.py)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq.to(q.device)[None, :]
@@ -334,8 +332,6 @@ class Attention(nn.Module):
         cfg = self.cfg
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        if self.l2_after_qkv is not None:
-            self.l2_after_qkv.issue(n)
         if adapter is not None:
             qkv = qkv + adapter(hidden)
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)

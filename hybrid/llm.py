@@ -21,7 +21,6 @@ from hybrid.engine_config import (  # re-exported: the sizing API is known from 
 from hybrid.errors import CapacityError, InvalidRequestError, RequestFailedError
 from hybrid.kv_cache_dtype import kv_cache_dtype_note
 from hybrid.loader import load_model
-from hybrid.l2_prefetch import plan_l2_prefetch
 from hybrid.model import ForwardContext, use_fused_ops
 from hybrid.model_source import DEFAULT_MODEL_DIR, resolve_model
 from hybrid.outputs import RequestOutput
@@ -165,7 +164,6 @@ class LLM:
         shapes = StateShapes(len(cfg.mamba_layers), m.conv_dim, m.conv_kernel - 1, m.num_heads, m.head_dim, m.state_size)
         if config.fused_ops:
             use_fused_ops(self.model)
-            plan_l2_prefetch(self.model)  # (points fire only with the l2_prefetch switches, on sm_90+)
         backend = select_backend(self.device)
         num_spec, page_size, num_kv_pages = config.num_speculative_tokens, cache.page_size, cache.num_kv_pages
         self.memory_plan = None

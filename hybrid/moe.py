@@ -108,7 +108,6 @@ class NemotronMoE(nn.Module):
         self.router_bias = _param(cfg.num_experts)  # e_score_correction_bias, fp32
         self.experts = Experts(hidden_size, cfg, act, gated=False)
         self.shared = DenseMLP(hidden_size, cfg.shared_intermediate_size, act, bias=shared_bias)  # (mlp_bias)
-        self.l2_after_route = None  # decode-sized steps: weights to prefetch into L2 (hybrid/l2_prefetch.py)
 
     def router_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, int, dict] | None:
         """(router weight, k, keyword arguments) of triton_moe_route.route_hidden for this router, or None
@@ -152,8 +151,6 @@ class NemotronMoE(nn.Module):
         """`routing`: (top_idx, top_w) already computed with the norm before (add_norm_route)."""
         slices = self.experts.shared_slices(self.shared, x.shape[0])
         top_idx, top_w = routing if routing is not None else self.route(x, slices)
-        if self.l2_after_route is not None:
-            self.l2_after_route.issue(x.shape[0], top_idx.reshape(-1))
         if slices:
             return self.experts(x, top_idx, top_w, shared=self.shared)
         return self.experts(x, top_idx, top_w, add=self.shared(x))
@@ -167,7 +164,6 @@ class GraniteMoE(nn.Module):
         self.cfg = cfg
         self.router_weight = _param(cfg.num_experts, hidden_size)
         self.experts = Experts(hidden_size, cfg, act, gated=True)
-        self.l2_after_route = None  # decode-sized steps: weights to prefetch into L2 (hybrid/l2_prefetch.py)
 
     def router_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, int, dict] | None:
         """(router weight, k, keyword arguments) of triton_moe_route.route_hidden for activations of
@@ -187,8 +183,6 @@ class GraniteMoE(nn.Module):
             else:
                 weight, top_k, kw = self.router_args(x.dtype)
                 top_idx, top_w = triton_moe_route.route_hidden(x, weight, top_k, num_shared=slices, **kw)
-            if self.l2_after_route is not None:
-                self.l2_after_route.issue(x.shape[0], top_idx.reshape(-1))
             if slices:
                 return self.experts(x, top_idx, top_w, shared=shared)
         else:

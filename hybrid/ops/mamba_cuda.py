@@ -99,10 +99,8 @@ class MambaCudaKernels:
         inner, conv_dim, nh, P = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim
         p = self.params(mixer)
         zxbcdt = mixer.in_proj(hidden)
-        T = hidden.shape[0]
-        if mixer.l2_after_in_proj is not None:
-            mixer.l2_after_in_proj.issue(T)
         z, xBC, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
+        T = hidden.shape[0]
         y = torch.empty(T, nh, P, dtype=hidden.dtype, device=hidden.device)
         scratch = conv_state.shape[0] - 1
 

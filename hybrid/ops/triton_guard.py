@@ -33,9 +33,6 @@ again: benchmarks comparing both):
   written after that measurement, not measured yet.
 - "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
   scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
-- "l2_prefetch" / "l2_prefetch_static" / "l2_prefetch_rows" (HYBRID_L2_PREFETCH=1 / static / rows):
-  decode-sized steps ask L2 for the weights a few kernels ahead (hybrid/l2_prefetch.py): fixed
-  weights and routed expert rows, fixed weights only, or routed rows only.
 All off: the first three measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) the first loses 37-45% at batch 1 and the second is neutral.
 """
@@ -64,9 +61,7 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "norm_router": ("HYBRID_NORM_ROUTER", "1"),
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
-             "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
-             "l2_prefetch": ("HYBRID_L2_PREFETCH", "1"), "l2_prefetch_static": ("HYBRID_L2_PREFETCH", "static"),
-             "l2_prefetch_rows": ("HYBRID_L2_PREFETCH", "rows")}
+             "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise")}
 _switch_values: dict[str, bool] = {}
 
 

@@ -41,7 +41,6 @@ def _serve(rank: int, world_size: int, port: int, conn, spec: protocol.WorkerSpe
     from graphs.runner import ModelRunner
     from hybrid.config_parse import load_config
     from hybrid.loader import load_model
-    from hybrid.l2_prefetch import plan_l2_prefetch
     from hybrid.model import ForwardContext, use_fused_ops
     from hybrid.parallel.group import TPGroup, make_store
     from hybrid.parallel.shard_model import ShardPlan
@@ -55,7 +54,6 @@ def _serve(rank: int, world_size: int, port: int, conn, spec: protocol.WorkerSpe
     local = plan.local_cfg
     if spec.fused_ops:
         use_fused_ops(model)
-        plan_l2_prefetch(model)
     if device.type == "cuda":
         from hybrid.ops.mamba_cuda import attach_kernels
 
