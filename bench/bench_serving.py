@@ -123,7 +123,7 @@ class Server:
                "--port", str(self.port), "--served-model-name", SERVED_NAME,
                "--max-num-seqs", str(max(args.concurrency)), "--max-num-batched-tokens",
                str(args.max_num_batched_tokens), "--max-model-len", str(max_len), "--seed", str(args.seed),
-               "--log-level", "warning"]
+               "--log-level", "info", "--disable-uvicorn-access-log"]  # the startup phases in the log, no line a request
         if args.device:
             cmd += ["--device", args.device]
         if args.dtype != "auto":

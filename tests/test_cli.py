@@ -171,3 +171,25 @@ def test_kv_cache_dtype_flag(capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-cache-dtype", "int8"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_serve_access_log_flag_reaches_uvicorn(monkeypatch, tmp_path):
+    """--disable-uvicorn-access-log (vLLM's flag) turns uvicorn's line per request off; the default keeps it."""
+    import types
+
+    import hybrid.cli
+    from hybrid.server import options
+
+    parsed = []
+    monkeypatch.setattr(hybrid.cli, "_serve", lambda args: parsed.append(args) or 0)
+    assert main(["serve", str(tmp_path)]) == 0
+    assert main(["serve", str(tmp_path), "--disable-uvicorn-access-log", "--log-level", "info"]) == 0
+    runs = []
+    monkeypatch.setitem(sys.modules, "uvicorn", types.SimpleNamespace(run=lambda app, **kw: runs.append(kw)))
+    monkeypatch.setattr(options, "build_app", lambda llm, **kw: types.SimpleNamespace(
+        state=types.SimpleNamespace(served_model_name="m")))
+    opts = {"api_key": None, "enable_auto_tool_choice": False}
+    for args in parsed:
+        options.run_server(None, args, opts)
+    assert [kw["access_log"] for kw in runs] == [True, False]
+    assert runs[1]["log_level"] == "info"

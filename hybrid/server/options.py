@@ -41,6 +41,8 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='with tool_choice "none", do not render the tools into the prompt (default: rendered)')
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no line per HTTP request in the log (the startup phases and warnings stay)")
     return p
 
 
@@ -67,4 +69,5 @@ def run_server(llm, args: argparse.Namespace, options: dict) -> None:
     logger.info("serving '%s' on http://%s:%d/v1%s%s", app.state.served_model_name, args.host, args.port,
                 " (API key required)" if options["api_key"] else "",
                 f" (auto tool choice: {options['tool_call_parser']})" if options.get("enable_auto_tool_choice") else "")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=not getattr(args, "disable_uvicorn_access_log", False))
