@@ -28,7 +28,13 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--max-lens", type=int, nargs="+", default=None,
+                    help="max_seq_len values to time XQA at (default: the context and 8256)")
+    ap.add_argument("--pages", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--no-wrapper", action="store_true", help="XQA only (no FlashInfer split-KV wrapper rows)")
     args = ap.parse_args()
+    max_lens = args.max_lens or [args.ctx, 8256]
     import flashinfer
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
@@ -36,8 +42,8 @@ def main() -> int:
     results = []
     for name, hq, hkv in (("nemotron-nano", 32, 2), ("granite-tiny", 12, 4)):
         d = 128
-        for page in (16, 64):
-            for batch in (1, 8, 64):
+        for page in args.pages:
+            for batch in args.batches:
                 pages_per_seq = -(-args.ctx // page)
                 n_pages = batch * pages_per_seq + 1
                 caches = [torch.randn(n_pages, 2, hkv, page, d, device=dev, dtype=torch.bfloat16)
@@ -47,7 +53,7 @@ def main() -> int:
                 kv_bytes = batch * args.ctx * hkv * d * 2 * 2
                 ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
                 row = {"shape": name, "page": page, "batch": batch, "ctx": args.ctx, "kv_mb": kv_bytes / 1e6}
-                for max_len in (args.ctx, 8256):
+                for max_len in max_lens:
                     width = -(-max_len // page)
                     table = torch.zeros(batch, width, device=dev, dtype=torch.int32)
                     table[:, :pages_per_seq] = (1 + torch.arange(batch * pages_per_seq, device=dev,
@@ -65,7 +71,7 @@ def main() -> int:
                 indptr = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * pages_per_seq
                 indices = 1 + torch.arange(batch * pages_per_seq, device=dev, dtype=torch.int32)
                 last = torch.full((batch,), args.ctx - (pages_per_seq - 1) * page, device=dev, dtype=torch.int32)
-                for tc in (False, True):
+                for tc in (() if args.no_wrapper else (False, True)):
                     try:
                         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(fws, kv_layout="HND",
                                                                                 use_tensor_cores=tc)

@@ -280,7 +280,7 @@ def make_llm(cfg_dict: dict, args, dev: torch.device, max_num_seqs: int, graph_s
 
     L.load_model = load
     return L.LLM("/nonexistent-random-model", device=dev.type, dtype="bfloat16" if dev.type == "cuda" else "float32",
-                 max_num_seqs=max_num_seqs, max_model_len=max(args.prompt, args.ctx) + 64,
+                 max_num_seqs=max_num_seqs, max_model_len=args.max_model_len or max(args.prompt, args.ctx) + 64,
                  max_num_batched_tokens=args.prompt, enforce_eager=False, cuda_graph_sizes=graph_sizes,
                  gpu_memory_utilization=args.util, mamba_ssm_dtype=args.ssm_dtype,
                  mamba_decode_kernels=args.decode_kernels, fused_ops=False if args.no_fused_ops else None)
@@ -414,6 +414,9 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                "both switches on"),
     "plain_linear_ab": ("plain_linear", {"HYBRID_DECODE_LINEAR": "plain"},
                         "decode projections through the Triton linear, gated norm its own launch (HYBRID_DECODE_LINEAR=plain)"),
+    "context_buckets_ab": ("one_width", {"HYBRID_GRAPH_CONTEXT_BUCKETS": "0"},
+                           "one full-width graph a bucket (HYBRID_GRAPH_CONTEXT_BUCKETS=0; default: small buckets "
+                           "also at narrower page tables)"),
     "logits_ab": ("bf16_logits", {"HYBRID_16BIT_LOGITS": "1"},
                   "the LM head's logits in bf16, widened after (HYBRID_16BIT_LOGITS=1; fp32 accumulator by default)"),
 }
@@ -762,6 +765,8 @@ def worker_args(args) -> list[str]:
            "--util", str(args.util), "--decode-kernels", args.decode_kernels, "--gen-batches", *map(str, args.gen_batches),
            "--gen-prompt", str(args.gen_prompt), "--gen-new", str(args.gen_new), "--gen-seconds", str(args.gen_seconds),
            "--peer-prompt", str(args.peer_prompt), "--peer-new", str(args.peer_new), "--peer-cap", str(args.peer_cap)]
+    if args.max_model_len:
+        out += ["--max-model-len", str(args.max_model_len)]
     for flag in ("no_eager", "profile", "no_fused_ops", "fp8_experts", *VARIANTS):
         if getattr(args, flag):
             out.append("--" + flag.replace("_", "-"))
@@ -794,6 +799,10 @@ def main() -> int:
                     help="time the graph decode again with the decode projections on the Triton linear, no gated-norm fusion")
     ap.add_argument("--logits-ab", action="store_true",
                     help="time the graph decode again with the LM head's logits in bf16 (the fp32 head's cost)")
+    ap.add_argument("--context-buckets-ab", action="store_true",
+                    help="time the graph decode again with one full-width graph a bucket (no context buckets)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the LLM's max_model_len (default: the TTFT prompt or the context, + 64)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of one graph replay per batch size (and the prefill)")
     ap.add_argument("--gen-batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--gen-prompt", type=int, default=512)

@@ -17,8 +17,9 @@ sized by the step's token count alone, never by the routing, so the profiling fo
 largest chunk and the largest decode batch cover it.
 
 The graph reserve (graph_reserve_bytes) is a fixed 512 MiB plus the captured graphs' outputs:
-graphs/runner.py captures every bucket into one shared pool and keeps each graph's fp32 logits
-[bucket, vocab] alive there, so those add up over the buckets (the intermediates are reused).
+graphs/runner.py captures every bucket (the small ones once per context bucket) into one shared
+pool and keeps each graph's fp32 logits [bucket, vocab] alive there, so those add up over the
+graphs (the intermediates are reused).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ import torch
 
 from attention.kv_cache import PagedKVCache
 from graphs.padding import (
-    VERIFY_GRAPH_MAX_ROWS, default_capture_sizes, padding_batch, verify_graph_sizes, verify_graphs_requested,
+    CONTEXT_BUCKET_MAX_BATCH, VERIFY_GRAPH_MAX_ROWS, context_widths, default_capture_sizes, padding_batch,
+    verify_graph_sizes, verify_graphs_requested,
 )
 from state_pool.errors import CapacityError
 from state_pool.pool import MambaStatePool, StateShapes
@@ -71,14 +73,16 @@ class MemoryPlan:
 
 
 def graph_reserve_bytes(capture_sizes: list[int], vocab_size: int, verify_q_len: int = 0,
-                        max_num_seqs: int | None = None) -> int:
-    """Memory the captured CUDA graphs keep: GRAPH_RESERVE_BYTES plus, for every bucket, its fp32
+                        max_num_seqs: int | None = None, context_buckets: int = 1) -> int:
+    """Memory the captured CUDA graphs keep: GRAPH_RESERVE_BYTES plus, for every graph, its fp32
     logits output [bucket, vocab], which stays alive in the shared graph pool (a sum, not a max:
-    each graph's output tensor is kept, so no later capture can reuse it); with verify graphs
-    (verify_q_len = K+1, graphs/runner.py) also theirs, [bucket x (K+1), vocab] each."""
+    each graph's output tensor is kept, so no later capture can reuse it): one graph a bucket, and
+    `context_buckets` for buckets of at most CONTEXT_BUCKET_MAX_BATCH rows (graphs/runner.py); with
+    verify graphs (verify_q_len = K+1) also theirs, [bucket x (K+1), vocab] each."""
     verify = verify_graph_sizes(capture_sizes, max_num_seqs if max_num_seqs is not None else VERIFY_GRAPH_MAX_ROWS)
     verify_rows = sum(verify) * verify_q_len
-    return GRAPH_RESERVE_BYTES + (sum(capture_sizes) + verify_rows) * vocab_size * 4
+    narrow_rows = sum(s for s in capture_sizes if s <= CONTEXT_BUCKET_MAX_BATCH) * (context_buckets - 1)
+    return GRAPH_RESERVE_BYTES + (sum(capture_sizes) + narrow_rows + verify_rows) * vocab_size * 4
 
 
 
@@ -201,7 +205,7 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
     in_use = total - free
     verify_q_len = num_speculative_tokens + 1 if verify_graphs_requested(num_speculative_tokens, model) else 0
     reserve = (graph_reserve_bytes(capture_sizes(cuda_graph_sizes, max_num_seqs), cfg.vocab_size, verify_q_len,
-                                   max_num_seqs)
+                                   max_num_seqs, len(context_widths(cdiv(max_model_len, page_size), page_size)))
                if use_graphs else 0)
     budget = int(total * gpu_memory_utilization) - in_use - activation - reserve
     _, spec_bytes, num_kv_pages = split_budget(

@@ -19,6 +19,7 @@ import torch
 from attention.kv_cache import DUMMY_PAGE
 from state_pool.pool import PAD_SLOT_ID
 from state_pool.step_batch import StepBatch, to_device
+from state_pool.util import cdiv
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -27,6 +28,33 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     if max_num_seqs not in sizes:
         sizes.append(max_num_seqs)
     return sorted(set(sizes))
+
+
+CONTEXT_BUCKET_MIN = 4096  # tokens: the narrowest context bucket
+CONTEXT_BUCKET_MAX_BATCH = 16  # decode buckets up to this size get the narrower graphs
+
+
+def context_buckets_on() -> bool:
+    """Decode graphs per context bucket (graphs/runner.py), unless HYBRID_GRAPH_CONTEXT_BUCKETS=0."""
+    return os.environ.get("HYBRID_GRAPH_CONTEXT_BUCKETS", "1") != "0"
+
+
+def context_widths(max_pages: int, page_size: int) -> list[int]:
+    """The page-table widths (pages) of the context buckets, ascending, the last max_pages:
+    CONTEXT_BUCKET_MIN tokens doubling while at most half of max_pages (a bucket close to the full
+    width would save little), just max_pages with the buckets off."""
+    widths = []
+    tokens = CONTEXT_BUCKET_MIN
+    while context_buckets_on() and 2 * cdiv(tokens, page_size) <= max_pages:
+        widths.append(cdiv(tokens, page_size))
+        tokens *= 2
+    return widths + [max_pages]
+
+
+def width_for(seq_lens: list[int], widths: list[int], page_size: int) -> int:
+    """The narrowest of `widths` whose pages hold every one of `seq_lens` (the last if none)."""
+    need = cdiv(max(seq_lens, default=1), page_size)
+    return next((w for w in widths if w >= need), widths[-1])
 
 
 def bucket_for(n: int, sizes: list[int]) -> int | None:

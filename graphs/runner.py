@@ -13,6 +13,12 @@ Only the real rows' (real tokens') logits are returned, whatever path ran.
 
 Graphs are captured per bucket, largest first, into one shared memory pool, with every row a
 padding row (so capture writes no live Mamba slot and only the dummy KV page).
+
+Decode buckets of at most CONTEXT_BUCKET_MAX_BATCH rows get a graph per context bucket too: the page
+table's width is what the decode attention kernel takes as the longest sequence (XQA splits every
+sequence into blocks by it), so a batch whose longest context is far below max_model_len replays a
+graph captured with a narrower table (context_widths: CONTEXT_BUCKET_MIN tokens, doubling, up to
+max_model_len). HYBRID_GRAPH_CONTEXT_BUCKETS=0 keeps one full-width graph a bucket.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ import torch
 
 from attention.kv_cache import DUMMY_PAGE
 from graphs.padding import (
-    bucket_for, default_capture_sizes, is_plain_decode, is_plain_verify, pad_decode_batch, pad_verify_batch,
+    CONTEXT_BUCKET_MAX_BATCH, bucket_for, context_widths, default_capture_sizes, width_for, is_plain_decode, is_plain_verify, pad_decode_batch, pad_verify_batch,
     padding_batch, padding_row, padding_verify_batch, verify_graph_sizes, verify_graphs_requested, verify_page_columns,
 )
 from state_pool.util import cdiv
@@ -42,38 +48,48 @@ class _Buffers:
     FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "kv_write_loc", "state_slot",
               "has_initial_state", "logits_indices")
 
-    def __init__(self, size: int, max_pages: int, page_size: int, device: torch.device) -> None:
+    def __init__(self, size: int, max_pages: int, page_size: int, device: torch.device,
+                 widths: list[int] | None = None) -> None:
         # every row starts as a padding row (capture runs on these): graphs/padding.py defines them
         self.padding = padding_batch(size, page_size, device, pages_per_row=max_pages)
         for field in self.FIELDS:
             setattr(self, field, getattr(self.padding, field))
+        # one page table per context bucket width (contiguous rows: the attention kernel's layout)
+        pad_page = padding_row(page_size)["page_table"]
+        self.page_tables = {w: torch.full((size, w), pad_page, dtype=torch.int32, device=device)
+                            for w in (widths or []) if w != max_pages}
+        self.page_tables[max_pages] = self.page_table
 
-    def batch(self, size: int) -> StepBatch:
-        """The first `size` rows as a batch (views of the buffers), all of them padding rows."""
-        import dataclasses
-
+    def batch(self, size: int, width: int | None = None) -> StepBatch:
+        """The first `size` rows as a batch (views of the buffers), all of them padding rows; its page
+        table the `width` bucket's (default the full one)."""
         views = {f: getattr(self, f)[: size + 1 if f == "query_start_loc" else size] for f in self.FIELDS}
+        if width is not None:
+            views["page_table"] = self.page_tables[width][:size]
         p = self.padding
         return dataclasses.replace(p, **views, num_decodes=size, query_lens_cpu=p.query_lens_cpu[:size],
                                    seq_lens_cpu=p.seq_lens_cpu[:size], state_slot_cpu=p.state_slot_cpu[:size],
                                    has_initial_state_cpu=p.has_initial_state_cpu[:size])
 
-    def fill(self, batch: StepBatch, size: int, page_size: int) -> None:
-        """Copy a real decode batch into rows [0, n) and padding into rows [n, size), in place."""
+    def fill(self, batch: StepBatch, size: int, page_size: int, width: int | None = None) -> None:
+        """Copy a real decode batch into rows [0, n) and padding into rows [n, size), in place; its
+        page table into the `width` bucket's table (default the full one), whose pages must hold every
+        row's sequence (the columns past them are unused: DUMMY_PAGE in the engine's table)."""
         n = batch.num_requests
-        width = batch.page_table.shape[1]
+        table = self.page_tables[width] if width is not None else self.page_table
+        cols = min(batch.page_table.shape[1], table.shape[1])
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
         self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
-        self.page_table[:n, :width].copy_(batch.page_table, non_blocking=True)
-        if width < self.page_table.shape[1]:
-            self.page_table[:n, width:].fill_(DUMMY_PAGE)
+        table[:n, :cols].copy_(batch.page_table[:, :cols], non_blocking=True)
+        if cols < table.shape[1]:
+            table[:n, cols:].fill_(DUMMY_PAGE)
         self.kv_write_loc[:n].copy_(batch.kv_write_loc, non_blocking=True)
         self.state_slot[:n].copy_(batch.state_slot, non_blocking=True)
         self.has_initial_state[:n].copy_(batch.has_initial_state, non_blocking=True)
         if size > n:
             for field, value in padding_row(page_size).items():
-                getattr(self, field)[n:size].fill_(value)
+                (table if field == "page_table" else getattr(self, field))[n:size].fill_(value)
 
 
 class ModelRunner:
@@ -91,7 +107,9 @@ class ModelRunner:
         self.capture_sizes = sorted({int(s) for s in sizes if int(s) >= 1})
         self.use_graphs = (not enforce_eager) and self._graphs_supported()
         self.pad_decode = self.use_graphs if pad_decode is None else pad_decode
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket size -> page-table width (context bucket) -> (graph, its output)
+        self.graphs: dict[int, dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
+        self.context_widths: list[int] = []
         self.buffers: _Buffers | None = None
         self.stats = {"graph_replays": 0, "padded_eager": 0, "eager": 0, "verify_graph_replays": 0,
                       "padded_verify_eager": 0}
@@ -157,7 +175,8 @@ class ModelRunner:
     def capture(self, progress: bool = True) -> None:
         device = self._device()
         max_pages = cdiv(self.max_model_len, self.page_size)
-        self.buffers = _Buffers(max(self.capture_sizes), max_pages, self.page_size, device)
+        self.context_widths = context_widths(max_pages, self.page_size)
+        self.buffers = _Buffers(max(self.capture_sizes), max_pages, self.page_size, device, self.context_widths)
         self.pool = torch.cuda.graph_pool_handle()
         sizes = sorted(self.capture_sizes, reverse=True)  # largest first: smaller ones reuse its pool
         it = sizes
@@ -168,12 +187,21 @@ class ModelRunner:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(device)[0]
         for size in it:
-            # all padding rows: writes no live slot, only the dummy page
-            self.graphs[size] = self._capture_graph(self.buffers.batch(size))
+            # all padding rows: writes no live slot, only the dummy page; the widest table first
+            self.graphs[size] = {w: self._capture_graph(self.buffers.batch(size, w))
+                                 for w in reversed(self.widths_of(size))}
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB", len(sizes),
-                    self.capture_sizes, time.perf_counter() - start, used / 2**20)
+        count = sum(len(g) for g in self.graphs.values())
+        buckets = "" if len(self.context_widths) == 1 else \
+            (f", sizes <= {CONTEXT_BUCKET_MAX_BATCH} also at contexts of "
+             + ", ".join(str(w * self.page_size) for w in self.context_widths[:-1]) + " tokens")
+        logger.info("captured %d CUDA graphs (batch sizes %s%s) in %.1f s, %.0f MiB", count,
+                    self.capture_sizes, buckets, time.perf_counter() - start, used / 2**20)
+
+    def widths_of(self, size: int) -> list[int]:
+        """The page-table widths bucket `size` has graphs for (ascending)."""
+        return self.context_widths if size <= CONTEXT_BUCKET_MAX_BATCH else self.context_widths[-1:]
 
     def _capture_graph(self, batch: StepBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """One graph of the model on `batch` (buffer views) into the shared pool: two eager runs first
@@ -266,7 +294,6 @@ class ModelRunner:
         if size is not None:
             if self.use_graphs and size in self.graphs and \
                     batch.page_table.shape[1] <= self.buffers.page_table.shape[1]:
-                self._ran = self.buffers.batch(size)
                 return self.replay(batch, size)
             if self.pad_decode:
                 self.stats["padded_eager"] += 1
@@ -292,9 +319,11 @@ class ModelRunner:
         return self._ran
 
     def replay(self, batch: StepBatch, size: int) -> torch.Tensor:
-        graph, out = self.graphs[size]
+        width = width_for(batch.seq_lens_cpu, self.widths_of(size), self.page_size)
+        graph, out = self.graphs[size][width]
         with torch.inference_mode():  # the buffers were made under inference mode (capture)
-            self.buffers.fill(batch, size, self.page_size)
+            self.buffers.fill(batch, size, self.page_size, width)
+        self._ran = self.buffers.batch(size, width)
         graph.replay()
         self.stats["graph_replays"] += 1
         return out[: batch.num_requests].clone()

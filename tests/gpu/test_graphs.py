@@ -127,3 +127,37 @@ def test_capacity_error(tiny_ckpt):
 
     with pytest.raises(CapacityError, match="do not fit"):
         LLM(tiny_ckpt("nemotron_h"), device="cuda", max_num_seqs=10**7, max_model_len=64, enforce_eager=True)
+
+
+@pytest.mark.parametrize("name", ["granite_moe", "nemotron_h"])
+def test_context_bucket_graph_equals_eager_at_its_width(name, tiny_ckpt):
+    """With max_model_len past twice CONTEXT_BUCKET_MIN, small buckets get graphs at narrower page
+    tables; a short-context batch replays the narrowest that holds it, bit for bit the eager run of the
+    same padded batch at that width, and within rounding of the full-width eager run (the decode
+    kernel's max_seq_len changes how it splits a sequence, not what it computes)."""
+    import dataclasses
+
+    from graphs.padding import context_widths
+
+    llm = LLM(tiny_ckpt(name), device="cuda", max_num_seqs=NUM_SLOTS, page_size=PAGE, max_model_len=16384,
+              cuda_graph_sizes=[1, 4], gpu_memory_utilization=0.5)
+    runner = llm.runner
+    widths = context_widths(-(-16384 // PAGE), PAGE)
+    assert widths == [256, 512, 1024] and all(sorted(g) == widths for g in runner.graphs.values())
+    slots = [0, 3, 5]
+    batch = decode_batch(llm, slots, [5, 9, 40], seed=3)
+    randomize(llm, 3)
+    s0 = snap(llm)
+    padded = pad_decode_batch(batch, 4, PAGE)
+    narrow = dataclasses.replace(padded, page_table=padded.page_table[:, :256].contiguous())
+    eager_narrow = runner.model(narrow, runner.ctx)[:3]
+    s_eager = snap(llm)
+    restore(llm, s0)
+    eager_full = runner.model(padded, runner.ctx)[:3]
+    restore(llm, s0)
+    out = runner.execute(batch)
+    torch.cuda.synchronize()
+    assert runner.inputs_that_ran().page_table.shape[1] == 256
+    assert torch.equal(out, eager_narrow)
+    assert all(torch.equal(a, b) for a, b in zip(snap(llm), s_eager))
+    assert rel_err(out, eager_full) < 2e-2
