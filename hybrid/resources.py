@@ -268,10 +268,10 @@ class ResourceManager:
             if c.is_decode:
                 continue
             for tokens, slot in c.snapshots:
+                self._planned.remove(slot)  # the cache's from here (a failure drops only the rest)
                 self._insert_prefix(c.seq, c.seq.num_computed + tokens, slot)
             if c.seq.cache_at and c.seq.num_computed + c.num_tokens == c.seq.cache_at:
                 self._cache_prefix(c.seq)
-        self._planned.clear()
 
     def _cache_prefix(self, seq: Sequence) -> None:
         """Keep the prefix up to seq.cache_at, where its chunk ended: a copy of the slot and one more
