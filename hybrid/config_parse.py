@@ -27,7 +27,7 @@ SUPPORTED_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "z
 _NEMOTRON_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
 # NemotronHConfig's legacy key for each new one: when present, the legacy key wins (its __post_init__)
 _NEMOTRON_LEGACY = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "chunk_size": "mamba_chunk_size",
-                    "use_conv_bias": "mamba_conv_bias", "time_step_min": "mamba_dt_min"}
+                    "use_conv_bias": "mamba_conv_bias", "time_step_limit": "mamba_dt_limit"}
 _KV_HEADS_DEFAULT_8 = ("nemotron_h", "bamba", "falcon_h1")
 _MAX_POSITIONS_DEFAULT = {"nemotron_h": 4096, "granitemoehybrid": 2048, "bamba": 262144, "falcon_h1": 8192,
                           "zamba2": 4096}
@@ -106,8 +106,9 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
             conv_bias=_bool(cfg, key["use_conv_bias"], True),
             proj_bias=_bool(cfg, "use_bias", False),
             norm_eps=_float(cfg, "layer_norm_epsilon", 1e-5, positive=True),
-            # NemotronH ignores time_step_limit and clamps from time_step_min upwards.
-            dt_limit=(_time_step_min(cfg, key["time_step_min"]), math.inf),
+            # the prefill clamps dt to time_step_limit, as NVIDIA's published implementation does
+            # (older transformers releases clamped from time_step_min instead, whatever the limit)
+            dt_limit=_dt_limit(cfg, key["time_step_limit"]),
             conv_act=_act(cfg, "mamba_hidden_act", "silu"),
         )
         # a missing head_dim is the config class's 128 (null: hidden / heads); no attention bias
@@ -325,7 +326,7 @@ def _parse_zamba2(cfg: dict[str, Any], common: dict[str, Any], hidden: int, n_he
         conv_bias=True,  # transformers' Zamba2 conv1d always has a bias (use_conv_bias is not read)
         proj_bias=_bool(cfg, "add_bias_linear", False),
         norm_eps=1e-5,  # the gated norm's eps is fixed, not rms_norm_eps
-        # like NemotronH: time_step_limit is ignored, prefill clamps from time_step_min upwards
+        # transformers' Zamba2 ignores time_step_limit: the prefill clamps from time_step_min upwards
         dt_limit=(_time_step_min(cfg), math.inf),
     )
     # attention runs on cat(h, embeddings): 2H wide, head dim 2H / heads, scale (head_dim / 2)^-0.5

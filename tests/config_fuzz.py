@@ -345,7 +345,7 @@ def _hub_nemotron(cfg: dict) -> None:
         tiny_checkpoints.hubify_nemotron_h(cfg)
     # NemotronHConfig's legacy mamba_* spellings (which it reads in preference to the new keys)
     for new, old in (("n_groups", "mamba_n_groups"), ("conv_kernel", "mamba_d_conv"), ("chunk_size", "mamba_chunk_size"),
-                     ("use_conv_bias", "mamba_conv_bias"), ("time_step_min", "mamba_dt_min")):
+                     ("use_conv_bias", "mamba_conv_bias"), ("time_step_limit", "mamba_dt_limit")):
         if new in cfg:
             cfg[old] = cfg.pop(new)
 

@@ -17,8 +17,8 @@ read, and what was assumed (see its "about"). This module turns an entry into
 The saved checkpoints differ from the released ones only where no kernel is shaped:
 - vocab is cut to `GPU_VOCAB` (4096): it sizes the embedding and lm_head GEMMs only, not the Mamba
   or attention kernels; bos / eos / pad become 1 / 2 / 0;
-- `time_step_limit` is (0, inf), and NemotronH and Zamba2 dt (whose prefill clamps from
-  `time_step_min` upwards, whatever the limit) is drawn well above `time_step_min`, so prefill and
+- `time_step_limit` is (0, inf), and Zamba2's dt (whose prefill clamps from `time_step_min`
+  upwards, whatever the limit) and NemotronH's are drawn well above `time_step_min`, so prefill and
   decode compute one function (no dt clamp) and a teacher-forced check is well-posed;
 - Falcon-H1's muP multipliers are 1.0: they fold into the weights at load time, and with random
   weights the real ones (lm_head 0.0078, attention_out 0.0375 ...) leave near-uniform logits.
@@ -115,7 +115,7 @@ def few_layer_config(e: dict[str, Any], *, vocab: int | None = None) -> dict[str
 
 def gpu_config(e: dict[str, Any]) -> dict[str, Any]:
     """few_layer_config with the GPU test's changes (module docstring): small vocab, no dt clamp
-    (NemotronH and Zamba2 ignore time_step_limit: build_checkpoint draws their dt above
+    (Zamba2 ignores time_step_limit: build_checkpoint draws its dt, and NemotronH's, above
     time_step_min instead), Falcon-H1 multipliers at 1."""
     cfg = few_layer_config(e, vocab=GPU_VOCAB)
     cfg["time_step_limit"] = [0.0, math.inf]
@@ -201,7 +201,7 @@ def build_checkpoint(e: dict[str, Any], path, *, device: str | torch.device = "c
         model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg)).to(torch.float32).eval()
     kw: dict[str, Any] = {}
     if family == "nemotron_h":
-        # dt far above time_step_min: the NemotronH prefill clamp (time_step_min, inf) never bites
+        # dt far above time_step_min (older transformers releases clamped NemotronH's prefill from it)
         kw = dict(dt_range=(0.03, 0.3), lm_head_std=6.0 / math.sqrt(cfg["hidden_size"]))
     elif family == "granitemoehybrid":
         # embedding x12 and residual branches x0.22 (tests/tiny_checkpoints.build_granite_hybrid),

@@ -157,8 +157,8 @@ def test_gpu_checkpoint_config_round_trips_through_transformers(e, tmp_path):
     gpu_dict = released_shapes.gpu_config(e)
     ours = parse_config(gpu_dict)
     assert ours.vocab_size == released_shapes.GPU_VOCAB
-    # NemotronH and Zamba2 clamp from time_step_min whatever the limit (their dt is drawn above it)
-    assert ours.mamba.dt_limit == (0.0, math.inf) or ours.family in ("nemotron_h", "zamba2")
+    # Zamba2 clamps from time_step_min whatever the limit (its dt is drawn above it)
+    assert ours.mamba.dt_limit == (0.0, math.inf) or ours.family == "zamba2"
     hf_cfg = released_shapes.hf_config(gpu_dict)
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg)

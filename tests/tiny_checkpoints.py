@@ -92,8 +92,8 @@ def _redraw_weights(model: torch.nn.Module, seed: int, *, lm_head_std: float | N
             dt = torch.exp(rand(*t.shape) * (hi - lo) + lo)
             t.copy_(_inv_softplus(dt))
             if dt_floor_heads:
-                # a couple of heads with softplus(dt) far below time_step_min: exercises the
-                # NemotronH (time_step_min, inf) clamp of the prefill path
+                # a couple of heads with softplus(dt) far below time_step_min: the prefill
+                # clamps of the families that clamp from it (Zamba2), and dt near zero elsewhere
                 t[0] = -9.0
                 t[t.shape[0] // 2] = -8.0
         elif leaf == "e_score_correction_bias":
