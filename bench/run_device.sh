@@ -203,6 +203,21 @@ if [[ $what == moe-logits ]]; then
   timeout 400 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --logits-ab \
       --gen-batches 1 --out "$OUT" --time-budget 380 2>&1 | tee "$OUT/bench_moe_logits.log" || rc=1
 fi
+# ctx-buckets  decode graphs per context bucket: XQA alone at max_seq_len 2K..128K (batch 1 and 8, page 16), the
+#            selected GPU tests of .devkit/sel.txt (if any), then Nemotron-3-Nano's graph decode at batch 1 / 8 with
+#            the buckets on (default) and off (--context-buckets-ab, recaptured), at the benchmark's max_model_len
+#            (8256) and at 131072, generate at batch 1
+if [[ $what == ctx-buckets ]]; then
+  timeout 150 python3 bench/bench_decode_attention.py --max-lens 2048 4096 8256 32768 131072 --pages 16 --batches 1 8 \
+      --no-wrapper --json "$OUT/decode_attention_max_len.json" 2>&1 | tee "$OUT/decode_attention_max_len.log" || rc=1
+  if [[ -s .devkit/sel.txt ]]; then gpu_pytest "${SEL_LIMIT:-150}" gpu_tests_selected.log $(cat .devkit/sel.txt); fi
+  timeout 200 python3 bench/bench_moe.py --shapes nemotron-nano --no-peer --no-eager --context-buckets-ab \
+      --batches 1 8 --gen-batches 1 --prompt 2048 --max-model-len 8256 --out "$OUT/ctx8k" --time-budget 190 2>&1 | tee "$OUT/bench_moe_ctx8k.log" \
+      | grep -E "tok/s|rror" | cut -c1-200 || rc=1
+  timeout 150 python3 bench/bench_moe.py --shapes nemotron-nano --no-peer --no-eager --context-buckets-ab \
+      --batches 1 8 --gen-batches 1 --prompt 2048 --max-model-len 131072 --out "$OUT/ctx128k" --time-budget 140 2>&1 \
+      | tee "$OUT/bench_moe_ctx128k.log" | grep -E "tok/s|rror" | cut -c1-200 || rc=1
+fi
 if [[ $what == moe-pdl ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --pdl-ab --linear-ab --norm-router-ab --all-ab --logits-ab \
       --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_pdl.log" || rc=1
