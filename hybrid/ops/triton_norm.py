@@ -166,18 +166,26 @@ if HAS_TRITON:
         tl.store(partial_ptr + (split * T + t) * E + offs_e, acc, mask=e_ok)
 
     @triton.jit
-    def _gated_group(y_ptr, z_ptr, w_ptr, out_ptr, row, g, s_y, s_z, s_o, GROUP, eps, BLOCK: tl.constexpr):
-        """Group g of row `row`: RMSNorm(y * silu(z)) over its GROUP channels in fp32, times the weight."""
+    def _gated_group_inputs(y_ptr, z_ptr, w_ptr, row, g, s_y, s_z, GROUP, n_groups, BLOCK: tl.constexpr):
+        """(y, z, weight) at group g's GROUP channels of row `row` (masked off for g >= n_groups)."""
         offs = tl.arange(0, BLOCK)
-        mask = offs < GROUP
+        mask = (offs < GROUP) & (g < n_groups)
         col = g * GROUP + offs
-        y = tl.load(y_ptr + row * s_y + col, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + row * s_z + col, mask=mask, other=0.0).to(tl.float32)
-        h = y * (z / (1.0 + tl.exp(-z)))
+        y = tl.load(y_ptr + row * s_y + col, mask=mask, other=0.0)
+        z = tl.load(z_ptr + row * s_z + col, mask=mask, other=0.0)
+        return y, z, tl.load(w_ptr + col, mask=mask, other=0.0)
+
+    @triton.jit
+    def _gated_group(y, z, w, out_ptr, row, g, s_o, GROUP, eps, BLOCK: tl.constexpr):
+        """Group g of row `row` from its inputs: RMSNorm(y * silu(z)) over its GROUP channels in fp32,
+        times the weight, stored."""
+        offs = tl.arange(0, BLOCK)
+        yf = y.to(tl.float32)
+        zf = z.to(tl.float32)
+        h = yf * (zf / (1.0 + tl.exp(-zf)))
         r = h / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
-        w = tl.load(w_ptr + col, mask=mask, other=0.0)
         out = w.to(tl.float32) * r.to(w.dtype).to(tl.float32)
-        tl.store(out_ptr + row * s_o + col, out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * s_o + g * GROUP + offs, out.to(out_ptr.dtype.element_ty), mask=offs < GROUP)
 
     @triton.jit
     def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, n_groups, eps,
@@ -188,12 +196,18 @@ if HAS_TRITON:
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         if QUANT:  # a program per row (grid (T,)): its groups in turn, then the row's e4m3 values and scale
-            for g in range(n_groups):
-                _gated_group(y_ptr, z_ptr, w_ptr, out_ptr, row, g, s_y, s_z, s_o, GROUP, eps, BLOCK)
+            y, z, w = _gated_group_inputs(y_ptr, z_ptr, w_ptr, row, 0, s_y, s_z, GROUP, n_groups, BLOCK)
+            for g in range(n_groups):  # the next group's loads issued before this group's work (latency)
+                y_next, z_next, w_next = _gated_group_inputs(y_ptr, z_ptr, w_ptr, row, g + 1, s_y, s_z, GROUP,
+                                                             n_groups, BLOCK)
+                _gated_group(y, z, w, out_ptr, row, g, s_o, GROUP, eps, BLOCK)
+                y, z, w = y_next, z_next, w_next
             quantize_stored_row(out_ptr, row, GROUP * n_groups, s_o, q_ptr, q_scale_ptr, q_in_scale_ptr, s_q,
                                 q_min_scale, QUANT, Q_STATIC, Q_BLOCK, Q_ONE_TILE, Q_FMA, Q_HW_CAST)
         else:  # a program per (row, group): grid (T, n_groups)
-            _gated_group(y_ptr, z_ptr, w_ptr, out_ptr, row, tl.program_id(1), s_y, s_z, s_o, GROUP, eps, BLOCK)
+            g = tl.program_id(1)
+            y, z, w = _gated_group_inputs(y_ptr, z_ptr, w_ptr, row, g, s_y, s_z, GROUP, n_groups, BLOCK)
+            _gated_group(y, z, w, out_ptr, row, g, s_o, GROUP, eps, BLOCK)
 
 def _warps(block: int) -> int:
     return 8 if block >= 4096 else 4 if block >= 1024 else 2
