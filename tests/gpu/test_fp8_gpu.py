@@ -254,6 +254,111 @@ def test_scaled_mm_captured_in_a_cuda_graph(per_channel, act):
 
 
 # ---------------------------------------------------------------------------------------------
+# the activation quantization fused into the norm / activation kernels (hybrid/layers.py fp8_input)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fused_quant_cases():
+    """(name, fused launch, unfused launch, tensors it updates in place) at the 8B shapes: the block
+    norms (hidden 4096; with the residual add; after an MoE layer's rows), the Mamba gated norm
+    (inner 8192, 8 groups), relu2 (21504) and SwiGLU (14336); a 40000-wide relu2 quantized in steps."""
+    from hybrid.ops import triton_act as ta
+    from hybrid.ops import triton_moe as tm
+    from hybrid.ops import triton_norm as tn
+
+    def rows(t, width, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x = (torch.randn(t, width, generator=g, device="cuda") * 3).to(torch.bfloat16)
+        x[0, :5] = 30.0  # row scales that differ
+        return x
+
+    def cases(t):
+        h, w = rows(t, 4096, 1), (0.5 + torch.rand(4096, device="cuda")).to(torch.bfloat16)
+        res = rows(t, 4096, 2)
+        y, z = rows(t, 8192, 3), rows(t, 3 * 8192, 4)[:, 8192:16384]  # z strided, as after the split
+        gw = (0.5 + torch.rand(8192, device="cuda")).to(torch.bfloat16)
+        experts = tm.ExpertRows(rows(6 * t, 4096, 5), h, 6)
+        r1, r2, r3, r4 = res.clone(), res.clone(), res.clone(), res.clone()
+        return [
+            ("rms_norm", lambda **q: tn.rms_norm(h, w, 1e-5, True, **q), ()),
+            ("add_rms_norm", lambda **q: tn.add_rms_norm(h, r1 if q else r2, w, 1e-5, False, 0.22, **q), (r1, r2)),
+            ("sum_add_rms_norm", lambda **q: tn.sum_add_rms_norm(experts, r3 if q else r4, w, 1e-5, True, **q),
+             (r3, r4)),
+            ("gated_rms_norm", lambda **q: tn.gated_rms_norm(y, z, gw, 1e-5, 8, **q), ()),
+            ("relu2", lambda **q: ta.relu2(rows(t, 21504, 6), **q), ()),
+            ("relu2_stepped", lambda **q: ta.relu2(rows(t, 40000, 7), **q), ()),
+            ("silu_and_mul", lambda **q: ta.silu_and_mul(rows(t, 2 * 14336, 8), **q), ()),
+        ]
+
+    return cases
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_fused_quant_kernels_equal_the_unfused_ones(static):
+    """Each fused kernel writes the unfused kernel's output (and residual) bit for bit, and the e4m3
+    rows and scales quantize_rows gives of it, at the 8B widths, decode and prefill row counts."""
+    from hybrid.ops import triton_fp8
+
+    s_in = torch.tensor(0.013, device="cuda") if static else None
+    make = _fused_quant_cases()
+    for t in (1, 8, 64, 300):
+        for name, launch, updated in make(t):
+            fused = launch(quantize=True, input_scale=s_in)
+            plain = launch()
+            assert isinstance(fused, triton_fp8.QuantizedRows) and torch.equal(fused.x, plain), (name, t)
+            if updated:
+                assert torch.equal(*updated), (name, t)
+            q, sc = triton_fp8.quantize_rows(plain, s_in)
+            assert torch.equal(fused.scale, sc), (name, t)
+            assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)), (name, t)
+
+
+@pytest.mark.parametrize("per_channel,act", [(True, DYNAMIC), (False, STATIC), (True, STATIC)])
+@pytest.mark.parametrize("name", ["mamba.in_proj", "mlp.down_proj"])
+def test_fused_quant_rows_into_fp8_linear_bit_for_bit(name, per_channel, act, monkeypatch):
+    """Fp8Linear on the rows a fused norm / activation quantized (the tensor-wise decode GEMM, the
+    row-wise or per-tensor one for longer steps) equals Fp8Linear quantizing them itself, bit for
+    bit, without a quantize_rows launch of its own, and captures in a CUDA graph."""
+    from hybrid.layers import fp8_input
+    from hybrid.ops import triton_act as ta
+    from hybrid.ops import triton_fp8
+    from hybrid.ops import triton_norm as tn
+
+    calls = []
+    real_quantize_rows = triton_fp8.quantize_rows
+    monkeypatch.setattr(triton_fp8, "quantize_rows", lambda *a, **k: calls.append(1) or real_quantize_rows(*a, **k))
+
+    n, k = SHAPES_8B[name]
+    layer = _layer(n, k, per_channel, act, seed=13, bias=True)
+    w = (0.5 + torch.rand(k, device="cuda")).to(torch.bfloat16)
+
+    def produce(x, **q):
+        return tn.rms_norm(x, w, 1e-5, True, **q) if name == "mamba.in_proj" else ta.relu2(x, **q)
+
+    for m in (1, 8, 64, 300):
+        x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
+        quant = fp8_input((layer,), m, torch.bfloat16, x.device)
+        assert quant == {"quantize": True, "input_scale": layer.input_scale}
+        assert layer.route(m, torch.bfloat16, x.device) in ("tensorwise", "scaled_mm")
+        want = layer(produce(x))
+        assert calls
+        calls.clear()
+        assert torch.equal(layer(produce(x, **quant)), want), (name, m)
+        assert not calls, "quantized again"
+    x = (torch.randn(8, k, device="cuda") * 2).to(torch.bfloat16)
+    layer(produce(x, **quant))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(produce(x, **quant))
+    new = (torch.randn(8, k, device="cuda") * 2).to(torch.bfloat16)
+    x.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, layer(produce(new)))
+
+
+# ---------------------------------------------------------------------------------------------
 # tiny FP8 checkpoints served on the GPU
 # ---------------------------------------------------------------------------------------------
 
@@ -404,3 +509,41 @@ def test_memory_plan_counts_fp8_weights(fp8_path, tiny_ckpt):
     assert fp8.memory_plan.weight_bytes == sum(p.numel() * p.element_size() for p in fp8.model.parameters())
     proj = sum(m.weight.numel() for m in fp8.model.modules() if isinstance(m, Fp8Linear))
     assert bf16.memory_plan.weight_bytes - fp8.memory_plan.weight_bytes >= proj * 0.9  # 2 -> 1 byte a value
+
+
+@pytest.mark.parametrize("family,scheme", CASES)
+def test_fused_quant_checkpoint_equals_unfused_under_cuda_graphs(family, scheme, fp8_path, monkeypatch):
+    """An FP8 checkpoint on the GPU (bf16, CUDA graphs, the fused ops) gives the same tokens and
+    log-probabilities, bit for bit, with the activation quantization fused into the norm /
+    activation kernels as with each projection quantizing its own input (HYBRID_FP8_FUSED_QUANT=0);
+    the fused run hands the projections quantized rows."""
+    from hybrid import LLM, SamplingParams
+    from hybrid.ops import triton_fp8, triton_guard
+
+    path = fp8_path(family, scheme)
+    prompts = _prompts(path)
+    runs = {}
+    for fused in (False, True):
+        if not fused:
+            monkeypatch.setenv("HYBRID_FP8_FUSED_QUANT", "0")
+        else:
+            monkeypatch.delenv("HYBRID_FP8_FUSED_QUANT", raising=False)
+        triton_guard.reset_switches()
+        took = []
+        real = Fp8Linear.forward
+        monkeypatch.setattr(Fp8Linear, "forward",
+                            lambda self, x: took.append(isinstance(x, triton_fp8.QuantizedRows)) or real(self, x))
+        try:
+            llm = LLM(path, device="cuda", max_num_seqs=8, page_size=16, max_model_len=128,
+                      max_num_batched_tokens=32, cuda_graph_sizes=[1, 2, 4, 8], gpu_memory_utilization=0.5)
+            outs = llm.generate(prompts, SamplingParams(max_tokens=12, logprobs=2, **GREEDY), use_tqdm=False)
+        finally:
+            monkeypatch.setattr(Fp8Linear, "forward", real)
+        assert llm.runner.stats["graph_replays"] > 0
+        runs[fused] = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], any(took))
+        del llm
+        torch.cuda.empty_cache()
+    triton_guard.reset_switches()
+    assert runs[True][2] and not runs[False][2]
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == runs[False][1]
