@@ -130,23 +130,6 @@ if [[ $what == fp8-tensorwise ]]; then
   timeout 75 python3 bench/bench_throughput.py --shape nemotron-h-8b --load-only --cold-load \
       --json "$OUT/cold_load.json" 2>&1 | grep -E "disk|load alone" || rc=1
 fi
-# fp8-fused-quant  the FP8 activation quantization fused into the norm / activation kernels that produce the
-#            projections' inputs (hybrid/layers.py fp8_input; <= ~8 minutes fresh): its GPU tests (bit for bit
-#            against the unfused kernels, the layer and a served checkpoint under graphs; the warm-up's
-#            no-compile test), then the 8B shape in FP8 (pcpt) at batch 1 / 8 / 64 and the 8K TTFT with the
-#            fusion (the default) and without (HYBRID_FP8_FUSED_QUANT=0), and the kernel profile of the
-#            batch-1 replay and of the 8K prefill with it
-if [[ $what == fp8-fused-quant ]]; then
-  gpu_pytest 150 gpu_tests_fp8_fused_quant.log tests/gpu/test_fp8_gpu.py tests/gpu/test_warmup_gpu.py \
-      -k "fused_quant or no_triton_compile"
-  for fq in 1 0; do
-    HYBRID_FP8_FUSED_QUANT=$fq timeout 150 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt \
-        --batches 1 8 64 --json "$OUT/decode_fp8_fused_quant_$fq.json" 2>&1 | tee "$OUT/decode_fp8_fused_quant_$fq.log" \
-        | grep -E "^\{'batch|TTFT|ttft|rror" | cut -c1-160 || rc=1
-  done
-  timeout 70 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt --batches 1 --steps 5 --profile \
-      > "$OUT/decode_fp8_fused_quant_profile.log" 2>&1 || rc=1
-fi
 # fp8-gemv  bench_fp8_gemv.py: the 8B shape's FP8 projections alone at batch 1 / 8 / 16 / 64 (one-launch Triton,
 #           Triton quantization + _scaled_mm, torch quantization + _scaled_mm, bf16 cuBLAS) (~1-2 minutes)
 if [[ $what == fp8-gemv ]]; then

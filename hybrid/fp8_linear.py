@@ -7,9 +7,7 @@ its scales, the input rounded to e4m3 with its scale and back. CUDA (sm_89+): th
 one Triton launch (hybrid/ops/triton_fp8.py), then torch._scaled_mm, per-tensor or row-wise scales
 (bf16, dims divisible by 16; decode-sized steps with row-wise scales on the tensor-wise GEMM with the
 scales applied after it, which streams faster); weight-only projections at decode sizes on one
-Triton launch that streams the e4m3 weight. No host sync: capturable in CUDA graphs. An input that
-comes quantized already (QuantizedRows, from the fused norm / activation kernel that produced it:
-hybrid/layers.py fp8_input) is not quantized again.
+Triton launch that streams the e4m3 weight. No host sync: capturable in CUDA graphs.
 """
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ import torch.nn.functional as F
 
 from hybrid.errors import CheckpointError
 from hybrid.ops import triton_fp8
-from hybrid.ops.triton_fp8 import QuantizedRows
 from hybrid.ops.triton_guard import HAS_TRITON, switch
 from hybrid.quantization import _SCALE_DTYPES, DYNAMIC, FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE, STATIC, Fp8Param
 
@@ -229,29 +226,18 @@ class Fp8Linear(nn.Module):
             return per_token_scale(x)
         return None
 
-    def forward_reference(self, x: torch.Tensor, pre: QuantizedRows | None = None) -> torch.Tensor:
-        """The dequantized path (plain torch; CPU, and any device). `pre`: x's e4m3 rows and scales,
-        already written (the same bytes as fake_quantize's: x / scale clamped and cast)."""
-        if pre is not None:
-            x = (pre.q.float() * pre.scale).to(x.dtype)
-        else:
-            s = self.input_scales(x)
-            if s is not None:
-                x = fake_quantize(x, s)
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The dequantized path (plain torch; CPU, and any device)."""
+        s = self.input_scales(x)
+        if s is not None:
+            x = fake_quantize(x, s)
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
-    def _quantized_rows(self, x2: torch.Tensor, pre: QuantizedRows | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(e4m3 rows, scales [M, 1]) of x2 [M, in]: `pre`'s, written by the kernel that produced x,
-        or one quantize_rows launch."""
-        if pre is not None:
-            return pre.q.reshape(-1, self.in_features), pre.scale.reshape(-1, 1)
-        return triton_fp8.quantize_rows(x2, self.input_scale)  # scales [M, 1]: the row's or the static scale
-
-    def forward_scaled_mm(self, x: torch.Tensor, pre: QuantizedRows | None = None) -> torch.Tensor:
+    def forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """torch._scaled_mm on x [..., in] (bf16 on CUDA; see the class docs)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()
-        xq, sa = self._quantized_rows(x2, pre)
+        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale)  # sa [M, 1]: the row's or the static scale
         if self.per_tensor_scales:
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
                                    out_dtype=x.dtype)
@@ -262,7 +248,7 @@ class Fp8Linear(nn.Module):
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
-    def forward_tensorwise(self, x: torch.Tensor, pre: QuantizedRows | None = None) -> torch.Tensor:
+    def forward_tensorwise(self, x: torch.Tensor) -> torch.Tensor:
         """A decode-sized step [..., in] (at most TENSORWISE_MAX_ROWS tokens) of a row-wise scaled
         projection: the rows quantized, cuBLASLt's tensor-wise FP8 GEMM with unit scales into an fp32
         accumulator, then the row and column scales (and bias) in one Triton launch
@@ -270,22 +256,21 @@ class Fp8Linear(nn.Module):
         row-wise path adds a bias after its rounding: up to one bf16 ulp apart there)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()
-        xq, sa = self._quantized_rows(x2, pre)
+        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale)
         acc = torch._scaled_mm(xq, self.weight.t(), scale_a=self._unit_scale, scale_b=self._unit_scale,
                                out_dtype=torch.float32)
         out = triton_fp8.scale_accumulator(acc, sa, self.weight_scale, self.bias, out_dtype=x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
-    def forward_small_m(self, x: torch.Tensor, pre: QuantizedRows | None = None) -> torch.Tensor:
-        """A decode-sized step [..., in] on the one-launch Triton kernel (see the class docs); it
-        quantizes the rows itself (`pre` unused)."""
+    def forward_small_m(self, x: torch.Tensor) -> torch.Tensor:
+        """A decode-sized step [..., in] on the one-launch Triton kernel (see the class docs)."""
         shape = x.shape
         act = {None: triton_fp8.ACT_NONE, STATIC: triton_fp8.ACT_STATIC, DYNAMIC: triton_fp8.ACT_DYNAMIC}
         out = triton_fp8.fp8_small_m_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale,
                                             act[self.activation], self.input_scale, self.bias)
         return out.reshape(*shape[:-1], self.out_features)
 
-    def forward_gemv(self, x: torch.Tensor, pre: QuantizedRows | None = None) -> torch.Tensor:
+    def forward_gemv(self, x: torch.Tensor) -> torch.Tensor:
         """At most triton_fp8.GEMV_MAX_ROWS tokens [..., in]: the rows quantized (triton_fp8.quantize_rows,
         unless weight-only), then triton_fp8.fp8_gemv (HYBRID_FP8_DECODE_GEMM=gemv)."""
         shape = x.shape
@@ -293,43 +278,24 @@ class Fp8Linear(nn.Module):
         if self.activation is None:
             out = triton_fp8.fp8_gemv(x2, None, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
         else:
-            xq, xs = self._quantized_rows(x2, pre)
+            xq, xs = triton_fp8.quantize_rows(x2, self.input_scale)
             out = triton_fp8.fp8_gemv(xq, xs, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
-    def route(self, rows: int, dtype: torch.dtype, device: torch.device, contiguous: bool = True) -> str:
-        """Which forward_* serves an input of `rows` tokens of this dtype on this device (`contiguous`:
-        its rows' last dim): "gemv", "small_m", "tensorwise", "scaled_mm" or "reference". The one
-        decision, for forward and for the kernels that would quantize the input for it (quantizes)."""
-        if device.type == "cuda" and HAS_TRITON:
-            small = contiguous and triton_fp8.decode_rows(rows, dtype, device)
-            if switch("fp8_gemv_decode") and small and rows <= triton_fp8.GEMV_MAX_ROWS:
-                return "gemv"
-            if (self.activation is None or switch("fp8_triton_decode")) and small:
-                return "small_m"
-            if self.use_scaled_mm and dtype == torch.bfloat16:
-                if (not self.per_tensor_scales and rows <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode")
-                        and _tensorwise_fp32_out(device)):
-                    return "tensorwise"
-                return "scaled_mm"
-        return "reference"
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and HAS_TRITON:
+            rows = x.reshape(-1, self.in_features)
+            if switch("fp8_gemv_decode") and triton_fp8.gemv_eligible(rows, self.weight):
+                return self.forward_gemv(x)
+            if (self.activation is None or switch("fp8_triton_decode")) and triton_fp8.eligible(rows, self.weight):
+                return self.forward_small_m(x)
+            if self.use_scaled_mm and x.dtype == torch.bfloat16:
+                if (not self.per_tensor_scales and rows.shape[0] <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode")
+                        and _tensorwise_fp32_out(x.device)):
+                    return self.forward_tensorwise(x)
+                return self.forward_scaled_mm(x)
+        return self.forward_reference(x)
 
-    def quantizes(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether forward on `rows` contiguous tokens of this dtype and device rounds them to e4m3 as
-        triton_fp8.quantize_rows does (every path with activation scales but the one-launch kernel,
-        which quantizes inside its GEMM): then the kernel producing them may write them quantized
-        too (QuantizedRows), and forward skips its own quantization."""
-        return self.activation is not None and self.route(rows, dtype, device) != "small_m"
-
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        pre = None
-        if isinstance(x, QuantizedRows):
-            pre, x = x, x.x
-            if pre.input_scale is not self.input_scale:  # (a wiring error: quantized for another projection)
-                raise ValueError("Fp8Linear: rows quantized with another input scale than this projection's")
-        rows = x.reshape(-1, self.in_features)
-        path = self.route(rows.shape[0], x.dtype, x.device, rows.stride(-1) == 1)
-        return getattr(self, f"forward_{path}")(x, pre)
 
 def build_fp8_linear(param: Fp8Param, weights: list[torch.Tensor], scales: list[torch.Tensor],
                      input_scales: list[torch.Tensor | None], bias: torch.Tensor | None,

@@ -10,7 +10,6 @@ from hybrid.batch import StepBatch
 from hybrid.config import GATE_ONLY, GATE_THEN_NORM, AttentionConfig, MambaConfig
 from hybrid.mamba_metadata import step_metadata
 from hybrid.ops import mamba_torch, triton_act, triton_gemv, triton_moe, triton_norm
-from hybrid.ops.triton_fp8 import QuantizedRows, unquantized
 from hybrid.ops.triton_guard import switch
 
 
@@ -64,24 +63,6 @@ def logits_fp32(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def fp8_input(projs: tuple[nn.Module, ...], rows: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """The quantize / input_scale keywords for a fused norm or activation kernel (triton_norm,
-    triton_act) whose output [rows, in] only the projections `projs` read. When each is an FP8
-    projection whose forward would round these rows to e4m3 (hybrid/fp8_linear.py
-    Fp8Linear.quantizes) and all share one scheme (per-row scales, or the same static scale), the
-    kernel writes the rows quantized too (QuantizedRows) and the projections skip their own
-    quantize_rows launch. Else {}: bf16 or weight-only projections, the one-launch FP8 decode
-    kernel, HYBRID_FP8_FUSED_QUANT=0. (Fp8Linear is known by its `quantizes` method: fp8_linear
-    imports hybrid.moe, which imports this module.)"""
-    if not projs or switch("fp8_unfused_quant"):
-        return {}
-    scale = getattr(projs[0], "input_scale", None)
-    if not all(hasattr(p, "quantizes") and p.input_scale is scale and p.quantizes(rows, dtype, device)
-               for p in projs):
-        return {}
-    return {"quantize": True, "input_scale": scale}
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, weight_in_fp32: bool) -> None:
         super().__init__()
@@ -90,37 +71,27 @@ class RMSNorm(nn.Module):
         # NemotronH multiplies by the weight before casting back; the other families after.
         self.weight_in_fp32 = weight_in_fp32
         self.fused = False  # one Triton launch instead of the torch op chain (see use_fused_ops)
-        # the projections that alone read this norm's output (set by use_fused_ops, see the blocks'
-        # norm_consumers): FP8 ones may take it quantized by the fused kernel (fp8_input)
-        self.consumers: tuple[nn.Module, ...] = ()
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                 scale: float = 1.0) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x * scale), residual + x * scale); residual None starts the stream at x.
-        The fused path updates `residual` in place, and returns the normed rows as QuantizedRows when
-        its consumers are FP8 projections that quantize them (fp8_input). `x` may be an MoE layer's
-        ExpertRows (their sum over k not taken yet): the fused path folds the sum into the same launch."""
+        The fused path updates `residual` in place. `x` may be an MoE layer's ExpertRows (their sum
+        over k not taken yet): the fused path folds the sum into the same launch."""
         if isinstance(x, triton_moe.ExpertRows):
             if self.fused and residual is not None:
-                return triton_norm.sum_add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32, scale,
-                                                    **self._fp8_output(residual)), residual
+                return triton_norm.sum_add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32,
+                                                    scale), residual
             x = x.sum()
         if residual is None:
             return self(x), x
         if self.fused:
-            return triton_norm.add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32, scale,
-                                            **self._fp8_output(residual)), residual
+            return triton_norm.add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32, scale), residual
         residual = residual + (x * scale if scale != 1.0 else x)
         return self(residual), residual
 
-    def _fp8_output(self, like: torch.Tensor) -> dict:
-        """fp8_input's keywords for this norm's output (rows, dtype and device of `like`)."""
-        return fp8_input(self.consumers, like.shape[0], like.dtype, like.device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedRows:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return triton_norm.rms_norm(x.contiguous(), self.weight, self.eps, self.weight_in_fp32,
-                                        **self._fp8_output(x))
+            return triton_norm.rms_norm(x.contiguous(), self.weight, self.eps, self.weight_in_fp32)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -201,8 +172,7 @@ class Mamba2Mixer(nn.Module):
     def project_out(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """out_proj(gated_norm(y, z)) in `dtype`. A decode-sized step on the Triton linear
         (HYBRID_DECODE_LINEAR=triton) with the norm-then-weight gate takes both in one launch
-        (triton_gemv.gated_norm_linear), unless tensor parallelism splits the groups or the projection.
-        An FP8 out_proj that quantizes its input takes it quantized by the gated norm's launch (fp8_input)."""
+        (triton_gemv.gated_norm_linear), unless tensor parallelism splits the groups or the projection."""
         cfg, proj = self.cfg, self.out_proj
         if (self.fused and type(proj) is Linear and proj.fused and self.norm_stats is None
                 and cfg.gate == GATE_THEN_NORM and switch("decode_linear") and triton_gemv.eligible(z, proj.weight)
@@ -210,17 +180,10 @@ class Mamba2Mixer(nn.Module):
                 and triton_gemv.gated_norm_block_k(cfg.intermediate_size // cfg.n_groups) is not None):
             return triton_gemv.gated_norm_linear(y, z, self.norm_weight, cfg.norm_eps, cfg.n_groups, proj.weight,
                                                  proj.bias)
-        if self.fused and self.norm_stats is None and cfg.gate == GATE_THEN_NORM and self.norm_weight.dtype == dtype:
-            # an FP8 out_proj that quantizes its input: the gated norm's launch writes it quantized
-            quant = fp8_input((proj,), z.shape[0], dtype, z.device)
-            if quant:
-                return proj(triton_norm.gated_rms_norm(y.contiguous(), z, self.norm_weight, cfg.norm_eps,
-                                                       cfg.n_groups, **quant))
         return proj(self.gated_norm(y, z).to(dtype))
 
-    def forward(self, hidden: torch.Tensor | QuantizedRows, batch: StepBatch, conv_state: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, batch: StepBatch, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
-        """`hidden`: the block norm's output, as QuantizedRows when an FP8 in_proj takes it quantized."""
         cfg = self.cfg
         nv = batch.num_verify
         if self.kernels is not None and (not nv or getattr(self.kernels, "supports_verify", False)):
@@ -228,7 +191,6 @@ class Mamba2Mixer(nn.Module):
         inner, conv_dim, nh, P = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim
         gn = cfg.n_groups * cfg.state_size
         zxbcdt = self.in_proj(hidden)
-        hidden = unquantized(hidden)
         z, xBC, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
         A = -torch.exp(self.A_log.float())
         y = torch.empty(hidden.shape[0], nh, P, dtype=torch.float32, device=hidden.device)
@@ -366,13 +328,12 @@ class Attention(nn.Module):
 
         return apply(q), apply(k)
 
-    def forward(self, hidden: torch.Tensor | QuantizedRows, batch: StepBatch, kv_layer: torch.Tensor, backend,
+    def forward(self, hidden: torch.Tensor, batch: StepBatch, kv_layer: torch.Tensor, backend,
                 adapter: LowRankAdapter | None = None) -> torch.Tensor:
         """`adapter`: added to the [q | k | v] projection (Zamba2's per-layer adapters of a shared block)."""
         cfg = self.cfg
-        qkv = self.qkv_proj(hidden)  # (hidden: QuantizedRows for an FP8 qkv_proj that takes it quantized)
-        hidden = unquantized(hidden)
         n = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
         if adapter is not None:
             qkv = qkv + adapter(hidden)
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -396,11 +357,9 @@ class DenseMLP(nn.Module):
         self.fused = False  # relu2 as one Triton launch (see use_fused_ops)
         self.can_fuse = act == "relu2"
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up_proj(x)
-        if self.fused:  # (an FP8 down_proj that quantizes its input takes it quantized by the same launch)
-            return self.down_proj(triton_act.relu2(h, **fp8_input((self.down_proj,), h.shape[0], h.dtype, h.device)))
-        return self.down_proj(self.act(h))
+        return self.down_proj(triton_act.relu2(h) if self.fused else self.act(h))
 
 
 class GatedMLP(nn.Module):
@@ -414,13 +373,12 @@ class GatedMLP(nn.Module):
         self.fused = False  # silu(gate) * up as one Triton launch (see use_fused_ops)
         self.can_fuse = act == "silu"
 
-    def forward(self, x: torch.Tensor | QuantizedRows, adapter: LowRankAdapter | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapter: LowRankAdapter | None = None) -> torch.Tensor:
         """`adapter`: added to the [gate | up] projection (Zamba2's per-layer adapter of a shared MLP)."""
         gate_up = self.gate_up_proj(x)
         if adapter is not None:
-            gate_up = gate_up + adapter(unquantized(x))
-        if self.fused:  # (as DenseMLP's)
-            quant = fp8_input((self.down_proj,), gate_up.shape[0], gate_up.dtype, gate_up.device)
-            return self.down_proj(triton_act.silu_and_mul(gate_up, **quant))
+            gate_up = gate_up + adapter(x)
+        if self.fused:
+            return self.down_proj(triton_act.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

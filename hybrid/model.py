@@ -7,25 +7,10 @@ import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
 from hybrid.config import ATTENTION, HYBRID, MAMBA, MLP, PARALLEL, ModelConfig
-from hybrid.fp8_linear import Fp8Linear
 from hybrid.layers import (Attention, DenseMLP, GatedMLP, Linear, LowRankAdapter, Mamba2Mixer, RMSNorm, _param,
                            logits_fp32)
 from hybrid.moe import Experts, GraniteMoE, NemotronMoE, add_norm_route
 from hybrid.ops import triton_act, triton_moe, triton_norm
-
-
-def _input_projection(mixer: nn.Module) -> nn.Module | None:
-    """The projection that alone reads a mixer's input (Mamba in_proj, attention qkv, dense / gated MLP
-    up), or None: an MoE layer's input is read by its router and experts too."""
-    if isinstance(mixer, Mamba2Mixer):
-        return mixer.in_proj
-    if isinstance(mixer, Attention):
-        return mixer.qkv_proj
-    if isinstance(mixer, DenseMLP):
-        return mixer.up_proj
-    if isinstance(mixer, GatedMLP):
-        return mixer.gate_up_proj
-    return None
 
 
 class NemotronHBlock(nn.Module):
@@ -48,11 +33,6 @@ class NemotronHBlock(nn.Module):
             self.mixer = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, bias=cfg.mlp_bias)
         else:
             self.mixer = NemotronMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act, shared_bias=cfg.mlp_bias)
-
-    def norm_consumers(self) -> list[tuple[RMSNorm, tuple[nn.Module, ...]]]:
-        """Each norm of the block with the projections that alone read its output (use_fused_ops)."""
-        proj = _input_projection(self.mixer)
-        return [(self.norm, (proj,))] if proj is not None else []
 
     def forward(self, x, residual, batch, ctx):
         if isinstance(self.mixer, NemotronMoE):
@@ -87,13 +67,6 @@ class TwoStageBlock(nn.Module):
             if cfg.intermediate_size > 0 else None
         self.moe = GraniteMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act) if cfg.moe is not None else None
 
-    def norm_consumers(self) -> list[tuple[RMSNorm, tuple[nn.Module, ...]]]:
-        """As NemotronHBlock's; ffn_norm's output feeds the MLP alone only without an MoE layer."""
-        out = [(self.input_norm, (_input_projection(self.mixer),))]
-        if self.moe is None and self.mlp is not None:
-            out.append((self.ffn_norm, (self.mlp.gate_up_proj,)))
-        return out
-
     def forward(self, x, residual, batch, ctx):
         m = self.residual_multiplier
         x, residual = self.input_norm.add_norm(x, residual, m)
@@ -123,12 +96,6 @@ class ParallelBlock(nn.Module):
         self.attn = Attention(cfg.hidden_size, cfg.attention, attn_index)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, bias=cfg.mlp_bias)
 
-    def norm_consumers(self) -> list[tuple[RMSNorm, tuple[nn.Module, ...]]]:
-        """As NemotronHBlock's: input_norm's output feeds two projections, Mamba's in_proj and the
-        attention's qkv, which take it quantized only when they share a scheme (layers.fp8_input)."""
-        return [(self.input_norm, (self.mamba.in_proj, self.attn.qkv_proj)),
-                (self.ffn_norm, (self.mlp.gate_up_proj,))]
-
     def forward(self, x, residual, batch, ctx):
         x, residual = self.input_norm.add_norm(x, residual)
         m = self.mamba(x, batch, *ctx.mamba_state(self.mamba.layer_index))
@@ -140,7 +107,7 @@ class ParallelBlock(nn.Module):
 class SharedTransformerBlock(nn.Module):
     """Zamba2's shared block: t = mlp(ffn_norm(attn(input_norm(cat(h, embeddings))))), no residual
     inside. Run by several hybrid layers (weights stored once); each caller passes its own KV layer
-    and adapters. (Its norms' outputs are read by the adapters too: never quantized by the norm.)"""
+    and adapters."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -183,10 +150,6 @@ class Zamba2Block(nn.Module):
             # a tuple, so the shared block is not registered (and its weights not named) under each
             # layer: the model owns it once, as shared_blocks.k
             self._shared = (shared,)
-
-    def norm_consumers(self) -> list[tuple[RMSNorm, tuple[nn.Module, ...]]]:
-        """As NemotronHBlock's (in both kinds the norm feeds the Mamba in_proj alone)."""
-        return [(self.norm, (self.mixer.in_proj,))]
 
     def forward(self, x, residual, batch, ctx, embeddings):
         if self.kind == MAMBA:
@@ -289,17 +252,11 @@ def use_fused_ops(model: nn.Module) -> int:
     relu2 / SwiGLU activations of the dense MLPs and the routed experts to their Triton kernels (and
     the projections of decode-sized steps, with the "decode_linear" switch: triton_guard); returns
     how many modules. Same math as the torch chains they replace; the norms and activations round
-    at the same points, the experts accumulate in fp32 and round once. A norm whose output only FP8
-    projections with activation scales read is told them (RMSNorm.consumers): then its launch may
-    write that output quantized for them too (layers.fp8_input), as the gated norm and the MLP
-    activations may for their FP8 out_proj / down_proj."""
+    at the same points, the experts accumulate in fp32 and round once."""
     if not (triton_norm.is_available() and triton_act.is_available() and triton_moe.is_available()):
         raise RuntimeError("triton is not importable: the fused ops are unavailable")
     count = 0
     for m in model.modules():
-        for norm, projs in (m.norm_consumers() if hasattr(m, "norm_consumers") else ()):
-            if all(isinstance(p, Fp8Linear) and p.activation is not None for p in projs):
-                norm.consumers = projs
         if isinstance(m, (RMSNorm, Mamba2Mixer, Linear)) or (isinstance(m, (DenseMLP, GatedMLP, Experts)) and m.can_fuse):
             m.fused = True
             count += 1

@@ -30,8 +30,6 @@ KERNELS = {
     # tokens T, and T * E between the split-K partials' rows
     ("hybrid.ops.triton_moe_route", "_router_partial_kernel"): ("T",),
     ("hybrid.ops.triton_moe_route", "_route_kernel"): ("s_split",),
-    # The norm and activation kernels' fused FP8 quantization (QUANT): rows are the grid too; s_q (the e4m3
-    # rows' stride), the width and n_groups: the model's
     ("hybrid.ops.triton_norm", "_rms_norm_kernel"): (),  # rows are the grid; H, row strides: the model's
     ("hybrid.ops.triton_norm", "_add_rms_norm_kernel"): (),
     ("hybrid.ops.triton_norm", "_sum_add_rms_norm_kernel"): (),
@@ -72,16 +70,14 @@ HELPERS = {
     "hybrid.ops.triton_moe_align": {"_count_experts", "_store_block_experts", "_place_pairs"},
     "hybrid.ops.triton_moe": {"expert_sum", "_block_tile", "_block_operands", "_mma", "_k_steps", "_store_block"},
     "hybrid.ops.triton_moe_route": {"router_split"},
-    "hybrid.ops.triton_norm": {"_normalised_cols", "_normalised_row", "_plus_residual", "_added_row", "_gated_group",
-                           "_gated_group_inputs"},
+    "hybrid.ops.triton_norm": {"_normalised_cols", "_normalised_row", "_plus_residual", "_added_row"},
     "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed"},
-    "hybrid.ops.triton_act": {"_relu2_tile", "_silu_and_mul_tile"},
+    "hybrid.ops.triton_act": set(),
     "hybrid.ops.triton_mamba": {"_softplus", "_ext_tile", "_conv_window_out"},
     "hybrid.ops.triton_sampling": {"_fixed", "_kept_masses"},
     "attention.triton_prefill": {"_attend_tile"},
     "attention.trtllm": set(),
-    "hybrid.ops.triton_fp8": {"_round_e4m3", "_e4m3_values", "_quantized", "_gemv_step", "_ieee_quotient", "_e4m3_row",
-                              "_dynamic_scale", "quantize_row", "quantize_stored_row"},
+    "hybrid.ops.triton_fp8": {"_round_e4m3", "_e4m3_values", "_quantized", "_gemv_step", "_ieee_quotient", "_e4m3_row", "_dynamic_scale"},
 }
 
 

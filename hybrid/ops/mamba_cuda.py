@@ -37,7 +37,6 @@ import torch
 
 from hybrid.mamba_metadata import step_metadata
 from hybrid.ops import mamba_torch
-from hybrid.ops.triton_fp8 import QuantizedRows, unquantized
 
 _LOADED = None
 
@@ -101,13 +100,12 @@ class MambaCudaKernels:
             self._params[id(mixer)] = p
         return p
 
-    def mamba_forward(self, mixer, hidden: torch.Tensor | QuantizedRows, batch, conv_state: torch.Tensor,
+    def mamba_forward(self, mixer, hidden: torch.Tensor, batch, conv_state: torch.Tensor,
                       ssm_state: torch.Tensor) -> torch.Tensor:
         cfg = mixer.cfg
         inner, conv_dim, nh, P = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim
         p = self.params(mixer)
-        zxbcdt = mixer.in_proj(hidden)  # (hidden: QuantizedRows for an FP8 in_proj that takes it quantized)
-        hidden = unquantized(hidden)
+        zxbcdt = mixer.in_proj(hidden)
         z, xBC, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
         T = hidden.shape[0]
         y = torch.empty(T, nh, P, dtype=hidden.dtype, device=hidden.device)

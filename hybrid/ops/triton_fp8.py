@@ -8,10 +8,6 @@ and the e4m3 rounding in separate torch ops around torch._scaled_mm.
 - `quantize_rows` (the default before torch._scaled_mm): one launch writing each row's e4m3 values
   and fp32 scale. Alone on the H200 (bench/bench_fp8_gemv.py) it took 13-22 us off each 8B
   projection at batch 1 against the torch ops.
-  The norm and activation kernels that produce a projection's input (triton_norm, triton_act) run
-  its program (`quantize_row`) on each row they have stored, when the FP8 projection reading it
-  would quantize it: their output then comes as `QuantizedRows` (hybrid/layers.py fp8_input), and
-  the projection skips this launch.
 - `fp8_small_m_linear`, decode-sized steps (M <= MAX_ROWS rows): one launch. Alone it lost to
   quantize_rows + torch._scaled_mm at every 8B shape (e.g. 58 against 41 us for the Mamba in_proj at
   batch 1, 99 against 78 us for the MLP down_proj), so projections whose activations are quantized
@@ -36,7 +32,6 @@ Triton's interpreter (tests/test_triton_fp8.py; the correction with the interpre
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -165,15 +160,13 @@ if HAS_TRITON:
         return _round_e4m3(v).to(tl.float8e4nv)  # exact: the value is an e4m3 value
 
     @triton.jit
-    def quantize_row(x_ptr, q_ptr, scale_ptr, in_scale_ptr, row, K, s_xm, s_qm, min_scale, STATIC: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, FMA_QUOTIENT: tl.constexpr,
-                     HW_CAST: tl.constexpr):
-        """Row `row` of x [M, K] rounded to e4m3 into q, its scale (the static one, or its absmax / 448)
-        into scale_ptr[row]: quantize_rows' program, which the fused norm / activation kernels
-        (triton_norm, triton_act) also run on the row they have just stored, so that their bytes are
-        quantize_rows' by construction."""
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, in_scale_ptr, K, s_xm, s_qm, min_scale,
+                              STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+                              FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr, PDL: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        pdl_wait(PDL)
         if ONE_TILE:  # the whole row in one tile (BLOCK_K >= K): read once, no dependent loop steps
-            offs_k = tl.arange(0, BLOCK_K)
             mask = offs_k < K
             x = tl.load(x_ptr + row * s_xm + offs_k, mask=mask, other=0.0)
             if STATIC:
@@ -182,45 +175,21 @@ if HAS_TRITON:
                 s = _dynamic_scale(tl.max(tl.abs(x.to(tl.float32)), axis=0), min_scale)
             tl.store(scale_ptr + row, s)
             tl.store(q_ptr + row * s_qm + offs_k, _e4m3_row(x, s, FMA_QUOTIENT, HW_CAST), mask=mask)
+            return
+        if STATIC:
+            s = tl.load(in_scale_ptr)
         else:
-            offs_k = tl.arange(0, BLOCK_K)
-            if STATIC:
-                s = tl.load(in_scale_ptr)
-            else:
-                amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    ks = k0 + offs_k
-                    x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
-                    amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-                s = _dynamic_scale(tl.max(amax, axis=0), min_scale)
-            tl.store(scale_ptr + row, s)
+            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + offs_k
                 x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
-                tl.store(q_ptr + row * s_qm + ks, _e4m3_row(x, s, FMA_QUOTIENT, HW_CAST), mask=ks < K)
-
-    @triton.jit
-    def quantize_stored_row(out_ptr, row, K, s_o, q_ptr, q_scale_ptr, q_in_scale_ptr, s_q, q_min_scale,
-                            QUANT: tl.constexpr, Q_STATIC: tl.constexpr, Q_BLOCK: tl.constexpr,
-                            Q_ONE_TILE: tl.constexpr, Q_FMA: tl.constexpr, Q_HW_CAST: tl.constexpr):
-        """The tail of a fused kernel (triton_norm, triton_act) whose program has just stored row `row`
-        of out [M, K] whole: with QUANT, that row quantized (quantize_row) into q / q_scale as
-        quantize_rows would quantize out. The stored row is read back after a barrier rather than
-        taken from registers: the bytes are quantize_rows' of what was stored whatever the registers
-        held, and the kernel's own arithmetic (its reductions' layouts) stays as without QUANT."""
-        if QUANT:
-            tl.debug_barrier()  # the row's stores by every thread of the program, visible to all of them
-            quantize_row(out_ptr, q_ptr, q_scale_ptr, q_in_scale_ptr, row, K, s_o, s_q, q_min_scale, Q_STATIC,
-                         Q_BLOCK, Q_ONE_TILE, Q_FMA, Q_HW_CAST)
-
-    @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, in_scale_ptr, K, s_xm, s_qm, min_scale,
-                              STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-                              FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr, PDL: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        pdl_wait(PDL)
-        quantize_row(x_ptr, q_ptr, scale_ptr, in_scale_ptr, row, K, s_xm, s_qm, min_scale, STATIC, BLOCK_K,
-                     ONE_TILE, FMA_QUOTIENT, HW_CAST)
+                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+            s = _dynamic_scale(tl.max(amax, axis=0), min_scale)
+        tl.store(scale_ptr + row, s)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
+            tl.store(q_ptr + row * s_qm + ks, _e4m3_row(x, s, FMA_QUOTIENT, HW_CAST), mask=ks < K)
 
 
     @triton.jit
@@ -309,15 +278,9 @@ def gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Inputs fp8_small_m_linear serves: a decode-sized step of 16-bit rows (last dim contiguous) on a
     CUDA device with e4m3 (compute capability 8.9+), an e4m3 weight [N, K]."""
-    return (x.dim() == 2 and x.stride(-1) == 1 and weight.dtype == FP8_DTYPE and weight.stride(-1) == 1
-            and decode_rows(x.shape[0], x.dtype, x.device))
-
-
-def decode_rows(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """eligible()'s conditions on the rows alone (their count, dtype and device), for a contiguous
-    e4m3 weight."""
-    return (device.type == "cuda" and 0 < rows <= MAX_ROWS and dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == FP8_DTYPE and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
 def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, activation: int,
@@ -389,46 +352,6 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
         )
     return q, scales
 
-
-
-@dataclass(frozen=True)
-class QuantizedRows:
-    """A projection's input rows `x` [M, K] (model dtype) with what quantize_rows(x, input_scale) gives
-    of them, e4m3 rows `q` [M, K] and fp32 scales `scale` [M, 1], written by the kernel that produced
-    x (a fused norm or activation: triton_norm, triton_act), so that the FP8 projection reading them
-    (hybrid/fp8_linear.py Fp8Linear.forward) skips its own quantization launch. `input_scale`: the
-    projection's static scale they were quantized with (its own parameter), None for per-row scales.
-    Anything else reading the rows takes `x` (unquantized())."""
-    x: torch.Tensor
-    q: torch.Tensor
-    scale: torch.Tensor
-    input_scale: torch.Tensor | None
-
-
-def unquantized(x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-    """The rows themselves, of a tensor or of QuantizedRows."""
-    return x.x if isinstance(x, QuantizedRows) else x
-
-
-def fused_quant_args(out: torch.Tensor, quantize: bool, input_scale: torch.Tensor | None,
-                     num_warps: int) -> tuple[dict, QuantizedRows | None]:
-    """The keyword arguments of quantize_stored_row for a fused kernel storing out [M, K] with
-    `num_warps` warps, and the QuantizedRows it fills (None without `quantize`: QUANT off, the
-    pointers unused). Static with the 0-dim fp32 `input_scale`, else per row. A row is quantized from
-    one register tile up to 64 values a thread (and ONE_TILE_MAX_K), else in 1024-wide steps."""
-    if not quantize:
-        return dict(q_ptr=out, q_scale_ptr=out, q_in_scale_ptr=out, s_q=0, q_min_scale=0.0, QUANT=False,
-                    Q_STATIC=False, Q_BLOCK=1, Q_ONE_TILE=True, Q_FMA=False, Q_HW_CAST=False), None
-    M, K = out.shape
-    assert out.stride(-1) == 1
-    q = torch.empty(M, K, dtype=FP8_DTYPE, device=out.device)
-    scales = torch.empty(M, 1, dtype=torch.float32, device=out.device)
-    width = triton.next_power_of_2(K)
-    block = width if width <= min(ONE_TILE_MAX_K, 64 * 32 * num_warps) else 1024
-    args = dict(q_ptr=q, q_scale_ptr=scales, q_in_scale_ptr=input_scale if input_scale is not None else scales,
-                s_q=q.stride(0), q_min_scale=MIN_DYNAMIC_SCALE, QUANT=True, Q_STATIC=input_scale is not None,
-                Q_BLOCK=block, Q_ONE_TILE=block >= K, Q_FMA=not _INTERPRETED, Q_HW_CAST=not _INTERPRETED)
-    return args, QuantizedRows(out, q, scales, input_scale)
 
 if HAS_TRITON:
 

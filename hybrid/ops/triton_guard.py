@@ -33,9 +33,6 @@ again: benchmarks comparing both):
   written after that measurement, not measured yet.
 - "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
   scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
-- "fp8_unfused_quant" (HYBRID_FP8_FUSED_QUANT=0): FP8 projections quantize their input rows in their own
-  launch (triton_fp8.quantize_rows) instead of taking them quantized from the norm / activation kernel
-  that produced them (hybrid/layers.py fp8_input): the A/B of that fusion.
 All off: the first three measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) the first loses 37-45% at batch 1 and the second is neutral.
 """
@@ -64,8 +61,7 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "norm_router": ("HYBRID_NORM_ROUTER", "1"),
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
-             "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
-             "fp8_unfused_quant": ("HYBRID_FP8_FUSED_QUANT", "0")}
+             "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise")}
 _switch_values: dict[str, bool] = {}
 
 

@@ -15,11 +15,6 @@ torch ops (which, at decode batch sizes, cost more in launches than in bytes):
   triton_moe_route.route_hidden of its output, for steps of few tokens, with the add and norm inside the
   router's split-K launch (one launch fewer an MoE layer); the residual is returned out of place.
 
-rms_norm, add_rms_norm, sum_add_rms_norm and gated_rms_norm take `quantize=True` (and a static
-`input_scale`) when their output feeds FP8 projections that quantize their input (hybrid/layers.py
-fp8_input): the same launch then also writes the output's e4m3 rows and scales, quantize_rows'
-bytes (hybrid/ops/triton_fp8.py QuantizedRows).
-
 Same math as hybrid.layers.RMSNorm / Mamba2Mixer.gated_norm (the reductions add in another order).
 Triton is imported guarded (hybrid/ops/triton_guard.py).
 """
@@ -28,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from hybrid.ops import triton_moe_route
-from hybrid.ops.triton_fp8 import QuantizedRows, fused_quant_args
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 
 
@@ -37,7 +31,6 @@ def is_available() -> bool:
 
 
 if HAS_TRITON:
-    from hybrid.ops.triton_fp8 import quantize_stored_row
     from hybrid.ops.triton_guard import pdl_wait
     from hybrid.ops.triton_moe import expert_sum
     from hybrid.ops.triton_moe_route import router_split
@@ -61,10 +54,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, H, eps,
-                         q_ptr, q_scale_ptr, q_in_scale_ptr, s_q, q_min_scale,  # quantize_stored_row's
-                         BLOCK: tl.constexpr, W_FP32: tl.constexpr,
-                         QUANT: tl.constexpr, Q_STATIC: tl.constexpr, Q_BLOCK: tl.constexpr, Q_ONE_TILE: tl.constexpr,
-                         Q_FMA: tl.constexpr, Q_HW_CAST: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK: tl.constexpr, W_FP32: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -72,8 +62,6 @@ if HAS_TRITON:
         x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
         y = _normalised_row(x.to(tl.float32), x, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-        quantize_stored_row(out_ptr, row, H, s_o, q_ptr, q_scale_ptr, q_in_scale_ptr, s_q, q_min_scale, QUANT,
-                            Q_STATIC, Q_BLOCK, Q_ONE_TILE, Q_FMA, Q_HW_CAST)
 
     @triton.jit
     def _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED: tl.constexpr):
@@ -93,10 +81,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_x, s_r, s_o, H, eps, scale,
-                             q_ptr, q_scale_ptr, q_in_scale_ptr, s_q, q_min_scale,
-                             BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr,
-                             QUANT: tl.constexpr, Q_STATIC: tl.constexpr, Q_BLOCK: tl.constexpr,
-                             Q_ONE_TILE: tl.constexpr, Q_FMA: tl.constexpr, Q_HW_CAST: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -105,17 +90,11 @@ if HAS_TRITON:
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
         y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-        quantize_stored_row(out_ptr, row, H, s_o, q_ptr, q_scale_ptr, q_in_scale_ptr, s_q, q_min_scale, QUANT,
-                            Q_STATIC, Q_BLOCK, Q_ONE_TILE, Q_FMA, Q_HW_CAST)
 
     @triton.jit
     def _sum_add_rms_norm_kernel(y_ptr, add_ptr, res_ptr, w_ptr, out_ptr, s_r, s_o, H, eps, scale,
-                                 q_ptr, q_scale_ptr, q_in_scale_ptr, s_q, q_min_scale,
                                  TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr,
-                                 W_FP32: tl.constexpr, SCALED: tl.constexpr,
-                                 QUANT: tl.constexpr, Q_STATIC: tl.constexpr, Q_BLOCK: tl.constexpr,
-                                 Q_ONE_TILE: tl.constexpr, Q_FMA: tl.constexpr, Q_HW_CAST: tl.constexpr,
-                                 PDL: tl.constexpr):
+                                 W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         # _sum_k_kernel (hybrid/ops/triton_moe.py) then _add_rms_norm_kernel, in one program a row,
         # rounding where they round: the sum over k in fp32, stored in y's dtype; then the add
@@ -127,8 +106,6 @@ if HAS_TRITON:
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
         y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-        quantize_stored_row(out_ptr, row, H, s_o, q_ptr, q_scale_ptr, q_in_scale_ptr, s_q, q_min_scale, QUANT,
-                            Q_STATIC, Q_BLOCK, Q_ONE_TILE, Q_FMA, Q_HW_CAST)
 
     @triton.jit(do_not_specialize=["T"])  # the step's token count: a new compile per value class otherwise
     def _add_rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, normed_ptr, new_res_ptr, rw_ptr, partial_ptr,
@@ -166,106 +143,71 @@ if HAS_TRITON:
         tl.store(partial_ptr + (split * T + t) * E + offs_e, acc, mask=e_ok)
 
     @triton.jit
-    def _gated_group_inputs(y_ptr, z_ptr, w_ptr, row, g, s_y, s_z, GROUP, n_groups, BLOCK: tl.constexpr):
-        """(y, z, weight) at group g's GROUP channels of row `row` (masked off for g >= n_groups)."""
-        offs = tl.arange(0, BLOCK)
-        mask = (offs < GROUP) & (g < n_groups)
-        col = g * GROUP + offs
-        y = tl.load(y_ptr + row * s_y + col, mask=mask, other=0.0)
-        z = tl.load(z_ptr + row * s_z + col, mask=mask, other=0.0)
-        return y, z, tl.load(w_ptr + col, mask=mask, other=0.0)
-
-    @triton.jit
-    def _gated_group(y, z, w, out_ptr, row, g, s_o, GROUP, eps, BLOCK: tl.constexpr):
-        """Group g of row `row` from its inputs: RMSNorm(y * silu(z)) over its GROUP channels in fp32,
-        times the weight, stored."""
-        offs = tl.arange(0, BLOCK)
-        yf = y.to(tl.float32)
-        zf = z.to(tl.float32)
-        h = yf * (zf / (1.0 + tl.exp(-zf)))
-        r = h / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
-        out = w.to(tl.float32) * r.to(w.dtype).to(tl.float32)
-        tl.store(out_ptr + row * s_o + g * GROUP + offs, out.to(out_ptr.dtype.element_ty), mask=offs < GROUP)
-
-    @triton.jit
-    def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, n_groups, eps,
-                               q_ptr, q_scale_ptr, q_in_scale_ptr, s_q, q_min_scale,
-                               BLOCK: tl.constexpr, QUANT: tl.constexpr, Q_STATIC: tl.constexpr,
-                               Q_BLOCK: tl.constexpr, Q_ONE_TILE: tl.constexpr, Q_FMA: tl.constexpr,
-                               Q_HW_CAST: tl.constexpr, PDL: tl.constexpr):
+    def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, eps,
+                               BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
-        if QUANT:  # a program per row (grid (T,)): its groups in turn, then the row's e4m3 values and scale
-            y, z, w = _gated_group_inputs(y_ptr, z_ptr, w_ptr, row, 0, s_y, s_z, GROUP, n_groups, BLOCK)
-            for g in range(n_groups):  # the next group's loads issued before this group's work (latency)
-                y_next, z_next, w_next = _gated_group_inputs(y_ptr, z_ptr, w_ptr, row, g + 1, s_y, s_z, GROUP,
-                                                             n_groups, BLOCK)
-                _gated_group(y, z, w, out_ptr, row, g, s_o, GROUP, eps, BLOCK)
-                y, z, w = y_next, z_next, w_next
-            quantize_stored_row(out_ptr, row, GROUP * n_groups, s_o, q_ptr, q_scale_ptr, q_in_scale_ptr, s_q,
-                                q_min_scale, QUANT, Q_STATIC, Q_BLOCK, Q_ONE_TILE, Q_FMA, Q_HW_CAST)
-        else:  # a program per (row, group): grid (T, n_groups)
-            g = tl.program_id(1)
-            y, z, w = _gated_group_inputs(y_ptr, z_ptr, w_ptr, row, g, s_y, s_z, GROUP, n_groups, BLOCK)
-            _gated_group(y, z, w, out_ptr, row, g, s_o, GROUP, eps, BLOCK)
+        g = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < GROUP
+        col = g * GROUP + offs
+        y = tl.load(y_ptr + row * s_y + col, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * s_z + col, mask=mask, other=0.0).to(tl.float32)
+        h = y * (z / (1.0 + tl.exp(-z)))
+        r = h / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
+        w = tl.load(w_ptr + col, mask=mask, other=0.0)
+        out = w.to(tl.float32) * r.to(w.dtype).to(tl.float32)
+        tl.store(out_ptr + row * s_o + col, out.to(out_ptr.dtype.element_ty), mask=mask)
+
 
 def _warps(block: int) -> int:
     return 8 if block >= 4096 else 4 if block >= 1024 else 2
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool, *, quantize: bool = False,
-             input_scale: torch.Tensor | None = None) -> torch.Tensor | QuantizedRows:
-    """RMSNorm of each row of x. With `quantize`: QuantizedRows, the output with its e4m3 rows and
-    scales as triton_fp8.quantize_rows(out, input_scale) gives them, written by the same launch."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
     require(__name__)
     T, H = x.shape
     assert weight.shape == (H,) and x.stride(-1) == 1
     out = torch.empty_like(x)
-    block = triton.next_power_of_2(H)
-    qargs, rows = fused_quant_args(out, quantize, input_scale, _warps(block))
     if T:
-        _rms_norm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), H, eps, **qargs,
+        block = triton.next_power_of_2(H)
+        _rms_norm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), H, eps,
                                BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block), **pdl_options(x.device))
-    return rows if quantize else out
+    return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 weight_in_fp32: bool, scale: float = 1.0, *, quantize: bool = False,
-                 input_scale: torch.Tensor | None = None) -> torch.Tensor | QuantizedRows:
-    """residual += x * scale in place; returns the RMSNorm of the updated residual (residual's dtype),
-    with `quantize` as QuantizedRows (see rms_norm)."""
+                 weight_in_fp32: bool, scale: float = 1.0) -> torch.Tensor:
+    """residual += x * scale in place; returns the RMSNorm of the updated residual (residual's dtype)."""
     require(__name__)
     T, H = residual.shape
     assert x.shape == (T, H) and weight.shape == (H,) and x.stride(-1) == 1 and residual.stride(-1) == 1
     out = torch.empty_like(residual)
-    block = triton.next_power_of_2(H)
-    qargs, rows = fused_quant_args(out, quantize, input_scale, _warps(block))
     if T:
+        block = triton.next_power_of_2(H)
         _add_rms_norm_kernel[(T,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), H, eps,
-                                   float(scale), **qargs, BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
+                                   float(scale), BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
                                    num_warps=_warps(block), **pdl_options(x.device))
-    return rows if quantize else out
+    return out
 
 
 def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool,
-                     scale: float = 1.0, *, quantize: bool = False,
-                     input_scale: torch.Tensor | None = None) -> torch.Tensor | QuantizedRows:
+                     scale: float = 1.0) -> torch.Tensor:
     """add_rms_norm(rows.sum(), residual, ...) for triton_moe.ExpertRows `rows`, in one launch:
-    the same values, bit for bit (residual updated in place); with `quantize` as QuantizedRows."""
+    the same values, bit for bit (residual updated in place)."""
     require(__name__)
     T, H = residual.shape
     y, add = rows.y, rows.add
     assert rows.shape == (T, H) and y.is_contiguous() and residual.stride(-1) == 1 and weight.shape == (H,)
     assert add is None or add.is_contiguous()
     out = torch.empty_like(residual)
-    block = triton.next_power_of_2(H)
-    qargs, quantized = fused_quant_args(out, quantize, input_scale, _warps(block))
     if T:
+        block = triton.next_power_of_2(H)
         _sum_add_rms_norm_kernel[(T,)](y, add if add is not None else y, residual, weight, out, residual.stride(0),
-                                       out.stride(0), H, eps, float(scale), **qargs, TOP_K=rows.top_k,
-                                       HAS_ADD=add is not None, BLOCK=block, W_FP32=weight_in_fp32,
-                                       SCALED=scale != 1.0, num_warps=_warps(block), **pdl_options(y.device))
-    return quantized if quantize else out
+                                       out.stride(0), H, eps, float(scale), TOP_K=rows.top_k, HAS_ADD=add is not None,
+                                       BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block),
+                                       **pdl_options(y.device))
+    return out
 
 
 def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -296,21 +238,15 @@ def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return normed, new_res, idx, w
 
 
-def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int, *,
-                   quantize: bool = False, input_scale: torch.Tensor | None = None) -> torch.Tensor | QuantizedRows:
-    """The Mamba2 gated norm (see the module docs); with `quantize` as QuantizedRows (see rms_norm):
-    then a program per row takes its groups in turn (the row's scale needs them all), each group
-    computed as the program per group computes it."""
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, n_groups: int) -> torch.Tensor:
     require(__name__)
     T, inner = y.shape
     assert z.shape == (T, inner) and weight.shape == (inner,) and inner % n_groups == 0
     assert y.stride(-1) == 1 and z.stride(-1) == 1
     out = torch.empty(T, inner, dtype=weight.dtype, device=y.device)
-    group = inner // n_groups
-    block = triton.next_power_of_2(group)
-    qargs, rows = fused_quant_args(out, quantize, input_scale, _warps(block))
     if T:
-        _gated_rms_norm_kernel[(T,) if quantize else (T, n_groups)](
-            y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), group, n_groups, eps, **qargs, BLOCK=block,
-            num_warps=_warps(block), **pdl_options(y.device))
-    return rows if quantize else out
+        group = inner // n_groups
+        block = triton.next_power_of_2(group)
+        _gated_rms_norm_kernel[(T, n_groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), group, eps,
+                                              BLOCK=block, num_warps=_warps(block), **pdl_options(y.device))
+    return out
