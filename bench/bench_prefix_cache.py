@@ -6,8 +6,7 @@ random bf16 weights (built in memory as in bench_decode.py), on the GPU.
 With `LLM(enable_prefix_caching=True)`: a "second turn" (a first prompt of `--prompt` random tokens
 plus `--follow` new ones) is timed once when nothing cached starts like it (a full prefill, which
 also shows what the caching points cost) and once after its first turn ran (it resumes after the
-cached prefix). Best of 3 each, after a warm-up. `--split`: each caching point ends a prefill
-chunk (the behaviour before the state there was taken from inside the chunk), for an A/B.
+cached prefix). Best of 3 each, after a warm-up.
 """
 from __future__ import annotations
 
@@ -37,8 +36,6 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--follow", type=int, default=256)
     ap.add_argument("--interval", type=int, default=0, help="LLM(prefix_cache_interval=...): caching points inside prompts")
-    ap.add_argument("--split", action="store_true",
-                    help="the old behaviour: end a prefill chunk at each caching point (no snapshots inside a chunk)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from hybrid.sampling import SamplingParams
@@ -50,9 +47,6 @@ def main() -> None:
     ns = argparse.Namespace(batches=[1], prompt=args.prompt + args.follow, ctx=0, util=0.9, ssm_dtype="bfloat16",
                             decode_kernels="triton", no_fused_ops=False)
     llm = make_llm(ns, enforce_eager=False, enable_prefix_caching=True, prefix_cache_interval=args.interval)
-    if args.split:
-        llm.engine.resources.fused_snapshots = False
-    fused = llm.engine.resources.fused_snapshots
     miss, hit = [], []
     for i in range(4):  # the first pass warms up (JIT, autotune); fresh token ids each time
         turn1 = [(t + 7 * i) % 100000 + 4 for t in first]
@@ -80,14 +74,12 @@ def main() -> None:
         timed_hit = ttft(llm, turn1c + extra, sp)
     finally:
         llm.runner.execute = execute
-    result = dict(prompt=args.prompt, follow=args.follow, interval=args.interval, fused_snapshots=fused,
-                  full_prefill_ttft_ms=min(miss[1:]) * 1e3,
+    result = dict(prompt=args.prompt, follow=args.follow, interval=args.interval, full_prefill_ttft_ms=min(miss[1:]) * 1e3,
                   cache_hit_ttft_ms=min(hit[1:]) * 1e3, hit_tokens=llm.engine.stats["prefix_cache_hit_tokens"],
                   hit_steps=steps, timed_hit_ms=timed_hit * 1e3)
     print("a hit's steps: " + ", ".join(f"{s['tokens']} tokens {s['ms']:.1f} ms" for s in steps)
           + f" (the call: {timed_hit * 1e3:.1f} ms)", flush=True)
-    print(f"second turn ({args.prompt} + {args.follow} tokens, caching points "
-          f"{'inside chunks' if fused else 'ending chunks'}): full prefill {result['full_prefill_ttft_ms']:.1f} ms, "
+    print(f"second turn ({args.prompt} + {args.follow} tokens): full prefill {result['full_prefill_ttft_ms']:.1f} ms, "
           f"after a prefix-cache hit {result['cache_hit_ttft_ms']:.1f} ms", flush=True)
     if args.json:
         with open(args.json, "w") as f:

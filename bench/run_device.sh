@@ -11,8 +11,7 @@
 #   bench    the one-command benchmark (bench/run_benchmark.py: fp32 and bf16 state, TTFT, peer; ~3.5 minutes)
 #   profile  bench_decode.py with the kernel profile of every batch size and of the 8K prefill (bf16 state)
 #   generate bench_generate.py: end-to-end decode through the engine, async scheduling on / off (~3 minutes)
-#   prefix   bench_prefix_cache.py: second-turn TTFT with and without a prefix-cache hit (8K prompt), then
-#            the same with --split (each caching point ends a chunk: the behaviour before snapshots inside chunks)
+#   prefix   bench_prefix_cache.py: second-turn TTFT with and without a prefix-cache hit (8K prompt)
 #   gemm     bench_gemm.py: the model's projections under cuBLAS and cuBLASLt (~1 minute)
 #   moe      bench_moe.py: decode tok/s at batch 1/8/64/256 and 8K TTFT of Nemotron-3-Nano-30B-A3B,
 #            Granite-4.0-H-Tiny and -Small shapes next to their floors, graphs on/off, generate(), and
@@ -139,10 +138,7 @@ if [[ $what == generate ]]; then
   timeout 240 python3 bench/bench_generate.py --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" || rc=1
 fi
 if [[ $what == prefix ]]; then
-  timeout 300 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" 2>&1 | tee "$OUT/prefix_cache.log" || rc=1
-  # the same with each caching point ending a chunk (the split path), in the same call: the A/B
-  timeout 240 python3 bench/bench_prefix_cache.py --split --json "$OUT/prefix_cache_split.json" 2>&1 \
-      | tee "$OUT/prefix_cache_split.log" || rc=1
+  timeout 400 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" 2>&1 | tee "$OUT/prefix_cache.log" || rc=1
 fi
 if [[ $what == gemm ]]; then
   timeout 200 python3 bench/bench_gemm.py --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" || rc=1

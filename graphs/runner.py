@@ -131,14 +131,6 @@ class ModelRunner:
     def _device(self) -> torch.device:
         return self.model.embed.device
 
-    @property
-    def supports_state_snapshots(self) -> bool:
-        """Whether every Mamba layer takes prefix-cache snapshots inside a prefill chunk
-        (StepBatch.state_snapshots): the torch path does, and kernels that say so. Otherwise the
-        engine ends a chunk at each caching point instead."""
-        return all(m.kernels is None or getattr(m.kernels, "supports_snapshots", False)
-                   for m in self.model.mamba_mixers())
-
     def _graphs_supported(self) -> bool:
         if self._device().type != "cuda" or self.max_model_len is None:
             return False

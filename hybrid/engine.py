@@ -102,9 +102,6 @@ class Engine:
         self.async_scheduling = config.async_scheduling and self.spec_config is None
         self._in_flight: LaunchedStep | None = None
         self.resources = ResourceManager(state_pool, kv_cache, self.stats, config)
-        # prefix caching: the state at a caching point taken from inside a prefill chunk, where the
-        # runner's Mamba layers can (else each chunk ends at a caching point)
-        self.resources.fused_snapshots = getattr(runner, "supports_state_snapshots", False) is True
         self.scheduler = Scheduler(self.resources, self.stats, config, proposer=proposer)
         self.sanitizer = StepSanitizer(runner, self.resources, self.scheduler)  # used when check_state
         self.grammars = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids)  # structured outputs
@@ -269,7 +266,6 @@ class Engine:
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Queue the forward pass and the sampling of the scheduled chunks on the device, and the copy
         of the sampled tokens to the host; advance each sequence past the tokens the step consumes."""
-        self.resources.plan_snapshots(out.chunks)  # slots for caching points inside prefill chunks
         batch = self._build_batch(out)
         state_nan_before = None
         if self.check_state:  # host half: refuses the step before it runs
@@ -409,7 +405,6 @@ class Engine:
         except Exception as sync_error:  # the device cannot even synchronise: it is lost
             self._die(sync_error)
         self.resources.all_synced()
-        self.resources.drop_planned_snapshots()  # a launch that failed before caching them
         reason = f"{type(error).__name__}: {error}"
         for rid in dict.fromkeys(request_ids):
             req = self.requests.get(rid)

@@ -189,7 +189,6 @@ class StepLauncher:
             scratch_index_cpu=scratch,
             state_scratch=self.resources.verify_scratch if num_verify else None,
             num_replay=sum(1 for c in chunks if c.replay),
-            state_snapshots=tuple((row, tokens, slot) for row, c in enumerate(chunks) for tokens, slot in c.snapshots),
         )
 
     # ------------------------------------------------------------------ sampling

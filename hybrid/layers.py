@@ -204,21 +204,19 @@ class Mamba2Mixer(nn.Module):
         if batch.num_replay:
             self._replay(xBC, dt, A, y, batch, conv_state, ssm_state)
 
-        def scan(x, dt, B, C, init):  # one prefill piece's chunked scan: (y, final state)
-            return mamba_torch.ssm_prefill(x, dt, A, B, C, self.D, self.dt_bias, cfg.dt_limit, cfg.chunk_size, init)
-
         for row in step_metadata(batch).prefills:  # built once per step, shared by every layer
             length, slot, has_init = row.length, row.slot, row.has_initial_state
             if slot < 0:  # padding row: touches no state
                 continue
             rows = slice(row.start, row.start + length)
             xbc = mamba_torch.conv_prefill(xBC[rows], conv_state, slot, has_init, self.conv_weight, self.conv_bias,
-                                           self.conv_act, row.snapshots)
+                                           self.conv_act)
             x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
-            x, B, C = x.reshape(length, nh, P), B.reshape(length, cfg.n_groups, -1), C.reshape(length, cfg.n_groups, -1)
             init = ssm_state[slot] if has_init else None
-            # split at the prefix-cache snapshots inside the chunk, if any
-            out, final = mamba_torch.ssm_prefill_pieces(scan, x, dt[rows], B, C, init, ssm_state, row.snapshots)
+            out, final = mamba_torch.ssm_prefill(
+                x.reshape(length, nh, P), dt[rows], A, B.reshape(length, cfg.n_groups, -1),
+                C.reshape(length, cfg.n_groups, -1), self.D, self.dt_bias, cfg.dt_limit, cfg.chunk_size, init,
+            )
             ssm_state[slot] = final.to(ssm_state.dtype)
             y[rows] = out
 

@@ -14,8 +14,7 @@ The row groups are computed here only, for both Mamba paths:
 - `verify_positions` / `replay_positions`: token position j of every row still active at j, one
   batched one-token recurrence step each (the torch path, Mamba2Mixer._verify / _replay, and the
   library kernels' replay);
-- `prefills`: each prefill chunk's token rows, slot, has_initial_state and state snapshots (host
-  values; StepBatch.state_snapshots).
+- `prefills`: each prefill chunk's token rows, slot and has_initial_state (host values).
 A plain decode step (the shape the CUDA graphs capture) has none of these: its metadata is empty
 and costs no torch op. A batch derived with dataclasses.replace (e.g. padded) builds its own.
 """
@@ -53,8 +52,6 @@ class PrefillRow:
     length: int  # tokens
     slot: int  # PAD_SLOT_ID for a padding row (touches no state)
     has_initial_state: bool
-    # (tokens into the chunk, slot), ascending: the state after those tokens also goes to that slot
-    snapshots: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,16 +125,10 @@ def build(batch: StepBatch) -> MambaStepMetadata:
     nd, nv, nr = batch.num_decodes, batch.num_verify, batch.num_replay
     q_lens = batch.query_lens_cpu
     start = nd + sum(q_lens[nd:nd + nv + nr])
-    snapshots: dict[int, list[tuple[int, int]]] = {}
-    for row, tokens, slot in batch.state_snapshots:
-        snapshots.setdefault(row, []).append((tokens, slot))
     prefills = []
     for i in range(nd + nv + nr, batch.num_requests):
-        prefills.append(PrefillRow(start, q_lens[i], batch.state_slot_cpu[i], batch.has_initial_state_cpu[i],
-                                   tuple(sorted(snapshots.pop(i, ())))))
+        prefills.append(PrefillRow(start, q_lens[i], batch.state_slot_cpu[i], batch.has_initial_state_cpu[i]))
         start += q_lens[i]
-    if snapshots:
-        raise ValueError(f"state snapshots of rows {sorted(snapshots)}, which are no prefill rows")
     if not nv and not nr:  # decodes and prefills only (a captured decode step among them): no upload
         return MambaStepMetadata(prefills=tuple(prefills))
 

@@ -6,9 +6,8 @@ An attention layer can resume from any prefix whose KV is kept, but a Mamba laye
 prefix is cached as a pair: the KV pages of its tokens (shared by refcount, as forks share them)
 and a copy of every Mamba layer's conv and SSM state taken right after its last token, in a
 state-pool slot that the cache owns. Prefixes end on page boundaries (no partially filled page is
-ever shared). The state at a caching point inside a prefill chunk is written into the entry's slot
-by the Mamba layers during that chunk (ResourceManager.plan_snapshots); where the kernels cannot,
-the engine makes the chunk end at the caching point and copies the slot after it.
+ever shared), and the engine makes a prompt's prefill chunk end at its caching point so that the
+state there exists.
 
 Entries are keyed by a hash chained over the prefix's pages (vLLM-style block hashes), verified
 against the stored tokens on a hit, and evicted least recently used when their slots or pages are

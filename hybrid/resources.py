@@ -41,7 +41,7 @@ def row_owners(chunks: list[ScheduledChunk], with_lengths: bool = False,
                 absorbed)
 
     return [RowOwner(c.seq.label, c.seq.slot if c.seq.slot is not None else PAD_SLOT_ID, list(c.seq.pages),
-                     *lengths(c), snapshots=list(c.snapshots)) for c in chunks]
+                     *lengths(c)) for c in chunks]
 
 
 class ResourceManager:
@@ -56,11 +56,6 @@ class ResourceManager:
         entries = config.prefix_cache_slots
         self.prefix_cache = (PrefixCache(self.page_size, entries, config.cache.prefix_cache_interval)
                              if entries else None)
-        # Whether the Mamba layers take the state at a caching point from inside a prefill chunk
-        # (the engine sets it from its runner): then chunks run past caching points (plan_snapshots);
-        # otherwise the scheduler ends a chunk at each one and the slot is copied after it.
-        self.fused_snapshots = False
-        self._planned: list[int] = []  # snapshot slots of the step being launched, not cached yet
         self.launched = 0  # steps launched so far
         self.synced = 0  # steps whose device work is known to be complete
         self._deferred: list[tuple[int, int | None, list[int]]] = []  # (fence step, slot, pages) to free
@@ -208,7 +203,6 @@ class ResourceManager:
     def abandon(self) -> None:
         """The device is lost: forget every deferred release (nothing goes back to unusable pools)."""
         self._deferred.clear()
-        self._planned.clear()
 
     # ------------------------------------------------------------------ prefix caching
     def reuse_cached_prefix(self, seq: Sequence) -> int:
@@ -229,93 +223,37 @@ class ResourceManager:
         seq.cache_at = cache.next_point(seq.prompt_token_ids, seq.num_computed)
         return seq.num_computed
 
-    def plan_snapshots(self, chunks: list[ScheduledChunk]) -> None:
-        """Before the batch is built: a slot for every caching point strictly inside a prefill chunk
-        (the scheduler runs chunks past them when `fused_snapshots` is on), into which the forward
-        writes the state there (ScheduledChunk.snapshots -> StepBatch.state_snapshots); cached by
-        cache_prefixes once the forward is queued. A point already cached, or with no slot to be
-        had, is passed over (not cached), as at the end of a chunk."""
-        if self.prefix_cache is None or not self.fused_snapshots:
-            return
-        for c in chunks:
-            if c.is_decode:
-                continue
-            seq = c.seq
-            start, end = seq.num_computed, seq.num_computed + c.num_tokens
-            while start < seq.cache_at < end:
-                point = seq.cache_at
-                seq.cache_at = self.prefix_cache.next_point(seq.prompt_token_ids, point)
-                slot = self._prefix_slot(seq, point, absorbed=start)
-                if slot is not None:
-                    c.snapshots.append((point - start, slot))
-                    self._planned.append(slot)
-
-    def drop_planned_snapshots(self) -> None:
-        """The step whose snapshots were planned failed before they were cached: their slots go back
-        (after the device finished the step: the engine's failure path waits for it)."""
-        for slot in self._planned:
-            self.free(slot, [])
-        self._planned.clear()
-
     def cache_prefixes(self, chunks: list[ScheduledChunk]) -> None:
-        """Keep the prefixes of the prefill chunks just queued: those whose state the forward wrote into
-        snapshot slots inside the chunks (plan_snapshots), and those whose chunks end at their caching
-        points (a copy of the slot). Called right after the forward, so each copy is queued behind the
-        forward that computed it."""
+        """Keep the prefixes whose prefill chunks (just queued) end at their caching points; called
+        right after the forward, so each copy is queued behind the forward that computed it."""
         if self.prefix_cache is None:
             return
         for c in chunks:
-            if c.is_decode:
-                continue
-            for tokens, slot in c.snapshots:
-                self._planned.remove(slot)  # the cache's from here (a failure drops only the rest)
-                self._insert_prefix(c.seq, c.seq.num_computed + tokens, slot)
-            if c.seq.cache_at and c.seq.num_computed + c.num_tokens == c.seq.cache_at:
+            if c.seq.cache_at and not c.is_decode and c.seq.num_computed + c.num_tokens == c.seq.cache_at:
                 self._cache_prefix(c.seq)
 
     def _cache_prefix(self, seq: Sequence) -> None:
-        """Keep the prefix up to seq.cache_at, where its chunk ended: a copy of the slot and one more
-        reference to its pages."""
-        point = seq.cache_at
-        seq.cache_at = self.prefix_cache.next_point(seq.prompt_token_ids, point)
-        slot = self._prefix_slot(seq, point, absorbed=point)
-        if slot is None:
-            return
-        self.state_pool.copy_slot(seq.slot, slot)
-        self._insert_prefix(seq, point, slot)
-
-    def _prefix_slot(self, seq: Sequence, point: int, absorbed: int) -> int | None:
-        """A slot for the prefix of seq's prompt up to `point` (evicting a cached prefix if none is
-        free), to hold the state there; None if that prefix is cached already or no slot can be had.
-        `absorbed`: the tokens the state in seq's slot has absorbed now (the sanitizer's ledger
-        checks it; the new slot's count is `point`)."""
-        if self.prefix_cache.contains(seq.prompt_token_ids[:point]):
-            return None
-        if self.state_tokens is not None and self.state_tokens.get(seq.slot, absorbed) != absorbed:
-            raise StateCorruptionError(
-                f"{seq.label} would cache the state after {point} prompt tokens from its Mamba slot {seq.slot} "
-                f"as having absorbed {absorbed}, but that state has absorbed {self.state_tokens[seq.slot]}")
-        slot = self.allocate_slot()
-        if slot is None:
-            return None  # every slot runs a sequence: not cached
-        if self.state_tokens is not None:
-            if seq.slot in self.state_tokens:
-                self.state_tokens[slot] = point
-            else:
-                self.state_tokens.pop(slot, None)
-        return slot
-
-    def _insert_prefix(self, seq: Sequence, point: int, slot: int) -> None:
-        """Cache seq's prompt up to `point` with `slot` (holding the state there): one more reference to
-        its pages, making room first."""
-        tokens = seq.prompt_token_ids[:point]
+        """Keep the prefix up to seq.cache_at: a copy of the slot and one more reference to its pages."""
+        tokens = seq.prompt_token_ids[:seq.cache_at]
         cache = self.prefix_cache
+        seq.cache_at = cache.next_point(seq.prompt_token_ids, seq.cache_at)
+        if cache.contains(tokens):
+            return
+        if self.state_tokens is not None and self.state_tokens.get(seq.slot, len(tokens)) != len(tokens):
+            raise StateCorruptionError(
+                f"{seq.label} would snapshot its Mamba slot {seq.slot} as the state after {len(tokens)} prompt "
+                f"tokens, but that state has absorbed {self.state_tokens[seq.slot]}")
         if cache.is_full:
             self.evict_cached_prefix()
+        slot = self.state_pool.allocate()
+        if slot is None:
+            return  # every slot runs a sequence: not cached
+        self.state_pool.copy_slot(seq.slot, slot)
+        self._copy_state_tokens(seq.slot, slot)
         pages = seq.pages[:len(tokens) // self.page_size]
         self.pages.share(pages)
         displaced = cache.insert(tokens, slot, pages)
-        if displaced is not None:  # a hash collision (or the same prefix planned twice in one step)
+        if displaced is not None:  # a hash collision: the older prefix gives its slot and pages back
             self.free(displaced.slot, displaced.pages)
             self.stats["prefix_cache_evictions"] += 1
 

@@ -35,11 +35,6 @@ What is checked, for every row of the batch:
   sequence (a token applied twice, or skipped) is refused.
 Replay rows (a readmitted sequence's known generated tokens) are ordinary real rows: they write
 their own slot and their own pages, and get exactly the checks above.
-State snapshots (prefix caching: a prefill row also writes the state at a caching point inside its
-chunk into a prefix-cache slot, StepBatch.state_snapshots) are the ones the resources planned for
-the row (`RowOwner.snapshots`, where stated), inside a prefill row's chunk, into live slots that no
-row of the batch uses, scratch row excluded, each slot once. They are host values the kernels read
-as such, so the host half is their whole check.
 """
 from __future__ import annotations
 
@@ -68,7 +63,6 @@ class RowOwner:
     q_len: int = -1  # tokens the row runs; -1: not stated
     max_len: int = -1  # tokens the sequence has to run (known, in flight, drafts): -1: not stated
     state_len: int = -1  # tokens the state in its slot has absorbed, by the slot's own ledger: -1: not kept
-    snapshots: list[tuple[int, int]] | None = None  # (tokens into the chunk, slot) planned; None: not stated
 
 
 @dataclass
@@ -222,27 +216,6 @@ def read_faults(checks: dict[str, list], owners: list[RowOwner], region_names: l
     return None
 
 
-def _check_snapshots(batch: StepBatch, owners: list[RowOwner], live, row_slots: set[int], scratch_slot: int) -> None:
-    """The batch's state snapshots (see the module docstring), or StateCorruptionError."""
-    snaps = list(batch.state_snapshots)
-    if any(o.snapshots is not None for o in owners):
-        planned = [(row, t, slot) for row, o in enumerate(owners) for t, slot in (o.snapshots or ())]
-        if sorted(snaps) != sorted(planned):
-            raise StateCorruptionError(f"the batch's state snapshots {snaps} are not the planned ones {planned}")
-    first_prefill = batch.num_decodes + batch.num_verify + batch.num_replay
-    targets: set[int] = set()
-    for row, t, slot in snaps:
-        who = owners[row].name if 0 <= row < len(owners) else f"row {row}"
-        if not first_prefill <= row < len(owners) or not 0 < t < batch.query_lens_cpu[row]:
-            raise StateCorruptionError(f"{who} would snapshot its state after {t} tokens of its chunk: "
-                                       f"snapshots are taken inside a real prefill row's chunk")
-        if slot not in live or slot in row_slots or slot == scratch_slot or slot in targets:
-            why = ("not live" if slot not in live else "used by a row of the batch" if slot in row_slots
-                   else "the scratch row" if slot == scratch_slot else "another snapshot's")
-            raise StateCorruptionError(f"{who} would snapshot its state into Mamba slot {slot}, which is {why}")
-        targets.add(slot)
-
-
 def check_batch(batch: StepBatch, pool, page_allocator, page_size: int, owners: list[RowOwner],
                 dummy_page: int = 0) -> ExpectedInputs:
     """The host half: raise StateCorruptionError if the batch's host copies would touch a slot or page
@@ -315,7 +288,6 @@ def check_batch(batch: StepBatch, pool, page_allocator, page_size: int, owners: 
         page_rows.append(np.full(n_pages, row, dtype=np.int64))
         page_cols.append(np.arange(n_pages, dtype=np.int64))
         page_values.append(pages)
-    _check_snapshots(batch, owners, live, set(seen), pool.scratch_slot)
     scratch = getattr(batch, "scratch_index_cpu", None)
     if scratch and batch.num_verify:
         used = [s for s in scratch if s >= 0]

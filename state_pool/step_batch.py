@@ -39,13 +39,6 @@ tokens with the decode recurrence, token after token (no dt clamp: they were gen
 and first ran as decodes, so the rebuilt state is the one the decodes built), reading and
 writing `state_slot[i]` in place like a decode. Attention treats it like a prefill chunk with
 context. Padding never occurs in replay rows.
-
-State snapshots (prefix caching, hybrid/prefix_cache.py): `state_snapshots` lists (row, tokens,
-slot) for prefill rows whose chunk runs past a caching point: the Mamba layers also write, into
-slot `slot` (a slot the prefix cache owns, never a row's), the conv and SSM state after the row's
-first `tokens` tokens (0 < tokens < its q_len), as a prefill chunk ending there would have left
-them in the row's own slot (the scan of each piece from the state stored before it). Host values
-only; padding rows never have one.
 """
 from __future__ import annotations
 
@@ -98,9 +91,6 @@ class StepBatch:
     # verify batches, graphs/padding.pad_verify_batch): the kernels may then treat the step as uniform
     # (attention: one query length per request; Mamba: one T-token group from the batch's own tensors)
     uniform_q_len: int = 0
-    # Prefix-cache snapshots (see the module docstring): (prefill row, tokens into its chunk, slot),
-    # ascending tokens per row
-    state_snapshots: tuple[tuple[int, int, int], ...] = ()
     # The Mamba layers' per-step index tensors (hybrid/mamba_metadata.py: verify / replay row groups,
     # prefill rows), built once per batch on first use and read by every layer. Not an __init__
     # argument, so dataclasses.replace (a padded batch) starts without it and builds its own.

@@ -21,10 +21,6 @@
   kernels, causal-conv1d's `causal_conv1d_fn`, which wants channel-first input: two transposes that
   cost ~1.7 ms per layer on an 8K chunk); `mamba_chunk_scan_combined` runs with the
   slot's SSM state as initial state (or none for a first chunk) and its final state is written back.
-  A prefix-cache snapshot inside the chunk (StepBatch.state_snapshots) splits the scan there: one
-  more `mamba_chunk_scan_combined` call (the first piece's final state is the snapshot, bit for bit
-  what a chunk ending there would have stored, and the second piece starts from it as such a chunk
-  would), plus a copy of the conv inputs before it; the conv runs over the whole chunk at once.
 
 Semantics match hybrid/ops/mamba_torch.py (dt clamped to dt_limit on prefill only).
 mamba-ssm and causal-conv1d are optional: nothing here is imported on CPU.
@@ -36,7 +32,6 @@ import math
 import torch
 
 from hybrid.mamba_metadata import step_metadata
-from hybrid.ops import mamba_torch
 
 _LOADED = None
 
@@ -74,8 +69,6 @@ class MambaCudaKernels:
         # Speculative verify rows (per-token states into the verify scratch) run on our Triton kernels;
         # with the library decode kernels they take the mixer's torch path.
         self.supports_verify = decode_kernels == "triton"
-        # Prefix-cache snapshots inside a prefill chunk (StepBatch.state_snapshots): both conv paths
-        self.supports_snapshots = True
         if decode_kernels == "triton":
             from hybrid.ops import triton_mamba
 
@@ -137,8 +130,7 @@ class MambaCudaKernels:
             if slot < 0:  # padding row: touches no state
                 y[rows].zero_()
                 continue
-            out_y = self._prefill_row(mixer, p, xBC[rows], dt[rows], conv_state, ssm_state, slot, has_init,
-                                      row.snapshots)
+            out_y = self._prefill_row(mixer, p, xBC[rows], dt[rows], conv_state, ssm_state, slot, has_init)
             if length == T and out_y.dtype == y.dtype:
                 y = out_y  # the step is this one chunk: the scan's output is y (no copy of T x inner)
             else:
@@ -147,42 +139,29 @@ class MambaCudaKernels:
         return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
 
     def _prefill_row(self, mixer, p: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,
-                     conv_state: torch.Tensor, ssm_state: torch.Tensor, slot: int, has_init: bool,
-                     snapshots: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+                     conv_state: torch.Tensor, ssm_state: torch.Tensor, slot: int, has_init: bool) -> torch.Tensor:
         """One request's prefill chunk (xBC, dt: its rows of the in_proj output): the causal conv over
         [slot history | chunk], then the chunked scan from the slot's state (or zero); the slot's conv
-        and SSM state become the chunk's last. For each (t, dst) of `snapshots` (prefix caching) the
-        state after the first t tokens goes to slot dst, as a chunk ending at t would have left it in
-        the slot: the last K-1 inputs before t, and the scan split at t (one more chunk-scan call per
-        snapshot; mamba_torch.ssm_prefill_pieces). Returns y [length, heads, head_dim]."""
+        and SSM state become the chunk's last. Returns y [length, heads, head_dim]."""
         cfg = mixer.cfg
         inner, nh, P, G, N = cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
         length = xBC.shape[0]
-        for t, dst in snapshots:  # before the conv overwrites the slot's history (read when t < K-1)
-            conv_state[dst] = _conv_history_at(xBC, conv_state, slot, has_init, t)
         if self.decode_kernels == "triton":
             # token-major causal conv over [slot history | chunk]: our Triton kernel, no transposes
             xbc = self.triton.conv_prefill(xBC, conv_state, slot, has_init, mixer.conv_weight, mixer.conv_bias)
         else:
             xbc = self._library_conv_prefill(mixer, xBC, conv_state, slot, has_init)
         x, B, C = torch.split(xbc, [inner, G * N, G * N], dim=-1)
-        x, B, C = x.reshape(length, nh, P), B.reshape(length, G, N), C.reshape(length, G, N)
-        init = ssm_state[slot] if has_init else None
-
-        def scan(x, dt, B, C, init):  # one piece, as the split prefill's chunk: (y, final state)
-            # strided views: the scan copies only what its kernels need contiguous
-            out_y, final = self.chunk_scan(
-                x[None], dt[None], p["A"], B[None], C[None],
-                cfg.chunk_size, D=p["D"], z=None, dt_bias=p["dt_bias"],
-                initial_states=init[None].float() if init is not None else None,
-                dt_softplus=True, dt_limit=tuple(cfg.dt_limit), return_final_states=True,
-            )
-            return out_y[0], final[0]
-
-        # split at the prefix-cache snapshots inside the chunk, if any
-        out_y, final = mamba_torch.ssm_prefill_pieces(scan, x, dt, B, C, init, ssm_state, snapshots)
-        ssm_state[slot] = final.to(ssm_state.dtype)
-        return out_y
+        init = ssm_state[slot][None].float() if has_init else None
+        # strided views: the scan copies only what its kernels need contiguous
+        out_y, final = self.chunk_scan(
+            x.reshape(1, length, nh, P), dt[None], p["A"],
+            B.reshape(1, length, G, N), C.reshape(1, length, G, N),
+            cfg.chunk_size, D=p["D"], z=None, dt_bias=p["dt_bias"], initial_states=init,
+            dt_softplus=True, dt_limit=tuple(cfg.dt_limit), return_final_states=True,
+        )
+        ssm_state[slot] = final[0].to(ssm_state.dtype)
+        return out_y[0]
 
     @torch.inference_mode()
     def warm_up_prefill(self, mixer, conv_state: torch.Tensor, ssm_state: torch.Tensor, max_tokens: int,
@@ -252,17 +231,6 @@ class MambaCudaKernels:
             B.reshape(n, G, N), C.reshape(n, G, N), D=p["D_hp"], z=None, dt_bias=p["dt_bias_hp"],
             dt_softplus=True, state_batch_indices=slots,
         )
-
-
-def _conv_history_at(xBC: torch.Tensor, conv_state: torch.Tensor, slot: int, has_init: bool, t: int) -> torch.Tensor:
-    """The conv history a prefill chunk of the first t tokens of xBC [L, C] would leave in `slot`: the
-    last K-1 inputs of [slot history (zero without an initial state) | xBC[:t]], stored as both conv
-    prefill paths store it (raw inputs in the pool's dtype, which is the model's)."""
-    width = conv_state.shape[-1]
-    if t >= width:
-        return xBC[t - width:t].t()
-    old = conv_state[slot] if has_init else torch.zeros_like(conv_state[slot])
-    return torch.cat([old, xBC[:t].t().to(old.dtype)], dim=-1)[:, -width:]
 
 
 def triton_recurrence(tm, mixer, params: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,

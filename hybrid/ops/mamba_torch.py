@@ -6,9 +6,7 @@ Two paths, as in the reference implementation the checkpoints were trained with:
 - decode (one generated token): the conv window update and the one-step recurrence; dt is not
   clamped.
 Both read the initial state from the request's slot (zero when `has_initial_state` is False) and
-write the final state back to that slot. A prefill chunk can also leave the state after its first
-t tokens in other slots (prefix-cache snapshots): `conv_prefill(..., snapshots)` and
-`ssm_prefill_pieces` (the scan split there), each the value a chunk ending at t would have stored.
+write the final state back to that slot.
 """
 from __future__ import annotations
 
@@ -43,19 +41,15 @@ def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, 
 
 
 def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int, has_initial_state: bool,
-                 weight: torch.Tensor, bias: torch.Tensor | None, act=None,
-                 snapshots: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+                 weight: torch.Tensor, bias: torch.Tensor | None, act=None) -> torch.Tensor:
     """One request's chunk. x [L, C]. Returns act(conv) [L, C] (`act` None: silu) and stores the last
-    K-1 inputs; for each (t, dst) of `snapshots` (0 < t < L) the last K-1 inputs before token t go to
-    slot dst (what a chunk of the first t tokens would have stored)."""
+    K-1 inputs."""
     width = conv_state.shape[-1]
     if has_initial_state:
         history = conv_state[slot].to(weight.dtype)
     else:
         history = torch.zeros(x.shape[1], width, dtype=weight.dtype, device=x.device)
-    window = torch.cat([history, x.t().to(weight.dtype)], dim=-1)  # [C, K-1 + L]: token t at column K-1 + t
-    for t, dst in snapshots:
-        conv_state[dst] = window[:, t:t + width].to(conv_state.dtype)
+    window = torch.cat([history, x.t().to(weight.dtype)], dim=-1)  # [C, K-1 + L]
     conv_state[slot] = window[:, window.shape[1] - width:].to(conv_state.dtype)  # (width 0: conv_kernel 1)
     out = F.conv1d(window[None], weight[:, None, :], bias, groups=weight.shape[0])[0]  # [C, L]
     return (F.silu(out) if act is None else act(out)).t().to(x.dtype)
@@ -138,25 +132,3 @@ def ssm_prefill(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     y_off = torch.einsum("clhn,chpn->clhp", C, entering) * torch.exp(A_cumsum).permute(1, 2, 0)[..., None]
     y = (y_diag + y_off).reshape(-1, heads, head_dim) + D_residual
     return y[:length], final_state
-
-
-def ssm_prefill_pieces(scan, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                       initial_state: torch.Tensor | None, ssm_state: torch.Tensor,
-                       snapshots: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefill chunk's chunked scan, split at each (t, dst) of `snapshots` (ascending, 0 < t < L)
-    exactly as prefill chunks ending there would be: each piece scanned from the state stored before
-    it (rounded to the pool's dtype), the first from `initial_state` (None: zero), and the state after
-    every piece but the last stored in slot dst (a prefix-cache snapshot). `scan(x, dt, B, C, init)`
-    is the path's chunked scan of one piece, returning (y, final state in fp32). Returns (y of the
-    whole chunk, its final state); without snapshots, one scan. Reads `initial_state` (a view of the
-    row's slot): the caller writes the chunk's final state there afterwards."""
-    if not snapshots:
-        return scan(x, dt, B, C, initial_state)
-    ys, start, state = [], 0, initial_state
-    for t, dst in snapshots:
-        y, final = scan(x[start:t], dt[start:t], B[start:t], C[start:t], state)
-        ssm_state[dst] = final.to(ssm_state.dtype)
-        ys.append(y)
-        start, state = t, ssm_state[dst]
-    y, final = scan(x[start:], dt[start:], B[start:], C[start:], state)
-    return torch.cat(ys + [y]), final
