@@ -214,29 +214,6 @@ if [[ $what == ctx-buckets ]]; then
       --batches 1 8 --gen-batches 1 --prompt 2048 --max-model-len 131072 --out "$OUT/ctx128k" --time-budget 140 2>&1 \
       | tee "$OUT/bench_moe_ctx128k.log" | grep -E "tok/s|rror" | cut -c1-200 || rc=1
 fi
-# session-a / session-b  one session's checks in two back-to-back calls (the second on the warm machine):
-#            a: the GPU tests of .devkit/sel.txt, the 8B FP8 decode with the fused quantization and without
-#               (HYBRID_FP8_FUSED_QUANT=0) at batch 1 / 64 (+ 8K TTFT fused), Nemotron-Nano's decode with the
-#               context buckets on / off at the benchmark's max_model_len (8256);
-#            b: the prefix hit's second turn (one step) and Nemotron-Nano's context-bucket A/B at 131072
-if [[ $what == session-a ]]; then
-  gpu_pytest "${SEL_LIMIT:-130}" gpu_tests_selected.log $(cat .devkit/sel.txt)
-  timeout 170 python3 bench/bench_moe.py --shapes nemotron-nano --no-peer --no-eager --context-buckets-ab \
-      --batches 1 8 --gen-batches 1 --prompt 2048 --max-model-len 8256 --out "$OUT/ctx8k" --time-budget 165 2>&1 \
-      | tee "$OUT/bench_moe_ctx8k.log" | grep -E "tok/s|rror" | cut -c1-220 || rc=1
-  for fq in 1 0; do
-    HYBRID_FP8_FUSED_QUANT=$fq timeout 80 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 \
-        --fp8 pcpt --batches 1 64 --json "$OUT/decode_fp8_fused_quant_$fq.json" 2>&1 \
-        | tee "$OUT/decode_fp8_fused_quant_$fq.log" | grep -E "^\{'batch|rror" | cut -c1-160 || rc=1
-  done
-fi
-if [[ $what == session-b ]]; then
-  timeout 200 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" 2>&1 | tee "$OUT/prefix_cache.log" \
-      | tail -15 || rc=1
-  timeout 150 python3 bench/bench_moe.py --shapes nemotron-nano --no-peer --no-eager --context-buckets-ab \
-      --batches 1 8 --gen-batches 1 --prompt 2048 --max-model-len 131072 --out "$OUT/ctx128k" --time-budget 145 2>&1 \
-      | tee "$OUT/bench_moe_ctx128k.log" | grep -E "tok/s|rror" | cut -c1-220 || rc=1
-fi
 if [[ $what == moe-pdl ]]; then
   timeout 545 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --no-peer --no-eager --profile --pdl-ab --linear-ab --norm-router-ab --all-ab --logits-ab \
       --gen-batches 1 --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe_pdl.log" || rc=1
