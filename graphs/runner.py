@@ -31,8 +31,9 @@ import torch
 
 from attention.kv_cache import DUMMY_PAGE
 from graphs.padding import (
-    CONTEXT_BUCKET_MAX_BATCH, bucket_for, context_widths, default_capture_sizes, width_for, is_plain_decode, is_plain_verify, pad_decode_batch, pad_verify_batch,
-    padding_batch, padding_row, padding_verify_batch, verify_graph_sizes, verify_graphs_requested, verify_page_columns,
+    CONTEXT_BUCKET_MAX_BATCH, bucket_for, context_widths, default_capture_sizes, is_plain_decode, is_plain_verify,
+    pad_decode_batch, pad_verify_batch, padding_batch, padding_row, padding_verify_batch, verify_graph_sizes,
+    verify_graphs_requested, verify_page_columns, width_for,
 )
 from state_pool.util import cdiv
 
