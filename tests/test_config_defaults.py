@@ -77,3 +77,21 @@ def test_missing_key_means_the_transformers_default(family, config):
             diff = [f for f in want.__dataclass_fields__ if getattr(got, f) != getattr(want, f)]
             wrong.append(f"{key} (default {value!r}): changes {', '.join(diff)}")
     assert not wrong, f"{family}: a missing key does not mean transformers' default:\n  " + "\n  ".join(wrong)
+
+
+def test_nemotron_h_prefill_clamps_dt_to_time_step_limit():
+    """NemotronH's prefill clamps dt to config.time_step_limit (NVIDIA's implementation, transformers
+    5.25), not from time_step_min; the legacy spelling mamba_dt_limit wins, as in NemotronHConfig."""
+    import math
+
+    import transformers
+
+    base = _defaults("nemotron_h")
+    base.update(model_type="nemotron_h", time_step_min=0.01, time_step_limit=[0.0, 0.5])
+    assert parse_config(base).mamba.dt_limit == (0.0, 0.5)
+    legacy = dict(base, mamba_dt_limit=[0.001, math.inf])
+    assert parse_config(legacy).mamba.dt_limit == (0.001, math.inf)
+    hf = transformers.NemotronHConfig(**{k: v for k, v in legacy.items() if k != "model_type"})
+    assert tuple(hf.time_step_limit) == parse_config(legacy).mamba.dt_limit
+    unset = {k: v for k, v in base.items() if k != "time_step_limit"}
+    assert parse_config(unset).mamba.dt_limit == (0.0, math.inf)  # transformers' default: no clamp
