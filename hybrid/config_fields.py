@@ -148,10 +148,10 @@ def _dt_limit(cfg: dict[str, Any], key: str) -> tuple[float, float]:
     return (float(value[0]), float(value[1]))
 
 
-def _time_step_min(cfg: dict[str, Any], key: str = "time_step_min") -> float:
-    value = _float(cfg, key, 0.001)
+def _time_step_min(cfg: dict[str, Any]) -> float:
+    value = _float(cfg, "time_step_min", 0.001)
     if value < 0:
-        raise CheckpointError(f"config.json: '{key}' must be >= 0, got {value!r}")
+        raise CheckpointError(f"config.json: 'time_step_min' must be >= 0, got {value!r}")
     return value
 
 

@@ -70,4 +70,4 @@ def run_server(llm, args: argparse.Namespace, options: dict) -> None:
                 " (API key required)" if options["api_key"] else "",
                 f" (auto tool choice: {options['tool_call_parser']})" if options.get("enable_auto_tool_choice") else "")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=not getattr(args, "disable_uvicorn_access_log", False))
+                access_log=not args.disable_uvicorn_access_log)
