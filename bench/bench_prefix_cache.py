@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--follow", type=int, default=256)
     ap.add_argument("--interval", type=int, default=0, help="LLM(prefix_cache_interval=...): caching points inside prompts")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="profile one more hit (host and device): op tables printed, chrome trace into DIR")
     args = ap.parse_args()
     from hybrid.sampling import SamplingParams
 
@@ -63,8 +65,10 @@ def main() -> None:
         torch.cuda.synchronize()
         t = time.perf_counter()
         out = execute(batch, *a, **k)
+        host = time.perf_counter() - t  # the host's time to issue the step (no sync inside: ~ the wall if launch-bound)
         torch.cuda.synchronize()
-        steps.append({"tokens": int(getattr(batch, "num_tokens", 0)), "ms": (time.perf_counter() - t) * 1e3})
+        steps.append({"tokens": int(getattr(batch, "num_tokens", 0)), "ms": (time.perf_counter() - t) * 1e3,
+                      "host_ms": host * 1e3})
         return out
 
     turn1c = [(t + 101) % 100000 + 4 for t in first]
@@ -77,13 +81,31 @@ def main() -> None:
     result = dict(prompt=args.prompt, follow=args.follow, interval=args.interval, full_prefill_ttft_ms=min(miss[1:]) * 1e3,
                   cache_hit_ttft_ms=min(hit[1:]) * 1e3, hit_tokens=llm.engine.stats["prefix_cache_hit_tokens"],
                   hit_steps=steps, timed_hit_ms=timed_hit * 1e3)
-    print("a hit's steps: " + ", ".join(f"{s['tokens']} tokens {s['ms']:.1f} ms" for s in steps)
+    print("a hit's steps: " + ", ".join(f"{s['tokens']} tokens {s['ms']:.1f} ms (host {s['host_ms']:.1f})" for s in steps)
           + f" (the call: {timed_hit * 1e3:.1f} ms)", flush=True)
     print(f"second turn ({args.prompt} + {args.follow} tokens): full prefill {result['full_prefill_ttft_ms']:.1f} ms, "
           f"after a prefix-cache hit {result['cache_hit_ttft_ms']:.1f} ms", flush=True)
+    if args.profile:
+        profile_hit(llm, [(t + 211) % 100000 + 4 for t in first], extra, sp, args.profile)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def profile_hit(llm, turn1, extra, sp, out_dir: str) -> None:
+    """One more hit under torch.profiler (host ops and kernels): the tables by self host time and by
+    device time, and a chrome trace in out_dir."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm.generate([turn1], sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False) as prof:
+        ttft(llm, turn1 + extra, sp)
+    os.makedirs(out_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(out_dir, "prefix_hit_trace.json"))
+    ka = prof.key_averages()
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70), flush=True)
+    print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,14 @@ fi
 if [[ $what == prefix ]]; then
   timeout 400 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" 2>&1 | tee "$OUT/prefix_cache.log" || rc=1
 fi
+# prefix-profile  the selected GPU tests of .devkit/sel.txt (if any, at most 150 s), then bench_prefix_cache.py with
+#            one more hit under torch.profiler (host ops and kernels: tables in the log, chrome trace in $OUT)
+if [[ $what == prefix-profile ]]; then
+  if [[ -s .devkit/sel.txt ]]; then gpu_pytest "${SEL_LIMIT:-150}" gpu_tests_selected.log $(cat .devkit/sel.txt); fi
+  timeout 400 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" --profile "$OUT" 2>&1 \
+      | tee "$OUT/prefix_cache.log" || rc=1
+  gzip -f "$OUT/prefix_hit_trace.json" 2>/dev/null || true
+fi
 if [[ $what == gemm ]]; then
   timeout 200 python3 bench/bench_gemm.py --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" || rc=1
 fi
