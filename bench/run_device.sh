@@ -140,6 +140,10 @@ fi
 if [[ $what == prefix ]]; then
   timeout 400 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" 2>&1 | tee "$OUT/prefix_cache.log" || rc=1
 fi
+# scan-overhead  bench_scan_overhead.py: the host cost of one prefill chunk's chunked-scan call (and its cProfile)
+if [[ $what == scan-overhead ]]; then
+  timeout 200 python3 bench/bench_scan_overhead.py 2>&1 | tee "$OUT/scan_overhead.log" || rc=1
+fi
 # prefix-profile  the selected GPU tests of .devkit/sel.txt (if any, at most 150 s), then bench_prefix_cache.py with
 #            one more hit under torch.profiler (host ops and kernels: tables in the log, chrome trace in $OUT)
 if [[ $what == prefix-profile ]]; then
