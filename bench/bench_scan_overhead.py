@@ -7,9 +7,10 @@ Per chunk length and initial state (none / given): the host time per call of cal
 (the device work per call is ~25 us, so above that the loop is bound by the host), for
 - `public`: `mamba_chunk_scan_combined` as hybrid.ops.mamba_cuda calls it;
 - `fwd`: its forward function without the autograd Function (`_mamba_chunk_scan_combined_fwd`);
-- `fwd, no autotuner`: that with the five kernels' autotuners bypassed (each launched with the config
-  it chose for this shape);
-then a cProfile of the public call (top functions by own time).
+- `lean`: hybrid.ops.mamba_scan.ChunkScan, what the prefill path runs (that forward, each kernel launched
+  with the config its autotuner chose for the key, from a dict);
+then a cProfile of the public and the lean call (top functions by own time). `public` and `fwd` run with
+the library's own autotuners (the lean launchers taken out for them).
 """
 from __future__ import annotations
 
@@ -46,14 +47,13 @@ def main() -> None:
     args = ap.parse_args()
     from hybrid.ops.mamba_ssm_shim import mamba_ssm_triton
 
+    from hybrid.ops.mamba_scan import ChunkScan, _install
+
     public, _ = mamba_ssm_triton()
     import importlib
 
     ssd = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
-    mods = [importlib.import_module(f"mamba_ssm.ops.triton.{m}")
-            for m in ("ssd_chunk_state", "ssd_state_passing", "ssd_bmm", "ssd_chunk_scan")]
-    kernels = [getattr(m, k) for m in mods for k in dir(m) if k.endswith("_fwd_kernel")
-               and hasattr(getattr(m, k), "best_config")]
+    lean = ChunkScan()
     dev = torch.device("cuda")
     nh, P, G, N = 128, 64, 8, 128
     width = nh * P + 2 * G * N + nh
@@ -69,29 +69,31 @@ def main() -> None:
         for init in (None, torch.randn(1, nh, P, N, device=dev)):
             kw = dict(D=D, z=None, dt_bias=dt_bias, initial_states=init, dt_softplus=True, dt_limit=(0.0, float("inf")))
             row = {"T": T, "init": init is not None}
+            lean.uninstall()  # public and fwd through the library's own autotuners
             row["public_us"] = per_call_us(lambda: public(x, dt, A, B, C, args.chunk, return_final_states=True, **kw), args.calls)
             row["fwd_us"] = per_call_us(lambda: ssd._mamba_chunk_scan_combined_fwd(x, dt, A, B, C, args.chunk, **kw), args.calls)
-            saved = {}
-            for k in kernels:  # launch each with the config it chose (same shape, same key): no autotuner
-                saved[k] = k.run
-                cfg = k.best_config.all_kwargs()
-                k.run = (lambda fn, cfg: (lambda *a, **kk: fn.run(*a, **kk, **cfg)))(k.fn, cfg)
-            try:
-                row["fwd_no_autotuner_us"] = per_call_us(
-                    lambda: ssd._mamba_chunk_scan_combined_fwd(x, dt, A, B, C, args.chunk, **kw), args.calls)
-            finally:
-                for k, run in saved.items():
-                    k.run = run
+            if lean.lean:
+                lean.swapped = _install(lean.modules)
+            row["lean_us"] = per_call_us(lambda: lean(x, dt, A, B, C, args.chunk, D, dt_bias, init, kw["dt_limit"]),
+                                         args.calls)
+            row["lean_path"] = lean.lean
+            if T == args.lengths[0] and init is not None:
+                for name, call in (("public", lambda: public(x, dt, A, B, C, args.chunk, return_final_states=True, **kw)),
+                                   ("lean", lambda: lean(x, dt, A, B, C, args.chunk, D, dt_bias, init, kw["dt_limit"]))):
+                    lean.uninstall()
+                    if name == "lean" and lean.lean:
+                        lean.swapped = _install(lean.modules)
+                    call()  # (a fresh launcher's first call per key goes through the autotuner)
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(50):
+                        call()
+                    prof.disable()
+                    torch.cuda.synchronize()
+                    out = io.StringIO()
+                    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+                    print(f"cProfile, 50 {name} calls:\n" + out.getvalue()[:5000], flush=True)
             print(row, flush=True)
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(50):
-                public(x, dt, A, B, C, args.chunk, return_final_states=True, **kw)
-            prof.disable()
-            torch.cuda.synchronize()
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
-            print(s.getvalue()[:6000], flush=True)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@
   boundaries and cannot take per-request initial states): the causal conv runs over [slot history |
   chunk], on our token-major Triton kernel (`triton_mamba.conv_prefill`; with the library decode
   kernels, causal-conv1d's `causal_conv1d_fn`, which wants channel-first input: two transposes that
-  cost ~1.7 ms per layer on an 8K chunk); `mamba_chunk_scan_combined` runs with the
-  slot's SSM state as initial state (or none for a first chunk) and its final state is written back.
+  cost ~1.7 ms per layer on an 8K chunk); mamba-ssm's chunked scan (`mamba_chunk_scan_combined`'s
+  kernels and configs, issued with little host work: hybrid/ops/mamba_scan.py) runs with the slot's SSM
+  state as initial state (or none for a first chunk) and its final state is written back.
 
 Semantics match hybrid/ops/mamba_torch.py (dt clamped to dt_limit on prefill only).
 mamba-ssm and causal-conv1d are optional: nothing here is imported on CPU.
@@ -44,8 +45,10 @@ def load_kernels():
 
         from hybrid.ops.mamba_ssm_shim import mamba_ssm_triton
 
-        chunk_scan, state_update = mamba_ssm_triton()
-        _LOADED = (chunk_scan, state_update, causal_conv1d_fn, causal_conv1d_update)
+        from hybrid.ops.mamba_scan import ChunkScan
+
+        _, state_update = mamba_ssm_triton()  # registers the bare mamba_ssm package ChunkScan imports from
+        _LOADED = (ChunkScan(), state_update, causal_conv1d_fn, causal_conv1d_update)
     return _LOADED
 
 
@@ -154,11 +157,10 @@ class MambaCudaKernels:
         x, B, C = torch.split(xbc, [inner, G * N, G * N], dim=-1)
         init = ssm_state[slot][None].float() if has_init else None
         # strided views: the scan copies only what its kernels need contiguous
-        out_y, final = self.chunk_scan(
+        out_y, final = self.chunk_scan(  # mamba_chunk_scan_combined with little host work (hybrid/ops/mamba_scan.py)
             x.reshape(1, length, nh, P), dt[None], p["A"],
             B.reshape(1, length, G, N), C.reshape(1, length, G, N),
-            cfg.chunk_size, D=p["D"], z=None, dt_bias=p["dt_bias"], initial_states=init,
-            dt_softplus=True, dt_limit=tuple(cfg.dt_limit), return_final_states=True,
+            cfg.chunk_size, p["D"], p["dt_bias"], init, tuple(cfg.dt_limit),
         )
         ssm_state[slot] = final[0].to(ssm_state.dtype)
         return out_y[0]
