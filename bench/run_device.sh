@@ -147,7 +147,7 @@ fi
 # scan-lean  the selected GPU tests (.devkit/sel.txt, at most 170 s), bench_scan_overhead.py, then bench_prefix_cache.py
 if [[ $what == scan-lean ]]; then
   if [[ -s .devkit/sel.txt ]]; then gpu_pytest "${SEL_LIMIT:-170}" gpu_tests_selected.log $(cat .devkit/sel.txt); fi
-  timeout 120 python3 bench/bench_scan_overhead.py 2>&1 | tee "$OUT/scan_overhead.log" | grep -E "^\{|Error|error" || rc=1
+  timeout 70 python3 bench/bench_scan_overhead.py 2>&1 | tee "$OUT/scan_overhead.log" | grep -E "^\{|Error|error" || rc=1
   timeout 300 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" 2>&1 | tee "$OUT/prefix_cache.log" \
       | grep -E "steps|turn|rror" || rc=1
 fi

@@ -171,6 +171,11 @@ class ModelRunner:
             runs += mixer.kernels.warm_up_prefill(mixer, conv_state, ssm_state, max_tokens, self.model.embed.dtype)
         return runs
 
+    def warm_up_moe_kernels(self, max_tokens: int) -> int:
+        """Compile the fused MoE kernels' specialisations now (HybridModel.warm_up_moe). Returns the
+        MoE layer calls run."""
+        return self.model.warm_up_moe(max_tokens)
+
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:

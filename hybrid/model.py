@@ -11,6 +11,7 @@ from hybrid.layers import (Attention, DenseMLP, GatedMLP, Linear, LowRankAdapter
                            logits_fp32)
 from hybrid.moe import Experts, GraniteMoE, NemotronMoE, add_norm_route
 from hybrid.ops import triton_act, triton_moe, triton_norm
+from state_pool.util import sm_count
 
 
 class NemotronHBlock(nn.Module):
@@ -194,6 +195,43 @@ class HybridModel(nn.Module):
 
     def mamba_mixers(self) -> list[Mamba2Mixer]:
         return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]
+
+    def moe_layers(self) -> list[tuple[nn.Module, nn.Module | None]]:
+        """(MoE module, the shared MLP its block passes it or None) of every MoE layer."""
+        layers = []
+        for m in self.modules():
+            if isinstance(m, NemotronMoE):
+                layers.append((m, None))  # (its shared expert is its own)
+            elif isinstance(m, TwoStageBlock) and m.moe is not None:
+                layers.append((m.moe, m.mlp))
+        return layers
+
+    @torch.inference_mode()
+    def warm_up_moe(self, max_tokens: int) -> int:
+        """Compile the fused MoE kernels' specialisations now: each distinct MoE layer shape runs once at
+        each length of Experts.warmup_lengths, on random activations (the layers hold no state).
+        Returns the layer calls run. Skipped under tensor parallelism (the experts' all-reduce needs
+        every rank): the workers meet them on first use."""
+        seen = set()
+        runs = 0
+        dtype = self.embed.dtype
+        for moe, shared in self.moe_layers():
+            experts = moe.experts
+            if not experts.fused or getattr(experts, "group", None) is not None:
+                continue
+            key = (type(moe), repr(moe.cfg), tuple(experts.up.shape), experts.up.dtype, experts.defer_sum,
+                   None if shared is None else tuple(p.shape for p in shared.parameters()))
+            if key in seen:
+                continue
+            seen.add(key)
+            device, hidden = experts.up.device, experts.up.shape[2]
+            for T in experts.warmup_lengths(shared, max_tokens, dtype.itemsize, sm_count(device)):
+                x = torch.randn(T, hidden, dtype=dtype, device=device)
+                out = moe(x) if shared is None else moe(x, shared=shared)
+                if isinstance(out, triton_moe.ExpertRows):  # (the sum the next norm would fold in)
+                    out.sum()
+                runs += 1
+        return runs
 
     # The vocabulary's two ends; tensor parallelism shards them (hybrid/parallel/layers.py).
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

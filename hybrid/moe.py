@@ -33,6 +33,7 @@ class Experts(nn.Module):
     def __init__(self, hidden_size: int, cfg: MoEConfig, act: str, gated: bool) -> None:
         super().__init__()
         self.gated = gated
+        self.top_k = cfg.top_k  # routed experts per token
         width = 2 * cfg.intermediate_size if gated else cfg.intermediate_size
         self.up = _param(cfg.num_experts, width, hidden_size)
         self.down = _param(cfg.num_experts, hidden_size, cfg.intermediate_size)
@@ -68,6 +69,22 @@ class Experts(nn.Module):
             return 0
         width, inter = shared.down_proj.weight.shape[1], self.down.shape[2]
         return width // inter if width % inter == 0 else 0
+
+    def warmup_lengths(self, shared: nn.Module | None, max_tokens: int, element_size: int, sms: int) -> list[int]:
+        """Step lengths (at most max_tokens) that between them meet every Triton specialisation this
+        layer's fused experts can compile: for each distinct triton_moe.launch_plan, the shortest step
+        that has it (`shared`: the MLP the layer passes as its shared expert; element_size: the
+        activations'). Why: the plan (alignment method, tiles, narrowing, shared slices) changes with
+        the step's size at thresholds that depend on the expert count, so a warm-up of a few fixed
+        lengths missed some (a 512-token prompt of Nemotron-3-Nano compiled after startup)."""
+        E, width, hidden = self.up.shape
+        inter = self.down.shape[2]
+        first: dict[tuple, int] = {}
+        for T in range(1, max_tokens + 1):
+            plan = triton_moe.launch_plan(T, self.top_k, E, self.shared_slices(shared, T), hidden, inter,
+                                          self.gated, element_size, sms)
+            first.setdefault(plan, T)
+        return sorted(first.values())
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
                 add: torch.Tensor | None = None, shared: nn.Module | None = None) -> torch.Tensor:

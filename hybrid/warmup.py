@@ -16,7 +16,9 @@ chunked scan (mamba-ssm's Triton kernels) compiles per class of chunk length and
 multiple of 16, other: Triton's integer specialisation; on the H200 a first batch of 256 x 1024-token
 prompts spent ~9 s of its 17.5 s prefill compiling, and a 16 x 128-token batch after a restart 3.7 s).
 So before the requests the runner runs each Mamba layer shape's prefill path once per class
-(`ModelRunner.warm_up_prefill_kernels`, on the pool's scratch row).
+(`ModelRunner.warm_up_prefill_kernels`, on the pool's scratch row). Likewise the fused MoE kernels
+change tiles, alignment method and the shared expert's place at step sizes that depend on the expert
+count: each MoE layer shape runs once per distinct launch plan (`ModelRunner.warm_up_moe_kernels`).
 
 On by default on CUDA (`LLM(warmup=...)`, `hybrid serve --no-warmup`); off on CPU, where nothing
 compiles. Its time is the "warm-up" phase of the startup log.
@@ -69,6 +71,10 @@ def warm_up(engine: Engine, *, vocab_size: int, max_num_batched_tokens: int, max
     if prefill_kernels is not None:
         launches = prefill_kernels(min(max_num_batched_tokens, max_model_len))
         logger.debug("warm-up: %d Mamba prefill launches", launches)
+    moe_kernels = getattr(engine.runner, "warm_up_moe_kernels", None)
+    if moe_kernels is not None:
+        calls = moe_kernels(max_num_batched_tokens)
+        logger.debug("warm-up: %d MoE layer calls", calls)
     device = getattr(engine, "device", None)  # (absent on test doubles)
     if device is not None:  # both variants of the sampler's full-row kernel (one warm-up step has one)
         warm_up_fallback_kernel(device, vocab_size)

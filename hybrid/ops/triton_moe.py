@@ -241,6 +241,25 @@ def pick_config(num_pairs: int, num_experts: int, gated: bool) -> str:
 _SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (the H100/H200 limit is 227 KiB)
 
 
+def launch_config(cfg: tuple, act: int, element_size: int, num_blocks: int, n_out: int, narrow: bool,
+                  sms: int) -> tuple:
+    """The (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) one grouped GEMM launches with, from its
+    configuration `cfg`: shared memory fitted to the operands' size, BLOCK_N narrowed (`narrow`) for a
+    launch of few programs (see _grouped_gemm)."""
+    bm, bn, bk, gm, warps, stages = cfg
+    # fp32 operands (tests, fp32 models) take twice the shared memory of the bf16 tiles the configs
+    # were tuned for: fewer pipeline stages, then shorter K steps, until the buffers fit
+    tile_bytes = lambda: stages * (bm * bk + (2 if act == ACT_SILU_MUL else 1) * bk * bn) * element_size
+    while stages > 2 and tile_bytes() > _SMEM_BUDGET:
+        stages -= 1
+    while bk > 32 and tile_bytes() > _SMEM_BUDGET:
+        bk //= 2
+    if narrow:  # (32: the narrowest tile measured on the H200, bench/bench_moe_kernels.py)
+        while bn > 32 and num_blocks * cdiv(n_out, bn) < 2 * sms:
+            bn //= 2
+    return bm, bn, bk, gm, warps, stages
+
+
 def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div, act, cfg, narrow: bool,
                   early_b: bool = False, w_scale: torch.Tensor | None = None) -> None:
     """One grouped GEMM launch. `shared`: (tensor, row stride, pseudo-expert stride, up-row offset)
@@ -248,19 +267,9 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
     so that a decode step with few pairs still streams the weights from every SM. `early_b`: the
     blocks were aligned before the previous launch (the second GEMM): see _moe_gemm_kernel.
     `w_scale` [E, rows of w] fp32: w is FP8 (e4m3) with these per-row scales."""
-    bm, bn, bk, gm, warps, stages = cfg
-    # fp32 operands (tests, fp32 models) take twice the shared memory of the bf16 tiles the configs
-    # were tuned for: fewer pipeline stages, then shorter K steps, until the buffers fit
-    tile_bytes = lambda: stages * (bm * bk + (2 if act == ACT_SILU_MUL else 1) * bk * bn) * a.element_size()
-    while stages > 2 and tile_bytes() > _SMEM_BUDGET:
-        stages -= 1
-    while bk > 32 and tile_bytes() > _SMEM_BUDGET:
-        bk //= 2
     n_out = out.shape[1]
     nb = block_expert.shape[0]
-    if narrow:  # (32: the narrowest tile measured on the H200, bench/bench_moe_kernels.py)
-        while bn > 32 and nb * cdiv(n_out, bn) < 2 * sm_count(a.device):
-            bn //= 2
+    bm, bn, bk, gm, warps, stages = launch_config(cfg, act, a.element_size(), nb, n_out, narrow, sm_count(a.device))
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
     pdl = pdl_options(a.device)
     _moe_gemm_kernel[(nb * cdiv(n_out, bn),)](
@@ -313,6 +322,34 @@ class ExpertRows:
         return out
 
 
+def _gemm_choice(T: int, top_k: int, E: int, S: int, H: int, inter: int, gated: bool, config=None,
+                 align_method: str | None = None) -> tuple[tuple, tuple, str | None, bool]:
+    """(first GEMM's config, second GEMM's, alignment method or None for align's own choice, narrow)
+    of a fused_experts call of T tokens with top_k columns (S of them the shared expert's slices)."""
+    n = T * top_k
+    tuned = decode_tuned(n, E, H, inter, gated) if config is None else None
+    cfg_up, cfg_down = gemm_configs(config or tuned or CONFIGS[pick_config(n, E + S, gated)])
+    if align_method is None and S and T > 1 and n <= triton_moe_align.NAIVE_MAX_PAIRS:
+        align_method = "triton"  # naive blocks would stream the shared slices once per token
+    return cfg_up, cfg_down, align_method, config is None and tuned is None and cfg_up[0] == 16
+
+
+def launch_plan(T: int, top_k: int, num_experts: int, num_shared: int, hidden: int, inter: int, gated: bool,
+                element_size: int, sms: int) -> tuple:
+    """What a fused_experts call of T tokens compiles for (without `config` / `align_method`): the
+    alignment method and both GEMMs' launch configurations, and whether the shared expert joins.
+    `top_k` counts the routed experts only; num_shared: the slices the shared expert joins as at this T
+    (Experts.shared_slices). Steps with the same plan meet the same Triton specialisations."""
+    k = top_k + num_shared
+    n = T * k
+    cfg_up, cfg_down, method, narrow = _gemm_choice(T, k, num_experts, num_shared, hidden, inter, gated)
+    method = method or triton_moe_align.pick_method(n)
+    nb = triton_moe_align.max_blocks(n, num_experts + num_shared, cfg_up[0])
+    up = launch_config(cfg_up, ACT_SILU_MUL if gated else ACT_RELU2, element_size, nb, inter, narrow, sms)
+    down = launch_config(cfg_down, ACT_NONE, element_size, nb, hidden, narrow, sms)
+    return method, up, down, num_shared > 0
+
+
 def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top_idx: torch.Tensor,
                   top_w: torch.Tensor, gated: bool, add: torch.Tensor | None = None, *,
                   shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
@@ -358,12 +395,8 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     if T == 0:
         return torch.empty(T, H, dtype=x.dtype, device=x.device)
     n = T * top_k
-    tuned = decode_tuned(n, E, H, inter, gated) if config is None else None
-    cfg_up, cfg_down = gemm_configs(config or tuned or CONFIGS[pick_config(n, E + S, gated)])
-    if align_method is None and S and T > 1 and n <= triton_moe_align.NAIVE_MAX_PAIRS:
-        align_method = "triton"  # naive blocks would stream the shared slices once per token
+    cfg_up, cfg_down, align_method, narrow = _gemm_choice(T, top_k, E, S, H, inter, gated, config, align_method)
     pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
-    narrow = config is None and tuned is None and cfg_up[0] == 16
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
                   ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale)

@@ -190,13 +190,18 @@ def align_counting(flat_ids: torch.Tensor, num_experts: int, block_m: int
     return pairs, block_expert, total
 
 
+def pick_method(num_pairs: int) -> str:
+    """align's method for a step of num_pairs (token, expert) pairs."""
+    return "naive" if num_pairs <= NAIVE_MAX_PAIRS else "triton" if num_pairs <= TRITON_ALIGN_MAX_PAIRS else "counting"
+
+
 def align(flat_ids: torch.Tensor, num_experts: int, block_m: int, method: str | None = None
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pairs, block_expert, total): see the module docstring; `method` forces
     naive|triton|counting|torch."""
     n = flat_ids.numel()
     if method is None:
-        method = "naive" if n <= NAIVE_MAX_PAIRS else "triton" if n <= TRITON_ALIGN_MAX_PAIRS else "counting"
+        method = pick_method(n)
     if method == "naive":
         return align_naive(flat_ids, block_m)
     if method == "torch":

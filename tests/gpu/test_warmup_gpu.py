@@ -35,3 +35,27 @@ def test_no_triton_compile_after_startup(tiny_ckpt, family):
     llm.generate(prompts, [greedy if i % 2 else sampled for i in range(len(prompts))], use_tqdm=False)
     late = [f"{e.kernel}: {e.signature}" for e in compile_watch.events()[before:] if e.after_startup]
     assert not late, late
+
+
+def test_no_moe_kernel_compiles_after_startup_at_any_step_size(tiny_ckpt):
+    """The fused MoE kernels change tiles, alignment method and the shared expert's place with the
+    step's size (triton_moe.launch_plan): after the warm-up (HybridModel.warm_up_moe), an MoE layer
+    called at any step size up to the step budget compiles nothing."""
+    llm = LLM(tiny_ckpt("granite_moe"), device="cuda", max_num_seqs=16, max_model_len=4096,
+              max_num_batched_tokens=2048, warmup=True)
+    assert compile_watch.install()
+    layers = llm.model.moe_layers()
+    assert layers and all(moe.experts.fused for moe, _ in layers)
+    before = len(compile_watch.events())
+    moe, shared = layers[0]
+    hidden = moe.experts.up.shape[2]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.inference_mode():
+        for T in list(range(1, 80)) + list(range(80, 2049, 13)):
+            x = torch.randn(T, hidden, dtype=llm.model.embed.dtype, device="cuda", generator=g)
+            out = moe(x) if shared is None else moe(x, shared=shared)
+            if not isinstance(out, torch.Tensor):
+                out.sum()
+    torch.cuda.synchronize()
+    late = [f"{e.kernel}: {e.signature}" for e in compile_watch.events()[before:] if e.after_startup]
+    assert not late, late
