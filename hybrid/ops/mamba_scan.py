@@ -1,16 +1,20 @@
-"""One prefill chunk's chunked scan on mamba-ssm's Triton SSD kernels, issued with little host work.
+"""One prefill chunk's chunked scan on mamba-ssm's Triton SSD kernels, issued with less host work.
 
-Why: `mamba_chunk_scan_combined` took ~1 ms of host time a call on the device's host for ~25 us of
-device work at a short chunk (torch.profiler over a prefix-cache hit, BENCHMARKS.md), and prefill
-runs one call per request and Mamba layer, so a short eager prefill step was bound by it (half of a
-hit's host time). Most of that is Triton's autotuner: for each of the scan's five launches it builds
-its cache key by testing every one of the kernel's ~60 arguments against its argument-name list and
-asking each for a dtype. Here:
-- the forward runs without the autograd Function and its saved tensors (`_mamba_chunk_scan_combined_fwd`);
+Why: `mamba_chunk_scan_combined` took 0.5-0.9 ms of host time a call on the device's host for ~25 us
+of device work at a short chunk (bench/bench_scan_overhead.py), and prefill runs one call per request
+and Mamba layer, so a short eager prefill step is bound by its host (torch.profiler over a prefix-cache
+hit: half of its host time in these calls; BENCHMARKS.md). Of that, Triton's autotuner builds its cache
+key for each of the five launches by testing every one of the kernel's ~60 arguments against its
+argument-name list and asking each for a dtype, and the autograd Function saves its tensors. Here:
+- the forward runs without the autograd Function (`_mamba_chunk_scan_combined_fwd`);
 - each of the five kernels launches through a `CachedConfigKernel`: the config its own autotuner chose
   for the same key, looked up in a dict keyed by the key arguments' values and the tensor arguments'
   dtypes (everything the autotuner's key holds, and which tensors are present); a key not seen yet goes
   through the autotuner, which tunes or finds it as before.
+Measured on the H200: ~25% less host time a call (cProfile), a prefix-cache hit's 8B-shape prefill
+steps from 31.3 / 29.8 to 27.3 / 27.3 ms. What is left a call is Triton's own launch path (~40-80 us a
+launch for these kernels' ~60 arguments) and the library's wrappers: only fewer calls (one scan for all
+of a step's prefill rows) or captured short prefill steps remove it.
 Same kernels, same configs, so the same bits as `mamba_chunk_scan_combined`: `ChunkScan` checks that on
 its first call against the public function run through the untouched autotuners, and falls back to the
 public function for good if they differ or the library's internals are not the ones expected.
