@@ -1,0 +1,216 @@
+"""Triton kernels for all of a step's prefill rows at once (varlen): the causal conv over each row's
+[slot history | chunk], and the initial-state part of the chunked scan.
+
+Why: a prefill row costs each Mamba layer a conv launch and a chunked-scan call (~0.5 ms of host time:
+hybrid/ops/mamba_scan.py), so a step with many short prompts was bound by its host. With these, a
+layer runs its R prefill rows as one conv launch, one varlen scan from zero states (mamba-ssm's
+`seq_idx` / `cu_seqlens` path, which restarts at every row) and one launch that adds each row's
+initial state. The SSM is linear in its state: from h0 instead of zero, token t of a row (its first
+token at t0) gains y_t += exp(sum_{t0<=u<=t} A dt_u) * (C_t . h0), and the row's final state gains
+exp(sum_{t0<=u<=end} A dt_u) * h0.
+
+- `conv_prefill_varlen(x, conv_state, rows, weight, bias)`: x [T, C] the rows' tokens back to back
+  (any row stride); rows = VarlenRows (device tensors: cu_seqlens [R+1], seq_of_token [T], slots [R],
+  has_init [R]). Returns silu(conv) [T, C] (x's dtype); each row's slot keeps its last K-1 inputs. As
+  triton_mamba.conv_prefill called row by row, bit for bit.
+- `add_initial_states(y, C, dt, A, ssm_state, final, rows)`: y [T, H, P] the zero-state scan output (in
+  place), C [T, G, N], dt [H, >= T] fp32 (the scan's dt after softplus and clamp, token-major per head),
+  A [H], final [R, H, P, N] fp32 (each row's final state from zero); writes each row's slot: final
+  (+ the decayed initial state where has_init), rounded to the state's dtype.
+
+Semantics are hybrid/ops/mamba_torch.py's (tests/test_triton_mamba_varlen.py on CPU with
+TRITON_INTERPRET=1). Triton is imported guarded (hybrid/ops/triton_guard.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
+from state_pool.util import cdiv
+
+
+@dataclass(frozen=True)
+class VarlenRows:
+    """A step's prefill rows (none of them padding) as device tensors, shared by every layer."""
+    cu_seqlens: torch.Tensor  # [R + 1] int32: row r's tokens are [cu[r], cu[r + 1]) of the rows' tokens
+    seq_of_token: torch.Tensor  # [T] int32: each token's row
+    slots: torch.Tensor  # [R] int32: each row's Mamba slot
+    has_init: torch.Tensor  # [R] int32: 1 where the row starts from its slot's state (a later chunk)
+    max_len: int  # the longest row's tokens (host value)
+
+    @property
+    def num_rows(self) -> int:
+        return self.slots.shape[0]
+
+
+def varlen_rows(lengths: list[int], slots: list[int], has_init: list[bool], device: torch.device) -> VarlenRows:
+    """VarlenRows of rows with these token counts, slots and initial-state flags (one upload)."""
+    R = len(lengths)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    seq = [r for r, n in enumerate(lengths) for _ in range(n)]
+    flat = torch.tensor(cu + seq + list(slots) + [int(h) for h in has_init], dtype=torch.int32)
+    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+    T = cu[-1]
+    return VarlenRows(flat[:R + 1], flat[R + 1:R + 1 + T], flat[R + 1 + T:2 * R + 1 + T], flat[2 * R + 1 + T:],
+                      max(lengths, default=0))
+
+
+if HAS_TRITON:
+    from hybrid.ops.triton_guard import pdl_wait
+
+    @triton.jit(do_not_specialize=["T"])
+    def _conv_varlen_kernel(x_ptr, cs_ptr, w_ptr, bias_ptr, out_ptr, cu_ptr, seq_ptr, slot_ptr, init_ptr, T, CD,
+                            s_x, s_o, s_cs_s, s_cs_c, s_cs_k, s_w_c,
+                            K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+        # out[t] = silu(sum_k w[:, k] * ext_r[t + k] + b) with ext_r = [row r's history | its tokens];
+        # a token t + k - (K-1) before its row's first token reads the row's history (zero without one)
+        pdl_wait(PDL)
+        offs_t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+        offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_t = offs_t < T
+        mask_c = offs_c < CD
+        row = tl.load(seq_ptr + offs_t, mask=mask_t, other=0)
+        first = tl.load(cu_ptr + row, mask=mask_t, other=0)
+        slot = tl.load(slot_ptr + row, mask=mask_t, other=0).to(tl.int64)
+        init = tl.load(init_ptr + row, mask=mask_t, other=0) != 0
+        acc = tl.zeros((BLOCK_L, BLOCK_C), dtype=tl.float32)
+        for k in tl.static_range(K):
+            src = offs_t + (k - (K - 1))  # token index; < first: history column src - first + K - 1
+            in_x = (src >= first) & mask_t
+            xv = tl.load(x_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * s_x + offs_c[None, :],
+                         mask=in_x[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+            in_h = (src < first) & mask_t & init
+            col = tl.maximum(src - first + (K - 1), 0)
+            hv = tl.load(cs_ptr + slot[:, None] * s_cs_s + offs_c[None, :] * s_cs_c + col[:, None] * s_cs_k,
+                         mask=in_h[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs_c * s_w_c + k, mask=mask_c, other=0.0).to(tl.float32)
+            acc += (xv + hv) * w[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+        acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * s_o + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_t[:, None] & mask_c[None, :])
+
+    @triton.jit
+    def _conv_history_kernel(x_ptr, cs_ptr, cu_ptr, slot_ptr, init_ptr, CD, s_x, s_cs_s, s_cs_c, s_cs_k,
+                             W: tl.constexpr, WP: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+        # row r's new history: the last W = K-1 columns of [its old history | its tokens]; all read
+        # before any is written (a row shorter than W keeps part of its old history)
+        pdl_wait(PDL)
+        r = tl.program_id(0)
+        offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_c = offs_c < CD
+        first = tl.load(cu_ptr + r)
+        n = tl.load(cu_ptr + r + 1) - first
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        init = tl.load(init_ptr + r) != 0
+        offs_w = tl.arange(0, WP)  # (WP: W rounded up to a power of two; columns >= W masked)
+        mask_w = offs_w < W
+        pos = n - W + offs_w  # position in the row's tokens; < 0: old history column pos + W
+        from_x = pos >= 0
+        xv = tl.load(x_ptr + (first + tl.maximum(pos, 0)).to(tl.int64)[:, None] * s_x + offs_c[None, :],
+                     mask=(from_x & mask_w)[:, None] & mask_c[None, :], other=0.0)
+        hv = tl.load(cs_ptr + slot * s_cs_s + offs_c[None, :] * s_cs_c + tl.maximum(pos + W, 0)[:, None] * s_cs_k,
+                     mask=(~from_x & mask_w & init)[:, None] & mask_c[None, :], other=0.0)
+        new = tl.where(from_x[:, None], xv.to(cs_ptr.dtype.element_ty), hv)
+        tl.store(cs_ptr + slot * s_cs_s + offs_c[None, :] * s_cs_c + offs_w[:, None] * s_cs_k, new,
+                 mask=mask_w[:, None] & mask_c[None, :])
+
+    @triton.jit
+    def _initial_state_kernel(y_ptr, c_ptr, dt_ptr, a_ptr, state_ptr, final_ptr, cu_ptr, slot_ptr, init_ptr,
+                              P, N, heads_per_group,
+                              s_y_t, s_y_h, s_c_t, s_c_g, s_dt_h, s_st_s, s_st_h, s_st_p, s_f_r, s_f_h, s_f_p,
+                              BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                              IEEE: tl.constexpr, PDL: tl.constexpr):
+        # one program: row r, head h, BLOCK_P of its head dim
+        pdl_wait(PDL)
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_p = offs_p < P
+        mask_n = offs_n < N
+        first = tl.load(cu_ptr + r)
+        end = tl.load(cu_ptr + r + 1)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        init = tl.load(init_ptr + r) != 0
+        st_ptrs = state_ptr + slot * s_st_s + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :]
+        tile = mask_p[:, None] & mask_n[None, :]
+        final = tl.load(final_ptr + r * s_f_r + h * s_f_h + offs_p[:, None] * s_f_p + offs_n[None, :], mask=tile,
+                        other=0.0)
+        if init:
+            h0 = tl.load(st_ptrs, mask=tile, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
+            a = tl.load(a_ptr + h).to(tl.float32)
+            g = h // heads_per_group
+            carry = 0.0
+            for t0 in range(first, end, BLOCK_T):
+                offs_t = t0 + tl.arange(0, BLOCK_T)
+                mask_t = offs_t < end
+                dA = tl.load(dt_ptr + h * s_dt_h + offs_t, mask=mask_t, other=0.0) * a
+                cum = tl.cumsum(dA, axis=0) + carry
+                carry = tl.sum(dA, axis=0) + carry
+                c = tl.load(c_ptr + offs_t.to(tl.int64)[:, None] * s_c_t + g * s_c_g + offs_n[None, :],
+                            mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+                if IEEE:
+                    ch = tl.dot(c, tl.trans(h0), input_precision="ieee")  # [BLOCK_T, BLOCK_P]
+                else:
+                    ch = tl.dot(c, tl.trans(h0))
+                y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * s_y_t + h * s_y_h + offs_p[None, :]
+                ym = mask_t[:, None] & mask_p[None, :]
+                yv = tl.load(y_ptrs, mask=ym, other=0.0).to(tl.float32)
+                tl.store(y_ptrs, (yv + ch * tl.exp(cum)[:, None]).to(y_ptr.dtype.element_ty), mask=ym)
+            final = final + tl.exp(carry) * h0
+        tl.store(st_ptrs, final.to(state_ptr.dtype.element_ty), mask=tile)
+
+
+def conv_prefill_varlen(x: torch.Tensor, conv_state: torch.Tensor, rows: VarlenRows, weight: torch.Tensor,
+                        bias: torch.Tensor | None, *, block_l: int = 64, block_c: int = 128) -> torch.Tensor:
+    """All of a step's prefill rows through the causal conv (+ silu); see the module docstring."""
+    require(__name__)
+    T, CD = x.shape
+    K = weight.shape[-1]
+    W = K - 1
+    assert weight.shape == (CD, K) and conv_state.shape[1:] == (CD, W) and x.stride(-1) == 1
+    out = torch.empty(T, CD, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    pdl = pdl_options(x.device)
+    cs = conv_state
+    _conv_varlen_kernel[(cdiv(T, block_l), cdiv(CD, block_c))](
+        x, cs, weight, bias if bias is not None else weight, out, rows.cu_seqlens, rows.seq_of_token, rows.slots,
+        rows.has_init, T, CD, x.stride(0), out.stride(0), cs.stride(0), cs.stride(1), cs.stride(2), weight.stride(0),
+        K=K, BLOCK_L=block_l, BLOCK_C=block_c, HAS_BIAS=bias is not None, num_warps=4, **pdl)
+    # (after the conv, which read the old histories: stream order)
+    _conv_history_kernel[(rows.num_rows, cdiv(CD, block_c))](
+        x, cs, rows.cu_seqlens, rows.slots, rows.has_init, CD, x.stride(0), cs.stride(0), cs.stride(1), cs.stride(2),
+        W=W, WP=triton.next_power_of_2(W), BLOCK_C=block_c, num_warps=4, **pdl)
+    return out
+
+
+def add_initial_states(y: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, ssm_state: torch.Tensor,
+                       final: torch.Tensor, rows: VarlenRows, *, block_t: int = 32, block_p: int = 32) -> None:
+    """Each row's initial state into its tokens' y and its final state, into its slot; see the module
+    docstring."""
+    require(__name__)
+    T, H, P = y.shape
+    G, N = C.shape[1], C.shape[2]
+    R = rows.num_rows
+    assert C.shape[0] == T and C.stride(-1) == 1 and y.stride(-1) == 1 and dt.shape[0] == H and dt.stride(1) == 1
+    assert final.shape == (R, H, P, N) and final.stride(-1) == 1 and ssm_state.shape[1:] == (H, P, N)
+    assert dt.dtype == torch.float32 and H % G == 0
+    if R == 0:
+        return
+    bn = max(16, triton.next_power_of_2(N))
+    bp = max(16, min(block_p, triton.next_power_of_2(P)))
+    st = ssm_state
+    _initial_state_kernel[(R, H, cdiv(P, bp))](
+        y, C, dt, A, st, final, rows.cu_seqlens, rows.slots, rows.has_init, P, N, H // G,
+        y.stride(0), y.stride(1), C.stride(0), C.stride(1), dt.stride(0), st.stride(0), st.stride(1), st.stride(2),
+        final.stride(0), final.stride(1), final.stride(2),
+        BLOCK_T=block_t, BLOCK_P=bp, BLOCK_N=bn, IEEE=y.dtype == torch.float32, num_warps=4,
+        **pdl_options(y.device))
