@@ -15,6 +15,8 @@ The row groups are computed here only, for both Mamba paths:
   batched one-token recurrence step each (the torch path, Mamba2Mixer._verify / _replay, and the
   library kernels' replay);
 - `prefills`: each prefill chunk's token rows, slot and has_initial_state (host values).
+- `varlen`: with the "varlen_prefill" switch (HYBRID_VARLEN_PREFILL=1), two or more prefill rows
+  and none of them padding, the same rows as device tensors for one varlen launch a layer.
 A plain decode step (the shape the CUDA graphs capture) has none of these: its metadata is empty
 and costs no torch op. A batch derived with dataclasses.replace (e.g. padded) builds its own.
 """
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.batch import StepBatch, to_device
+from hybrid.ops.triton_guard import switch
+from hybrid.ops.triton_mamba_varlen import VarlenRows, varlen_rows
 
 _ALIGN = 2  # int64 elements: every segment of the uploaded block starts 16-byte aligned (Triton pointer hints)
 
@@ -61,6 +65,16 @@ class MambaStepMetadata:
     replay_groups: tuple[RowGroup, ...] = ()
     replay_positions: tuple[TokenPosition, ...] = ()
     prefills: tuple[PrefillRow, ...] = ()
+    # the prefill rows as one varlen launch's device tensors (hybrid/ops/triton_mamba_varlen.py): with the
+    # "varlen_prefill" switch, for steps of two or more prefill rows and no padding row among them
+    varlen: VarlenRows | None = None
+
+
+def _varlen(batch: StepBatch, prefills: list[PrefillRow]) -> VarlenRows | None:
+    if len(prefills) < 2 or not switch("varlen_prefill") or any(r.slot < 0 for r in prefills):
+        return None
+    return varlen_rows([r.length for r in prefills], [r.slot for r in prefills],
+                       [r.has_initial_state for r in prefills], batch.state_slot.device)
 
 
 def step_metadata(batch: StepBatch) -> MambaStepMetadata:
@@ -130,7 +144,7 @@ def build(batch: StepBatch) -> MambaStepMetadata:
         prefills.append(PrefillRow(start, q_lens[i], batch.state_slot_cpu[i], batch.has_initial_state_cpu[i]))
         start += q_lens[i]
     if not nv and not nr:  # decodes and prefills only (a captured decode step among them): no upload
-        return MambaStepMetadata(prefills=tuple(prefills))
+        return MambaStepMetadata(prefills=tuple(prefills), varlen=_varlen(batch, prefills))
 
     # verify rows: position j of scratch row r is r * width + j in the flat view of a layer's scratch
     width = batch.state_scratch[0].shape[2] if nv else 0  # [layers, rows, K+1, ...]
@@ -165,4 +179,5 @@ def build(batch: StepBatch) -> MambaStepMetadata:
 
     verify_groups, verify_positions = finish("verify")
     replay_groups, replay_positions = finish("replay")
-    return MambaStepMetadata(verify_groups, verify_positions, replay_groups, replay_positions, tuple(prefills))
+    return MambaStepMetadata(verify_groups, verify_positions, replay_groups, replay_positions, tuple(prefills),
+                             _varlen(batch, prefills))

@@ -1,7 +1,7 @@
 """The varlen prefill kernels (hybrid/ops/triton_mamba_varlen.py) on CPU through Triton's interpreter:
 the conv over several rows at once equals triton_mamba.conv_prefill row by row (outputs and histories, bit
 for bit), and the zero-state scan plus add_initial_states equals mamba_torch.ssm_prefill from each row's
-own initial state (outputs and final states). See tests/test_triton_kernels.py for the interpreter switch."""
+own initial state (outputs, and final states computed by finish_rows itself). See tests/test_triton_kernels.py for the interpreter switch."""
 import os
 import sys
 
@@ -48,7 +48,7 @@ def test_conv_varlen_equals_the_rows_one_by_one(conv_dtype, K):
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_zero_state_scan_plus_initial_states_equals_each_rows_own_scan(state_dtype, groups):
+def test_zero_state_scan_plus_finish_rows_equals_each_rows_own_scan(state_dtype, groups):
     g = torch.Generator().manual_seed(groups)
     H, P, N, chunk, slots = 4, 16, 16, 8, 7
     lengths = [n for n, _, _ in ROWS]
@@ -61,7 +61,7 @@ def test_zero_state_scan_plus_initial_states_equals_each_rows_own_scan(state_dty
     limit = (0.0, float("inf"))
     state = (torch.randn(slots, H, P, N, generator=g) * 0.5).to(state_dtype)
     ref_state = state.clone()
-    want, finals, start = [], [], 0
+    want, start = [], 0
     for n, slot, init in ROWS:
         rows = slice(start, start + n)
         y, final = mamba_torch.ssm_prefill(x[rows], dt_raw[rows], A, B[rows], C[rows], D, dt_bias, limit, chunk,
@@ -69,19 +69,102 @@ def test_zero_state_scan_plus_initial_states_equals_each_rows_own_scan(state_dty
         ref_state[slot] = final.to(state_dtype)
         want.append(y)
         start += n
-    # the zero-state scan of every row (what mamba-ssm's varlen scan gives), and its processed dt
-    y0, f0, start = [], [], 0
+    # the zero-state scan of every row (what mamba-ssm's varlen scan gives) and its processed dt
+    y0, start = [], 0
     for n, _, _ in ROWS:
         rows = slice(start, start + n)
-        y, final = mamba_torch.ssm_prefill(x[rows], dt_raw[rows], A, B[rows], C[rows], D, dt_bias, limit, chunk, None)
-        y0.append(y)
-        f0.append(final)
+        y0.append(mamba_torch.ssm_prefill(x[rows], dt_raw[rows], A, B[rows], C[rows], D, dt_bias, limit, chunk, None)[0])
         start += n
     dt = torch.clamp(torch.nn.functional.softplus(dt_raw + dt_bias), *limit).t().contiguous()  # [H, T]
     y = torch.cat(y0)
     rows = tv.varlen_rows(lengths, [s for _, s, _ in ROWS], [i for _, _, i in ROWS], torch.device("cpu"))
-    tv.add_initial_states(y, C, dt, A, state, torch.stack(f0), rows, block_t=16, block_p=16)
+    tv.finish_rows(y, x, B, C, dt, A, state, rows, block_t=16, block_p=16)
     torch.testing.assert_close(y, torch.cat(want), rtol=1e-4, atol=1e-4)
     tol = dict(rtol=1e-4, atol=1e-4) if state_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(state.float(), ref_state.float(), **tol)
     assert torch.equal(state[6], ref_state[6])  # a slot no row owns is untouched
+
+
+class TorchScan:
+    """hybrid.ops.mamba_scan.ChunkScan's calls on CPU: mamba_torch.ssm_prefill per row (the reference)."""
+
+    lean = True
+
+    def __call__(self, x, dt, A, B, C, chunk, D, dt_bias, init, dt_limit):
+        y, final = mamba_torch.ssm_prefill(x[0], dt[0], A, B[0], C[0], D, dt_bias, dt_limit, chunk,
+                                           None if init is None else init[0])
+        return y[None].to(x.dtype), final[None]
+
+    def varlen(self, x, dt, A, B, C, chunk, D, dt_bias, dt_limit, seq_idx):
+        ids = seq_idx[0].tolist()
+        ys, start = [], 0
+        for r in range(max(ids) + 1):
+            n = ids.count(r)
+            rows = slice(start, start + n)
+            ys.append(mamba_torch.ssm_prefill(x[0, rows], dt[0, rows], A, B[0, rows], C[0, rows], D, dt_bias, dt_limit,
+                                              chunk, None)[0])
+            start += n
+        dt_p = torch.clamp(torch.nn.functional.softplus(dt[0].float() + dt_bias), *dt_limit).t().contiguous()
+        return torch.cat(ys)[None].to(x.dtype), dt_p
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixer_varlen_prefill_equals_the_rows_one_by_one(monkeypatch, dtype):
+    """MambaCudaKernels.mamba_forward with the varlen_prefill switch: a step of decode rows and several prefill
+    rows (with and without a history, shorter than the conv window, one token, several chunks) gives the
+    outputs and leaves the slots as the row-by-row path does (the scan is the torch reference on CPU)."""
+    import dataclasses
+    import math
+
+    from hybrid.batch import StepBatch
+    from hybrid.config import MambaConfig
+    from hybrid.layers import Mamba2Mixer
+    from hybrid.ops import triton_guard
+    from hybrid.ops.mamba_cuda import MambaCudaKernels
+
+    cfg = MambaConfig(num_heads=4, head_dim=16, n_groups=2, state_size=16, conv_kernel=4, chunk_size=8, conv_bias=True,
+                      proj_bias=False, norm_eps=1e-5, dt_limit=(0.0, math.inf))
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(32, cfg, 0).to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for prm in mixer.parameters():
+            prm.copy_(torch.randn_like(prm) * 0.3)
+        mixer.A_log.copy_(torch.log(torch.rand(cfg.num_heads) * 4 + 1))
+        mixer.dt_bias.copy_(torch.log(torch.expm1(torch.rand(cfg.num_heads) * 0.09 + 0.01)))
+    kernels = object.__new__(MambaCudaKernels)
+    kernels.chunk_scan, kernels.decode_kernels, kernels.triton, kernels._params = TorchScan(), "triton", tm, {}
+    kernels.supports_verify = True
+    mixer.kernels = kernels
+    decode, prefill = [5, 0], [(2, 21, True), (3, 2, False), (4, 1, True), (1, 9, False)]
+    q = [1] * len(decode) + [n for _, n, _ in prefill]
+    slots = decode + [s for s, _, _ in prefill]
+    init = [True] * len(decode) + [i for _, _, i in prefill]
+    T = sum(q)
+    batch = StepBatch(
+        input_ids=torch.zeros(T, dtype=torch.long), positions=torch.zeros(T, dtype=torch.long),
+        query_start_loc=torch.tensor([0] + list(torch.tensor(q).cumsum(0).tolist()), dtype=torch.int32),
+        seq_lens=torch.tensor(q, dtype=torch.int32), page_table=torch.zeros(len(q), 1, dtype=torch.int32),
+        kv_write_loc=torch.zeros(T, dtype=torch.long), state_slot=torch.tensor(slots), has_initial_state=torch.tensor(init),
+        logits_indices=torch.tensor([T - 1]), num_decodes=len(decode), num_prefills=len(prefill), query_lens_cpu=q,
+        seq_lens_cpu=q, state_slot_cpu=slots, has_initial_state_cpu=init)
+    hidden = torch.randn(T, 32).to(dtype)
+    conv = torch.randn(7, cfg.conv_dim, cfg.conv_kernel - 1).to(dtype)
+    ssm = torch.randn(7, cfg.num_heads, cfg.head_dim, cfg.state_size) * 0.3
+    conv_ref, ssm_ref = conv.clone(), ssm.clone()
+    monkeypatch.delenv("HYBRID_VARLEN_PREFILL", raising=False)
+    triton_guard.reset_switches()
+    ref = mixer(hidden, dataclasses.replace(batch), conv_ref, ssm_ref)
+    monkeypatch.setenv("HYBRID_VARLEN_PREFILL", "1")
+    triton_guard.reset_switches()
+    try:
+        run = dataclasses.replace(batch)
+        out = mixer(hidden, run, conv, ssm)
+        assert run.mamba_metadata.varlen is not None and run.mamba_metadata.varlen.num_rows == 4
+    finally:
+        monkeypatch.delenv("HYBRID_VARLEN_PREFILL")
+        triton_guard.reset_switches()
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    assert torch.equal(conv, conv_ref)  # the conv histories: bit for bit
+    torch.testing.assert_close(ssm, ssm_ref, **tol)
+    assert torch.equal(ssm[6], ssm_ref[6]) and torch.equal(conv[6], conv_ref[6])

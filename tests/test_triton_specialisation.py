@@ -44,6 +44,10 @@ KERNELS = {
     ("hybrid.ops.triton_mamba", "_ssm_update_kernel"): (),
     ("hybrid.ops.triton_mamba", "_conv_update_kernel"): (),
     ("hybrid.ops.triton_mamba", "_conv_prefill_kernel"): ("L",),  # the prefill chunk's length
+    # the step's prefill tokens; the rows (cu_seqlens, slots) are tensors, the rows' count the grid
+    ("hybrid.ops.triton_mamba_varlen", "_conv_varlen_kernel"): ("T",),
+    ("hybrid.ops.triton_mamba_varlen", "_conv_history_kernel"): (),
+    ("hybrid.ops.triton_mamba_varlen", "_row_states_kernel"): ("s_dt_h",),  # (the scan's dt: chunks x chunk)
     # V: the vocabulary (the sampled rows are the grid)
     ("hybrid.ops.triton_sampling", "fallback_kernel"): (),
     # requests in the step, and the KV split (from the step's grid)
@@ -74,6 +78,7 @@ HELPERS = {
     "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed"},
     "hybrid.ops.triton_act": set(),
     "hybrid.ops.triton_mamba": {"_softplus", "_ext_tile", "_conv_window_out"},
+    "hybrid.ops.triton_mamba_varlen": set(),
     "hybrid.ops.triton_sampling": {"_fixed", "_kept_masses"},
     "attention.triton_prefill": {"_attend_tile"},
     "attention.trtllm": set(),

@@ -33,6 +33,8 @@ import math
 import torch
 
 from hybrid.mamba_metadata import step_metadata
+from hybrid.ops.triton_guard import switch
+from hybrid.ops import triton_mamba_varlen as tv
 
 _LOADED = None
 
@@ -127,7 +129,18 @@ class MambaCudaKernels:
         elif nr:
             self._library_replay(mixer, xBC, dt, p, y, batch, conv_state, ssm_state)
 
-        for row in step_metadata(batch).prefills:  # built once per step, shared by every layer
+        meta = step_metadata(batch)  # built once per step, shared by every layer
+        prefills = meta.prefills
+        if meta.varlen is not None and self.decode_kernels == "triton":  # every prefill row in one launch each
+            first, end = prefills[0].start, prefills[-1].start + prefills[-1].length
+            out_y = self._prefill_varlen(mixer, p, xBC[first:end], dt[first:end], conv_state, ssm_state, meta.varlen)
+            if out_y is not None:
+                if end - first == T and out_y.dtype == y.dtype:
+                    y = out_y
+                else:
+                    y[first:end] = out_y.to(y.dtype)
+                prefills = ()
+        for row in prefills:
             length, slot, has_init = row.length, row.slot, row.has_initial_state
             rows = slice(row.start, row.start + length)
             if slot < 0:  # padding row: touches no state
@@ -165,6 +178,26 @@ class MambaCudaKernels:
         ssm_state[slot] = final[0].to(ssm_state.dtype)
         return out_y[0]
 
+    def _prefill_varlen(self, mixer, p: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,
+                        conv_state: torch.Tensor, ssm_state: torch.Tensor, rows) -> torch.Tensor | None:
+        """All of a step's prefill rows (xBC, dt: their rows of the in_proj output, back to back): the varlen
+        conv over each row's [slot history | chunk], one zero-state varlen scan, then each row's initial
+        state's part added to its outputs and its final state written (hybrid/ops/triton_mamba_varlen.py);
+        every slot ends as _prefill_row would leave it, up to rounding. Returns y [T, heads, head_dim], or None where the scan's varlen
+        path is not available (then the caller runs the rows one by one: nothing was written)."""
+        cfg = mixer.cfg
+        inner, nh, P, G, N = cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
+        if not self.chunk_scan.lean:
+            return None
+        T = xBC.shape[0]
+        xbc = tv.conv_prefill_varlen(xBC, conv_state, rows, mixer.conv_weight, mixer.conv_bias)
+        x, B, C = torch.split(xbc, [inner, G * N, G * N], dim=-1)
+        x, B, C = x.reshape(T, nh, P), B.reshape(T, G, N), C.reshape(T, G, N)
+        y, dt_out = self.chunk_scan.varlen(x[None], dt[None], p["A"], B[None], C[None], cfg.chunk_size, p["D"],
+                                           p["dt_bias"], tuple(cfg.dt_limit), rows.seq_of_token[None])
+        tv.finish_rows(y[0], x, B, C, dt_out, p["A"], ssm_state, rows)
+        return y[0]
+
     @torch.inference_mode()
     def warm_up_prefill(self, mixer, conv_state: torch.Tensor, ssm_state: torch.Tensor, max_tokens: int,
                         dtype: torch.dtype) -> int:
@@ -172,6 +205,7 @@ class MambaCudaKernels:
         from a zero and from a given state, on the pool's scratch row (the last, which no request
         owns; left zero), so that the Triton specialisations a prefill chunk can meet are compiled (or
         loaded from the on-disk cache) now rather than under the first requests that meet them.
+        With the "varlen_prefill" switch, the varlen path too, at the same total lengths as two rows.
         Returns the launches run."""
         cfg = mixer.cfg
         inner, nh = cfg.intermediate_size, cfg.num_heads
@@ -183,6 +217,7 @@ class MambaCudaKernels:
         # `start` of the in_proj output, so with rows of a width that is no multiple of 16 bytes
         # other alignments occur; starting rows 0..15 meet every one (16 / gcd of the widths)
         row_bytes = width * dtype.itemsize
+        varlen = switch("varlen_prefill") and self.decode_kernels == "triton"
         first_rows = range(16 // math.gcd(row_bytes, 16))
         for length in prefill_warmup_lengths(cfg.chunk_size, max_tokens):
             for first in first_rows:
@@ -192,6 +227,9 @@ class MambaCudaKernels:
                 for has_init in (False, True):
                     self._prefill_row(mixer, p, xBC, dt, conv_state, ssm_state, scratch, has_init)
                     runs += 1
+                    if varlen and length >= 2:  # the same total length as two rows (both on the scratch row)
+                        rows = tv.varlen_rows([length - 1, 1], [scratch, scratch], [has_init, True], conv_state.device)
+                        runs += self._prefill_varlen(mixer, p, xBC, dt, conv_state, ssm_state, rows) is not None
         conv_state[scratch].zero_()
         ssm_state[scratch].zero_()
         return runs

@@ -119,6 +119,16 @@ class ChunkScan:
             return out[0], out[5]
         return self._public(x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_limit)
 
+    def varlen(self, x, dt, A, B, C, chunk_size: int, D, dt_bias, dt_limit: tuple[float, float], seq_idx):
+        """The rows of x [1, T, H, P] (seq_idx [1, T] int32: each token's row, ascending) each scanned from a
+        zero state: (y [1, T, H, P], dt [H, >= T] fp32 after softplus and clamp), or None where only the
+        public function runs (it does not return dt)."""
+        if not self.lean:
+            return None
+        out = self.forward(x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias, initial_states=None,
+                           seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit)
+        return out[0], out[2][0].reshape(out[2].shape[1], -1)
+
     def _public(self, x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_limit):
         return self.public(x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias, initial_states=initial_states,
                            dt_softplus=True, dt_limit=dt_limit, return_final_states=True)

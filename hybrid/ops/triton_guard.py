@@ -33,6 +33,10 @@ again: benchmarks comparing both):
   written after that measurement, not measured yet.
 - "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
   scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
+- "varlen_prefill" (HYBRID_VARLEN_PREFILL=1): a step's prefill rows through each Mamba layer as one varlen
+  conv launch, one zero-state varlen scan and one launch adding each row's initial state
+  (hybrid/ops/triton_mamba_varlen.py) instead of a conv launch and a scan call per row: written and tested on
+  CPU (the interpreter), not yet run on the GPU, so off.
 All off: the first three measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) the first loses 37-45% at batch 1 and the second is neutral.
 """
@@ -61,7 +65,8 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "norm_router": ("HYBRID_NORM_ROUTER", "1"),
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
-             "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise")}
+             "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
+             "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1")}
 _switch_values: dict[str, bool] = {}
 
 

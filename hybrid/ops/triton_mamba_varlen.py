@@ -4,8 +4,8 @@
 Why: a prefill row costs each Mamba layer a conv launch and a chunked-scan call (~0.5 ms of host time:
 hybrid/ops/mamba_scan.py), so a step with many short prompts was bound by its host. With these, a
 layer runs its R prefill rows as one conv launch, one varlen scan from zero states (mamba-ssm's
-`seq_idx` / `cu_seqlens` path, which restarts at every row) and one launch that adds each row's
-initial state. The SSM is linear in its state: from h0 instead of zero, token t of a row (its first
+`seq_idx` path, which restarts at every row) and one launch that adds each row's initial state and
+writes each row's final state. The SSM is linear in its state: from h0 instead of zero, token t of a row (its first
 token at t0) gains y_t += exp(sum_{t0<=u<=t} A dt_u) * (C_t . h0), and the row's final state gains
 exp(sum_{t0<=u<=end} A dt_u) * h0.
 
@@ -13,10 +13,12 @@ exp(sum_{t0<=u<=end} A dt_u) * h0.
   (any row stride); rows = VarlenRows (device tensors: cu_seqlens [R+1], seq_of_token [T], slots [R],
   has_init [R]). Returns silu(conv) [T, C] (x's dtype); each row's slot keeps its last K-1 inputs. As
   triton_mamba.conv_prefill called row by row, bit for bit.
-- `add_initial_states(y, C, dt, A, ssm_state, final, rows)`: y [T, H, P] the zero-state scan output (in
-  place), C [T, G, N], dt [H, >= T] fp32 (the scan's dt after softplus and clamp, token-major per head),
-  A [H], final [R, H, P, N] fp32 (each row's final state from zero); writes each row's slot: final
-  (+ the decayed initial state where has_init), rounded to the state's dtype.
+- `finish_rows(y, x, B, C, dt, A, ssm_state, rows)`: y [T, H, P] the zero-state scan's output (in place:
+  + each row's initial-state part), x [T, H, P], B, C [T, G, N] the scan's inputs, dt [H, >= T] fp32 (the
+  scan's dt after softplus and clamp, token-major per head), A [H]; writes each row's final state (from
+  its initial state, or zero) to its slot in the state's dtype, computed here in fp32 by the chunk
+  recurrence over blocks of the row's tokens (the scan's own per-row final states would come in the
+  activations' dtype).
 
 Semantics are hybrid/ops/mamba_torch.py's (tests/test_triton_mamba_varlen.py on CPU with
 TRITON_INTERPRET=1). Triton is imported guarded (hybrid/ops/triton_guard.py).
@@ -121,13 +123,16 @@ if HAS_TRITON:
         tl.store(cs_ptr + slot * s_cs_s + offs_c[None, :] * s_cs_c + offs_w[:, None] * s_cs_k, new,
                  mask=mask_w[:, None] & mask_c[None, :])
 
-    @triton.jit
-    def _initial_state_kernel(y_ptr, c_ptr, dt_ptr, a_ptr, state_ptr, final_ptr, cu_ptr, slot_ptr, init_ptr,
-                              P, N, heads_per_group,
-                              s_y_t, s_y_h, s_c_t, s_c_g, s_dt_h, s_st_s, s_st_h, s_st_p, s_f_r, s_f_h, s_f_p,
-                              BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                              IEEE: tl.constexpr, PDL: tl.constexpr):
-        # one program: row r, head h, BLOCK_P of its head dim
+    @triton.jit(do_not_specialize=["s_dt_h"])  # the scan's dt rows are as long as the step's chunks
+    def _row_states_kernel(y_ptr, x_ptr, b_ptr, c_ptr, dt_ptr, a_ptr, state_ptr, cu_ptr, slot_ptr, init_ptr,
+                           P, N, heads_per_group,
+                           s_y_t, s_y_h, s_x_t, s_x_h, s_b_t, s_b_g, s_c_t, s_c_g, s_dt_h, s_st_s, s_st_h, s_st_p,
+                           BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                           IEEE: tl.constexpr, PDL: tl.constexpr):
+        # one program: row r, head h, BLOCK_P of its head dim. Over the row's tokens in blocks:
+        #   y_t += exp(cum_t) * (C_t . h0)                         (cum_t: sum of A dt from the row's start)
+        #   state = exp(sum of the block's A dt) * state + sum_t exp(A dt from t to the block's end) dt_t x_t B_t
+        # from state = h0 (has_init) or 0; the slot gets the final state in its dtype
         pdl_wait(PDL)
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -141,31 +146,44 @@ if HAS_TRITON:
         init = tl.load(init_ptr + r) != 0
         st_ptrs = state_ptr + slot * s_st_s + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :]
         tile = mask_p[:, None] & mask_n[None, :]
-        final = tl.load(final_ptr + r * s_f_r + h * s_f_h + offs_p[:, None] * s_f_p + offs_n[None, :], mask=tile,
-                        other=0.0)
-        if init:
-            h0 = tl.load(st_ptrs, mask=tile, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
-            a = tl.load(a_ptr + h).to(tl.float32)
-            g = h // heads_per_group
-            carry = 0.0
-            for t0 in range(first, end, BLOCK_T):
-                offs_t = t0 + tl.arange(0, BLOCK_T)
-                mask_t = offs_t < end
-                dA = tl.load(dt_ptr + h * s_dt_h + offs_t, mask=mask_t, other=0.0) * a
-                cum = tl.cumsum(dA, axis=0) + carry
-                carry = tl.sum(dA, axis=0) + carry
-                c = tl.load(c_ptr + offs_t.to(tl.int64)[:, None] * s_c_t + g * s_c_g + offs_n[None, :],
-                            mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        h0 = tl.load(st_ptrs, mask=tile & init, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]; 0 without one
+        state = h0
+        a = tl.load(a_ptr + h).to(tl.float32)
+        g = h // heads_per_group
+        carry = tl.sum(tl.zeros((BLOCK_T,), dtype=tl.float32), axis=0)
+        for t0 in range(first, end, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            mask_t = offs_t < end
+            rows64 = offs_t.to(tl.int64)
+            dt = tl.load(dt_ptr + h * s_dt_h + offs_t, mask=mask_t, other=0.0)
+            dA = dt * a
+            cum = tl.cumsum(dA, axis=0)  # within the block
+            total = tl.sum(dA, axis=0)
+            if init:  # the initial state's part of y
+                c = tl.load(c_ptr + rows64[:, None] * s_c_t + g * s_c_g + offs_n[None, :],
+                            mask=mask_t[:, None] & mask_n[None, :], other=0.0)
                 if IEEE:
-                    ch = tl.dot(c, tl.trans(h0), input_precision="ieee")  # [BLOCK_T, BLOCK_P]
+                    ch = tl.dot(c.to(tl.float32), tl.trans(h0), input_precision="ieee")  # [BLOCK_T, BLOCK_P]
                 else:
-                    ch = tl.dot(c, tl.trans(h0))
-                y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * s_y_t + h * s_y_h + offs_p[None, :]
+                    ch = tl.dot(c.to(tl.float32), tl.trans(h0))
+                y_ptrs = y_ptr + rows64[:, None] * s_y_t + h * s_y_h + offs_p[None, :]
                 ym = mask_t[:, None] & mask_p[None, :]
                 yv = tl.load(y_ptrs, mask=ym, other=0.0).to(tl.float32)
-                tl.store(y_ptrs, (yv + ch * tl.exp(cum)[:, None]).to(y_ptr.dtype.element_ty), mask=ym)
-            final = final + tl.exp(carry) * h0
-        tl.store(st_ptrs, final.to(state_ptr.dtype.element_ty), mask=tile)
+                tl.store(y_ptrs, (yv + ch * tl.exp(carry + cum)[:, None]).to(y_ptr.dtype.element_ty), mask=ym)
+            xv = tl.load(x_ptr + rows64[:, None] * s_x_t + h * s_x_h + offs_p[None, :],
+                         mask=mask_t[:, None] & mask_p[None, :], other=0.0)  # [BLOCK_T, BLOCK_P]
+            bv = tl.load(b_ptr + rows64[:, None] * s_b_t + g * s_b_g + offs_n[None, :],
+                         mask=mask_t[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_T, BLOCK_N]
+            w = tl.where(mask_t, tl.exp(total - cum) * dt, 0.0)  # decay from t to the block's end, times dt
+            bw = bv.to(tl.float32) * w[:, None]
+            # fp32 operands (tf32 on the tensor cores for 16-bit models: every bf16 x is exact in tf32)
+            if IEEE:
+                contrib = tl.dot(tl.trans(xv.to(tl.float32)), bw, input_precision="ieee")  # [BLOCK_P, BLOCK_N]
+            else:
+                contrib = tl.dot(tl.trans(xv.to(tl.float32)), bw)
+            state = state * tl.exp(total) + contrib
+            carry += total
+        tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile)
 
 
 def conv_prefill_varlen(x: torch.Tensor, conv_state: torch.Tensor, rows: VarlenRows, weight: torch.Tensor,
@@ -192,25 +210,27 @@ def conv_prefill_varlen(x: torch.Tensor, conv_state: torch.Tensor, rows: VarlenR
     return out
 
 
-def add_initial_states(y: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, ssm_state: torch.Tensor,
-                       final: torch.Tensor, rows: VarlenRows, *, block_t: int = 32, block_p: int = 32) -> None:
-    """Each row's initial state into its tokens' y and its final state, into its slot; see the module
-    docstring."""
+def finish_rows(y: torch.Tensor, x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor,
+                A: torch.Tensor, ssm_state: torch.Tensor, rows: VarlenRows, *, block_t: int = 32,
+                block_p: int = 32) -> None:
+    """Each row's initial state into its tokens' y (in place), and each row's final state into its slot;
+    see the module docstring."""
     require(__name__)
     T, H, P = y.shape
     G, N = C.shape[1], C.shape[2]
     R = rows.num_rows
-    assert C.shape[0] == T and C.stride(-1) == 1 and y.stride(-1) == 1 and dt.shape[0] == H and dt.stride(1) == 1
-    assert final.shape == (R, H, P, N) and final.stride(-1) == 1 and ssm_state.shape[1:] == (H, P, N)
-    assert dt.dtype == torch.float32 and H % G == 0
+    assert x.shape == (T, H, P) and B.shape == C.shape and C.shape[0] == T
+    assert C.stride(-1) == 1 and B.stride(-1) == 1 and x.stride(-1) == 1 and y.stride(-1) == 1
+    assert dt.shape[0] == H and dt.stride(1) == 1 and dt.dtype == torch.float32 and H % G == 0
+    assert ssm_state.shape[1:] == (H, P, N) and ssm_state.stride(-1) == 1
     if R == 0:
         return
     bn = max(16, triton.next_power_of_2(N))
     bp = max(16, min(block_p, triton.next_power_of_2(P)))
     st = ssm_state
-    _initial_state_kernel[(R, H, cdiv(P, bp))](
-        y, C, dt, A, st, final, rows.cu_seqlens, rows.slots, rows.has_init, P, N, H // G,
-        y.stride(0), y.stride(1), C.stride(0), C.stride(1), dt.stride(0), st.stride(0), st.stride(1), st.stride(2),
-        final.stride(0), final.stride(1), final.stride(2),
-        BLOCK_T=block_t, BLOCK_P=bp, BLOCK_N=bn, IEEE=y.dtype == torch.float32, num_warps=4,
+    _row_states_kernel[(R, H, cdiv(P, bp))](
+        y, x, B, C, dt, A, st, rows.cu_seqlens, rows.slots, rows.has_init, P, N, H // G,
+        y.stride(0), y.stride(1), x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        dt.stride(0), st.stride(0), st.stride(1), st.stride(2),
+        BLOCK_T=block_t, BLOCK_P=bp, BLOCK_N=bn, IEEE=x.dtype == torch.float32, num_warps=4,
         **pdl_options(y.device))

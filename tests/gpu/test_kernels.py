@@ -235,3 +235,42 @@ def test_fused_kv_write_skips_negative_rows():
     assert torch.equal(kv[1, 0, :, 1], k[0]) and torch.equal(kv[1, 1, :, 1], v[0])
     assert torch.equal(kv[3, 0, :, 15], k[2]) and torch.equal(kv[3, 1, :, 15], v[2])
     assert int((kv != 0).sum()) == 4 * 64 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg,hidden", [(TINY, 64), (dataclasses.replace(TINY, dt_limit=(0.0, 0.15)), 64), (NEMO, 512)])
+def test_varlen_prefill_vs_torch(cfg, hidden, dtype, monkeypatch):
+    """The varlen prefill path (HYBRID_VARLEN_PREFILL=1: one conv launch, one zero-state varlen scan and one
+    launch for the rows' initial and final states a layer, hybrid/ops/triton_mamba_varlen.py) against the
+    torch path, in a step of decodes and four prefill rows."""
+    from hybrid.ops import triton_guard
+    from hybrid.ops.mamba_cuda import MambaCudaKernels
+
+    torch.manual_seed(1)
+    mixer = make_mixer(cfg, hidden, dtype)
+    conv = torch.randn(SLOTS + 1, cfg.conv_dim, cfg.conv_kernel - 1, device=DEV).to(dtype)
+    ssm = torch.randn(SLOTS + 1, cfg.num_heads, cfg.head_dim, cfg.state_size, device=DEV) * 0.3
+    mixer.kernels = MambaCudaKernels("triton")
+    warm = mixed_batch([], [(1, 9, True)])  # (the scan's first call checks its lean path)
+    mixer(torch.randn(9, hidden, device=DEV).to(dtype), warm, conv.clone(), ssm.clone())
+    assert mixer.kernels.chunk_scan.lean is True
+    batch = mixed_batch([5, 0], [(2, 300, True), (3, 5, False), (4, 1, True), (1, 130, False)])
+    hidden_in = torch.randn(batch.num_tokens, hidden, device=DEV).to(dtype)
+    conv_ref, ssm_ref = conv.clone(), ssm.clone()
+    kernels, mixer.kernels = mixer.kernels, None
+    ref = mixer(hidden_in, batch, conv_ref, ssm_ref)  # torch path
+    mixer.kernels = kernels
+    monkeypatch.setenv("HYBRID_VARLEN_PREFILL", "1")
+    triton_guard.reset_switches()
+    try:
+        run = dataclasses.replace(batch)
+        out = mixer(hidden_in, run, conv, ssm)
+        torch.cuda.synchronize()
+        assert run.mamba_metadata.varlen is not None
+    finally:
+        monkeypatch.delenv("HYBRID_VARLEN_PREFILL")
+        triton_guard.reset_switches()
+    tol = TOL[dtype]
+    assert rel_err(out, ref) < tol
+    assert rel_err(conv, conv_ref) < tol and rel_err(ssm, ssm_ref) < tol
+    assert torch.equal(ssm[6], ssm_ref[6]) and torch.equal(conv[6], conv_ref[6])  # the scratch row
