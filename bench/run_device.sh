@@ -151,6 +151,13 @@ if [[ $what == scan-lean ]]; then
   timeout 300 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" 2>&1 | tee "$OUT/prefix_cache.log" \
       | grep -E "steps|turn|rror" || rc=1
 fi
+# varlen  the varlen prefill path (HYBRID_VARLEN_PREFILL=1): its GPU test and the Mamba kernel tests, then
+#            bench_prefill_rows.py (64 prompts of 16 / 128 / 512 tokens, rows one by one against varlen, one process)
+if [[ $what == varlen ]]; then
+  gpu_pytest 200 gpu_tests_varlen.log tests/gpu/test_kernels.py -k "varlen or mamba_kernels_vs_torch" tests/gpu/test_mamba_scan_gpu.py
+  timeout 300 python3 bench/bench_prefill_rows.py --json "$OUT/prefill_rows.json" 2>&1 | tee "$OUT/prefill_rows.log" \
+      | grep -E "^\{|rror" || rc=1
+fi
 # prefix-profile  the selected GPU tests of .devkit/sel.txt (if any, at most 150 s), then bench_prefix_cache.py with
 #            one more hit under torch.profiler (host ops and kernels: tables in the log, chrome trace in $OUT)
 if [[ $what == prefix-profile ]]; then
