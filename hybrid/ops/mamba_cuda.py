@@ -21,7 +21,10 @@
   kernels, causal-conv1d's `causal_conv1d_fn`, which wants channel-first input: two transposes that
   cost ~1.7 ms per layer on an 8K chunk); mamba-ssm's chunked scan (`mamba_chunk_scan_combined`'s
   kernels and configs, issued with little host work: hybrid/ops/mamba_scan.py) runs with the slot's SSM
-  state as initial state (or none for a first chunk) and its final state is written back.
+  state as initial state (or none for a first chunk) and its final state is written back. With the
+  "varlen_prefill" switch (HYBRID_VARLEN_PREFILL=1, off until measured on the GPU) a step of two or more
+  prefill rows runs them together instead: one varlen conv launch, one zero-state varlen scan and one
+  launch for each row's initial state and final state (hybrid/ops/triton_mamba_varlen.py).
 
 Semantics match hybrid/ops/mamba_torch.py (dt clamped to dt_limit on prefill only).
 mamba-ssm and causal-conv1d are optional: nothing here is imported on CPU.
