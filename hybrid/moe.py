@@ -77,7 +77,7 @@ class Experts(nn.Module):
         activations'). Why: the plan (alignment method, tiles, narrowing, shared slices) changes with
         the step's size at thresholds that depend on the expert count, so a warm-up of a few fixed
         lengths missed some (a 512-token prompt of Nemotron-3-Nano compiled after startup)."""
-        E, width, hidden = self.up.shape
+        E, _, hidden = self.up.shape
         inter = self.down.shape[2]
         first: dict[tuple, int] = {}
         for T in range(1, max_tokens + 1):

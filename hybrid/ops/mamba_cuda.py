@@ -36,8 +36,8 @@ import math
 import torch
 
 from hybrid.mamba_metadata import step_metadata
-from hybrid.ops.triton_guard import switch
 from hybrid.ops import triton_mamba_varlen as tv
+from hybrid.ops.triton_guard import switch
 
 _LOADED = None
 
