@@ -186,8 +186,9 @@ class MambaCudaKernels:
         """All of a step's prefill rows (xBC, dt: their rows of the in_proj output, back to back): the varlen
         conv over each row's [slot history | chunk], one zero-state varlen scan, then each row's initial
         state's part added to its outputs and its final state written (hybrid/ops/triton_mamba_varlen.py);
-        every slot ends as _prefill_row would leave it, up to rounding. Returns y [T, heads, head_dim], or None where the scan's varlen
-        path is not available (then the caller runs the rows one by one: nothing was written)."""
+        every slot ends as _prefill_row would leave it, up to rounding. Returns y [T, heads, head_dim], or
+        None where the scan's varlen path is not available (then the caller runs the rows one by one:
+        nothing was written)."""
         cfg = mixer.cfg
         inner, nh, P, G, N = cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
         if not self.chunk_scan.lean:

@@ -143,7 +143,8 @@ class ChunkScan:
             out, final = self(*args)
             same = torch.equal(out, ref_out) and torch.equal(final, ref_final)
         except Exception as e:  # noqa: BLE001 - another mamba-ssm or Triton: keep the public function
-            log.warning("the lean chunked-scan path failed (%s: %s); using mamba_chunk_scan_combined", type(e).__name__, e)
+            log.warning("the lean chunked-scan path failed (%s: %s); using mamba_chunk_scan_combined",
+                        type(e).__name__, e)
             same = False
         if not same:
             log.warning("the lean chunked-scan path differs from mamba_chunk_scan_combined; using the latter")
