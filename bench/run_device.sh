@@ -158,6 +158,21 @@ if [[ $what == varlen ]]; then
   timeout 300 python3 bench/bench_prefill_rows.py --json "$OUT/prefill_rows.json" 2>&1 | tee "$OUT/prefill_rows.log" \
       | grep -E "^\{|rror" || rc=1
 fi
+# varlen-2  the varlen path's GPU test alone (the scan's seq_idx kernels autotune on first use: minutes on a fresh
+#            machine), then the parity and state-under-graphs files with HYBRID_VARLEN_PREFILL=1
+if [[ $what == varlen-2 ]]; then
+  gpu_pytest 270 gpu_tests_varlen.log tests/gpu/test_kernels.py -k varlen
+  HYBRID_VARLEN_PREFILL=1 gpu_pytest 270 gpu_tests_varlen_parity.log tests/gpu/test_parity.py \
+      tests/gpu/test_state_under_graphs.py
+fi
+# varlen-3  bench/diag_varlen_noise.py (the varlen path's log-prob moves next to the bf16 noise floor), then the
+#            varlen kernel tests (NEMO; the accuracy against rows) and the verify / preemption / sanitizer state tests
+#            with it on
+if [[ $what == varlen-3 ]]; then
+  timeout 150 python3 bench/diag_varlen_noise.py 2>&1 | tee "$OUT/varlen_noise.log" | grep -E "^\{|rror" || rc=1
+  HYBRID_VARLEN_PREFILL=1 gpu_pytest 330 gpu_tests_varlen_3.log "tests/gpu/test_kernels.py::test_varlen_prefill_vs_torch" \
+      tests/gpu/test_state_under_graphs.py -k "verify_graphs or preemption or sanitizer or cfg2 or accurate"
+fi
 # prefix-profile  the selected GPU tests of .devkit/sel.txt (if any, at most 150 s), then bench_prefix_cache.py with
 #            one more hit under torch.profiler (host ops and kernels: tables in the log, chrome trace in $OUT)
 if [[ $what == prefix-profile ]]; then

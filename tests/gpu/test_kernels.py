@@ -274,3 +274,54 @@ def test_varlen_prefill_vs_torch(cfg, hidden, dtype, monkeypatch):
     assert rel_err(out, ref) < tol
     assert rel_err(conv, conv_ref) < tol and rel_err(ssm, ssm_ref) < tol
     assert torch.equal(ssm[6], ssm_ref[6]) and torch.equal(conv[6], conv_ref[6])  # the scratch row
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg,hidden", [(TINY, 64), (NEMO, 512)])
+def test_varlen_prefill_as_accurate_as_rows(cfg, hidden, state_dtype, monkeypatch):
+    """A bf16 model's step through the varlen prefill path lands as close to an fp32 computation (the torch
+    path on the same bf16-rounded weights, inputs and states) as the row-by-row path does: outputs and
+    every slot's SSM state, in both state dtypes. (The loose bf16 tolerance of test_varlen_prefill_vs_torch
+    would let a small systematic error through; rounding noise is what both paths may differ by.)"""
+    import copy
+
+    from hybrid.ops import triton_guard
+    from hybrid.ops.mamba_cuda import MambaCudaKernels
+
+    torch.manual_seed(2)
+    mixer = make_mixer(cfg, hidden, torch.bfloat16)
+    ref_mixer = copy.deepcopy(mixer).float()
+    mixer.kernels = MambaCudaKernels("triton")
+    warm = mixed_batch([], [(1, 9, True)])
+    scratch_conv = torch.zeros(SLOTS + 1, cfg.conv_dim, cfg.conv_kernel - 1, device=DEV, dtype=torch.bfloat16)
+    scratch_ssm = torch.zeros(SLOTS + 1, cfg.num_heads, cfg.head_dim, cfg.state_size, device=DEV, dtype=state_dtype)
+    mixer(torch.randn(9, hidden, device=DEV).bfloat16(), warm, scratch_conv, scratch_ssm)
+    assert mixer.kernels.chunk_scan.lean is True
+    conv = torch.randn(SLOTS + 1, cfg.conv_dim, cfg.conv_kernel - 1, device=DEV).bfloat16()
+    ssm = (torch.randn(SLOTS + 1, cfg.num_heads, cfg.head_dim, cfg.state_size, device=DEV) * 0.3).to(state_dtype)
+    batch = mixed_batch([5, 0], [(2, 300, True), (3, 5, False), (4, 1, True), (1, 130, False)])
+    hidden_in = torch.randn(batch.num_tokens, hidden, device=DEV).bfloat16()
+    conv_ref, ssm_ref = conv.float(), ssm.float()
+    ref = ref_mixer(hidden_in.float(), dataclasses.replace(batch), conv_ref, ssm_ref)  # torch path, fp32
+    results = {}
+    for path, env in (("rows", None), ("varlen", "1")):
+        if env is None:
+            monkeypatch.delenv("HYBRID_VARLEN_PREFILL", raising=False)
+        else:
+            monkeypatch.setenv("HYBRID_VARLEN_PREFILL", env)
+        triton_guard.reset_switches()
+        c, s, run = conv.clone(), ssm.clone(), dataclasses.replace(batch)
+        out = mixer(hidden_in, run, c, s)
+        torch.cuda.synchronize()
+        assert (run.mamba_metadata.varlen is not None) == (path == "varlen")
+        results[path] = out, c, s
+    monkeypatch.delenv("HYBRID_VARLEN_PREFILL", raising=False)
+    triton_guard.reset_switches()
+    (out_rows, conv_rows, ssm_rows), (out_var, conv_var, ssm_var) = results["rows"], results["varlen"]
+    assert torch.equal(conv_var, conv_rows)
+    errs = {"y": (rel_err(out_rows, ref), rel_err(out_var, ref))}
+    for slot in range(SLOTS):
+        errs[slot] = (rel_err(ssm_rows[slot], ssm_ref[slot]), rel_err(ssm_var[slot], ssm_ref[slot]))
+    print(errs)
+    for name, (rows_err, var_err) in errs.items():
+        assert var_err <= 1.25 * rows_err + 1e-5, (name, errs)
