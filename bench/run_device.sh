@@ -173,6 +173,13 @@ if [[ $what == varlen-3 ]]; then
   HYBRID_VARLEN_PREFILL=1 gpu_pytest 330 gpu_tests_varlen_3.log "tests/gpu/test_kernels.py::test_varlen_prefill_vs_torch" \
       tests/gpu/test_state_under_graphs.py -k "verify_graphs or preemption or sanitizer or cfg2 or accurate"
 fi
+# prefix-snap  the GPU tests of prefix-cache snapshots inside prefill rows and of the varlen path's accuracy, then
+#            bench_prefix_cache.py (a hit's second turn now runs as one step)
+if [[ $what == prefix-snap ]]; then
+  gpu_pytest 240 gpu_tests_prefix_snap.log tests/gpu/test_kernels.py -k "snapshots or accurate"
+  timeout 300 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" 2>&1 | tee "$OUT/prefix_cache.log" \
+      | grep -E "steps|turn|rror" || rc=1
+fi
 # prefix-profile  the selected GPU tests of .devkit/sel.txt (if any, at most 150 s), then bench_prefix_cache.py with
 #            one more hit under torch.profiler (host ops and kernels: tables in the log, chrome trace in $OUT)
 if [[ $what == prefix-profile ]]; then

@@ -266,14 +266,19 @@ class Engine:
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Queue the forward pass and the sampling of the scheduled chunks on the device, and the copy
         of the sampled tokens to the host; advance each sequence past the tokens the step consumes."""
-        batch = self._build_batch(out)
-        state_nan_before = None
-        if self.check_state:  # host half: refuses the step before it runs
-            expected, state_nan_before = self.sanitizer.before_forward(batch, out.chunks)
-        logits = self.runner.execute(batch)
-        # device half: what ran, padding rows the runner added included
-        checks = self.sanitizer.device_checks(expected) if self.check_state else None
-        self.resources.state_launched(out.chunks)  # the sanitizer's ledger (check_state only)
+        self.resources.plan_snapshots(out.chunks)  # prefix-cache states inside prefill chunks: the batch names them
+        try:
+            batch = self._build_batch(out)
+            state_nan_before = None
+            if self.check_state:  # host half: refuses the step before it runs
+                expected, state_nan_before = self.sanitizer.before_forward(batch, out.chunks)
+            logits = self.runner.execute(batch)
+            # device half: what ran, padding rows the runner added included
+            checks = self.sanitizer.device_checks(expected) if self.check_state else None
+            self.resources.state_launched(out.chunks)  # the sanitizer's ledger (check_state only)
+        except BaseException:
+            self.resources.drop_snapshots(out.chunks)  # nothing was cached from this step
+            raise
         self.resources.cache_prefixes(out.chunks)  # queued right behind the forward that computed them
         index = self.resources.step_launched()
         self.stats["steps"] += 1

@@ -109,6 +109,7 @@ class StepLauncher:
         input_ids, starts, logits_rows = [], [], []
         fills: list[tuple[int, int]] = []  # (input position, row in the step in flight) of pending tokens
         query_lens, seq_lens, slots, has_init = [], [], [], []
+        snapshots: dict[int, list[tuple[int, int]]] = {}  # prefix-cache states inside prefill chunks
         page_table = np.full((len(chunks), self.max_pages_per_seq), DUMMY_PAGE, dtype=np.int32)
         offset = 0
         ps = self.page_size
@@ -138,6 +139,8 @@ class StepLauncher:
                 if end > known:  # the token sampled by the step in flight: filled in on the device
                     fills.append((len(input_ids), seq.pending_row))
                     input_ids.append(0)
+            if c.snapshots:
+                snapshots[row] = [(point - start, slot) for point, slot in c.snapshots]
             starts.append(start)
             query_lens.append(c.num_tokens)
             seq_lens.append(end)
@@ -189,6 +192,7 @@ class StepLauncher:
             scratch_index_cpu=scratch,
             state_scratch=self.resources.verify_scratch if num_verify else None,
             num_replay=sum(1 for c in chunks if c.replay),
+            state_snapshots=snapshots,
         )
 
     # ------------------------------------------------------------------ sampling

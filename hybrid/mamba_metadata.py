@@ -14,9 +14,11 @@ The row groups are computed here only, for both Mamba paths:
 - `verify_positions` / `replay_positions`: token position j of every row still active at j, one
   batched one-token recurrence step each (the torch path, Mamba2Mixer._verify / _replay, and the
   library kernels' replay);
-- `prefills`: each prefill chunk's token rows, slot and has_initial_state (host values).
-- `varlen`: with the "varlen_prefill" switch (HYBRID_VARLEN_PREFILL=1), two or more prefill rows
-  and none of them padding, the same rows as device tensors for one varlen launch a layer.
+- `prefills`: each prefill chunk's token rows, slot and has_initial_state (host values); a chunk with
+  state snapshots (StepBatch.state_snapshots) as consecutive segments on the same slot, each but the
+  last naming the slot its state is copied to once it has run (`snapshot_slot`).
+- `varlen`: with the "varlen_prefill" switch (HYBRID_VARLEN_PREFILL=1), two or more prefill rows,
+  none of them padding and no snapshot, the same rows as device tensors for one varlen launch a layer.
 A plain decode step (the shape the CUDA graphs capture) has none of these: its metadata is empty
 and costs no torch op. A batch derived with dataclasses.replace (e.g. padded) builds its own.
 """
@@ -56,6 +58,8 @@ class PrefillRow:
     length: int  # tokens
     slot: int  # PAD_SLOT_ID for a padding row (touches no state)
     has_initial_state: bool
+    # >= 0: once this row has run, every Mamba layer copies its slot's state here (a prefix-cache snapshot)
+    snapshot_slot: int = -1
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,27 @@ class MambaStepMetadata:
 
 
 def _varlen(batch: StepBatch, prefills: list[PrefillRow]) -> VarlenRows | None:
-    if len(prefills) < 2 or not switch("varlen_prefill") or any(r.slot < 0 for r in prefills):
+    if len(prefills) < 2 or not switch("varlen_prefill"):
+        return None
+    if any(r.slot < 0 or r.snapshot_slot >= 0 for r in prefills):  # padding, or a row in segments
         return None
     return varlen_rows([r.length for r in prefills], [r.slot for r in prefills],
                        [r.has_initial_state for r in prefills], batch.state_slot.device)
+
+
+def _prefill_segments(batch: StepBatch, i: int, start: int) -> list[PrefillRow]:
+    """Request row i (a prefill chunk from token row `start`) as PrefillRows: one, or one segment per
+    state snapshot and the rest (StepBatch.state_snapshots), all on the row's slot."""
+    length, slot, has_init = batch.query_lens_cpu[i], batch.state_slot_cpu[i], batch.has_initial_state_cpu[i]
+    rows, done = [], 0
+    for k, snapshot_slot in batch.state_snapshots.get(i, ()):
+        if not done < k < length or slot < 0 or snapshot_slot < 0 or snapshot_slot == slot:
+            raise ValueError(f"state snapshot {(k, snapshot_slot)} of prefill row {i} ({length} tokens, slot {slot}): "
+                             f"needs 0 < k < q_len, ascending, and a slot of its own")
+        rows.append(PrefillRow(start + done, k - done, slot, has_init or done > 0, snapshot_slot))
+        done = k
+    rows.append(PrefillRow(start + done, length - done, slot, has_init or done > 0))
+    return rows
 
 
 def step_metadata(batch: StepBatch) -> MambaStepMetadata:
@@ -141,7 +162,7 @@ def build(batch: StepBatch) -> MambaStepMetadata:
     start = nd + sum(q_lens[nd:nd + nv + nr])
     prefills = []
     for i in range(nd + nv + nr, batch.num_requests):
-        prefills.append(PrefillRow(start, q_lens[i], batch.state_slot_cpu[i], batch.has_initial_state_cpu[i]))
+        prefills.extend(_prefill_segments(batch, i, start))
         start += q_lens[i]
     if not nv and not nr:  # decodes and prefills only (a captured decode step among them): no upload
         return MambaStepMetadata(prefills=tuple(prefills), varlen=_varlen(batch, prefills))

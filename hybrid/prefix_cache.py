@@ -6,8 +6,9 @@ An attention layer can resume from any prefix whose KV is kept, but a Mamba laye
 prefix is cached as a pair: the KV pages of its tokens (shared by refcount, as forks share them)
 and a copy of every Mamba layer's conv and SSM state taken right after its last token, in a
 state-pool slot that the cache owns. Prefixes end on page boundaries (no partially filled page is
-ever shared), and the engine makes a prompt's prefill chunk end at its caching point so that the
-state there exists.
+ever shared). A prefill chunk that ends at a caching point leaves its state there in the sequence's
+slot, which is copied; one that runs past it has its Mamba layers leave a copy of the state at the
+point in the cache's slot as they go (StepBatch.state_snapshots), so caching costs no extra step.
 
 Entries are keyed by a hash chained over the prefix's pages (vLLM-style block hashes), verified
 against the stored tokens on a hit, and evicted least recently used when their slots or pages are

@@ -56,7 +56,7 @@ class Sequence:
     # the tokens those steps consumed.
     pending: int = 0
     pending_row: int = -1
-    cache_at: int = 0  # prefix caching: a prefill chunk ends here and the prefix is cached (0: no more)
+    cache_at: int = 0  # prefix caching: the next caching point of the prompt (0: no more)
     # structured outputs: this branch's grammar matcher, advanced with every token it accepts (None: free)
     grammar: SequenceGrammar | None = None
     # prompt logprobs (branch 0 of a request that asks for them): entry i for prompt token i, None for
@@ -129,6 +129,9 @@ class ScheduledChunk:
     logits_row: int = -1  # first logits row of the chunk, -1 if it samples nothing (set when the batch is built)
     # prompt logprobs: (first logits row, prompt position it scores, count) of this prefill chunk
     prompt_rows: tuple[int, int, int] | None = None
+    # prefix caching: (prompt tokens, cache-owned slot) of each caching point strictly inside this prefill
+    # chunk, whose state the step leaves in that slot (ResourceManager.plan_snapshots)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:

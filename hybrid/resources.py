@@ -223,12 +223,52 @@ class ResourceManager:
         seq.cache_at = cache.next_point(seq.prompt_token_ids, seq.num_computed)
         return seq.num_computed
 
+    def plan_snapshots(self, chunks: list[ScheduledChunk]) -> None:
+        """Before a step's batch is built: each caching point strictly inside a prefill chunk gets a slot
+        of the cache's own, in which the step's Mamba layers leave the state after that point
+        (StepBatch.state_snapshots), so that no chunk has to end there. A point already cached, or with
+        no slot free, is passed over. cache_prefixes keeps them; drop_snapshots gives them back."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        planned = 0
+        for c in chunks:
+            seq = c.seq
+            if c.is_decode:
+                continue
+            end = seq.num_computed + c.num_tokens
+            while seq.num_computed < seq.cache_at < end:
+                point = seq.cache_at
+                seq.cache_at = cache.next_point(seq.prompt_token_ids, point)
+                if cache.contains(seq.prompt_token_ids[:point]):
+                    continue
+                while len(cache) + planned >= cache.max_entries and self.evict_cached_prefix():
+                    pass
+                slot = self.state_pool.allocate() if len(cache) + planned < cache.max_entries else None
+                if slot is None:
+                    continue  # every slot is in use: not cached
+                c.snapshots.append((point, slot))
+                planned += 1
+
+    def drop_snapshots(self, chunks: list[ScheduledChunk]) -> None:
+        """The step of these chunks failed before cache_prefixes: give the planned snapshot slots back."""
+        for c in chunks:
+            for _, slot in c.snapshots:
+                self.free(slot, [])
+            c.snapshots = []
+
     def cache_prefixes(self, chunks: list[ScheduledChunk]) -> None:
-        """Keep the prefixes whose prefill chunks (just queued) end at their caching points; called
-        right after the forward, so each copy is queued behind the forward that computed it."""
+        """Keep the prefixes of the caching points inside the step's prefill chunks (their snapshot
+        slots, filled by the forward) and of those the chunks end at (a copy of the sequence's slot);
+        called right after the forward, so each copy is queued behind the forward that computed it."""
         if self.prefix_cache is None:
             return
         for c in chunks:
+            for point, slot in c.snapshots:
+                if self.state_tokens is not None:
+                    self.state_tokens[slot] = point
+                self._insert(c.seq.prompt_token_ids[:point], slot, c.seq.pages[:point // self.page_size])
+            c.snapshots = []
             if c.seq.cache_at and not c.is_decode and c.seq.num_computed + c.num_tokens == c.seq.cache_at:
                 self._cache_prefix(c.seq)
 
@@ -250,9 +290,13 @@ class ResourceManager:
             return  # every slot runs a sequence: not cached
         self.state_pool.copy_slot(seq.slot, slot)
         self._copy_state_tokens(seq.slot, slot)
-        pages = seq.pages[:len(tokens) // self.page_size]
+        self._insert(tokens, slot, seq.pages[:len(tokens) // self.page_size])
+
+    def _insert(self, tokens: list[int], slot: int, pages: list[int]) -> None:
+        """A new cache entry: `slot` (the cache's now) holds the state after `tokens`, whose KV pages get
+        one more reference."""
         self.pages.share(pages)
-        displaced = cache.insert(tokens, slot, pages)
+        displaced = self.prefix_cache.insert(tokens, slot, pages)
         if displaced is not None:  # a hash collision: the older prefix gives its slot and pages back
             self.free(displaced.slot, displaced.pages)
             self.stats["prefix_cache_evictions"] += 1
@@ -278,8 +322,21 @@ class ResourceManager:
     def check_batch(self, batch: StepBatch, chunks: list[ScheduledChunk]) -> ExpectedInputs:
         """Raise StateCorruptionError if the batch would touch a slot or page its rows do not own (host
         copies only); return what its index tensors must hold as they run (checked on the device)."""
+        self._check_snapshots(batch)
         return check_batch(batch, self.state_pool, self.pages, self.page_size,
                            row_owners(chunks, with_lengths=True, state_tokens=self.state_tokens), DUMMY_PAGE)
+
+    def _check_snapshots(self, batch: StepBatch) -> None:
+        """A snapshot slot must be one the cache took for it: live, no row's, no cached prefix's."""
+        cached = {e.slot for e in self.prefix_cache.entries.values()} if self.prefix_cache is not None else set()
+        rows = set(batch.state_slot_cpu)
+        live = self.state_pool.allocator.live
+        for row, snaps in batch.state_snapshots.items():
+            for k, slot in snaps:
+                if slot not in live or slot in rows or slot in cached:
+                    raise StateCorruptionError(
+                        f"row {row} would leave a prefix-cache snapshot (after {k} of its tokens) in Mamba slot "
+                        f"{slot}, which is {'free' if slot not in live else 'in use'}")
 
     def state_nan(self, batch: StepBatch) -> torch.Tensor:
         """Per batch row: whether the Mamba state in the row's slot holds NaN now (in stream order:

@@ -245,8 +245,6 @@ class Scheduler:
         chunk = min((seq.prefill_len if upto is None else upto) - seq.num_computed, budget)
         if seq.scores_prompt:  # every position of the chunk is a logits row
             chunk = min(chunk, self._prompt_rows_left)
-        if seq.cache_at > seq.num_computed:  # end a chunk at the caching point: the state there is kept
-            chunk = min(chunk, seq.cache_at - seq.num_computed)
         ps = self.resources.page_size
         while chunk > 0 and not self.resources.grow_pages(seq, seq.num_computed + chunk):
             free_tokens = (len(seq.pages) + self.resources.num_free_pages) * ps - seq.num_computed

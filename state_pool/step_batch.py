@@ -39,6 +39,13 @@ tokens with the decode recurrence, token after token (no dt clamp: they were gen
 and first ran as decodes, so the rebuilt state is the one the decodes built), reading and
 writing `state_slot[i]` in place like a decode. Attention treats it like a prefill chunk with
 context. Padding never occurs in replay rows.
+
+State snapshots (prefix caching, hybrid/prefix_cache.py): `state_snapshots[i] = [(k, slot), ...]`
+asks prefill row i to leave, besides its own slot's state after all its tokens, a copy of every
+Mamba layer's conv and SSM state after its first k tokens (0 < k < q_len, ascending) in `slot`, a
+slot the prefix cache owns and no row reads or writes. The Mamba layers run such a row as segments
+[0, k) [k, ...) in order, the state carried between them through the row's slot exactly as between
+two prefill chunks, so the prompt needs no step that ends at its caching point.
 """
 from __future__ import annotations
 
@@ -91,6 +98,8 @@ class StepBatch:
     # verify batches, graphs/padding.pad_verify_batch): the kernels may then treat the step as uniform
     # (attention: one query length per request; Mamba: one T-token group from the batch's own tensors)
     uniform_q_len: int = 0
+    # prefill row -> [(tokens into the row, snapshot slot)] (see the module docstring); empty: none
+    state_snapshots: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     # The Mamba layers' per-step index tensors (hybrid/mamba_metadata.py: verify / replay row groups,
     # prefill rows), built once per batch on first use and read by every layer. Not an __init__
     # argument, so dataclasses.replace (a padded batch) starts without it and builds its own.

@@ -135,3 +135,150 @@ def test_colliding_prefix_keys_leak_nothing(tiny_ckpt, make_llm, monkeypatch):
     while eng.resources.evict_cached_prefix():
         pass
     assert pool.num_free == free_slots and pages.num_free == free_pages
+
+
+def test_a_caching_point_inside_a_chunk_costs_no_step(tiny_ckpt, make_llm):
+    """The caching point (12 of 15 tokens) lies inside the prompt's one prefill chunk: the Mamba layers
+    leave the state there in the cache's slot as they go (StepBatch.state_snapshots), so caching adds
+    no step, and a later prompt resuming from that state gives transformers' tokens."""
+    path = tiny_ckpt("nemotron_h")
+    llm = make_llm(path, page_size=4, enable_prefix_caching=True, check_state=True)
+    eng = llm.engine
+    seen = []
+    real = eng.runner.execute
+    eng.runner.execute = lambda batch: (seen.append(dict(batch.state_snapshots)), real(batch))[1]
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    _tokens(llm, [BASE], one)
+    assert eng.stats["steps"] == 1 and len(eng.prefix_cache) == 1
+    (entry,) = eng.prefix_cache.entries.values()
+    assert seen == [{0: [(12, entry.slot)]}] and list(entry.tokens) == BASE[:12]
+    follow = BASE[:12] + [50, 51, 52, 53, 54, 55, 56]  # resumes at 12, caches 16 inside its chunk
+    got = _tokens(llm, [follow])[0]
+    assert eng.stats["prefix_cache_hit_tokens"] == 12 and len(eng.prefix_cache) == 2
+    assert got == hf_oracle.oracle_run(path, follow, GREEDY.max_tokens).tokens
+    assert seen[1] and list(seen[1].values())[0][0][0] == 16 - 12
+
+
+def test_several_caching_points_in_chunks_of_a_small_budget(tiny_ckpt, make_llm):
+    """Caching points every 4 tokens, chunks of 6 tokens: points inside chunks and at their ends, all
+    kept; every prefix then resumes to transformers' tokens, and nothing leaks."""
+    path = tiny_ckpt("bamba")
+    prompt = BASE + [3, 1, 4, 1, 5, 9, 2, 6]  # 23 tokens: points 4, 8, ..., 20
+    llm = make_llm(path, page_size=4, enable_prefix_caching=True, prefix_cache_interval=4, max_num_batched_tokens=6,
+                   check_state=True)
+    _tokens(llm, [prompt])
+    assert sorted(len(e.tokens) for e in llm.engine.prefix_cache.entries.values()) == [4, 8, 12, 16, 20]
+    for cut in (5, 10, 19):
+        got = _tokens(llm, [prompt[:cut] + [77, 78]])[0]
+        assert got == hf_oracle.oracle_run(path, prompt[:cut] + [77, 78], GREEDY.max_tokens).tokens, cut
+    eng = llm.engine
+    assert llm.state_pool.num_free == llm.state_pool.num_slots - len(eng.prefix_cache)
+    assert llm.kv_cache.allocator.num_free + _held_pages(llm) == llm.kv_cache.num_pages - 1
+
+
+def test_a_failed_step_gives_its_snapshot_slots_back(tiny_ckpt, make_llm):
+    """The step that would have kept a snapshot fails: its request fails, the planned slot is free
+    again, nothing is cached from it, and the engine serves the next prompt."""
+    from state_pool.errors import RequestFailedError
+
+    path = tiny_ckpt("nemotron_h")
+    llm = make_llm(path, page_size=4, enable_prefix_caching=True, check_state=True)
+    eng = llm.engine
+    slots0 = llm.state_pool.num_free
+    real = eng.runner.execute
+
+    def execute(batch):
+        if batch.state_snapshots:
+            raise RuntimeError("injected fault")
+        return real(batch)
+
+    eng.runner.execute = execute
+    with pytest.raises(RequestFailedError, match="injected fault"):
+        llm.generate([BASE], GREEDY, use_tqdm=False)
+    assert len(eng.prefix_cache) == 0 and llm.state_pool.num_free == slots0
+    eng.runner.execute = real
+    assert _tokens(llm, [BASE[:6]])[0] == hf_oracle.oracle_run(path, BASE[:6], GREEDY.max_tokens).tokens
+
+
+def test_the_sanitizer_refuses_a_snapshot_into_a_slot_in_use(tiny_ckpt, make_llm):
+    from hybrid.batch import StepBatch
+    from state_pool.errors import StateCorruptionError
+
+    llm = make_llm(tiny_ckpt("granite_dense"), page_size=4, enable_prefix_caching=True, check_state=True)
+    res = llm.engine.resources
+    live = res.state_pool.allocate()
+    free = next(s for s in range(res.state_pool.num_slots) if s not in res.state_pool.allocator.live)
+    t = torch.zeros(1, dtype=torch.long)
+    batch = StepBatch(input_ids=t, positions=t, query_start_loc=torch.tensor([0, 1]), seq_lens=torch.tensor([1]),
+                      page_table=torch.zeros(1, 1, dtype=torch.int32), kv_write_loc=t, state_slot=torch.tensor([live]),
+                      has_initial_state=torch.tensor([False]), logits_indices=t, num_decodes=0, num_prefills=1,
+                      query_lens_cpu=[1], seq_lens_cpu=[1], state_slot_cpu=[live], has_initial_state_cpu=[False])
+    for bad, why in ((live, "in use"), (free, "free")):
+        batch.state_snapshots = {0: [(1, bad)]}
+        with pytest.raises(StateCorruptionError, match=why):
+            res._check_snapshots(batch)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_mixer_segments_a_row_at_its_snapshots(state_dtype):
+    """The torch path: a prefill row with snapshots after 3 and 7 of its 11 tokens gives the outputs and
+    final state of the row run as three chunks in three steps, each snapshot slot holds the state the
+    first chunks leave, and no other slot is touched."""
+    import dataclasses
+    import math
+
+    from hybrid.config import MambaConfig
+    from hybrid.layers import Mamba2Mixer
+    from hybrid.mamba_metadata import step_metadata
+    from state_pool.step_batch import StepBatch
+
+    cfg = MambaConfig(num_heads=4, head_dim=8, n_groups=2, state_size=8, conv_kernel=4, chunk_size=4, conv_bias=True,
+                      proj_bias=False, norm_eps=1e-5, dt_limit=(0.0, math.inf))
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(16, cfg, 0).to_empty(device="cpu")
+    with torch.no_grad():
+        for prm in mixer.parameters():
+            prm.copy_(torch.randn_like(prm) * 0.3)
+        mixer.A_log.copy_(torch.log(torch.rand(cfg.num_heads) * 4 + 1))
+
+    def batch(lengths, slots, init, snaps=None):
+        T = sum(lengths)
+        qsl = [0] + torch.tensor(lengths).cumsum(0).tolist()
+        b = StepBatch(input_ids=torch.zeros(T, dtype=torch.long), positions=torch.zeros(T, dtype=torch.long),
+                      query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lengths),
+                      page_table=torch.zeros(len(lengths), 1, dtype=torch.int32), kv_write_loc=torch.zeros(T, dtype=torch.long),
+                      state_slot=torch.tensor(slots), has_initial_state=torch.tensor(init), logits_indices=torch.tensor([T - 1]),
+                      num_decodes=0, num_prefills=len(lengths), query_lens_cpu=lengths, seq_lens_cpu=lengths,
+                      state_slot_cpu=slots, has_initial_state_cpu=init)
+        b.state_snapshots = snaps or {}
+        return b
+
+    hidden = torch.randn(11 + 5, 16)
+    conv = torch.randn(6, cfg.conv_dim, cfg.conv_kernel - 1).to(state_dtype)
+    ssm = (torch.randn(6, cfg.num_heads, cfg.head_dim, cfg.state_size) * 0.3).to(state_dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if state_dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    for has_init in (False, True):
+        c1, s1 = conv.clone(), ssm.clone()
+        b = batch([11, 5], [1, 2], [has_init, True], {0: [(3, 4), (7, 5)]})
+        split = mixer(hidden, b, c1, s1)
+        assert [(r.start, r.length, r.slot, r.has_initial_state, r.snapshot_slot) for r in step_metadata(b).prefills] \
+            == [(0, 3, 1, has_init, 4), (3, 4, 1, True, 5), (7, 4, 1, True, -1), (11, 5, 2, True, -1)]
+        assert torch.equal(s1[[0, 3]], ssm[[0, 3]]) and torch.equal(c1[[0, 3]], conv[[0, 3]])
+        # the reference: the row as three prefill chunks in three steps (the state between them in its slot)
+        c0, s0 = conv.clone(), ssm.clone()
+        ys, kept = [], {}
+        for lo, hi, keep in ((0, 3, 4), (3, 7, 5), (7, 11, None)):
+            ys.append(mixer(hidden[lo:hi], batch([hi - lo], [1], [has_init or lo > 0]), c0, s0))
+            if keep is not None:
+                kept[keep] = c0[1].clone(), s0[1].clone()
+        ys.append(mixer(hidden[11:], batch([5], [2], [True]), c0, s0))
+        torch.testing.assert_close(split, torch.cat(ys), **tol)
+        for slot in (1, 2):
+            torch.testing.assert_close(s1[slot].float(), s0[slot].float(), **tol)
+            torch.testing.assert_close(c1[slot].float(), c0[slot].float(), **tol)
+        for slot, (c_ref, s_ref) in kept.items():
+            torch.testing.assert_close(c1[slot].float(), c_ref.float(), **tol)
+            torch.testing.assert_close(s1[slot].float(), s_ref.float(), **tol)
+    bad = batch([11, 5], [1, 2], [False, True], {0: [(7, 4), (3, 5)]})
+    with pytest.raises(ValueError, match="ascending"):
+        mixer(hidden, dataclasses.replace(bad), conv.clone(), ssm.clone())
