@@ -219,9 +219,7 @@ class Mamba2Mixer(nn.Module):
             )
             ssm_state[slot] = final.to(ssm_state.dtype)
             y[rows] = out
-            if row.snapshot_slot >= 0:  # a prefix-cache snapshot: the state after this segment
-                conv_state[row.snapshot_slot] = conv_state[slot]
-                ssm_state[row.snapshot_slot] = ssm_state[slot]
+            row.keep_snapshot(conv_state, ssm_state)  # a prefix-cache snapshot: the state after this segment
 
         return self.project_out(y.reshape(-1, inner), z, hidden.dtype)
 

@@ -61,6 +61,12 @@ class PrefillRow:
     # >= 0: once this row has run, every Mamba layer copies its slot's state here (a prefix-cache snapshot)
     snapshot_slot: int = -1
 
+    def keep_snapshot(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        """After this row ran in a Mamba layer (either path): its slot's state into its snapshot slot, if any."""
+        if self.snapshot_slot >= 0:
+            conv_state[self.snapshot_slot] = conv_state[self.slot]
+            ssm_state[self.snapshot_slot] = ssm_state[self.slot]
+
 
 @dataclass(frozen=True)
 class MambaStepMetadata:

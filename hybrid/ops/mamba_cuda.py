@@ -154,9 +154,7 @@ class MambaCudaKernels:
                 y = out_y  # the step is this one chunk: the scan's output is y (no copy of T x inner)
             else:
                 y[rows] = out_y.to(y.dtype)
-            if row.snapshot_slot >= 0:  # a prefix-cache snapshot: the state after this segment
-                conv_state[row.snapshot_slot] = conv_state[slot]
-                ssm_state[row.snapshot_slot] = ssm_state[slot]
+            row.keep_snapshot(conv_state, ssm_state)  # a prefix-cache snapshot: the state after this segment
 
         return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
 
