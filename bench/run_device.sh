@@ -173,6 +173,13 @@ if [[ $what == varlen-3 ]]; then
   HYBRID_VARLEN_PREFILL=1 gpu_pytest 330 gpu_tests_varlen_3.log "tests/gpu/test_kernels.py::test_varlen_prefill_vs_torch" \
       tests/gpu/test_state_under_graphs.py -k "verify_graphs or preemption or sanitizer or cfg2 or accurate"
 fi
+# varlen-default  the varlen prefill path on by default: its kernel tests and the Mamba kernel tests, then the
+#            parity, state-under-graphs, graphs and warm-up files (engine-level: many prompts prefilled per step)
+if [[ $what == varlen-default ]]; then
+  gpu_pytest 200 gpu_tests_varlen_default_kernels.log tests/gpu/test_kernels.py -k "varlen or mamba_kernels_vs_torch or accurate"
+  gpu_pytest 330 gpu_tests_varlen_default.log tests/gpu/test_parity.py tests/gpu/test_state_under_graphs.py \
+      tests/gpu/test_warmup_gpu.py tests/gpu/test_graphs.py
+fi
 # prefix-snap  the GPU tests of prefix-cache snapshots inside prefill rows and of the varlen path's accuracy, then
 #            bench_prefix_cache.py (a hit's second turn now runs as one step)
 if [[ $what == prefix-snap ]]; then

@@ -17,7 +17,7 @@ The row groups are computed here only, for both Mamba paths:
 - `prefills`: each prefill chunk's token rows, slot and has_initial_state (host values); a chunk with
   state snapshots (StepBatch.state_snapshots) as consecutive segments on the same slot, each but the
   last naming the slot its state is copied to once it has run (`snapshot_slot`).
-- `varlen`: with the "varlen_prefill" switch (HYBRID_VARLEN_PREFILL=1), two or more prefill rows,
+- `varlen`: with the "varlen_prefill" switch (on unless HYBRID_VARLEN_PREFILL=0), two or more prefill rows,
   none of them padding and no snapshot, the same rows as device tensors for one varlen launch a layer.
 A plain decode step (the shape the CUDA graphs capture) has none of these: its metadata is empty
 and costs no torch op. A batch derived with dataclasses.replace (e.g. padded) builds its own.

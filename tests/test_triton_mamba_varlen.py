@@ -151,9 +151,11 @@ def test_mixer_varlen_prefill_equals_the_rows_one_by_one(monkeypatch, dtype):
     conv = torch.randn(7, cfg.conv_dim, cfg.conv_kernel - 1).to(dtype)
     ssm = torch.randn(7, cfg.num_heads, cfg.head_dim, cfg.state_size) * 0.3
     conv_ref, ssm_ref = conv.clone(), ssm.clone()
-    monkeypatch.delenv("HYBRID_VARLEN_PREFILL", raising=False)
+    monkeypatch.setenv("HYBRID_VARLEN_PREFILL", "0")  # the rows one by one
     triton_guard.reset_switches()
-    ref = mixer(hidden, dataclasses.replace(batch), conv_ref, ssm_ref)
+    ref_run = dataclasses.replace(batch)
+    ref = mixer(hidden, ref_run, conv_ref, ssm_ref)
+    assert ref_run.mamba_metadata.varlen is None
     monkeypatch.setenv("HYBRID_VARLEN_PREFILL", "1")
     triton_guard.reset_switches()
     try:

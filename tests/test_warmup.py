@@ -61,8 +61,8 @@ def test_warmup_default_is_cuda_only():
 @pytest.mark.parametrize("chunk", [8, 64, 128, 256])
 @pytest.mark.parametrize("budget", [100, 3900, 8192])
 def test_prefill_warmup_lengths_meet_every_specialisation_class(chunk, budget):
-    """The Mamba prefill warm-up's chunk lengths meet every (length, chunk count) pair of Triton's
-    integer classes (1, a multiple of 16, other) that a chunk within the budget can have (found
+    """The Mamba prefill warm-up's chunk lengths meet every (length, chunk count, chunk count x chunk
+    size) triple of Triton's integer classes (1, a multiple of 16, other) that a chunk within the budget can have (found
     here by trying every length), and none is over the budget."""
     from hybrid.ops.mamba_cuda import prefill_warmup_lengths
 
@@ -70,13 +70,31 @@ def test_prefill_warmup_lengths_meet_every_specialisation_class(chunk, budget):
         return "1" if n == 1 else "D" if n % 16 == 0 else "N"
 
     def pair(n):
-        return cls(n), cls(-(-n // chunk))
+        return cls(n), cls(-(-n // chunk)), cls(-(-n // chunk) * chunk)
 
     lengths = prefill_warmup_lengths(chunk, budget)
     assert all(1 <= n <= budget for n in lengths)
     assert {pair(n) for n in lengths} == {pair(n) for n in range(1, budget + 1)}
     if chunk >= 64 and budget >= 16 * chunk:
         assert len(lengths) == 7  # (1, 1) and each of the other six
+
+
+@pytest.mark.parametrize("chunk", [8, 64, 256])
+@pytest.mark.parametrize("budget", [100, 3900, 8192])
+def test_varlen_warmup_lengths_meet_every_residue_pair(chunk, budget):
+    """The varlen warm-up's step totals meet every (total mod 16, chunk count: 1 or mod 16) pair that a
+    total from 2 to the budget can have (every total tried here), so any product of the total or of
+    the chunk count with a fixed stride falls in a class the warm-up met; none is over the budget."""
+    from hybrid.ops.mamba_cuda import varlen_warmup_lengths
+
+    def sig(n):
+        chunks = -(-n // chunk)
+        return n % 16, -1 if chunks == 1 else chunks % 16
+
+    lengths = varlen_warmup_lengths(chunk, budget)
+    assert all(2 <= n <= budget for n in lengths) and len(set(lengths)) == len(lengths)
+    assert {sig(n) for n in lengths} == {sig(n) for n in range(2, budget + 1)}
+    assert len(lengths) <= 16 * 17
 
 
 def test_prefill_warmup_runs_on_the_scratch_row_only(tiny_ckpt):
@@ -87,7 +105,7 @@ def test_prefill_warmup_runs_on_the_scratch_row_only(tiny_ckpt):
 
     import torch
 
-    from hybrid.ops.mamba_cuda import MambaCudaKernels, prefill_warmup_lengths
+    from hybrid.ops.mamba_cuda import MambaCudaKernels, prefill_warmup_lengths, varlen_warmup_lengths
 
     class Recording(MambaCudaKernels):
         def __init__(self):  # no library kernels on the CPU
@@ -102,8 +120,16 @@ def test_prefill_warmup_runs_on_the_scratch_row_only(tiny_ckpt):
             ssm_state[slot].fill_(3.0)
             return torch.zeros(xBC.shape[0], mixer.cfg.num_heads, mixer.cfg.head_dim)
 
+        def _prefill_varlen(self, mixer, p, xBC, dt, conv_state, ssm_state, rows):
+            self.varlen_calls.append((xBC.shape[0], rows.slots.tolist(), rows.has_init.tolist(),
+                                      rows.cu_seqlens.tolist()))
+            conv_state[rows.slots.long()] = 3.0
+            ssm_state[rows.slots.long()] = 3.0
+            return torch.zeros(xBC.shape[0], mixer.cfg.num_heads, mixer.cfg.head_dim)
+
     llm = LLM(tiny_ckpt("nemotron_h"), warmup=False, **KW)
     kernels = Recording()
+    kernels.varlen_calls = []
     mixers = llm.model.mamba_mixers()
     for m in mixers:
         m.kernels = kernels
@@ -120,9 +146,16 @@ def test_prefill_warmup_runs_on_the_scratch_row_only(tiny_ckpt):
     width = cfg.intermediate_size + cfg.conv_dim + cfg.num_heads  # the in_proj output's row, as in the forward
     # rows of a width no multiple of 16 bytes: every pointer alignment a request's first row can have
     aligned = 16 // math.gcd(width * llm.model.embed.element_size(), 16)
-    # the tiny model's Mamba layers share one shape: one pass
-    assert runs == len(kernels.calls) == 2 * aligned * len(lengths)
     scratch = pool.conv_state.shape[1] - 1
+    # the tiny model's Mamba layers share one shape: one pass; the varlen path (on by default) at the same
+    # lengths as two rows, then at the further totals of varlen_warmup_lengths
+    extra = sorted(set(varlen_warmup_lengths(cfg.chunk_size, 48)) - set(lengths))
+    assert len(kernels.calls) == 2 * aligned * len(lengths)
+    two_rows = [n for n in lengths if n >= 2]
+    assert runs == len(kernels.calls) + len(kernels.varlen_calls)
+    assert sorted(c[0] for c in kernels.varlen_calls) == sorted([n for n in two_rows for _ in range(2 * aligned)]
+                                                                 + extra)
+    assert all(c[1] == [scratch, scratch] and c[3] == [0, c[0] - 1, c[0]] for c in kernels.varlen_calls)
     assert sorted(c[:2] for c in kernels.calls) == sorted((n, h) for n in lengths for h in (False, True)
                                                           for _ in range(aligned))
     # the library kernels' methods are the class's (a module-level function once split the class)

@@ -15,16 +15,16 @@
   kernels under one state contract: the state is rounded to its storage dtype after every token,
   so a T-token verify or replay launch commits bit for bit what T decode steps would
   (tests/test_state_contract.py).
-- prefill chunks: one request at a time (mamba-ssm's varlen scan resets to zero at sequence
-  boundaries and cannot take per-request initial states): the causal conv runs over [slot history |
+- prefill chunks: a step of two or more prefill rows runs them together (the "varlen_prefill" switch, on
+  unless HYBRID_VARLEN_PREFILL=0): one varlen conv launch, one zero-state varlen scan (mamba-ssm's resets
+  to zero at sequence boundaries) and one launch that adds each row's initial state to its outputs and
+  writes its final state (hybrid/ops/triton_mamba_varlen.py). A single row, a row with prefix-cache
+  snapshots, or the library decode kernels run one request at a time: the causal conv runs over [slot history |
   chunk], on our token-major Triton kernel (`triton_mamba.conv_prefill`; with the library decode
   kernels, causal-conv1d's `causal_conv1d_fn`, which wants channel-first input: two transposes that
   cost ~1.7 ms per layer on an 8K chunk); mamba-ssm's chunked scan (`mamba_chunk_scan_combined`'s
   kernels and configs, issued with little host work: hybrid/ops/mamba_scan.py) runs with the slot's SSM
-  state as initial state (or none for a first chunk) and its final state is written back. With the
-  "varlen_prefill" switch (HYBRID_VARLEN_PREFILL=1, off until measured on the GPU) a step of two or more
-  prefill rows runs them together instead: one varlen conv launch, one zero-state varlen scan and one
-  launch for each row's initial state and final state (hybrid/ops/triton_mamba_varlen.py).
+  state as initial state (or none for a first chunk) and its final state is written back.
 
 Semantics match hybrid/ops/mamba_torch.py (dt clamped to dt_limit on prefill only).
 mamba-ssm and causal-conv1d are optional: nothing here is imported on CPU.
@@ -224,7 +224,8 @@ class MambaCudaKernels:
         row_bytes = width * dtype.itemsize
         varlen = switch("varlen_prefill") and self.decode_kernels == "triton"
         first_rows = range(16 // math.gcd(row_bytes, 16))
-        for length in prefill_warmup_lengths(cfg.chunk_size, max_tokens):
+        done = prefill_warmup_lengths(cfg.chunk_size, max_tokens)
+        for length in done:
             for first in first_rows:
                 # rows of an in_proj-shaped output, as the forward's split gives them (same strides)
                 zxbcdt = torch.zeros(first + length, width, dtype=dtype, device=conv_state.device)[first:]
@@ -235,6 +236,12 @@ class MambaCudaKernels:
                     if varlen and length >= 2:  # the same total length as two rows (both on the scratch row)
                         rows = tv.varlen_rows([length - 1, 1], [scratch, scratch], [has_init, True], conv_state.device)
                         runs += self._prefill_varlen(mixer, p, xBC, dt, conv_state, ssm_state, rows) is not None
+        if varlen:  # the varlen scan's further integer classes (see varlen_warmup_lengths), as two rows
+            for length in sorted(set(varlen_warmup_lengths(cfg.chunk_size, max_tokens)) - set(done)):
+                zxbcdt = torch.zeros(length, width, dtype=dtype, device=conv_state.device)
+                _, xBC, dt = torch.split(zxbcdt, [inner, cfg.conv_dim, nh], dim=-1)
+                rows = tv.varlen_rows([length - 1, 1], [scratch, scratch], [False, True], conv_state.device)
+                runs += self._prefill_varlen(mixer, p, xBC, dt, conv_state, ssm_state, rows) is not None
         conv_state[scratch].zero_()
         ssm_state[scratch].zero_()
         return runs
@@ -355,10 +362,28 @@ def prefill_warmup_lengths(chunk_size: int, max_tokens: int) -> list[int]:
     Triton compiles the chunked scan's kernels for: their integer arguments are specialised by value
     (1, a multiple of 16, anything else), the sequence length and the chunk count among them, so a
     chunk of 16 x k tokens, or one of 16 chunks, compiles kernels a chunk of 37 tokens did not. For
-    each (length class, chunk-count class) pair some chunk can have, the shortest such length."""
-    shortest: dict[tuple[str, str], int] = {}
-    for n in range(1, max_tokens + 1):
-        shortest.setdefault((_int_class(n), _int_class(-(-n // chunk_size))), n)
-        if len(shortest) == 7:  # every pair a length can have: (1, 1) and the 2 x 3 others
+    each (length class, chunk-count class) pair some chunk can have, the shortest such length. The scan
+    also takes chunk count x chunk size (a stride): with a chunk size that is no multiple of 16 (tiny
+    test models), its class follows the count's parity, so that class is part of the key too."""
+    shortest: dict[tuple[str, str, str], int] = {}
+    for n in range(1, min(max_tokens, 17 * chunk_size + 16) + 1):  # past that, no new class
+        chunks = -(-n // chunk_size)
+        shortest.setdefault((_int_class(n), _int_class(chunks), _int_class(chunks * chunk_size)), n)
+    return sorted(shortest.values())
+
+
+def varlen_warmup_lengths(chunk_size: int, max_tokens: int) -> list[int]:
+    """Total token counts (2 to max_tokens) of a varlen prefill step that between them meet every
+    specialisation class of the varlen scan's integer arguments. A step's total is any sum of its
+    rows, and the scan's kernels also take products of it and of its chunk count (strides such as
+    T x row width or chunks x chunk size), whose class (a multiple of 16 or not) follows the residues
+    mod 16: so one total for each (T mod 16, chunk count 1 or its residue mod 16), the shortest.
+    (Measured: a warm-up of prefill_warmup_lengths alone left mamba-ssm's cumsum and state-passing
+    kernels to compile under the first mixed batches.)"""
+    shortest: dict[tuple[int, int], int] = {}
+    for n in range(2, max_tokens + 1):
+        chunks = -(-n // chunk_size)
+        shortest.setdefault((n % 16, -1 if chunks == 1 else chunks % 16), n)
+        if n > 17 * max(chunk_size, 16):  # every pair has met its shortest total by now
             break
     return sorted(shortest.values())

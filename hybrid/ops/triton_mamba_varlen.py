@@ -49,16 +49,21 @@ class VarlenRows:
 
 def varlen_rows(lengths: list[int], slots: list[int], has_init: list[bool], device: torch.device) -> VarlenRows:
     """VarlenRows of rows with these token counts, slots and initial-state flags (one upload)."""
-    R = len(lengths)
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
     seq = [r for r, n in enumerate(lengths) for _ in range(n)]
-    flat = torch.tensor(cu + seq + list(slots) + [int(h) for h in has_init], dtype=torch.int32)
+    # each part starts on a 16-byte boundary: Triton specialises pointers on that alignment, so parts at
+    # offsets that follow the row and token counts would compile new variants of the kernels mid-serving
+    parts = [cu, seq, list(slots), [int(h) for h in has_init]]
+    values, starts = [], []
+    for part in parts:
+        starts.append(len(values))
+        values += part + [0] * (-len(part) % 4)
+    flat = torch.tensor(values, dtype=torch.int32)
     flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
-    T = cu[-1]
-    return VarlenRows(flat[:R + 1], flat[R + 1:R + 1 + T], flat[R + 1 + T:2 * R + 1 + T], flat[2 * R + 1 + T:],
-                      max(lengths, default=0))
+    views = [flat[start:start + len(part)] for start, part in zip(starts, parts)]
+    return VarlenRows(*views, max(lengths, default=0))
 
 
 if HAS_TRITON:

@@ -240,7 +240,7 @@ def test_fused_kv_write_skips_negative_rows():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cfg,hidden", [(TINY, 64), (dataclasses.replace(TINY, dt_limit=(0.0, 0.15)), 64), (NEMO, 512)])
 def test_varlen_prefill_vs_torch(cfg, hidden, dtype, monkeypatch):
-    """The varlen prefill path (HYBRID_VARLEN_PREFILL=1: one conv launch, one zero-state varlen scan and one
+    """The varlen prefill path (the default; one conv launch, one zero-state varlen scan and one
     launch for the rows' initial and final states a layer, hybrid/ops/triton_mamba_varlen.py) against the
     torch path, in a step of decodes and four prefill rows."""
     from hybrid.ops import triton_guard
@@ -304,11 +304,8 @@ def test_varlen_prefill_as_accurate_as_rows(cfg, hidden, state_dtype, monkeypatc
     conv_ref, ssm_ref = conv.float(), ssm.float()
     ref = ref_mixer(hidden_in.float(), dataclasses.replace(batch), conv_ref, ssm_ref)  # torch path, fp32
     results = {}
-    for path, env in (("rows", None), ("varlen", "1")):
-        if env is None:
-            monkeypatch.delenv("HYBRID_VARLEN_PREFILL", raising=False)
-        else:
-            monkeypatch.setenv("HYBRID_VARLEN_PREFILL", env)
+    for path, env in (("rows", "0"), ("varlen", "1")):
+        monkeypatch.setenv("HYBRID_VARLEN_PREFILL", env)
         triton_guard.reset_switches()
         c, s, run = conv.clone(), ssm.clone(), dataclasses.replace(batch)
         out = mixer(hidden_in, run, c, s)

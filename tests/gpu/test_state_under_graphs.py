@@ -30,6 +30,13 @@ FAMILIES = ["bamba_unclamped", "granite_dense", "granite_moe", "nemotron_h_shard
 # random MoE one routing choice flipped by bf16 noise (the reference's teacher-forced prefill runs
 # other kernels than decode and verify) moves later logits past the near-tie margin.
 MOE_FAMILIES = ("granite_moe", "nemotron_h_sharded")
+# The reference's teacher-forced prefill packs many rows into one varlen scan, whose chunks then start
+# at other tokens than a lone row's or a decode's: other bf16 rounding. Bamba without a dt clamp is the
+# family most sensitive to it (0.12 and 0.18 nats seen on near-ties on the H100 and H200, while the
+# varlen path's states and outputs are as close to fp32 as the row path's:
+# tests/gpu/test_kernels.py::test_varlen_prefill_as_accurate_as_rows). Corruption costs far more.
+WIDE_TIE = 0.2
+NOISY_FAMILIES = MOE_FAMILIES + ("bamba_unclamped",)
 PROMPTS = [[7, 19, 33, 41, 5, 60, 12, 88, 9], [4], [100, 3, 57, 22, 61], [45], list(range(20, 60))]
 
 
@@ -108,7 +115,7 @@ def test_speculative_verify_under_graphs(name, ckpt, monkeypatch):
     assert [s[0] for s in spec] == [p[0] for p in plain]
     # verify runs T tokens in one launch under other tiles than the reference's prefill: on the H200 a
     # bf16 near-tie of 0.125 nats flipped in the Nemotron MoE (CPU tests hold verify == decode exactly)
-    assert_greedy_under_reference(make(path), PROMPTS[:4], spec, near_tie=0.2 if name in MOE_FAMILIES else NEAR_TIE)
+    assert_greedy_under_reference(make(path), PROMPTS[:4], spec, near_tie=WIDE_TIE if name in NOISY_FAMILIES else NEAR_TIE)
     assert_clean(llm)
 
 
@@ -128,7 +135,7 @@ def test_verify_graphs(name, ssm_dtype, ckpt, monkeypatch):
     spec_all = tokens(llm.generate(PROMPTS[:4], sp, use_tqdm=False))
     assert llm.runner.stats["verify_graph_replays"] > 0, llm.runner.stats
     ref = make(path, mamba_ssm_dtype=ssm_dtype)
-    tie = 0.2 if name in MOE_FAMILIES else NEAR_TIE
+    tie = WIDE_TIE if name in NOISY_FAMILIES else NEAR_TIE
     assert_greedy_under_reference(ref, PROMPTS[:4], spec, near_tie=tie)
     assert_greedy_under_reference(ref, PROMPTS[:4], spec_all, near_tie=tie)
     assert_clean(llm)
@@ -143,7 +150,8 @@ def test_preemption_under_graphs(name, ckpt):
     got = tokens(llm.generate(PROMPTS[:4], sps, use_tqdm=False))
     assert llm.engine.stats["preemptions"] > 0
     assert [g[0] for g in got] == [r[0] for r in ref]
-    assert_greedy_under_reference(make(path, max_model_len=64), PROMPTS[:4], got)
+    assert_greedy_under_reference(make(path, max_model_len=64), PROMPTS[:4], got,
+                                  near_tie=WIDE_TIE if name in NOISY_FAMILIES else NEAR_TIE)
     assert_clean(llm)
 
 
