@@ -414,6 +414,11 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                "both switches on"),
     "plain_linear_ab": ("plain_linear", {"HYBRID_DECODE_LINEAR": "plain"},
                         "decode projections through the Triton linear, gated norm its own launch (HYBRID_DECODE_LINEAR=plain)"),
+    **{f"plain_{role.replace('.', '_')}_ab": (f"plain_{role.replace('.', '_')}", {"HYBRID_DECODE_LINEAR": f"plain:{role}"},
+                                               f"only {role} through the Triton linear (HYBRID_DECODE_LINEAR=plain:{role})")
+       for role in ("mamba.in_proj", "mamba.out_proj", "attn.qkv_proj", "attn.o_proj")},
+    "in_proj_conv_ab": ("in_proj_conv", {"HYBRID_DECODE_IN_PROJ_CONV": "1"},
+                        "each Mamba layer's in_proj and conv in one launch (HYBRID_DECODE_IN_PROJ_CONV=1)"),
     "context_buckets_ab": ("one_width", {"HYBRID_GRAPH_CONTEXT_BUCKETS": "0"},
                            "one full-width graph a bucket (HYBRID_GRAPH_CONTEXT_BUCKETS=0; default: small buckets "
                            "also at narrower page tables)"),
@@ -797,6 +802,13 @@ def main() -> int:
     ap.add_argument("--all-ab", action="store_true", help="time the graph decode again with both switches on")
     ap.add_argument("--plain-linear-ab", action="store_true",
                     help="time the graph decode again with the decode projections on the Triton linear, no gated-norm fusion")
+    for role in ("mamba_in_proj", "mamba_out_proj", "attn_qkv_proj", "attn_o_proj"):
+        ap.add_argument(f"--plain-{role.replace('_', '-')}-ab", dest=f"plain_{role}_ab", action="store_true",
+                        help=f"time the graph decode again with only {role} on the Triton linear")
+    ap.add_argument("--in-proj-conv-ab", action="store_true",
+                    help="time the graph decode again with each Mamba in_proj and conv in one launch")
+    ap.add_argument("--linear-roles-ab", action="store_true",
+                    help="all four --plain-<role>-ab runs (each projection role alone on the Triton linear)")
     ap.add_argument("--logits-ab", action="store_true",
                     help="time the graph decode again with the LM head's logits in bf16 (the fp32 head's cost)")
     ap.add_argument("--context-buckets-ab", action="store_true",
@@ -821,6 +833,9 @@ def main() -> int:
     ap.add_argument("--worker", choices=list(SHAPES), help=argparse.SUPPRESS)
     ap.add_argument("--peer", choices=list(SHAPES), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.linear_roles_ab:
+        for role in ("mamba_in_proj", "mamba_out_proj", "attn_qkv_proj", "attn_o_proj"):
+            setattr(args, f"plain_{role}_ab", True)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     if args.dry_run:

@@ -1,8 +1,8 @@
-"""Prefill steps of many short prompts: the Mamba layers' prefill rows one by one against the varlen path
-(HYBRID_VARLEN_PREFILL=1, hybrid/ops/triton_mamba_varlen.py), in one process, on the Nemotron-H-8B-shaped
+"""Prefill steps of many prompts: the Mamba layers' prefill rows one by one (HYBRID_VARLEN_PREFILL=0) against
+the varlen path (the default, hybrid/ops/triton_mamba_varlen.py), in one process, on the Nemotron-H-8B-shaped
 model with random bf16 weights (built in memory as in bench_decode.py).
 
-    python3 bench/bench_prefill_rows.py [--prompts 64] [--lengths 16 128 512] [--json FILE]
+    python3 bench/bench_prefill_rows.py [--prompts 64] [--lengths 16 128 512 2048] [--json FILE]
 
 Per prompt length: `LLM.generate` of --prompts prompts with max_tokens=1 (prefill-bound: the engine packs
 them into steps of up to max_num_batched_tokens), best of 3 per path, and the first token's agreement
@@ -28,7 +28,7 @@ from bench.bench_decode import make_llm  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[16, 128, 512])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16, 128, 512, 2048])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from hybrid.ops import triton_guard

@@ -10,7 +10,7 @@ from hybrid.batch import StepBatch
 from hybrid.config import GATE_ONLY, GATE_THEN_NORM, AttentionConfig, MambaConfig
 from hybrid.mamba_metadata import step_metadata
 from hybrid.ops import mamba_torch, triton_act, triton_gemv, triton_moe, triton_norm
-from hybrid.ops.triton_guard import switch
+from hybrid.ops.triton_guard import decode_linear_plain, switch
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -19,16 +19,17 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, role: str = "") -> None:
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
-        # decode-sized steps through the one-launch Triton linear when HYBRID_DECODE_LINEAR=triton
-        # (hybrid/ops/triton_gemv.py; see use_fused_ops)
+        # decode-sized steps through the one-launch Triton linear when HYBRID_DECODE_LINEAR=triton / plain
+        # (hybrid/ops/triton_gemv.py; see use_fused_ops); "plain:<roles>" picks projections by role
         self.fused = False
+        self.role = role  # e.g. "mamba.in_proj": what the projection is in its layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.fused and (switch("decode_linear") or switch("decode_linear_plain"))
+        if (self.fused and (switch("decode_linear") or decode_linear_plain(self.role))
                 and triton_gemv.eligible(x, self.weight)):
             return triton_gemv.small_m_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -131,14 +132,14 @@ class Mamba2Mixer(nn.Module):
         self.cfg = cfg
         self.layer_index = layer_index  # index among Mamba layers: the row of the state pool
         inner, conv_dim, nh = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads
-        self.in_proj = Linear(hidden_size, inner + conv_dim + nh, cfg.proj_bias)
+        self.in_proj = Linear(hidden_size, inner + conv_dim + nh, cfg.proj_bias, role="mamba.in_proj")
         self.conv_weight = _param(conv_dim, cfg.conv_kernel)
         self.conv_bias = _param(conv_dim) if cfg.conv_bias else None
         self.A_log = _param(nh)
         self.D = _param(nh)
         self.dt_bias = _param(nh)
         self.norm_weight = None if cfg.gate == GATE_ONLY else _param(inner)
-        self.out_proj = Linear(inner, hidden_size, cfg.out_bias)
+        self.out_proj = Linear(inner, hidden_size, cfg.out_bias, role="mamba.out_proj")
         self.conv_act = None if cfg.conv_act == "silu" else activation(cfg.conv_act)  # None: silu
         self.kernels = None  # set by the model when GPU kernels are in use
         self.fused = False  # gated norm as one Triton launch (see use_fused_ops)
@@ -303,8 +304,8 @@ class Attention(nn.Module):
         self.k_scale, self.v_scale = 1.0, 1.0
         hd = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, cfg.bias)  # [q | k | v] rows
-        self.o_proj = Linear(cfg.num_heads * hd, out_features or hidden_size, cfg.bias)
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, cfg.bias, role="attn.qkv_proj")  # [q | k | v] rows
+        self.o_proj = Linear(cfg.num_heads * hd, out_features or hidden_size, cfg.bias, role="attn.o_proj")
         if cfg.rope_theta is not None:
             # transformers' default RoPE: frequencies arange(0, dim, 2) / dim of dim = rotary_dim, each
             # rotating a pair of dims (an odd rotary_dim rotates rotary_dim + 1 of them)
@@ -350,8 +351,8 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
-        self.up_proj = Linear(hidden_size, intermediate, bias)
-        self.down_proj = Linear(intermediate, hidden_size, bias)
+        self.up_proj = Linear(hidden_size, intermediate, bias, role="mlp.up_proj")
+        self.down_proj = Linear(intermediate, hidden_size, bias, role="mlp.down_proj")
         self.act = activation(act)
         self.fused = False  # relu2 as one Triton launch (see use_fused_ops)
         self.can_fuse = act == "relu2"
@@ -366,8 +367,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate, bias)
-        self.down_proj = Linear(intermediate, hidden_size, bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate, bias, role="mlp.gate_up_proj")
+        self.down_proj = Linear(intermediate, hidden_size, bias, role="mlp.down_proj")
         self.act = activation(act)
         self.fused = False  # silu(gate) * up as one Triton launch (see use_fused_ops)
         self.can_fuse = act == "silu"

@@ -341,7 +341,7 @@ def _untie_differing_lm_head(model: HybridModel, name: str, read, stored: str, d
         raise CheckpointError(f"{path}: tensor '{name}' holds non-finite values")
     logger.warning("tie_word_embeddings is set but lm_head.weight differs from the embeddings: not tied "
                    "(as transformers)")
-    lm_head = Linear(embed.shape[1], embed.shape[0], bias=False)
+    lm_head = Linear(embed.shape[1], embed.shape[0], bias=False, role="lm_head")
     lm_head.weight = torch.nn.Parameter(head.contiguous(), requires_grad=False)
     model.lm_head = lm_head
 

@@ -144,7 +144,7 @@ class Zamba2Block(nn.Module):
         if kind == HYBRID:
             sb, a = cfg.shared_blocks, cfg.attention
             self.attn_index = attn_index  # this layer's own KV cache row (the attention weights are shared)
-            self.linear = Linear(h, h, bias=False)
+            self.linear = Linear(h, h, bias=False, role="shared.linear")
             self.qkv_adapter = (LowRankAdapter(2 * h, sb.adapter_rank, 3, a.num_heads * a.head_dim)
                                 if sb.attention_adapters else None)
             self.mlp_adapter = LowRankAdapter(h, sb.adapter_rank, 1, 2 * cfg.intermediate_size)
@@ -191,7 +191,8 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(blocks)
         self.takes_embeddings = getattr(block_cls, "takes_embeddings", False)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, weight_in_fp32=cfg.family == "nemotron_h")
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
+                                                                  role="lm_head")
 
     def mamba_mixers(self) -> list[Mamba2Mixer]:
         return [m for m in self.modules() if isinstance(m, Mamba2Mixer)]

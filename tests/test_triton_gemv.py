@@ -61,6 +61,39 @@ def test_layers_use_it_only_when_asked_and_eligible(monkeypatch):
     assert not triton_guard.switch("decode_linear")
 
 
+def test_plain_linear_by_role(monkeypatch, tiny_ckpt):
+    """HYBRID_DECODE_LINEAR=plain takes every projection, plain:<roles> only those roles' (the model's
+    Linear modules carry them), anything else none; each read once until reset_switches."""
+    from hybrid import LLM
+    from hybrid.ops import triton_guard
+
+    def taken(value):
+        if value is None:
+            monkeypatch.delenv("HYBRID_DECODE_LINEAR", raising=False)
+        else:
+            monkeypatch.setenv("HYBRID_DECODE_LINEAR", value)
+        triton_guard.reset_switches()
+        return {r for r in ROLES if triton_guard.decode_linear_plain(r)}
+
+    ROLES = ("mamba.in_proj", "mamba.out_proj", "attn.qkv_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")
+    try:
+        assert taken(None) == set() and taken("triton") == set() and taken("cublas") == set()
+        assert taken("plain") == set(ROLES)
+        assert taken("plain:mamba.in_proj, attn.o_proj") == {"mamba.in_proj", "attn.o_proj"}
+        assert triton_guard.switch("decode_linear_plain") and not triton_guard.switch("decode_linear")
+        monkeypatch.setenv("HYBRID_DECODE_LINEAR", "plain")
+        assert not triton_guard.decode_linear_plain("mamba.out_proj")  # cached until reset_switches
+    finally:
+        monkeypatch.delenv("HYBRID_DECODE_LINEAR", raising=False)
+        triton_guard.reset_switches()
+    from hybrid.layers import Linear
+
+    llm = LLM(tiny_ckpt("nemotron_h"), max_num_seqs=2, max_model_len=64)
+    roles = {m.role for m in llm.model.modules() if isinstance(m, Linear)}
+    assert {"mamba.in_proj", "mamba.out_proj", "attn.qkv_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj"} <= roles
+    assert "" not in roles
+
+
 def test_strided_rows_and_out_buffer():
     """x may be a row-strided view (a slice of a wider activation); `out` is written in place."""
     g = torch.Generator().manual_seed(5)
@@ -107,3 +140,115 @@ def test_gated_norm_linear_refuses_groups_it_cannot_step():
     assert gated_norm_block_k(3072) == 256 and gated_norm_block_k(512) == 256 and gated_norm_block_k(24) is None
     with pytest.raises(ValueError, match="gated_norm_linear"):
         gated_norm_linear(torch.zeros(1, 24), torch.zeros(1, 24), torch.ones(24), 1e-5, 1, torch.zeros(8, 24))
+
+
+# 16-bit here is fp16: the interpreter's bf16 dot is wrong (small_m_linear alone is off by ~1e10 in bf16 on
+# it, right on the GPU); the GPU test runs bf16 (tests/gpu/test_triton_fused_ops_gpu.py)
+INTERPRETER_DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("width,bias,conv_bias", [(4, False, True), (2, True, False), (3, True, True)])
+def test_in_proj_conv_equals_linear_then_conv_update(dtype, width, bias, conv_bias):
+    """in_proj_conv = small_m_linear, then triton_mamba.conv_state_update on its conv columns: the other
+    columns bit for bit, the conv's within fp32 summation order, every slot's history bit for bit (a
+    padding row reads a zero history and stores nothing; the other slots are untouched)."""
+    from hybrid.ops import triton_mamba as tm
+    from hybrid.ops.triton_gemv import in_proj_conv
+
+    g = torch.Generator().manual_seed(width * 10 + bias)
+    M, K, start, C, tail, S = 4, 80, 24, 40, 7, 6  # conv columns [24, 64) of 71: blocks straddle both edges
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(start + C + tail, K, generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(start + C + tail, generator=g).to(dtype) if bias else None
+    cw = torch.randn(C, width, generator=g).to(dtype)
+    cb = torch.randn(C, generator=g).to(dtype) if conv_bias else None
+    state = torch.randn(S, C, width - 1, generator=g).to(dtype)
+    slots = torch.tensor([3, -1, 0, 5], dtype=torch.int32)
+    ref_state = state.clone()
+    ref = small_m_linear(x, w, b, block_n=16, block_k=32)
+    ref_conv = tm.conv_state_update(ref[:, start:start + C], ref_state, cw, cb, slots)
+    got = in_proj_conv(x, w, b, state, cw, cb, slots, start, block_n=16, block_k=32)
+    assert torch.equal(got[:, :start], ref[:, :start]) and torch.equal(got[:, start + C:], ref[:, start + C:])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got[:, start:start + C].float(), ref_conv.float(), **tol)
+    assert torch.equal(state, ref_state)
+    assert torch.equal(state[[1, 2, 4]], ref_state[[1, 2, 4]])  # (no row's slot: untouched in both)
+
+
+def test_in_proj_conv_refuses_what_it_cannot_take():
+    from hybrid.ops.triton_gemv import in_proj_conv
+
+    x, w = torch.zeros(2, 8), torch.zeros(12, 8)
+    cw, state, slots = torch.zeros(4, 3), torch.zeros(3, 4, 2), torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="conv_start"):
+        in_proj_conv(x, w, None, state, cw, None, slots, 9)  # columns [9, 13) of 12
+    with pytest.raises(ValueError, match="conv_state"):
+        in_proj_conv(x, w, None, torch.zeros(3, 4, 3), cw, None, slots, 2)
+    with pytest.raises(ValueError, match="in_proj_conv"):
+        in_proj_conv(torch.zeros(MAX_ROWS + 1, 8), w, None, state, cw, None, torch.zeros(MAX_ROWS + 1), 2)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+def test_mixer_decode_with_in_proj_conv(monkeypatch, dtype):
+    """MambaCudaKernels.mamba_forward on a decode-only step (a padding row among them) with the
+    decode_in_proj_conv switch gives the outputs and slots of the unfused path (within the projections'
+    and the conv's summation order), and leaves the padding row's and the other slots untouched."""
+    import math
+
+    from hybrid.batch import StepBatch
+    from hybrid.config import MambaConfig
+    from hybrid.layers import Mamba2Mixer
+    from hybrid.ops import triton_gemv, triton_guard
+    from hybrid.ops import triton_mamba as tm
+    from hybrid.ops.mamba_cuda import MambaCudaKernels
+
+    cfg = MambaConfig(num_heads=4, head_dim=16, n_groups=2, state_size=16, conv_kernel=4, chunk_size=8, conv_bias=True,
+                      proj_bias=False, norm_eps=1e-5, dt_limit=(0.0, math.inf))
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(32, cfg, 0).to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for prm in mixer.parameters():
+            prm.copy_(torch.randn_like(prm) * 0.3)
+        mixer.A_log.copy_(torch.log(torch.rand(cfg.num_heads) * 4 + 1))
+        mixer.dt_bias.copy_(torch.log(torch.expm1(torch.rand(cfg.num_heads) * 0.09 + 0.01)))
+    mixer.in_proj.fused = True
+    kernels = object.__new__(MambaCudaKernels)
+    kernels.decode_kernels, kernels.triton, kernels._params, kernels.supports_verify = "triton", tm, {}, True
+    mixer.kernels = kernels
+    slots = [4, -1, 1]
+    B = len(slots)
+    batch = StepBatch(
+        input_ids=torch.zeros(B, dtype=torch.long), positions=torch.zeros(B, dtype=torch.long),
+        query_start_loc=torch.arange(B + 1, dtype=torch.int32), seq_lens=torch.ones(B, dtype=torch.int32),
+        page_table=torch.zeros(B, 1, dtype=torch.int32), kv_write_loc=torch.zeros(B, dtype=torch.long),
+        state_slot=torch.tensor(slots), has_initial_state=torch.ones(B, dtype=torch.bool),
+        logits_indices=torch.arange(B), num_decodes=B, num_prefills=0, query_lens_cpu=[1] * B, seq_lens_cpu=[1] * B,
+        state_slot_cpu=slots, has_initial_state_cpu=[True] * B)
+    hidden = torch.randn(B, 32).to(dtype)
+    conv = torch.randn(6, cfg.conv_dim, cfg.conv_kernel - 1).to(dtype)
+    ssm = torch.randn(6, cfg.num_heads, cfg.head_dim, cfg.state_size) * 0.3  # (the SSM kernel is not what changes)
+    results = {}
+    monkeypatch.setattr(triton_gemv, "eligible", lambda x, w: True)  # (its CUDA check: here the interpreter)
+    real = triton_gemv.in_proj_conv
+    calls = []
+    monkeypatch.setattr(triton_gemv, "in_proj_conv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for fused in ("0", "1"):
+        monkeypatch.setenv("HYBRID_DECODE_IN_PROJ_CONV", fused)
+        monkeypatch.setenv("HYBRID_DECODE_LINEAR", "plain:mamba.in_proj")  # the same projection kernel both ways
+        triton_guard.reset_switches()
+        calls.clear()
+        c, s = conv.clone(), ssm.clone()
+        out = mixer(hidden, batch, c, s)
+        assert len(calls) == int(fused)
+        results[fused] = out, c, s
+    monkeypatch.delenv("HYBRID_DECODE_IN_PROJ_CONV")
+    monkeypatch.delenv("HYBRID_DECODE_LINEAR")
+    triton_guard.reset_switches()
+    (out0, c0, s0), (out1, c1, s1) = results["0"], results["1"]
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out1.float(), out0.float(), **tol)
+    assert torch.equal(c1, c0)  # the histories: the same in_proj values shifted in
+    torch.testing.assert_close(s1.float(), s0.float(), **tol)
+    untouched = [0, 2, 3, 5]
+    assert torch.equal(c1[untouched], conv[untouched]) and torch.equal(s1[untouched], ssm[untouched])

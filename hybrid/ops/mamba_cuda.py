@@ -36,6 +36,7 @@ import math
 import torch
 
 from hybrid.mamba_metadata import step_metadata
+from hybrid.ops import triton_gemv
 from hybrid.ops import triton_mamba_varlen as tv
 from hybrid.ops.triton_guard import switch
 
@@ -106,9 +107,15 @@ class MambaCudaKernels:
         cfg = mixer.cfg
         inner, conv_dim, nh, P = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim
         p = self.params(mixer)
+        T = hidden.shape[0]
+        if self._in_proj_conv(mixer, hidden, batch):  # a decode-only step: in_proj and conv in one launch
+            zxbcdt = triton_gemv.in_proj_conv(hidden, mixer.in_proj.weight, mixer.in_proj.bias, conv_state,
+                                              mixer.conv_weight, mixer.conv_bias, batch.state_slot[:T], inner)
+            z, xbc, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
+            y = triton_ssm_step(self.triton, mixer, p, xbc, dt, ssm_state, batch.state_slot[:T])
+            return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
         zxbcdt = mixer.in_proj(hidden)
         z, xBC, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
-        T = hidden.shape[0]
         y = torch.empty(T, nh, P, dtype=hidden.dtype, device=hidden.device)
         scratch = conv_state.shape[0] - 1
 
@@ -157,6 +164,14 @@ class MambaCudaKernels:
             row.keep_snapshot(conv_state, ssm_state)  # a prefix-cache snapshot: the state after this segment
 
         return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
+
+    def _in_proj_conv(self, mixer, hidden: torch.Tensor, batch) -> bool:
+        """Whether this step takes triton_gemv.in_proj_conv (the "decode_in_proj_conv" switch): decode rows
+        only (one token each, padding included), our decode kernels, a 16-bit in_proj the fused ops own."""
+        proj = mixer.in_proj
+        return (self.decode_kernels == "triton" and switch("decode_in_proj_conv")
+                and batch.num_decodes == hidden.shape[0] and getattr(proj, "fused", False)
+                and mixer.cfg.conv_act == "silu" and triton_gemv.eligible(hidden, proj.weight))
 
     def _prefill_row(self, mixer, p: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,
                      conv_state: torch.Tensor, ssm_state: torch.Tensor, slot: int, has_init: bool) -> torch.Tensor:
@@ -294,17 +309,26 @@ def triton_recurrence(tm, mixer, params: dict[str, torch.Tensor], xBC: torch.Ten
     `scratch` the slots are updated in place; with it (conv, ssm scratch views with T positions) the
     state after every token goes to scratch row `scratch_index` and the slots are untouched.
     Returns y [b, H, P] / [b, T, H, P] (written into `out` when given)."""
-    cfg = mixer.cfg
-    lead = xBC.shape[:-1]
-    gn = cfg.n_groups * cfg.state_size
     conv_scr, ssm_scr = scratch if scratch is not None else (None, None)
     xbc = tm.conv_state_update(xBC, conv_state, mixer.conv_weight, mixer.conv_bias, slots,
                                intermediate_states=conv_scr, intermediate_indices=scratch_index)
+    return triton_ssm_step(tm, mixer, params, xbc, dt, ssm_state, slots, out=out, scratch=ssm_scr,
+                           scratch_index=scratch_index)
+
+
+def triton_ssm_step(tm, mixer, params: dict[str, torch.Tensor], xbc: torch.Tensor, dt: torch.Tensor,
+                    ssm_state: torch.Tensor, slots: torch.Tensor, *, out: torch.Tensor | None = None,
+                    scratch: torch.Tensor | None = None, scratch_index: torch.Tensor | None = None) -> torch.Tensor:
+    """The state update of the decode recurrence from the conv's output xbc [b, C] / [b, T, C] (see
+    triton_recurrence). Returns y [b, H, P] / [b, T, H, P]."""
+    cfg = mixer.cfg
+    lead = xbc.shape[:-1]
+    gn = cfg.n_groups * cfg.state_size
     x, B, C = torch.split(xbc, [cfg.intermediate_size, gn, gn], dim=-1)
     return tm.selective_state_update(
         ssm_state, x.reshape(*lead, cfg.num_heads, cfg.head_dim), dt, params["A"],
         B.reshape(*lead, cfg.n_groups, -1), C.reshape(*lead, cfg.n_groups, -1), params["D"], params["dt_bias"],
-        slots, out=out, intermediate_states=ssm_scr, intermediate_indices=scratch_index,
+        slots, out=out, intermediate_states=scratch, intermediate_indices=scratch_index,
     )
 
 

@@ -62,13 +62,11 @@ if HAS_TRITON:
         tl.store(out_ptr + offs_m[:, None] * s_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask_m[:, None] & mask_n[None, :])
 
-    @triton.jit(do_not_specialize=["M"])  # the step's row count: a new compile per value class otherwise
-    def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
-                               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
-        offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
-            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K)
-        pdl_wait(PDL)
+    @triton.jit
+    def _rows_times_slab(x_ptr, w_rows, w_first, offs_m, mask_m, offs_pk, mask_pk, mask_n, K, s_xm,
+                         BLOCK_K: tl.constexpr, PRE_K: tl.constexpr):
+        """fp32 [BLOCK_M, BLOCK_N]: the rows of x against this program's weight slab (w_first: its
+        first PRE_K columns, already loaded), K in steps of BLOCK_K after them."""
         x_first = tl.load(x_ptr + offs_m[:, None] * s_xm + offs_pk[None, :], mask=mask_m[:, None] & mask_pk[None, :],
                           other=0.0)
         acc = tl.dot(x_first, tl.trans(w_first))
@@ -79,7 +77,61 @@ if HAS_TRITON:
                         other=0.0)
             w = _weight_tile(w_rows, offs_k, mask_n, mask_k)
             acc = tl.dot(x, tl.trans(w), acc)
+        return acc
+
+    @triton.jit(do_not_specialize=["M"])  # the step's row count: a new compile per value class otherwise
+    def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
+                               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
+        offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
+            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K)
+        pdl_wait(PDL)
+        acc = _rows_times_slab(x_ptr, w_rows, w_first, offs_m, mask_m, offs_pk, mask_pk, mask_n, K, s_xm,
+                               BLOCK_K, PRE_K)
         _store_rows(acc, bias_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, s_ym, HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _in_proj_conv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cs_ptr, cw_ptr, cb_ptr, idx_ptr, M, N, K, C0, CD,
+                             s_xm, s_wn, s_ym, s_cs_slot, s_cs_c, s_cs_k, s_cw_c,
+                             HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KW: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             PRE_K: tl.constexpr, PDL: tl.constexpr):
+        # A Mamba decode step's in_proj, with the depthwise causal conv (width KW, + silu) of its xBC
+        # columns [C0, C0 + CD) and their conv-state update done on the program's own columns: a
+        # channel's conv needs only that channel's history, so no other program reads what one writes.
+        # Row m is one token of the request in slot idx[m] (< 0: padding, zero history, nothing stored).
+        offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
+            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K)
+        pdl_wait(PDL)
+        acc = _rows_times_slab(x_ptr, w_rows, w_first, offs_m, mask_m, offs_pk, mask_pk, mask_n, K, s_xm,
+                               BLOCK_K, PRE_K)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        v = acc.to(y_ptr.dtype.element_ty)  # the in_proj output, as the unfused projection stores it
+        is_conv = mask_n & (offs_n >= C0) & (offs_n < C0 + CD)
+        c = tl.where(is_conv, offs_n - C0, 0)
+        slot = tl.load(idx_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+        live = (mask_m & (slot >= 0))[:, None] & is_conv[None, :]
+        hist_ptrs = cs_ptr + tl.maximum(slot, 0)[:, None] * s_cs_slot + c[None, :] * s_cs_c
+        conv = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # the window [history 0 .. KW-2, this token], summed in that order (as triton_mamba's conv update)
+        h_prev = tl.load(hist_ptrs, mask=live, other=0.0)
+        for k in tl.static_range(KW - 1):
+            wk = tl.load(cw_ptr + c * s_cw_c + k, mask=is_conv, other=0.0).to(tl.float32)
+            conv += h_prev.to(tl.float32) * wk[None, :]
+            if k + 1 < KW - 1:
+                h_next = tl.load(hist_ptrs + (k + 1) * s_cs_k, mask=live, other=0.0)
+                tl.debug_barrier()  # every thread has read column k + 1 before column k is overwritten
+                tl.store(hist_ptrs + k * s_cs_k, h_next, mask=live)
+                h_prev = h_next
+        w_last = tl.load(cw_ptr + c * s_cw_c + (KW - 1), mask=is_conv, other=0.0).to(tl.float32)
+        conv += v.to(tl.float32) * w_last[None, :]
+        tl.store(hist_ptrs + (KW - 2) * s_cs_k, v.to(cs_ptr.dtype.element_ty), mask=live)
+        if HAS_CONV_BIAS:
+            conv += tl.load(cb_ptr + c, mask=is_conv, other=0.0).to(tl.float32)[None, :]
+        conv = conv / (1.0 + tl.exp(-conv))
+        out = tl.where(is_conv[None, :], conv.to(y_ptr.dtype.element_ty), v)
+        tl.store(y_ptr + offs_m[:, None] * s_ym + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
 
     @triton.jit
     def _gated_rows(y_ptr, z_ptr, offs_m, offs_k, mask_m, mask_k, s_y, s_z):
@@ -156,6 +208,39 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _small_m_linear_kernel[(cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
+    )
+    return out
+
+
+def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                 conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, state_indices: torch.Tensor,
+                 conv_start: int, *, block_n: int = 32, block_k: int = 256, num_warps: int = 4,
+                 num_stages: int = 4) -> torch.Tensor:
+    """A Mamba decode step's in_proj and causal conv in one launch: x [M, K] (one token a row, M <= MAX_ROWS)
+    @ weight [N, K].T (+ bias), then columns [conv_start, conv_start + C) (C = conv_weight's channels) replaced
+    by the depthwise causal conv of [slot history | this token] with conv_weight [C, W] (+ conv_bias) and silu,
+    and each live row's slot history (conv_state [S, C, W-1]) advanced by its token, as
+    triton_mamba.conv_state_update does on small_m_linear's output. Rows with state_indices < 0 (padding) see
+    a zero history and store nothing. Returns [M, N] in x's dtype. Summation order: the conv's taps in window
+    order, then the bias (the unfused kernel sums the window as one reduction: equal up to fp32 rounding)."""
+    require(__name__)
+    M, K = x.shape
+    N = weight.shape[0]
+    C, W = conv_weight.shape
+    if M > MAX_ROWS or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"in_proj_conv: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} {weight.stride()}")
+    if W < 2 or conv_state.shape[1:] != (C, W - 1) or not 0 <= conv_start <= N - C or state_indices.shape != (M,):
+        raise ValueError(f"in_proj_conv: conv_state {tuple(conv_state.shape)}, conv_weight {tuple(conv_weight.shape)}, "
+                         f"conv_start {conv_start} of {N} columns, state_indices {tuple(state_indices.shape)}")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    pre_k = min(triton.next_power_of_2(K), max(block_k, PREFETCH_ELEMENTS // block_n))
+    _in_proj_conv_kernel[(cdiv(N, block_n),)](
+        x, weight, bias if bias is not None else weight, out, conv_state, conv_weight,
+        conv_bias if conv_bias is not None else conv_weight, state_indices, M, N, K, conv_start, C,
+        x.stride(0), weight.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        conv_weight.stride(0), HAS_BIAS=bias is not None, HAS_CONV_BIAS=conv_bias is not None, KW=W,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )
     return out

@@ -18,7 +18,14 @@ again: benchmarks comparing both):
   (hybrid/ops/triton_gemv.py), the Mamba gated norm fused into out_proj;
 - "decode_linear_plain" (HYBRID_DECODE_LINEAR=plain): the same Triton linear for decode-sized projections,
   the gated norm its own launch (no split-K reduce launch after out_proj): measured at batch 1 +3.2% on
-  Granite-4.0-H-Tiny's shape and -5.3% on Nemotron-3-Nano's (BENCHMARKS.md), so off;
+  Granite-4.0-H-Tiny's shape and -5.3% on Nemotron-3-Nano's (BENCHMARKS.md), so off.
+  HYBRID_DECODE_LINEAR=plain:<role>,<role> limits it to those projections (`decode_linear_plain(role)`;
+  roles as hybrid/layers.Linear names them: mamba.in_proj, mamba.out_proj, attn.qkv_proj, attn.o_proj,
+  mlp.up_proj, mlp.gate_up_proj, mlp.down_proj): bench_moe.py --linear-roles-ab times each alone;
+- "decode_in_proj_conv" (HYBRID_DECODE_IN_PROJ_CONV=1): a decode-only step's Mamba in_proj and causal conv
+  (with its conv-state update) in one launch (triton_gemv.in_proj_conv: one launch fewer a Mamba layer, the
+  projection on the Triton linear instead of cuBLAS); written 2026-12-05 and tested on the CPU (the
+  interpreter), not yet measured on the GPU, so off;
 - "norm_router" (HYBRID_NORM_ROUTER=1): the residual add and norm before an MoE layer computed in its
   router's launch (triton_norm.add_rms_norm_route);
 - "bf16_logits" (HYBRID_16BIT_LOGITS=1): the LM head's logits in the model dtype, widened after
@@ -63,7 +70,7 @@ def require(module: str) -> None:
 
 
 _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear_plain": ("HYBRID_DECODE_LINEAR", "plain"),
-             "norm_router": ("HYBRID_NORM_ROUTER", "1"),
+             "decode_in_proj_conv": ("HYBRID_DECODE_IN_PROJ_CONV", "1"), "norm_router": ("HYBRID_NORM_ROUTER", "1"),
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
              "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
@@ -76,16 +83,34 @@ def switch(name: str) -> bool:
     """Whether kernel switch `name` is on (see the module docstring)."""
     if name not in _switch_values:
         env, on = _SWITCHES[name]
-        if name in _ON_BY_DEFAULT:
+        if name == "decode_linear_plain":  # "plain" or "plain:<roles>"
+            _switch_values[name] = os.environ.get(env, "").split(":", 1)[0] == on
+        elif name in _ON_BY_DEFAULT:
             _switch_values[name] = os.environ.get(env, on) != "0"
         else:
             _switch_values[name] = os.environ.get(env, "") == on
     return _switch_values[name]
 
 
+_plain_roles: list = []  # [the roles of HYBRID_DECODE_LINEAR=plain:<roles>, or None for every role], once read
+
+
+def decode_linear_plain(role: str) -> bool:
+    """Whether the "decode_linear_plain" switch takes the projection of this role (hybrid/layers.Linear.role)."""
+    if not switch("decode_linear_plain"):
+        return False
+    if not _plain_roles:
+        value = os.environ.get(_SWITCHES["decode_linear_plain"][0], "")
+        _plain_roles.append(frozenset(r.strip() for r in value.split(":", 1)[1].split(",") if r.strip())
+                            if ":" in value else None)
+    roles = _plain_roles[0]
+    return roles is None or role in roles
+
+
 def reset_switches() -> None:
     """Read the switches and HYBRID_PDL from the environment again at their next use."""
     _switch_values.clear()
+    _plain_roles.clear()
     _pdl_by_device.clear()
 
 

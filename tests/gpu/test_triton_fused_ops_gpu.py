@@ -133,15 +133,58 @@ def test_gated_norm_linear_real_dims(m, inner, n_groups, hidden):
     assert torch.equal(out, got)
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("hidden,inner,conv_dim,nh,conv_dtype", [
+    (1536, 3072, 3328, 48, torch.bfloat16),  # Granite-4.0-H-Tiny's Mamba in_proj
+    (2688, 4096, 6144, 64, torch.bfloat16),  # Nemotron-3-Nano's
+    (2688, 4096, 6144, 64, torch.float32)])  # (a conv state in fp32)
+def test_in_proj_conv_real_dims(m, hidden, inner, conv_dim, nh, conv_dtype):
+    """in_proj and the decode conv in one launch (triton_gemv.in_proj_conv) against small_m_linear then
+    triton_mamba.conv_state_update in bf16: z and dt columns bit for bit, the conv columns within fp32
+    summation order, the slots' histories bit for bit, a padding row storing nothing; a CUDA-graph replay
+    equal to eager."""
+    from hybrid.ops import triton_mamba as tm
+    from hybrid.ops.triton_gemv import in_proj_conv, small_m_linear
+
+    g = torch.Generator(device=DEV).manual_seed(m + hidden)
+    n = inner + conv_dim + nh
+    x = torch.randn(m, hidden, generator=g, device=DEV).bfloat16()
+    w = (torch.randn(n, hidden, generator=g, device=DEV) * hidden ** -0.5).bfloat16()
+    cw = (torch.randn(conv_dim, 4, generator=g, device=DEV) * 0.5).bfloat16()
+    cb = torch.randn(conv_dim, generator=g, device=DEV).bfloat16()
+    state = torch.randn(m + 2, conv_dim, 3, generator=g, device=DEV).to(conv_dtype)
+    slots = torch.randperm(m + 1, generator=g, device=DEV)[:m].int()
+    slots[m // 2] = -1  # a padding row
+    ref_state = state.clone()
+    ref = small_m_linear(x, w)
+    ref_conv = tm.conv_state_update(ref[:, inner:inner + conv_dim], ref_state, cw, cb, slots)
+    start_state = state.clone()
+    got = in_proj_conv(x, w, None, state, cw, cb, slots, inner)
+    assert torch.equal(got[:, :inner], ref[:, :inner]) and torch.equal(got[:, inner + conv_dim:], ref[:, inner + conv_dim:])
+    torch.testing.assert_close(got[:, inner:inner + conv_dim].float(), ref_conv.float(), atol=2e-2, rtol=1.6e-2)
+    assert torch.equal(state, ref_state)
+    graph = torch.cuda.CUDAGraph()
+    state.copy_(start_state)
+    with torch.cuda.graph(graph):
+        out = in_proj_conv(x, w, None, state, cw, cb, slots, inner)
+    state.copy_(start_state)  # (capture runs nothing, but leave no doubt)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got) and torch.equal(state, ref_state)
+
+
 SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router": {"HYBRID_NORM_ROUTER": "1"},
-               "both": {"HYBRID_DECODE_LINEAR": "triton", "HYBRID_NORM_ROUTER": "1"}}
+               "both": {"HYBRID_DECODE_LINEAR": "triton", "HYBRID_NORM_ROUTER": "1"},
+               "in_proj_conv": {"HYBRID_DECODE_IN_PROJ_CONV": "1"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
 @pytest.mark.parametrize("name", ["granite_moe", "nemotron_h"])
 def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switches, name):
     """HYBRID_DECODE_LINEAR=triton (decode projections on the Triton linear, the gated norm in
-    out_proj) and HYBRID_NORM_ROUTER=1 (the norm before each MoE layer in its router's launch), under
+    out_proj), HYBRID_NORM_ROUTER=1 (the norm before each MoE layer in its router's launch) and
+    HYBRID_DECODE_IN_PROJ_CONV=1 (a decode step's Mamba in_proj and conv in one launch), under
     CUDA graphs: every token the default engine's greedy choice given the same prefix (or a bf16
     near-tie). NemotronH without group masking, so that its router is the Triton one."""
     import tiny_checkpoints
