@@ -419,6 +419,10 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
        for role in ("mamba.in_proj", "mamba.out_proj", "attn.qkv_proj", "attn.o_proj")},
     "in_proj_conv_ab": ("in_proj_conv", {"HYBRID_DECODE_IN_PROJ_CONV": "1"},
                         "each Mamba layer's in_proj and conv in one launch (HYBRID_DECODE_IN_PROJ_CONV=1)"),
+    "gated_out_proj_ab": ("gated_out_proj", {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
+                          "the Mamba gated norm in the SSM update and out_proj (HYBRID_DECODE_GATED_OUT_PROJ=1)"),
+    "decode_fusions_ab": ("decode_fusions", {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"},
+                          "both Mamba decode fusions (two launches fewer a Mamba layer)"),
     "context_buckets_ab": ("one_width", {"HYBRID_GRAPH_CONTEXT_BUCKETS": "0"},
                            "one full-width graph a bucket (HYBRID_GRAPH_CONTEXT_BUCKETS=0; default: small buckets "
                            "also at narrower page tables)"),
@@ -807,6 +811,10 @@ def main() -> int:
                         help=f"time the graph decode again with only {role} on the Triton linear")
     ap.add_argument("--in-proj-conv-ab", action="store_true",
                     help="time the graph decode again with each Mamba in_proj and conv in one launch")
+    ap.add_argument("--gated-out-proj-ab", action="store_true",
+                    help="time the graph decode again with the gated norm in the SSM update and out_proj")
+    ap.add_argument("--decode-fusions-ab", action="store_true",
+                    help="time the graph decode again with both Mamba decode fusions")
     ap.add_argument("--linear-roles-ab", action="store_true",
                     help="all four --plain-<role>-ab runs (each projection role alone on the Triton linear)")
     ap.add_argument("--logits-ab", action="store_true",

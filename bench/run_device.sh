@@ -201,14 +201,17 @@ fi
 if [[ $what == moe ]]; then
   timeout 545 python3 bench/bench_moe.py --out "$OUT" --time-budget 520 2>&1 | tee "$OUT/bench_moe.log" || rc=1
 fi
-# moe-roles  the GPU tests of triton_gemv (in_proj_conv, small_m_linear) and of the kernel switches (120 s), then
-#            Nemotron-Nano and Granite-Tiny decode at batch 1 and 8 (graphs), again with each Mamba in_proj and conv in
-#            one launch (HYBRID_DECODE_IN_PROJ_CONV=1), with each projection role alone on the Triton linear
-#            (HYBRID_DECODE_LINEAR=plain:<role>) and with all of them (plain): which win
+# moe-roles  the GPU tests of the Mamba decode fusions (in_proj_conv, gated_out_proj, the engine with each) and of
+#            small_m_linear (150 s), then Nemotron-Nano and Granite-Tiny decode at batch 1 and 8 (graphs), again with
+#            each Mamba in_proj and conv in one launch (HYBRID_DECODE_IN_PROJ_CONV=1), with the gated norm in the SSM
+#            update and out_proj (HYBRID_DECODE_GATED_OUT_PROJ=1), both, and each projection role alone on the
+#            Triton linear (HYBRID_DECODE_LINEAR=plain:<role>): which win
 if [[ $what == moe-roles ]]; then
-  gpu_pytest 120 gpu_tests_in_proj_conv.log tests/gpu/test_triton_fused_ops_gpu.py -k "in_proj_conv or small_m_linear"
-  timeout 420 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --batches 1 8 --gen-batches 1 --no-peer \
-      --no-eager --in-proj-conv-ab --linear-roles-ab --plain-linear-ab --out "$OUT" --time-budget 400 2>&1 \
+  gpu_pytest 150 gpu_tests_decode_fusions.log tests/gpu/test_triton_fused_ops_gpu.py \
+      -k "in_proj_conv or gated_out_proj or decode_fusions or small_m_linear"
+  timeout 400 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --batches 1 8 --gen-batches 1 --no-peer \
+      --no-eager --in-proj-conv-ab --gated-out-proj-ab --decode-fusions-ab --linear-roles-ab --out "$OUT" \
+      --time-budget 380 2>&1 \
       | tee "$OUT/bench_moe_roles.log" || rc=1
 fi
 if [[ $what == moe-profile ]]; then

@@ -190,10 +190,51 @@ def test_in_proj_conv_refuses_what_it_cannot_take():
 
 
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
-def test_mixer_decode_with_in_proj_conv(monkeypatch, dtype):
-    """MambaCudaKernels.mamba_forward on a decode-only step (a padding row among them) with the
-    decode_in_proj_conv switch gives the outputs and slots of the unfused path (within the projections'
-    and the conv's summation order), and leaves the padding row's and the other slots untouched."""
+@pytest.mark.parametrize("n_groups,block_p", [(1, 8), (2, None)])
+def test_gated_sums_in_the_ssm_update_and_out_proj(dtype, n_groups, block_p):
+    """selective_state_update_gated: y bit for bit selective_state_update's, and per head-dim block the sum
+    of squares of y * silu(z) (y as stored); gated_out_proj with those sums equals gated_norm_linear (which
+    takes them itself) up to the sums' order."""
+    from hybrid.ops import triton_mamba as tm
+    from hybrid.ops.triton_gemv import gated_norm_linear, gated_out_proj
+
+    g = torch.Generator().manual_seed(n_groups)
+    b, H, P, N, S, hidden = 3, 4, 16, 16, 5, 24
+    state = torch.randn(S, H, P, N, generator=g) * 0.3
+    x = torch.randn(b, H, P, generator=g).to(dtype)
+    dt = torch.randn(b, H, generator=g).to(dtype)
+    A, D, dt_bias = -torch.rand(H, generator=g) - 0.5, torch.randn(H, generator=g), torch.randn(H, generator=g) * 0.1
+    B = torch.randn(b, n_groups, N, generator=g).to(dtype)
+    C = torch.randn(b, n_groups, N, generator=g).to(dtype)
+    z = torch.randn(b, 2 * H * P, generator=g).to(dtype)[:, :H * P]  # a strided view, as the in_proj split gives
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32)
+    ref_state = state.clone()
+    ref = tm.selective_state_update(ref_state, x, dt, A, B, C, D, dt_bias, slots, block_p=block_p)
+    y, sq = tm.selective_state_update_gated(state, x, dt, A, B, C, D, dt_bias, slots, z.reshape(b, H, P),
+                                            block_p=block_p)
+    assert torch.equal(y, ref) and torch.equal(state, ref_state)
+    h = (y.float() * torch.nn.functional.silu(z.float().reshape(b, H, P))).reshape(b, H, sq.shape[2], -1)
+    torch.testing.assert_close(sq, h.pow(2).sum(-1), rtol=1e-5, atol=1e-5)
+    nw = (0.5 + torch.rand(H * P, generator=g)).to(dtype)
+    w = (torch.randn(hidden, H * P, generator=g) / (H * P) ** 0.5).to(dtype)
+    want = gated_norm_linear(y.reshape(b, -1), z, nw, 1e-5, n_groups, w, block_n=16, block_k=16)
+    got = gated_out_proj(y.reshape(b, -1), z, nw, 1e-5, n_groups, sq, w, block_n=16, block_k=16)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    with pytest.raises(ValueError, match="gated_out_proj"):
+        gated_out_proj(y.reshape(b, -1), z, nw, 1e-5, n_groups, sq[:, :3], w)  # parts of 3 of the 4 heads
+
+
+FUSIONS = {"in_proj_conv": {"HYBRID_DECODE_IN_PROJ_CONV": "1"}, "gated_out_proj": {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
+           "both": {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"}}
+
+
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+def test_mixer_decode_with_fewer_launches(monkeypatch, dtype, fusion):
+    """MambaCudaKernels.mamba_forward on a decode-only step (a padding row among them) with the decode
+    fusions (in_proj + conv; the gated norm in the SSM update and out_proj) gives the outputs and slots of
+    the unfused path (within summation order), and leaves the padding row's and the other slots untouched."""
     import math
 
     from hybrid.batch import StepBatch
@@ -212,7 +253,7 @@ def test_mixer_decode_with_in_proj_conv(monkeypatch, dtype):
             prm.copy_(torch.randn_like(prm) * 0.3)
         mixer.A_log.copy_(torch.log(torch.rand(cfg.num_heads) * 4 + 1))
         mixer.dt_bias.copy_(torch.log(torch.expm1(torch.rand(cfg.num_heads) * 0.09 + 0.01)))
-    mixer.in_proj.fused = True
+    mixer.in_proj.fused = mixer.out_proj.fused = mixer.fused = True
     kernels = object.__new__(MambaCudaKernels)
     kernels.decode_kernels, kernels.triton, kernels._params, kernels.supports_verify = "triton", tm, {}, True
     mixer.kernels = kernels
@@ -230,20 +271,24 @@ def test_mixer_decode_with_in_proj_conv(monkeypatch, dtype):
     ssm = torch.randn(6, cfg.num_heads, cfg.head_dim, cfg.state_size) * 0.3  # (the SSM kernel is not what changes)
     results = {}
     monkeypatch.setattr(triton_gemv, "eligible", lambda x, w: True)  # (its CUDA check: here the interpreter)
-    real = triton_gemv.in_proj_conv
     calls = []
-    monkeypatch.setattr(triton_gemv, "in_proj_conv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("in_proj_conv", "gated_out_proj"):
+        real = getattr(triton_gemv, name)
+        monkeypatch.setattr(triton_gemv, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    # the same projection kernel both ways
+    monkeypatch.setenv("HYBRID_DECODE_LINEAR", "plain:mamba.in_proj,mamba.out_proj")
     for fused in ("0", "1"):
-        monkeypatch.setenv("HYBRID_DECODE_IN_PROJ_CONV", fused)
-        monkeypatch.setenv("HYBRID_DECODE_LINEAR", "plain:mamba.in_proj")  # the same projection kernel both ways
+        for env in FUSIONS[fusion]:
+            monkeypatch.setenv(env, fused)
         triton_guard.reset_switches()
         calls.clear()
         c, s = conv.clone(), ssm.clone()
         out = mixer(hidden, batch, c, s)
-        assert len(calls) == int(fused)
+        assert sorted(calls) == (sorted(n for n in ("in_proj_conv", "gated_out_proj") if fusion in (n, "both"))
+                                 if fused == "1" else [])
         results[fused] = out, c, s
-    monkeypatch.delenv("HYBRID_DECODE_IN_PROJ_CONV")
-    monkeypatch.delenv("HYBRID_DECODE_LINEAR")
+    for env in (*FUSIONS[fusion], "HYBRID_DECODE_LINEAR"):
+        monkeypatch.delenv(env)
     triton_guard.reset_switches()
     (out0, c0, s0), (out1, c1, s1) = results["0"], results["1"]
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)

@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from hybrid.config import GATE_THEN_NORM
 from hybrid.mamba_metadata import step_metadata
 from hybrid.ops import triton_gemv
 from hybrid.ops import triton_mamba_varlen as tv
@@ -108,12 +109,11 @@ class MambaCudaKernels:
         inner, conv_dim, nh, P = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim
         p = self.params(mixer)
         T = hidden.shape[0]
-        if self._in_proj_conv(mixer, hidden, batch):  # a decode-only step: in_proj and conv in one launch
-            zxbcdt = triton_gemv.in_proj_conv(hidden, mixer.in_proj.weight, mixer.in_proj.bias, conv_state,
-                                              mixer.conv_weight, mixer.conv_bias, batch.state_slot[:T], inner)
-            z, xbc, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
-            y = triton_ssm_step(self.triton, mixer, p, xbc, dt, ssm_state, batch.state_slot[:T])
-            return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
+        if self.decode_kernels == "triton" and batch.num_decodes == T:  # a decode-only step (graphs replay these)
+            fuse_conv, fuse_out = self._decode_fusions(mixer, hidden)
+            if fuse_conv or fuse_out:
+                return self._fused_decode(mixer, p, hidden, batch.state_slot[:T], conv_state, ssm_state,
+                                          fuse_conv, fuse_out)
         zxbcdt = mixer.in_proj(hidden)
         z, xBC, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
         y = torch.empty(T, nh, P, dtype=hidden.dtype, device=hidden.device)
@@ -165,13 +165,46 @@ class MambaCudaKernels:
 
         return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
 
-    def _in_proj_conv(self, mixer, hidden: torch.Tensor, batch) -> bool:
-        """Whether this step takes triton_gemv.in_proj_conv (the "decode_in_proj_conv" switch): decode rows
-        only (one token each, padding included), our decode kernels, a 16-bit in_proj the fused ops own."""
-        proj = mixer.in_proj
-        return (self.decode_kernels == "triton" and switch("decode_in_proj_conv")
-                and batch.num_decodes == hidden.shape[0] and getattr(proj, "fused", False)
-                and mixer.cfg.conv_act == "silu" and triton_gemv.eligible(hidden, proj.weight))
+    def _decode_fusions(self, mixer, hidden: torch.Tensor) -> tuple[bool, bool]:
+        """For a decode-only step: (in_proj and conv in one launch: the "decode_in_proj_conv" switch, the
+        gated norm's sums of squares in the SSM update and the norm inside out_proj: "decode_gated_out_proj"),
+        each where its projection is a 16-bit one the fused ops own, at a decode size."""
+        cfg, proj_in, proj_out = mixer.cfg, mixer.in_proj, mixer.out_proj
+        fuse_conv = (switch("decode_in_proj_conv") and getattr(proj_in, "fused", False)
+                     and triton_gemv.eligible(hidden, proj_in.weight))
+        fuse_out = (switch("decode_gated_out_proj") and getattr(proj_out, "fused", False) and mixer.fused
+                    and cfg.gate == GATE_THEN_NORM and mixer.norm_stats is None
+                    and triton_gemv.eligible(hidden, proj_out.weight)
+                    and mixer.norm_weight.dtype == hidden.dtype
+                    and triton_gemv.gated_norm_block_k(cfg.intermediate_size // cfg.n_groups) is not None)
+        return fuse_conv, fuse_out
+
+    def _fused_decode(self, mixer, p: dict[str, torch.Tensor], hidden: torch.Tensor, slots: torch.Tensor,
+                      conv_state: torch.Tensor, ssm_state: torch.Tensor, fuse_conv: bool, fuse_out: bool) -> torch.Tensor:
+        """A decode-only step of one Mamba layer with fewer launches: in_proj + conv as one
+        (triton_gemv.in_proj_conv) and/or the gated norm folded into the SSM update and out_proj
+        (selective_state_update_gated, triton_gemv.gated_out_proj); the same math as the other path."""
+        cfg = mixer.cfg
+        inner, conv_dim, nh, P, gn = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim, \
+            cfg.n_groups * cfg.state_size
+        T = hidden.shape[0]
+        if fuse_conv:
+            zxbcdt = triton_gemv.in_proj_conv(hidden, mixer.in_proj.weight, mixer.in_proj.bias, conv_state,
+                                              mixer.conv_weight, mixer.conv_bias, slots, inner)
+            z, xbc, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
+        else:
+            z, xBC, dt = torch.split(mixer.in_proj(hidden), [inner, conv_dim, nh], dim=-1)
+            xbc = self.triton.conv_state_update(xBC, conv_state, mixer.conv_weight, mixer.conv_bias, slots)
+        if not fuse_out:
+            y = triton_ssm_step(self.triton, mixer, p, xbc, dt, ssm_state, slots)
+            return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
+        x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
+        y, sq = self.triton.selective_state_update_gated(
+            ssm_state, x.reshape(T, nh, P), dt, p["A"], B.reshape(T, cfg.n_groups, -1), C.reshape(T, cfg.n_groups, -1),
+            p["D"], p["dt_bias"], slots, z.reshape(T, nh, P))
+        proj = mixer.out_proj
+        return triton_gemv.gated_out_proj(y.reshape(T, inner), z, mixer.norm_weight, cfg.norm_eps, cfg.n_groups, sq,
+                                          proj.weight, proj.bias)
 
     def _prefill_row(self, mixer, p: dict[str, torch.Tensor], xBC: torch.Tensor, dt: torch.Tensor,
                      conv_state: torch.Tensor, ssm_state: torch.Tensor, slot: int, has_init: bool) -> torch.Tensor:

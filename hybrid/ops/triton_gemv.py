@@ -168,7 +168,16 @@ if HAS_TRITON:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             h = _gated_rows(y_ptr, z_ptr, offs_m, offs_k, mask_m, offs_k < K, s_y, s_z)
             sum_sq += tl.where(groups[None, :] == k0 // G, tl.sum(h * h, axis=1)[:, None], 0.0)
-        ms_eps = sum_sq / G + eps  # [BLOCK_M, GP]
+        acc = _gated_normed_dot(y_ptr, z_ptr, nw_ptr, w_rows, w_first, sum_sq / G + eps, offs_m, mask_m, offs_pk,
+                                mask_pk, mask_n, K, G, s_y, s_z, BLOCK_K, PRE_K, GP)
+        _store_rows(acc, bias_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, s_o, HAS_BIAS)
+
+    @triton.jit
+    def _gated_normed_dot(y_ptr, z_ptr, nw_ptr, w_rows, w_first, ms_eps, offs_m, mask_m, offs_pk, mask_pk, mask_n,
+                          K, G, s_y, s_z, BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, GP: tl.constexpr):
+        """fp32 [BLOCK_M, BLOCK_N]: the gated norm's output (each row's group mean squares plus eps in
+        ms_eps [BLOCK_M, GP]) against this program's weight slab, a K step lying in one group."""
+        groups = tl.arange(0, GP)
         a_first = _gated_normed(y_ptr, z_ptr, nw_ptr, offs_m, offs_pk, mask_m, mask_pk, s_y, s_z,
                                 tl.sum(tl.where(groups[None, :] == 0, ms_eps, 0.0), axis=1))
         acc = tl.dot(a_first.to(w_first.dtype), tl.trans(w_first))
@@ -179,6 +188,28 @@ if HAS_TRITON:
                               tl.sum(tl.where(groups[None, :] == k0 // G, ms_eps, 0.0), axis=1))
             w = _weight_tile(w_rows, offs_k, mask_n, mask_k)
             acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
+        return acc
+
+    @triton.jit(do_not_specialize=["M"])
+    def _gated_out_proj_kernel(y_ptr, z_ptr, nw_ptr, sq_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, G, HB_G, HB, eps,
+                               s_y, s_z, s_sq, s_wn, s_o, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE_K: tl.constexpr,
+                               GP: tl.constexpr, HBP: tl.constexpr, PDL: tl.constexpr):
+        # _gated_norm_linear_kernel with each group's sum of squares from the SSM update's parts (sq [M, HB]:
+        # HB_G consecutive parts a group), so no program reads the whole of y and z before its dot
+        offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
+            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K)
+        pdl_wait(PDL)
+        offs_h = tl.arange(0, HBP)
+        parts = tl.load(sq_ptr + offs_m[:, None] * s_sq + offs_h[None, :],
+                        mask=mask_m[:, None] & (offs_h < HB)[None, :], other=0.0)
+        groups = tl.arange(0, GP)
+        sum_sq = tl.zeros((BLOCK_M, GP), dtype=tl.float32)
+        for g in tl.static_range(GP):
+            part_g = tl.sum(tl.where((offs_h // HB_G == g)[None, :], parts, 0.0), axis=1)
+            sum_sq += tl.where(groups[None, :] == g, part_g[:, None], 0.0)
+        acc = _gated_normed_dot(y_ptr, z_ptr, nw_ptr, w_rows, w_first, sum_sq / G + eps, offs_m, mask_m, offs_pk,
+                                mask_pk, mask_n, K, G, s_y, s_z, BLOCK_K, PRE_K, GP)
         _store_rows(acc, bias_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, s_o, HAS_BIAS)
 
 
@@ -255,6 +286,46 @@ def gated_norm_block_k(group: int, block_k: int = 256) -> int | None:
     return bk if bk >= 16 else None
 
 
+def _gated_pre_k(group: int, bk: int, block_n: int) -> int:
+    """The columns a gated program loads before its PDL wait: a power of two times bk that divides the
+    group (so the first slab lies in group 0), up to PREFETCH_ELEMENTS weights."""
+    pre_k = bk
+    while pre_k * 2 <= group and pre_k * 2 * block_n <= PREFETCH_ELEMENTS:
+        pre_k *= 2
+    return pre_k if group % pre_k == 0 else bk
+
+
+def gated_out_proj(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, n_groups: int,
+                   sq: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int = 32,
+                   block_k: int = 256, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """gated_norm_linear whose group mean squares come from the SSM update's sums of squares (sq [M, H, blocks]
+    from triton_mamba.selective_state_update_gated, the heads of a group consecutive): one launch for the
+    gated norm and out_proj with no pass over y and z before the dot. Equal to the two launches up to the
+    order of the sum of squares."""
+    require(__name__)
+    M, K = y.shape
+    N = weight.shape[0]
+    group = K // n_groups
+    bk = gated_norm_block_k(group, block_k)
+    if (M > MAX_ROWS or z.shape != (M, K) or weight.shape[1] != K or K % n_groups or bk is None or sq.dim() != 3
+            or sq.shape[0] != M or sq.shape[1] % n_groups or K % sq.shape[1] or sq.stride(-1) != 1
+            or sq.stride(1) != sq.shape[2]):
+        raise ValueError(f"gated_out_proj: y {tuple(y.shape)}, z {tuple(z.shape)}, sq {tuple(sq.shape)}, "
+                         f"weight {tuple(weight.shape)}, {n_groups} groups")
+    if y.stride(-1) != 1 or z.stride(-1) != 1 or weight.stride(-1) != 1 or norm_weight.stride(-1) != 1:
+        raise ValueError("gated_out_proj needs y, z, norm_weight and weight contiguous along K")
+    parts = sq.shape[1] * sq.shape[2]
+    out = torch.empty(M, N, dtype=weight.dtype, device=y.device)
+    _gated_out_proj_kernel[(cdiv(N, block_n),)](
+        y, z, norm_weight, sq, weight, bias if bias is not None else weight, out, M, N, K, group,
+        parts // n_groups, parts, eps, y.stride(0), z.stride(0), sq.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=bk,
+        PRE_K=_gated_pre_k(group, bk, block_n), GP=triton.next_power_of_2(n_groups),
+        HBP=triton.next_power_of_2(parts), num_warps=num_warps, num_stages=num_stages, **pdl_options(y.device),
+    )
+    return out
+
+
 def gated_norm_linear(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, n_groups: int,
                       weight: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int = 32,
                       block_k: int = 256, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
@@ -272,11 +343,7 @@ def gated_norm_linear(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tenso
                          f"{n_groups} groups")
     if y.stride(-1) != 1 or z.stride(-1) != 1 or weight.stride(-1) != 1 or norm_weight.stride(-1) != 1:
         raise ValueError("gated_norm_linear needs y, z, norm_weight and weight contiguous along K")
-    pre_k = bk
-    while pre_k * 2 <= group and pre_k * 2 * block_n <= PREFETCH_ELEMENTS:
-        pre_k *= 2  # (a power of two times bk that divides the group: the slab lies in group 0)
-    if group % pre_k:
-        pre_k = bk
+    pre_k = _gated_pre_k(group, bk, block_n)
     out = torch.empty(M, N, dtype=weight.dtype, device=y.device)
     _gated_norm_linear_kernel[(cdiv(N, block_n),)](
         y, z, norm_weight, weight, bias if bias is not None else weight, out, M, N, K, group, eps,

@@ -26,6 +26,10 @@ again: benchmarks comparing both):
   (with its conv-state update) in one launch (triton_gemv.in_proj_conv: one launch fewer a Mamba layer, the
   projection on the Triton linear instead of cuBLAS); written 2026-12-05 and tested on the CPU (the
   interpreter), not yet measured on the GPU, so off;
+- "decode_gated_out_proj" (HYBRID_DECODE_GATED_OUT_PROJ=1): in a decode-only step, the Mamba gated norm's sums
+  of squares taken by the SSM update (triton_mamba.selective_state_update_gated) and the norm applied inside
+  out_proj on the Triton linear (triton_gemv.gated_out_proj): the gated norm's launch gone; written
+  2026-12-05, CPU-tested, not yet measured on the GPU, so off;
 - "norm_router" (HYBRID_NORM_ROUTER=1): the residual add and norm before an MoE layer computed in its
   router's launch (triton_norm.add_rms_norm_route);
 - "bf16_logits" (HYBRID_16BIT_LOGITS=1): the LM head's logits in the model dtype, widened after
@@ -70,7 +74,8 @@ def require(module: str) -> None:
 
 
 _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear_plain": ("HYBRID_DECODE_LINEAR", "plain"),
-             "decode_in_proj_conv": ("HYBRID_DECODE_IN_PROJ_CONV", "1"), "norm_router": ("HYBRID_NORM_ROUTER", "1"),
+             "decode_in_proj_conv": ("HYBRID_DECODE_IN_PROJ_CONV", "1"),
+             "decode_gated_out_proj": ("HYBRID_DECODE_GATED_OUT_PROJ", "1"), "norm_router": ("HYBRID_NORM_ROUTER", "1"),
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
              "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),

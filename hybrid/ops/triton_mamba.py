@@ -81,7 +81,7 @@ if HAS_TRITON:
     @triton.jit(**T_KEEPS_ONLY_ONE)
     def _ssm_update_kernel(
         state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, out_ptr, idx_ptr,
-        inter_ptr, inter_idx_ptr,
+        inter_ptr, inter_idx_ptr, z_ptr, sq_ptr,
         T, P, N, heads_per_group,
         s_st_slot, s_st_h, s_st_p,
         s_x_b, s_x_t, s_x_h,
@@ -90,9 +90,10 @@ if HAS_TRITON:
         s_C_b, s_C_t, s_C_g,
         s_o_b, s_o_t, s_o_h,
         s_i_slot, s_i_t, s_i_h, s_i_p,
+        s_z_b, s_z_h, s_sq_b,
         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_INTER: tl.constexpr, HAS_INTER_IDX: tl.constexpr,
-        PDL: tl.constexpr,
+        HAS_GATE_SQ: tl.constexpr, PDL: tl.constexpr,
     ):
         pid_p = tl.program_id(0)
         h = tl.program_id(1)
@@ -146,6 +147,12 @@ if HAS_TRITON:
             if HAS_D:
                 y = y + x * Dh
             tl.store(out_base + t * s_o_t, y.to(out_ptr.dtype.element_ty), mask=mask_p)
+            if HAS_GATE_SQ:  # (one token) this block's part of the gated norm's sum of squares
+                yr = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # as the norm reads y back
+                zv = tl.load(z_ptr + b.to(tl.int64) * s_z_b + h * s_z_h + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+                hg = yr * (zv / (1.0 + tl.exp(-zv)))
+                tl.store(sq_ptr + b.to(tl.int64) * s_sq_b + h * tl.num_programs(0) + pid_p,
+                         tl.sum(tl.where(mask_p, hg * hg, 0.0), axis=0))
             # The contract: the state carried to the next token is what a one-token decode would have
             # stored, rounded to the slot's dtype (y above comes from the unrounded state, as there).
             state = state.to(state_ptr.dtype.element_ty).to(tl.float32)
@@ -297,6 +304,22 @@ def _last_contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def selective_state_update_gated(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                                 B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
+                                 dt_bias: torch.Tensor | None, state_indices: torch.Tensor, z: torch.Tensor, *,
+                                 block_p: int | None = None,
+                                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """selective_state_update of one token a row (x [b, H, P]) that also returns, for the Mamba2 gated norm
+    after it, each program's sum of squares of y * silu(z) over its head-dim block (y as stored): sq
+    [b, H, blocks] fp32, blocks = the launch's head-dim blocks (P / BLOCK_P); z [b, H, P], last dim
+    contiguous. A group's mean square is then the sum of its heads' parts over its channels
+    (triton_gemv.gated_out_proj), with no launch of its own."""
+    if x.dim() != 3 or z.shape != x.shape or z.stride(-1) != 1:
+        raise ValueError(f"selective_state_update_gated: one token a row, z like x: x {tuple(x.shape)}, "
+                         f"z {tuple(z.shape)} {z.stride()}")
+    return _ssm_update(state, x, dt, A, B, C, D, dt_bias, state_indices, None, None, None, block_p, num_warps, z)
+
+
 def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, dt_bias: torch.Tensor | None,
                            state_indices: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -310,6 +333,13 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     The state contract, for every T: after each token the state is rounded to state.dtype (y is
     taken before that rounding), so T tokens in one launch equal T one-token launches bit for bit.
     """
+    return _ssm_update(state, x, dt, A, B, C, D, dt_bias, state_indices, out, intermediate_states,
+                       intermediate_indices, block_p, num_warps, None)[0]
+
+
+def _ssm_update(state, x, dt, A, B, C, D, dt_bias, state_indices, out, intermediate_states, intermediate_indices,
+                block_p, num_warps, z) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The launch of both: (y, the gated norm's sums of squares a block, or None without z)."""
     require(__name__)
     single = x.dim() == 3
     if single:
@@ -342,10 +372,11 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     bp = block_p or bp_default
     nw = num_warps or nw_default
     grid = (cdiv(P, bp), H, batch)
+    sq = torch.empty(batch, H, grid[0], dtype=torch.float32, device=x.device) if z is not None else None
     _ssm_update_kernel[grid](
         state, x, dt, A, B, C,
         D.contiguous() if D is not None else A, dt_bias.contiguous() if dt_bias is not None else A,
-        out, idx, inter, ii,
+        out, idx, inter, ii, z if z is not None else x, sq if sq is not None else A,
         T, P, N, H // G,
         state.stride(0), state.stride(1), state.stride(2),
         x.stride(0), x.stride(1), x.stride(2),
@@ -354,12 +385,13 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         C.stride(0), C.stride(1), C.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         *inter_strides,
+        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0, sq.stride(0) if sq is not None else 0,
         BLOCK_P=bp, BLOCK_N=_next_pow2(N),
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_INTER=intermediate_states is not None, HAS_INTER_IDX=intermediate_indices is not None,
-        num_warps=nw, **pdl_options(x.device),
+        HAS_GATE_SQ=z is not None, num_warps=nw, **pdl_options(x.device),
     )
-    return out[:, 0] if single else out
+    return (out[:, 0] if single else out), sq
 
 
 def conv_state_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -174,17 +174,64 @@ def test_in_proj_conv_real_dims(m, hidden, inner, conv_dim, nh, conv_dtype):
     assert torch.equal(out, got) and torch.equal(state, ref_state)
 
 
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("heads,head_dim,n_groups,state,hidden", [(48, 64, 1, 128, 1536), (64, 64, 8, 128, 2688),
+                                                                  (128, 64, 8, 128, 4096)])
+def test_gated_out_proj_real_dims(m, heads, head_dim, n_groups, state, hidden):
+    """The SSM update with the gated norm's sums of squares (y bit for bit the plain update's) and out_proj
+    normalising with them (Granite-4.0-H-Tiny, Nemotron-3-Nano, the 8B's dims) against the gated norm and
+    out_proj as two launches, in bf16; a CUDA-graph replay of both equal to eager."""
+    from hybrid.ops import triton_mamba as tm
+    from hybrid.ops import triton_norm
+    from hybrid.ops.triton_gemv import gated_out_proj
+
+    g = torch.Generator(device=DEV).manual_seed(m + heads)
+    inner = heads * head_dim
+    st = torch.randn(m + 1, heads, head_dim, state, generator=g, device=DEV) * 0.3
+    x = torch.randn(m, heads, head_dim, generator=g, device=DEV).bfloat16()
+    dt = torch.randn(m, heads, generator=g, device=DEV).bfloat16()
+    A, D = -torch.rand(heads, generator=g, device=DEV) - 0.5, torch.randn(heads, generator=g, device=DEV)
+    dtb = torch.randn(heads, generator=g, device=DEV) * 0.1
+    B = torch.randn(m, n_groups, state, generator=g, device=DEV).bfloat16()
+    C = torch.randn(m, n_groups, state, generator=g, device=DEV).bfloat16()
+    z = torch.randn(m, 2 * inner, generator=g, device=DEV).bfloat16()[:, :inner]
+    nw = (0.5 + torch.rand(inner, generator=g, device=DEV)).bfloat16()
+    w = (torch.randn(hidden, inner, generator=g, device=DEV) * inner ** -0.5).bfloat16()
+    slots = torch.arange(m, device=DEV, dtype=torch.int32)
+    ref_st = st.clone()
+    y_ref = tm.selective_state_update(ref_st, x, dt, A, B, C, D, dtb, slots)
+    ref = torch.nn.functional.linear(triton_norm.gated_rms_norm(y_ref.reshape(m, inner), z, nw, 1e-5, n_groups), w)
+    start = st.clone()
+    y, sq = tm.selective_state_update_gated(st, x, dt, A, B, C, D, dtb, slots, z.reshape(m, heads, head_dim))
+    assert torch.equal(y, y_ref) and torch.equal(st, ref_st)
+    got = gated_out_proj(y.reshape(m, inner), z, nw, 1e-5, n_groups, sq, w)
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    st.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y2, sq2 = tm.selective_state_update_gated(st, x, dt, A, B, C, D, dtb, slots, z.reshape(m, heads, head_dim))
+        out = gated_out_proj(y2.reshape(m, inner), z, nw, 1e-5, n_groups, sq2, w)
+    st.copy_(start)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got) and torch.equal(st, ref_st)
+
+
 SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router": {"HYBRID_NORM_ROUTER": "1"},
                "both": {"HYBRID_DECODE_LINEAR": "triton", "HYBRID_NORM_ROUTER": "1"},
-               "in_proj_conv": {"HYBRID_DECODE_IN_PROJ_CONV": "1"}}
+               "in_proj_conv": {"HYBRID_DECODE_IN_PROJ_CONV": "1"},
+               "gated_out_proj": {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
+               "decode_fusions": {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
 @pytest.mark.parametrize("name", ["granite_moe", "nemotron_h"])
 def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switches, name):
     """HYBRID_DECODE_LINEAR=triton (decode projections on the Triton linear, the gated norm in
-    out_proj), HYBRID_NORM_ROUTER=1 (the norm before each MoE layer in its router's launch) and
-    HYBRID_DECODE_IN_PROJ_CONV=1 (a decode step's Mamba in_proj and conv in one launch), under
+    out_proj), HYBRID_NORM_ROUTER=1 (the norm before each MoE layer in its router's launch),
+    HYBRID_DECODE_IN_PROJ_CONV=1 (a decode step's Mamba in_proj and conv in one launch) and
+    HYBRID_DECODE_GATED_OUT_PROJ=1 (the gated norm in the SSM update and out_proj), under
     CUDA graphs: every token the default engine's greedy choice given the same prefix (or a bf16
     near-tie). NemotronH without group masking, so that its router is the Triton one."""
     import tiny_checkpoints
