@@ -404,6 +404,7 @@ def variant_decode(llm, rows: list[dict], args, dev: torch.device, env: dict[str
     recapture(before)
 
 
+LINEAR_ROLES = ("mamba.in_proj", "mamba.out_proj", "attn.qkv_proj", "attn.o_proj")  # --linear-roles-ab
 VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report calls it)
     "pdl_ab": ("pdl_off", {"HYBRID_PDL": "0"}, "programmatic dependent launch off (HYBRID_PDL=0)"),
     "linear_ab": ("triton_linear", {"HYBRID_DECODE_LINEAR": "triton"},
@@ -416,7 +417,7 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                         "decode projections through the Triton linear, gated norm its own launch (HYBRID_DECODE_LINEAR=plain)"),
     **{f"plain_{role.replace('.', '_')}_ab": (f"plain_{role.replace('.', '_')}", {"HYBRID_DECODE_LINEAR": f"plain:{role}"},
                                                f"only {role} through the Triton linear (HYBRID_DECODE_LINEAR=plain:{role})")
-       for role in ("mamba.in_proj", "mamba.out_proj", "attn.qkv_proj", "attn.o_proj")},
+       for role in LINEAR_ROLES},
     "in_proj_conv_ab": ("in_proj_conv", {"HYBRID_DECODE_IN_PROJ_CONV": "1"},
                         "each Mamba layer's in_proj and conv in one launch (HYBRID_DECODE_IN_PROJ_CONV=1)"),
     "gated_out_proj_ab": ("gated_out_proj", {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
@@ -797,30 +798,10 @@ def main() -> int:
     ap.add_argument("--fp8-experts", action="store_true",
                     help="routed experts in FP8 (e4m3, per-row scales), as FP8 checkpoints load on CUDA")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode timing")
-    ap.add_argument("--pdl-ab", action="store_true",
-                    help="time the graph decode again with programmatic dependent launch off (recaptured)")
-    ap.add_argument("--linear-ab", action="store_true",
-                    help="time the graph decode again with the decode projections on the Triton linear")
-    ap.add_argument("--norm-router-ab", action="store_true",
-                    help="time the graph decode again with the norm before each MoE layer in its router's launch")
-    ap.add_argument("--all-ab", action="store_true", help="time the graph decode again with both switches on")
-    ap.add_argument("--plain-linear-ab", action="store_true",
-                    help="time the graph decode again with the decode projections on the Triton linear, no gated-norm fusion")
-    for role in ("mamba_in_proj", "mamba_out_proj", "attn_qkv_proj", "attn_o_proj"):
-        ap.add_argument(f"--plain-{role.replace('_', '-')}-ab", dest=f"plain_{role}_ab", action="store_true",
-                        help=f"time the graph decode again with only {role} on the Triton linear")
-    ap.add_argument("--in-proj-conv-ab", action="store_true",
-                    help="time the graph decode again with each Mamba in_proj and conv in one launch")
-    ap.add_argument("--gated-out-proj-ab", action="store_true",
-                    help="time the graph decode again with the gated norm in the SSM update and out_proj")
-    ap.add_argument("--decode-fusions-ab", action="store_true",
-                    help="time the graph decode again with both Mamba decode fusions")
+    for flag, (_, _, what) in VARIANTS.items():  # --pdl-ab, --linear-ab, ...: the graph decode again, recaptured
+        ap.add_argument("--" + flag.replace("_", "-"), action="store_true", help=f"time the graph decode again with {what}")
     ap.add_argument("--linear-roles-ab", action="store_true",
                     help="all four --plain-<role>-ab runs (each projection role alone on the Triton linear)")
-    ap.add_argument("--logits-ab", action="store_true",
-                    help="time the graph decode again with the LM head's logits in bf16 (the fp32 head's cost)")
-    ap.add_argument("--context-buckets-ab", action="store_true",
-                    help="time the graph decode again with one full-width graph a bucket (no context buckets)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the LLM's max_model_len (default: the TTFT prompt or the context, + 64)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of one graph replay per batch size (and the prefill)")
@@ -842,8 +823,8 @@ def main() -> int:
     ap.add_argument("--peer", choices=list(SHAPES), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.linear_roles_ab:
-        for role in ("mamba_in_proj", "mamba_out_proj", "attn_qkv_proj", "attn_o_proj"):
-            setattr(args, f"plain_{role}_ab", True)
+        for role in LINEAR_ROLES:
+            setattr(args, f"plain_{role.replace('.', '_')}_ab", True)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     if args.dry_run:

@@ -235,24 +235,15 @@ def test_mixer_decode_with_fewer_launches(monkeypatch, dtype, fusion):
     """MambaCudaKernels.mamba_forward on a decode-only step (a padding row among them) with the decode
     fusions (in_proj + conv; the gated norm in the SSM update and out_proj) gives the outputs and slots of
     the unfused path (within summation order), and leaves the padding row's and the other slots untouched."""
-    import math
 
     from hybrid.batch import StepBatch
-    from hybrid.config import MambaConfig
-    from hybrid.layers import Mamba2Mixer
+    from random_mixer import random_mixer
     from hybrid.ops import triton_gemv, triton_guard
     from hybrid.ops import triton_mamba as tm
     from hybrid.ops.mamba_cuda import MambaCudaKernels
 
-    cfg = MambaConfig(num_heads=4, head_dim=16, n_groups=2, state_size=16, conv_kernel=4, chunk_size=8, conv_bias=True,
-                      proj_bias=False, norm_eps=1e-5, dt_limit=(0.0, math.inf))
-    torch.manual_seed(0)
-    mixer = Mamba2Mixer(32, cfg, 0).to_empty(device="cpu").to(dtype)
-    with torch.no_grad():
-        for prm in mixer.parameters():
-            prm.copy_(torch.randn_like(prm) * 0.3)
-        mixer.A_log.copy_(torch.log(torch.rand(cfg.num_heads) * 4 + 1))
-        mixer.dt_bias.copy_(torch.log(torch.expm1(torch.rand(cfg.num_heads) * 0.09 + 0.01)))
+    mixer = random_mixer(dtype)
+    cfg = mixer.cfg
     mixer.in_proj.fused = mixer.out_proj.fused = mixer.fused = True
     kernels = object.__new__(MambaCudaKernels)
     kernels.decode_kernels, kernels.triton, kernels._params, kernels.supports_verify = "triton", tm, {}, True

@@ -114,23 +114,14 @@ def test_mixer_varlen_prefill_equals_the_rows_one_by_one(monkeypatch, dtype):
     rows (with and without a history, shorter than the conv window, one token, several chunks) gives the
     outputs and leaves the slots as the row-by-row path does (the scan is the torch reference on CPU)."""
     import dataclasses
-    import math
 
     from hybrid.batch import StepBatch
-    from hybrid.config import MambaConfig
-    from hybrid.layers import Mamba2Mixer
+    from random_mixer import random_mixer
     from hybrid.ops import triton_guard
     from hybrid.ops.mamba_cuda import MambaCudaKernels
 
-    cfg = MambaConfig(num_heads=4, head_dim=16, n_groups=2, state_size=16, conv_kernel=4, chunk_size=8, conv_bias=True,
-                      proj_bias=False, norm_eps=1e-5, dt_limit=(0.0, math.inf))
-    torch.manual_seed(0)
-    mixer = Mamba2Mixer(32, cfg, 0).to_empty(device="cpu").to(dtype)
-    with torch.no_grad():
-        for prm in mixer.parameters():
-            prm.copy_(torch.randn_like(prm) * 0.3)
-        mixer.A_log.copy_(torch.log(torch.rand(cfg.num_heads) * 4 + 1))
-        mixer.dt_bias.copy_(torch.log(torch.expm1(torch.rand(cfg.num_heads) * 0.09 + 0.01)))
+    mixer = random_mixer(dtype)
+    cfg = mixer.cfg
     kernels = object.__new__(MambaCudaKernels)
     kernels.chunk_scan, kernels.decode_kernels, kernels.triton, kernels._params = TorchScan(), "triton", tm, {}
     kernels.supports_verify = True
