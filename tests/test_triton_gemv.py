@@ -288,3 +288,39 @@ def test_mixer_decode_with_fewer_launches(monkeypatch, dtype, fusion):
     torch.testing.assert_close(s1.float(), s0.float(), **tol)
     untouched = [0, 2, 3, 5]
     assert torch.equal(c1[untouched], conv[untouched]) and torch.equal(s1[untouched], ssm[untouched])
+
+
+def test_decode_fusions_only_for_plain_projections(monkeypatch):
+    """The decode fusions call the projections' kernels themselves, so they take only a plain Linear the
+    fused ops own: not tensor parallelism's RowParallelLinear out_proj (its all-reduce is in its forward),
+    not an unfused one, not a mixer whose gate is not norm(y * silu(z))."""
+    import dataclasses
+
+    from random_mixer import random_mixer
+
+    from hybrid.config import GATE_ONLY
+    from hybrid.ops import triton_gemv, triton_guard
+    from hybrid.ops.mamba_cuda import MambaCudaKernels
+    from hybrid.parallel.layers import RowParallelLinear
+
+    mixer = random_mixer(torch.float16)
+    mixer.in_proj.fused = mixer.out_proj.fused = mixer.fused = True
+    kernels = object.__new__(MambaCudaKernels)
+    hidden = torch.zeros(2, 32, dtype=torch.float16)
+    monkeypatch.setattr(triton_gemv, "eligible", lambda x, w: True)
+    monkeypatch.setenv("HYBRID_DECODE_IN_PROJ_CONV", "1")
+    monkeypatch.setenv("HYBRID_DECODE_GATED_OUT_PROJ", "1")
+    triton_guard.reset_switches()
+    try:
+        assert kernels._decode_fusions(mixer, hidden) == (True, True)
+        mixer.out_proj.__class__ = RowParallelLinear
+        assert kernels._decode_fusions(mixer, hidden) == (True, False)
+        mixer.out_proj.__class__ = type(mixer.in_proj)
+        mixer.in_proj.fused = False
+        assert kernels._decode_fusions(mixer, hidden) == (False, True)
+        mixer.cfg = dataclasses.replace(mixer.cfg, gate=GATE_ONLY)
+        assert kernels._decode_fusions(mixer, hidden) == (False, False)
+    finally:
+        monkeypatch.delenv("HYBRID_DECODE_IN_PROJ_CONV")
+        monkeypatch.delenv("HYBRID_DECODE_GATED_OUT_PROJ")
+        triton_guard.reset_switches()

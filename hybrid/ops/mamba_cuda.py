@@ -36,6 +36,7 @@ import math
 import torch
 
 from hybrid.config import GATE_THEN_NORM
+from hybrid.layers import Linear
 from hybrid.mamba_metadata import step_metadata
 from hybrid.ops import triton_gemv
 from hybrid.ops import triton_mamba_varlen as tv
@@ -170,9 +171,10 @@ class MambaCudaKernels:
         gated norm's sums of squares in the SSM update and the norm inside out_proj: "decode_gated_out_proj"),
         each where its projection is a 16-bit one the fused ops own, at a decode size."""
         cfg, proj_in, proj_out = mixer.cfg, mixer.in_proj, mixer.out_proj
-        fuse_conv = (switch("decode_in_proj_conv") and getattr(proj_in, "fused", False)
+        fuse_conv = (switch("decode_in_proj_conv") and type(proj_in) is Linear and proj_in.fused
                      and triton_gemv.eligible(hidden, proj_in.weight))
-        fuse_out = (switch("decode_gated_out_proj") and getattr(proj_out, "fused", False) and mixer.fused
+        # (exactly Linear: tensor parallelism's RowParallelLinear all-reduces in its forward, which this skips)
+        fuse_out = (switch("decode_gated_out_proj") and type(proj_out) is Linear and proj_out.fused and mixer.fused
                     and cfg.gate == GATE_THEN_NORM and mixer.norm_stats is None
                     and triton_gemv.eligible(hidden, proj_out.weight)
                     and mixer.norm_weight.dtype == hidden.dtype
