@@ -405,7 +405,7 @@ def variant_decode(llm, rows: list[dict], args, dev: torch.device, env: dict[str
 
 
 LINEAR_ROLES = ("mamba.in_proj", "mamba.out_proj", "attn.qkv_proj", "attn.o_proj")  # --linear-roles-ab
-VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report calls it)
+VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report calls it); run in this order
     "pdl_ab": ("pdl_off", {"HYBRID_PDL": "0"}, "programmatic dependent launch off (HYBRID_PDL=0)"),
     "linear_ab": ("triton_linear", {"HYBRID_DECODE_LINEAR": "triton"},
                   "decode projections through the Triton linear (HYBRID_DECODE_LINEAR=triton)"),
@@ -415,15 +415,15 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                "both switches on"),
     "plain_linear_ab": ("plain_linear", {"HYBRID_DECODE_LINEAR": "plain"},
                         "decode projections through the Triton linear, gated norm its own launch (HYBRID_DECODE_LINEAR=plain)"),
-    **{f"plain_{role.replace('.', '_')}_ab": (f"plain_{role.replace('.', '_')}", {"HYBRID_DECODE_LINEAR": f"plain:{role}"},
-                                               f"only {role} through the Triton linear (HYBRID_DECODE_LINEAR=plain:{role})")
-       for role in LINEAR_ROLES},
     "in_proj_conv_ab": ("in_proj_conv", {"HYBRID_DECODE_IN_PROJ_CONV": "1"},
                         "each Mamba layer's in_proj and conv in one launch (HYBRID_DECODE_IN_PROJ_CONV=1)"),
     "gated_out_proj_ab": ("gated_out_proj", {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
                           "the Mamba gated norm in the SSM update and out_proj (HYBRID_DECODE_GATED_OUT_PROJ=1)"),
     "decode_fusions_ab": ("decode_fusions", {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"},
                           "both Mamba decode fusions (two launches fewer a Mamba layer)"),
+    **{f"plain_{role.replace('.', '_')}_ab": (f"plain_{role.replace('.', '_')}", {"HYBRID_DECODE_LINEAR": f"plain:{role}"},
+                                               f"only {role} through the Triton linear (HYBRID_DECODE_LINEAR=plain:{role})")
+       for role in LINEAR_ROLES},
     "context_buckets_ab": ("one_width", {"HYBRID_GRAPH_CONTEXT_BUCKETS": "0"},
                            "one full-width graph a bucket (HYBRID_GRAPH_CONTEXT_BUCKETS=0; default: small buckets "
                            "also at narrower page tables)"),
