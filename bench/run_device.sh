@@ -227,6 +227,16 @@ if [[ $what == linear ]]; then
         | grep -v Warn | tail -6 || rc=1
   done
 fi
+# fusions-8b  the 8B shape's decode (graphs, bf16 state, batch 1 / 8 / 16) as is, then with both Mamba decode fusions
+#            (HYBRID_DECODE_IN_PROJ_CONV=1 HYBRID_DECODE_GATED_OUT_PROJ=1: two launches fewer a Mamba layer), each its
+#            own process (~3 minutes)
+if [[ $what == fusions-8b ]]; then
+  for fused in 0 1; do
+    HYBRID_DECODE_IN_PROJ_CONV=$fused HYBRID_DECODE_GATED_OUT_PROJ=$fused timeout 200 python3 bench/bench_decode.py \
+        --no-eager --no-prefill --ssm-dtype bfloat16 --batches 1 8 16 --json "$OUT/decode_fusions_$fused.json" 2>&1 \
+        | tee "$OUT/decode_fusions_$fused.log" | grep -v Warn | tail -6 || rc=1
+  done
+fi
 # speculative  bench_speculative.py: a verify step (K=3) next to a decode step on the 8B shape, eager and
 #            replayed from the verify graphs (the default), batch 1 / 4 / 16, then generate with
 #            n-gram speculation (~3 minutes)
