@@ -37,6 +37,9 @@ KERNELS = {
     ("hybrid.ops.triton_norm", "_gated_rms_norm_kernel"): (),
     ("hybrid.ops.triton_gemv", "_small_m_linear_kernel"): ("M",),  # the step's rows (<= 16)
     ("hybrid.ops.triton_gemv", "_gated_norm_linear_kernel"): ("M",),
+    ("hybrid.ops.triton_gemv", "_in_proj_conv_kernel"): ("M",),  # C0, CD, the conv state's strides: the model's
+    # HB (heads x head-dim blocks) and HB_G (a group's part of it): the SSM update's block count follows the batch
+    ("hybrid.ops.triton_gemv", "_gated_out_proj_kernel"): ("M", "HB_G", "HB", "s_sq"),
     ("hybrid.ops.triton_act", "_relu2_kernel"): (),
     ("hybrid.ops.triton_act", "_silu_and_mul_kernel"): (),
     # T (tokens per row): == 1 is decode's own specialisation (~40% of a bf16 decode on the H200), so
@@ -75,7 +78,8 @@ HELPERS = {
     "hybrid.ops.triton_moe": {"expert_sum", "_block_tile", "_block_operands", "_mma", "_k_steps", "_store_block"},
     "hybrid.ops.triton_moe_route": {"router_split"},
     "hybrid.ops.triton_norm": {"_normalised_cols", "_normalised_row", "_plus_residual", "_added_row"},
-    "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed"},
+    "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed",
+                               "_rows_times_slab", "_gated_normed_dot"},
     "hybrid.ops.triton_act": set(),
     "hybrid.ops.triton_mamba": {"_softplus", "_ext_tile", "_conv_window_out"},
     "hybrid.ops.triton_mamba_varlen": set(),

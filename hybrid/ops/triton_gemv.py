@@ -28,6 +28,7 @@ from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 from state_pool.util import cdiv
 
 MAX_ROWS = 16  # tl.dot's smallest tile height: rows past M are masked
+MAX_GATE_PARTS = 1024  # gated_out_proj's register tile of sums of squares: MAX_ROWS x this many floats
 PREFETCH_ELEMENTS = 16384  # the slab's first BLOCK_N x PRE_K weights (32 KB in bf16) load before the wait
 
 if HAS_TRITON:
@@ -190,7 +191,7 @@ if HAS_TRITON:
             acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
         return acc
 
-    @triton.jit(do_not_specialize=["M"])
+    @triton.jit(do_not_specialize=["M", "HB_G", "HB", "s_sq"])  # (the SSM update's blocks follow the batch)
     def _gated_out_proj_kernel(y_ptr, z_ptr, nw_ptr, sq_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, G, HB_G, HB, eps,
                                s_y, s_z, s_sq, s_wn, s_o, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE_K: tl.constexpr,
@@ -315,6 +316,8 @@ def gated_out_proj(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, 
     if y.stride(-1) != 1 or z.stride(-1) != 1 or weight.stride(-1) != 1 or norm_weight.stride(-1) != 1:
         raise ValueError("gated_out_proj needs y, z, norm_weight and weight contiguous along K")
     parts = sq.shape[1] * sq.shape[2]
+    if parts > MAX_GATE_PARTS:
+        raise ValueError(f"gated_out_proj reads a row's sums at once: {parts} of them, at most {MAX_GATE_PARTS}")
     out = torch.empty(M, N, dtype=weight.dtype, device=y.device)
     _gated_out_proj_kernel[(cdiv(N, block_n),)](
         y, z, norm_weight, sq, weight, bias if bias is not None else weight, out, M, N, K, group,

@@ -289,9 +289,14 @@ def default_ssm_config(batch: int, heads: int, head_dim: int, state_size: int, s
     while bp > 1 and batch * heads * cdiv(head_dim, bp) < 4 * sms:
         bp //= 2
     bp = max(bp, 1)
-    tile = bp * bn
-    num_warps = 8 if tile >= 4096 else (4 if tile >= 1024 else 2)
-    return bp, num_warps
+    return bp, _ssm_warps(bp * bn)
+
+
+def _ssm_warps(tile: int) -> int:
+    return 8 if tile >= 4096 else (4 if tile >= 1024 else 2)
+
+
+GATE_PARTS = 256  # the most sums of squares a row selective_state_update_gated writes (see there)
 
 
 def _indices(state_indices: torch.Tensor) -> torch.Tensor:
@@ -311,8 +316,8 @@ def selective_state_update_gated(state: torch.Tensor, x: torch.Tensor, dt: torch
                                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """selective_state_update of one token a row (x [b, H, P]) that also returns, for the Mamba2 gated norm
     after it, each program's sum of squares of y * silu(z) over its head-dim block (y as stored): sq
-    [b, H, blocks] fp32, blocks = the launch's head-dim blocks (P / BLOCK_P); z [b, H, P], last dim
-    contiguous. A group's mean square is then the sum of its heads' parts over its channels
+    [b, H, blocks] fp32, blocks = the launch's head-dim blocks (P / BLOCK_P, at most GATE_PARTS / H unless
+    block_p says otherwise); z [b, H, P], last dim contiguous. A group's mean square is then the sum of its heads' parts over its channels
     (triton_gemv.gated_out_proj), with no launch of its own."""
     if x.dim() != 3 or z.shape != x.shape or z.stride(-1) != 1:
         raise ValueError(f"selective_state_update_gated: one token a row, z like x: x {tuple(x.shape)}, "
@@ -370,6 +375,11 @@ def _ssm_update(state, x, dt, A, B, C, D, dt_bias, state_indices, out, intermedi
     A = A.contiguous()
     bp_default, nw_default = default_ssm_config(batch, H, P, N, state.dtype, state.device)
     bp = block_p or bp_default
+    if z is not None and block_p is None:
+        # at most GATE_PARTS sums a row: gated_out_proj reads a row's all at once (fewer, larger programs
+        # here than the default's at small batches)
+        bp = max(bp, min(_next_pow2(P), _next_pow2(cdiv(H * P, GATE_PARTS))))
+        nw_default = _ssm_warps(bp * _next_pow2(N))
     nw = num_warps or nw_default
     grid = (cdiv(P, bp), H, batch)
     sq = torch.empty(batch, H, grid[0], dtype=torch.float32, device=x.device) if z is not None else None
