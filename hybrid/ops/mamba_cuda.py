@@ -187,8 +187,7 @@ class MambaCudaKernels:
         (triton_gemv.in_proj_conv) and/or the gated norm folded into the SSM update and out_proj
         (selective_state_update_gated, triton_gemv.gated_out_proj); the same math as the other path."""
         cfg = mixer.cfg
-        inner, conv_dim, nh, P, gn = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim, \
-            cfg.n_groups * cfg.state_size
+        inner, conv_dim, nh = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads
         T = hidden.shape[0]
         if fuse_conv:
             zxbcdt = triton_gemv.in_proj_conv(hidden, mixer.in_proj.weight, mixer.in_proj.bias, conv_state,
@@ -200,10 +199,9 @@ class MambaCudaKernels:
         if not fuse_out:
             y = triton_ssm_step(self.triton, mixer, p, xbc, dt, ssm_state, slots)
             return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
-        x, B, C = torch.split(xbc, [inner, gn, gn], dim=-1)
-        y, sq = self.triton.selective_state_update_gated(
-            ssm_state, x.reshape(T, nh, P), dt, p["A"], B.reshape(T, cfg.n_groups, -1), C.reshape(T, cfg.n_groups, -1),
-            p["D"], p["dt_bias"], slots, z.reshape(T, nh, P))
+        x, B, C = ssm_operands(cfg, xbc)
+        y, sq = self.triton.selective_state_update_gated(ssm_state, x, dt, p["A"], B, C, p["D"], p["dt_bias"], slots,
+                                                         z.reshape(x.shape))
         proj = mixer.out_proj
         return triton_gemv.gated_out_proj(y.reshape(T, inner), z, mixer.norm_weight, cfg.norm_eps, cfg.n_groups, sq,
                                           proj.weight, proj.bias)
@@ -356,15 +354,18 @@ def triton_ssm_step(tm, mixer, params: dict[str, torch.Tensor], xbc: torch.Tenso
                     scratch: torch.Tensor | None = None, scratch_index: torch.Tensor | None = None) -> torch.Tensor:
     """The state update of the decode recurrence from the conv's output xbc [b, C] / [b, T, C] (see
     triton_recurrence). Returns y [b, H, P] / [b, T, H, P]."""
-    cfg = mixer.cfg
+    x, B, C = ssm_operands(mixer.cfg, xbc)
+    return tm.selective_state_update(ssm_state, x, dt, params["A"], B, C, params["D"], params["dt_bias"], slots,
+                                     out=out, intermediate_states=scratch, intermediate_indices=scratch_index)
+
+
+def ssm_operands(cfg, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv output xbc [..., C] as the state update's x [..., H, P], B and C [..., G, N] (views)."""
     lead = xbc.shape[:-1]
     gn = cfg.n_groups * cfg.state_size
     x, B, C = torch.split(xbc, [cfg.intermediate_size, gn, gn], dim=-1)
-    return tm.selective_state_update(
-        ssm_state, x.reshape(*lead, cfg.num_heads, cfg.head_dim), dt, params["A"],
-        B.reshape(*lead, cfg.n_groups, -1), C.reshape(*lead, cfg.n_groups, -1), params["D"], params["dt_bias"],
-        slots, out=out, intermediate_states=scratch, intermediate_indices=scratch_index,
-    )
+    return (x.reshape(*lead, cfg.num_heads, cfg.head_dim), B.reshape(*lead, cfg.n_groups, -1),
+            C.reshape(*lead, cfg.n_groups, -1))
 
 
 def triton_replay(tm, mixer, xBC: torch.Tensor, dt: torch.Tensor, params: dict[str, torch.Tensor], y: torch.Tensor,
