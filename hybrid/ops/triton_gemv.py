@@ -115,7 +115,8 @@ if HAS_TRITON:
         live = (mask_m & (slot >= 0))[:, None] & is_conv[None, :]
         hist_ptrs = cs_ptr + tl.maximum(slot, 0)[:, None] * s_cs_slot + c[None, :] * s_cs_c
         conv = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # the window [history 0 .. KW-2, this token], summed in that order (as triton_mamba's conv update)
+        # the window [history 0 .. KW-2, this token], summed in that order; each history column is read
+        # before it is overwritten by the next one (the state advances by this token)
         h_prev = tl.load(hist_ptrs, mask=live, other=0.0)
         for k in tl.static_range(KW - 1):
             wk = tl.load(cw_ptr + c * s_cw_c + k, mask=is_conv, other=0.0).to(tl.float32)
@@ -262,7 +263,8 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     C, W = conv_weight.shape
     if M > MAX_ROWS or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"in_proj_conv: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} {weight.stride()}")
-    if W < 2 or conv_state.shape[1:] != (C, W - 1) or not 0 <= conv_start <= N - C or state_indices.shape != (M,):
+    if (W < 2 or conv_state.shape[1:] != (C, W - 1) or not 0 <= conv_start <= N - C or state_indices.shape != (M,)
+            or conv_weight.stride(1) != 1):
         raise ValueError(f"in_proj_conv: conv_state {tuple(conv_state.shape)}, conv_weight {tuple(conv_weight.shape)}, "
                          f"conv_start {conv_start} of {N} columns, state_indices {tuple(state_indices.shape)}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
