@@ -59,3 +59,40 @@ def test_no_moe_kernel_compiles_after_startup_at_any_step_size(tiny_ckpt):
     torch.cuda.synchronize()
     late = [f"{e.kernel}: {e.signature}" for e in compile_watch.events()[before:] if e.after_startup]
     assert not late, late
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "bamba"])
+def test_no_mamba_prefill_compiles_after_startup_at_any_step(tiny_ckpt, family):
+    """A step's prefill rows run as one varlen launch a layer, and the scan's kernels take the step's total
+    tokens and chunk count (and products of them) as integers: after the warm-up (varlen_warmup_lengths,
+    prefill_warmup_lengths) a Mamba layer's prefill of two or three rows at any total up to the budget,
+    and of one row at any length, compiles nothing."""
+    from hybrid.ops import triton_mamba_varlen as tv
+
+    llm = LLM(tiny_ckpt(family), device="cuda", max_num_seqs=16, max_model_len=4096,
+              max_num_batched_tokens=2048, warmup=True)
+    assert compile_watch.install()
+    mixer = llm.model.mamba_mixers()[0]
+    kernels = mixer.kernels
+    conv_state, ssm_state = llm.runner.ctx.mamba_state(mixer.layer_index)
+    scratch = conv_state.shape[0] - 1
+    cfg = mixer.cfg
+    width = cfg.intermediate_size + cfg.conv_dim + cfg.num_heads
+    p = kernels.params(mixer)
+    before = len(compile_watch.events())
+    with torch.inference_mode():
+        for total in list(range(2, 300)) + list(range(300, 2049, 7)):
+            zxbcdt = torch.zeros(total, width, dtype=llm.model.embed.dtype, device="cuda")
+            _, xBC, dt = torch.split(zxbcdt, [cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
+            for lengths in ([total - 1, 1], [1, total - 2, 1] if total > 2 else None):
+                if lengths is None:
+                    continue
+                rows = tv.varlen_rows(lengths, [scratch] * len(lengths), [True] * len(lengths), conv_state.device)
+                assert kernels._prefill_varlen(mixer, p, xBC, dt, conv_state, ssm_state, rows) is not None
+            for has_init in (False, True):
+                kernels._prefill_row(mixer, p, xBC, dt, conv_state, ssm_state, scratch, has_init)
+    torch.cuda.synchronize()
+    conv_state[scratch].zero_()
+    ssm_state[scratch].zero_()
+    late = [f"{e.kernel}: {e.signature}" for e in compile_watch.events()[before:] if e.after_startup]
+    assert not late, late
