@@ -272,12 +272,15 @@ class MambaCudaKernels:
         row_bytes = width * dtype.itemsize
         varlen = switch("varlen_prefill") and self.decode_kernels == "triton"
         first_rows = range(16 // math.gcd(row_bytes, 16))
+        def in_proj_rows(first: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """(xBC, dt) of an in_proj-shaped output's rows, as the forward's split gives them (same strides)."""
+            zxbcdt = torch.zeros(first + length, width, dtype=dtype, device=conv_state.device)[first:]
+            return torch.split(zxbcdt, [inner, cfg.conv_dim, nh], dim=-1)[1:]
+
         done = prefill_warmup_lengths(cfg.chunk_size, max_tokens)
         for length in done:
             for first in first_rows:
-                # rows of an in_proj-shaped output, as the forward's split gives them (same strides)
-                zxbcdt = torch.zeros(first + length, width, dtype=dtype, device=conv_state.device)[first:]
-                _, xBC, dt = torch.split(zxbcdt, [inner, cfg.conv_dim, nh], dim=-1)
+                xBC, dt = in_proj_rows(first, length)
                 for has_init in (False, True):
                     self._prefill_row(mixer, p, xBC, dt, conv_state, ssm_state, scratch, has_init)
                     runs += 1
@@ -286,8 +289,7 @@ class MambaCudaKernels:
                         runs += self._prefill_varlen(mixer, p, xBC, dt, conv_state, ssm_state, rows) is not None
         if varlen:  # the varlen scan's further integer classes (see varlen_warmup_lengths), as two rows
             for length in sorted(set(varlen_warmup_lengths(cfg.chunk_size, max_tokens)) - set(done)):
-                zxbcdt = torch.zeros(length, width, dtype=dtype, device=conv_state.device)
-                _, xBC, dt = torch.split(zxbcdt, [inner, cfg.conv_dim, nh], dim=-1)
+                xBC, dt = in_proj_rows(0, length)
                 rows = tv.varlen_rows([length - 1, 1], [scratch, scratch], [False, True], conv_state.device)
                 runs += self._prefill_varlen(mixer, p, xBC, dt, conv_state, ssm_state, rows) is not None
         conv_state[scratch].zero_()
