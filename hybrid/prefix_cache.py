@@ -96,7 +96,7 @@ class PrefixCache:
             raise ValueError("a cached prefix covers whole pages")
         key = self.page_hashes(tokens, len(pages))[-1]
         old = self.entries.pop(key, None)
-        if len(self.entries) >= self.max_entries:
+        if self.is_full:
             raise RuntimeError("prefix cache full: pop an entry first")
         self._clock += 1
         self.entries[key] = CachedPrefix(tuple(tokens), slot, list(pages), self._clock)

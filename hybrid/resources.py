@@ -242,8 +242,7 @@ class ResourceManager:
                 seq.cache_at = cache.next_point(seq.prompt_token_ids, point)
                 if cache.contains(seq.prompt_token_ids[:point]):
                     continue
-                while len(cache) + planned >= cache.max_entries and self.evict_cached_prefix():
-                    pass
+                self._make_room(planned)
                 slot = self.state_pool.allocate() if len(cache) + planned < cache.max_entries else None
                 if slot is None:
                     continue  # every slot is in use: not cached
@@ -283,14 +282,20 @@ class ResourceManager:
             raise StateCorruptionError(
                 f"{seq.label} would snapshot its Mamba slot {seq.slot} as the state after {len(tokens)} prompt "
                 f"tokens, but that state has absorbed {self.state_tokens[seq.slot]}")
-        if cache.is_full:
-            self.evict_cached_prefix()
+        self._make_room()
         slot = self.state_pool.allocate()
         if slot is None:
             return  # every slot runs a sequence: not cached
         self.state_pool.copy_slot(seq.slot, slot)
         self._copy_state_tokens(seq.slot, slot)
         self._insert(tokens, slot, seq.pages[:len(tokens) // self.page_size])
+
+    def _make_room(self, pending: int = 0) -> None:
+        """Evict least recently used prefixes until the cache has room for `pending` + 1 more entries
+        (or is empty)."""
+        cache = self.prefix_cache
+        while len(cache) + pending >= cache.max_entries and self.evict_cached_prefix():
+            pass
 
     def _insert(self, tokens: list[int], slot: int, pages: list[int]) -> None:
         """A new cache entry: `slot` (the cache's now) holds the state after `tokens`, whose KV pages get
