@@ -304,7 +304,8 @@ class Attention(nn.Module):
         self.k_scale, self.v_scale = 1.0, 1.0
         hd = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, cfg.bias, role="attn.qkv_proj")  # [q | k | v] rows
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, cfg.bias,
+                               role="attn.qkv_proj")  # [q | k | v] rows
         self.o_proj = Linear(cfg.num_heads * hd, out_features or hidden_size, cfg.bias, role="attn.o_proj")
         if cfg.rope_theta is not None:
             # transformers' default RoPE: frequencies arange(0, dim, 2) / dim of dim = rotary_dim, each

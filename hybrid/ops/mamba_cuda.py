@@ -182,7 +182,8 @@ class MambaCudaKernels:
         return fuse_conv, fuse_out
 
     def _fused_decode(self, mixer, p: dict[str, torch.Tensor], hidden: torch.Tensor, slots: torch.Tensor,
-                      conv_state: torch.Tensor, ssm_state: torch.Tensor, fuse_conv: bool, fuse_out: bool) -> torch.Tensor:
+                      conv_state: torch.Tensor, ssm_state: torch.Tensor, fuse_conv: bool,
+                      fuse_out: bool) -> torch.Tensor:
         """A decode-only step of one Mamba layer with fewer launches: in_proj + conv as one
         (triton_gemv.in_proj_conv) and/or the gated norm folded into the SSM update and out_proj
         (selective_state_update_gated, triton_gemv.gated_out_proj); the same math as the other path."""

@@ -262,7 +262,8 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     N = weight.shape[0]
     C, W = conv_weight.shape
     if M > MAX_ROWS or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError(f"in_proj_conv: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} {weight.stride()}")
+        raise ValueError(f"in_proj_conv: x {tuple(x.shape)} {x.stride()}, "
+                         f"weight {tuple(weight.shape)} {weight.stride()}")
     if (W < 2 or conv_state.shape[1:] != (C, W - 1) or not 0 <= conv_start <= N - C or state_indices.shape != (M,)
             or conv_weight.stride(1) != 1):
         raise ValueError(f"in_proj_conv: conv_state {tuple(conv_state.shape)}, conv_weight {tuple(conv_weight.shape)}, "

@@ -317,8 +317,8 @@ def selective_state_update_gated(state: torch.Tensor, x: torch.Tensor, dt: torch
     """selective_state_update of one token a row (x [b, H, P]) that also returns, for the Mamba2 gated norm
     after it, each program's sum of squares of y * silu(z) over its head-dim block (y as stored): sq
     [b, H, blocks] fp32, blocks = the launch's head-dim blocks (P / BLOCK_P, at most GATE_PARTS / H unless
-    block_p says otherwise); z [b, H, P], last dim contiguous. A group's mean square is then the sum of its heads' parts over its channels
-    (triton_gemv.gated_out_proj), with no launch of its own."""
+    block_p says otherwise); z [b, H, P], last dim contiguous. A group's mean square is then the sum of its
+    heads' parts over its channels (triton_gemv.gated_out_proj), with no launch of its own."""
     if x.dim() != 3 or z.shape != x.shape or z.stride(-1) != 1:
         raise ValueError(f"selective_state_update_gated: one token a row, z like x: x {tuple(x.shape)}, "
                          f"z {tuple(z.shape)} {z.stride()}")
