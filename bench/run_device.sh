@@ -237,6 +237,18 @@ if [[ $what == fusions-8b ]]; then
         | tee "$OUT/decode_fusions_$fused.log" | grep -v Warn | tail -6 || rc=1
   done
 fi
+# mamba-layer  bench_mamba_decode_layer.py: one Mamba layer's decode op by op and as chains (default, in_proj+conv
+#            fused, gated norm folded into the SSM update and out_proj) at the MoE and 8B Mamba dims, batch 1 / 8
+#            (~1 minute), then the 8B shape's decode as is and with in_proj+conv fused (HYBRID_DECODE_IN_PROJ_CONV=1)
+if [[ $what == mamba-layer ]]; then
+  timeout 150 python3 bench/bench_mamba_decode_layer.py --json "$OUT/mamba_decode_layer.json" 2>&1 \
+      | tee "$OUT/mamba_decode_layer.log" | grep -v Warn || rc=1
+  for fused in 0 1; do
+    HYBRID_DECODE_IN_PROJ_CONV=$fused timeout 180 python3 bench/bench_decode.py --no-eager --no-prefill \
+        --ssm-dtype bfloat16 --batches 1 8 16 --json "$OUT/decode_in_proj_conv_$fused.json" 2>&1 \
+        | tee "$OUT/decode_in_proj_conv_$fused.log" | grep -E "^\{'batch|rror" | cut -c1-200 || rc=1
+  done
+fi
 # speculative  bench_speculative.py: a verify step (K=3) next to a decode step on the 8B shape, eager and
 #            replayed from the verify graphs (the default), batch 1 / 4 / 16, then generate with
 #            n-gram speculation (~3 minutes)

@@ -1,0 +1,182 @@
+"""One Mamba layer's decode step, op by op, at the MoE shapes' Mamba dims (Nemotron-3-Nano-30B-A3B,
+Granite-4.0-H-Tiny) and the 8B shape's: the default chain (in_proj on cuBLAS, conv-state update, SSM
+update, gated norm, out_proj on cuBLAS) against the fused ops of the decode switches
+(HYBRID_DECODE_IN_PROJ_CONV: triton_gemv.in_proj_conv; HYBRID_DECODE_GATED_OUT_PROJ:
+triton_mamba.selective_state_update_gated + triton_gemv.gated_out_proj), each op alone and each chain
+whole, so a switch that loses in the model can be traced to the op that loses.
+
+Timing: bench/cuda_timing.graph_us_per_call over several layers' own weights and states (so they
+stream from HBM, as in a decode step); figures are microseconds per layer.
+
+    python3 bench/bench_mamba_decode_layer.py [--batches 1 8] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.cuda_timing import graph_us_per_call  # noqa: E402
+
+
+@dataclass(frozen=True)
+class MambaDims:
+    hidden: int
+    heads: int
+    head_dim: int
+    groups: int
+    state: int
+    conv_width: int = 4
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.groups * self.state
+
+    @property
+    def in_width(self) -> int:
+        return self.inner + self.conv_dim + self.heads
+
+
+SHAPES = {
+    "nemotron-nano": MambaDims(hidden=2688, heads=64, head_dim=64, groups=8, state=128),
+    "granite-tiny": MambaDims(hidden=1536, heads=48, head_dim=64, groups=1, state=128),
+    "nemotron-h-8b": MambaDims(hidden=4096, heads=128, head_dim=64, groups=8, state=128),
+}
+
+
+class Layer:
+    """One Mamba layer's decode operands on the GPU (random), state for `slots` requests."""
+
+    def __init__(self, d: MambaDims, slots: int, dev: torch.device, state_dtype: torch.dtype):
+        bf = torch.bfloat16
+        self.d = d
+        self.w_in = torch.randn(d.in_width, d.hidden, device=dev, dtype=bf) * d.hidden ** -0.5
+        self.w_out = torch.randn(d.hidden, d.inner, device=dev, dtype=bf) * d.inner ** -0.5
+        self.conv_w = torch.randn(d.conv_dim, d.conv_width, device=dev, dtype=bf) * 0.5
+        self.conv_b = torch.randn(d.conv_dim, device=dev, dtype=bf) * 0.1
+        self.conv_state = torch.randn(slots, d.conv_dim, d.conv_width - 1, device=dev, dtype=bf)
+        self.ssm_state = (torch.randn(slots, d.heads, d.head_dim, d.state, device=dev) * 0.1).to(state_dtype)
+        self.A = -torch.rand(d.heads, device=dev) - 0.5
+        self.D = torch.randn(d.heads, device=dev)
+        self.dt_bias = torch.randn(d.heads, device=dev) * 0.1
+        self.norm_w = (1 + 0.1 * torch.randn(d.inner, device=dev)).to(bf)
+
+
+def split_in(d: MambaDims, zx: torch.Tensor):
+    return torch.split(zx, [d.inner, d.conv_dim, d.heads], dim=-1)
+
+
+def operands(d: MambaDims, xbc: torch.Tensor):
+    gn = d.groups * d.state
+    x, B, C = torch.split(xbc, [d.inner, gn, gn], dim=-1)
+    b = xbc.shape[0]
+    return x.reshape(b, d.heads, d.head_dim), B.reshape(b, d.groups, d.state), C.reshape(b, d.groups, d.state)
+
+
+def chains(layer: Layer, h: torch.Tensor, slots: torch.Tensor) -> dict:
+    """name -> zero-argument callable: the ops alone (on inputs made once) and the whole chains."""
+    from hybrid.ops import triton_gemv, triton_mamba as tm, triton_norm
+
+    d, L = layer.d, layer
+    b = h.shape[0]
+    eps = 1e-5
+    zx = F.linear(h, L.w_in)
+    z, xBC, dt = split_in(d, zx)
+    xbc = tm.conv_state_update(xBC, L.conv_state, L.conv_w, L.conv_b, slots)
+    x, B, C = operands(d, xbc)
+    y = tm.selective_state_update(L.ssm_state, x, dt, L.A, B, C, L.D, L.dt_bias, slots)
+    y2 = y.reshape(b, d.inner)
+    _, sq = tm.selective_state_update_gated(L.ssm_state, x, dt, L.A, B, C, L.D, L.dt_bias, slots,
+                                            z.reshape(x.shape))
+    normed = triton_norm.gated_rms_norm(y2, z, L.norm_w, eps, d.groups)
+
+    def default_chain():
+        zx_ = F.linear(h, L.w_in)
+        z_, xBC_, dt_ = split_in(d, zx_)
+        xbc_ = tm.conv_state_update(xBC_, L.conv_state, L.conv_w, L.conv_b, slots)
+        x_, B_, C_ = operands(d, xbc_)
+        y_ = tm.selective_state_update(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots)
+        return F.linear(triton_norm.gated_rms_norm(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups), L.w_out)
+
+    def in_proj_conv_chain():
+        zx_ = triton_gemv.in_proj_conv(h, L.w_in, None, L.conv_state, L.conv_w, L.conv_b, slots, d.inner)
+        z_, xbc_, dt_ = split_in(d, zx_)
+        x_, B_, C_ = operands(d, xbc_)
+        y_ = tm.selective_state_update(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots)
+        return F.linear(triton_norm.gated_rms_norm(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups), L.w_out)
+
+    def gated_chain():
+        zx_ = F.linear(h, L.w_in)
+        z_, xBC_, dt_ = split_in(d, zx_)
+        xbc_ = tm.conv_state_update(xBC_, L.conv_state, L.conv_w, L.conv_b, slots)
+        x_, B_, C_ = operands(d, xbc_)
+        y_, sq_ = tm.selective_state_update_gated(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots,
+                                                  z_.reshape(x_.shape))
+        return triton_gemv.gated_out_proj(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups, sq_, L.w_out)
+
+    return {
+        "in_proj cuBLAS": lambda: F.linear(h, L.w_in),
+        "in_proj small_m_linear": lambda: triton_gemv.small_m_linear(h, L.w_in),
+        "in_proj_conv": lambda: triton_gemv.in_proj_conv(h, L.w_in, None, L.conv_state, L.conv_w, L.conv_b,
+                                                         slots, d.inner),
+        "conv_state_update": lambda: tm.conv_state_update(xBC, L.conv_state, L.conv_w, L.conv_b, slots),
+        "ssm_update": lambda: tm.selective_state_update(L.ssm_state, x, dt, L.A, B, C, L.D, L.dt_bias, slots),
+        "ssm_update_gated": lambda: tm.selective_state_update_gated(L.ssm_state, x, dt, L.A, B, C, L.D,
+                                                                    L.dt_bias, slots, z.reshape(x.shape)),
+        "gated_rms_norm": lambda: triton_norm.gated_rms_norm(y2, z, L.norm_w, eps, d.groups),
+        "out_proj cuBLAS": lambda: F.linear(normed, L.w_out),
+        "out_proj small_m_linear": lambda: triton_gemv.small_m_linear(normed, L.w_out),
+        "gated_norm_linear": lambda: triton_gemv.gated_norm_linear(y2, z, L.norm_w, eps, d.groups, L.w_out),
+        "gated_out_proj": lambda: triton_gemv.gated_out_proj(y2, z, L.norm_w, eps, d.groups, sq, L.w_out),
+        "chain default": default_chain,
+        "chain in_proj_conv": in_proj_conv_chain,
+        "chain gated_out_proj": gated_chain,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--layers", type=int, default=0, help="layers cycled over (default: enough for ~400 MB)")
+    ap.add_argument("--ssm-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    state_dtype = getattr(torch, args.ssm_dtype)
+    results = []
+    for name in args.shapes:
+        d = SHAPES[name]
+        per_layer = 2 * (d.in_width * d.hidden + d.hidden * d.inner)
+        n_layers = args.layers or max(4, min(32, (400 << 20) // per_layer))
+        slots = max(args.batches) + 1
+        layers = [Layer(d, slots, dev, state_dtype) for _ in range(n_layers)]
+        for b in args.batches:
+            h = torch.randn(b, d.hidden, device=dev, dtype=torch.bfloat16)
+            idx = torch.arange(b, device=dev, dtype=torch.int32)
+            per = [chains(layer, h, idx) for layer in layers]
+            row = dict(shape=name, batch=b, layers=n_layers)
+            for op in per[0]:
+                row[op] = graph_us_per_call([p[op] for p in per], iters=20)
+            results.append(row)
+            print(f"[{name}] batch {b} ({n_layers} layers cycled), us per layer: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if isinstance(v, float)), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
