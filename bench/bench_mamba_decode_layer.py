@@ -116,6 +116,14 @@ def chains(layer: Layer, h: torch.Tensor, slots: torch.Tensor) -> dict:
         y_ = tm.selective_state_update(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots)
         return F.linear(triton_norm.gated_rms_norm(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups), L.w_out)
 
+    def in_proj_conv_triton_out_chain():  # HYBRID_DECODE_IN_PROJ_CONV=1 HYBRID_DECODE_LINEAR=plain:mamba.out_proj
+        zx_ = triton_gemv.in_proj_conv(h, L.w_in, None, L.conv_state, L.conv_w, L.conv_b, slots, d.inner)
+        z_, xbc_, dt_ = split_in(d, zx_)
+        x_, B_, C_ = operands(d, xbc_)
+        y_ = tm.selective_state_update(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots)
+        normed_ = triton_norm.gated_rms_norm(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups)
+        return triton_gemv.small_m_linear(normed_, L.w_out)
+
     def gated_chain():
         zx_ = F.linear(h, L.w_in)
         z_, xBC_, dt_ = split_in(d, zx_)
@@ -141,6 +149,7 @@ def chains(layer: Layer, h: torch.Tensor, slots: torch.Tensor) -> dict:
         "gated_out_proj": lambda: triton_gemv.gated_out_proj(y2, z, L.norm_w, eps, d.groups, sq, L.w_out),
         "chain default": default_chain,
         "chain in_proj_conv": in_proj_conv_chain,
+        "chain in_proj_conv + out_proj small_m_linear": in_proj_conv_triton_out_chain,
         "chain gated_out_proj": gated_chain,
     }
 

@@ -238,16 +238,23 @@ if [[ $what == fusions-8b ]]; then
   done
 fi
 # mamba-layer  bench_mamba_decode_layer.py: one Mamba layer's decode op by op and as chains (default, in_proj+conv
-#            fused, gated norm folded into the SSM update and out_proj) at the MoE and 8B Mamba dims, batch 1 / 8
-#            (~1 minute), then the 8B shape's decode as is and with in_proj+conv fused (HYBRID_DECODE_IN_PROJ_CONV=1)
+#            fused, that with out_proj on the Triton linear, the gated norm folded into the SSM update and
+#            out_proj) at the MoE and 8B Mamba dims, batch 1 / 8; then the 8B shape's decode (graphs, bf16 state,
+#            batch 1 / 8) as is and with HYBRID_DECODE_IN_PROJ_CONV=1 HYBRID_DECODE_LINEAR=plain:mamba.out_proj,
+#            and Granite-Tiny's with the same A/B (bench_moe.py --mamba-decode-ab) (<= 9 minutes)
 if [[ $what == mamba-layer ]]; then
-  timeout 150 python3 bench/bench_mamba_decode_layer.py --json "$OUT/mamba_decode_layer.json" 2>&1 \
+  timeout 120 python3 bench/bench_mamba_decode_layer.py --json "$OUT/mamba_decode_layer.json" 2>&1 \
       | tee "$OUT/mamba_decode_layer.log" | grep -v Warn || rc=1
   for fused in 0 1; do
-    HYBRID_DECODE_IN_PROJ_CONV=$fused timeout 180 python3 bench/bench_decode.py --no-eager --no-prefill \
-        --ssm-dtype bfloat16 --batches 1 8 16 --json "$OUT/decode_in_proj_conv_$fused.json" 2>&1 \
-        | tee "$OUT/decode_in_proj_conv_$fused.log" | grep -E "^\{'batch|rror" | cut -c1-200 || rc=1
+    if [[ $fused == 1 ]]; then export HYBRID_DECODE_IN_PROJ_CONV=1 HYBRID_DECODE_LINEAR=plain:mamba.out_proj; fi
+    timeout 130 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 --batches 1 8 \
+        --json "$OUT/decode_mamba_fused_$fused.json" 2>&1 | tee "$OUT/decode_mamba_fused_$fused.log" \
+        | grep -E "^\{'batch|rror" | cut -c1-200 || rc=1
   done
+  unset HYBRID_DECODE_IN_PROJ_CONV HYBRID_DECODE_LINEAR
+  timeout 200 python3 bench/bench_moe.py --shapes granite-tiny --batches 1 8 --gen-batches 1 --no-peer --no-eager \
+      --mamba-decode-ab --out "$OUT" --time-budget 190 2>&1 | tee "$OUT/bench_moe_mamba_decode.log" \
+      | grep -E "^\[granite|^\||Error|error" | cut -c1-220 || rc=1
 fi
 # speculative  bench_speculative.py: a verify step (K=3) next to a decode step on the 8B shape, eager and
 #            replayed from the verify graphs (the default), batch 1 / 4 / 16, then generate with
