@@ -417,9 +417,9 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                         "decode projections through the Triton linear, gated norm its own launch (HYBRID_DECODE_LINEAR=plain)"),
     "in_proj_conv_ab": ("in_proj_conv", {"HYBRID_DECODE_IN_PROJ_CONV": "1"},
                         "each Mamba layer's in_proj and conv in one launch (HYBRID_DECODE_IN_PROJ_CONV=1)"),
-    "mamba_decode_ab": ("mamba_decode", {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_LINEAR": "plain:mamba.out_proj"},
-                        "Mamba in_proj and conv in one launch, out_proj on the Triton linear "
-                        "(HYBRID_DECODE_IN_PROJ_CONV=1 HYBRID_DECODE_LINEAR=plain:mamba.out_proj)"),
+    "mamba_unfused_ab": ("mamba_unfused", {"HYBRID_DECODE_IN_PROJ_CONV": "0", "HYBRID_DECODE_LINEAR": "cublas"},
+                         "Mamba in_proj and out_proj on cuBLAS and the conv its own launch, as before 2026-12-05 "
+                         "(HYBRID_DECODE_IN_PROJ_CONV=0 HYBRID_DECODE_LINEAR=cublas)"),
     "gated_out_proj_ab": ("gated_out_proj", {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
                           "the Mamba gated norm in the SSM update and out_proj (HYBRID_DECODE_GATED_OUT_PROJ=1)"),
     "decode_fusions_ab": ("decode_fusions", {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"},

@@ -237,24 +237,31 @@ if [[ $what == fusions-8b ]]; then
         | tee "$OUT/decode_fusions_$fused.log" | grep -v Warn | tail -6 || rc=1
   done
 fi
-# mamba-layer  bench_mamba_decode_layer.py: one Mamba layer's decode op by op and as chains (default, in_proj+conv
-#            fused, that with out_proj on the Triton linear, the gated norm folded into the SSM update and
-#            out_proj) at the MoE and 8B Mamba dims, batch 1 / 8; then the 8B shape's decode (graphs, bf16 state,
-#            batch 1 / 8) as is and with HYBRID_DECODE_IN_PROJ_CONV=1 HYBRID_DECODE_LINEAR=plain:mamba.out_proj,
-#            and Granite-Tiny's with the same A/B (bench_moe.py --mamba-decode-ab) (<= 9 minutes)
+# mamba-layer  bench_mamba_decode_layer.py: one Mamba layer's decode op by op and as chains (the old default, in_proj+conv
+#            fused, that with out_proj on the Triton linear (today's default), the gated norm folded into the SSM
+#            update and out_proj) at the MoE and 8B Mamba dims, batch 1 / 8; the 8B shape's decode (graphs, bf16
+#            state, batch 1 / 8) with the defaults and as before them (HYBRID_DECODE_IN_PROJ_CONV=0
+#            HYBRID_DECODE_LINEAR=cublas); Granite-Tiny's with the same A/B (bench_moe.py --mamba-unfused-ab); then
+#            the graph and fused-op GPU tests with the defaults in what is left of 9 minutes
 if [[ $what == mamba-layer ]]; then
+  start=$SECONDS
   timeout 120 python3 bench/bench_mamba_decode_layer.py --json "$OUT/mamba_decode_layer.json" 2>&1 \
       | tee "$OUT/mamba_decode_layer.log" | grep -v Warn || rc=1
-  for fused in 0 1; do
-    if [[ $fused == 1 ]]; then export HYBRID_DECODE_IN_PROJ_CONV=1 HYBRID_DECODE_LINEAR=plain:mamba.out_proj; fi
+  for old in 0 1; do
+    if [[ $old == 1 ]]; then export HYBRID_DECODE_IN_PROJ_CONV=0 HYBRID_DECODE_LINEAR=cublas; fi
     timeout 130 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 --batches 1 8 \
-        --json "$OUT/decode_mamba_fused_$fused.json" 2>&1 | tee "$OUT/decode_mamba_fused_$fused.log" \
+        --json "$OUT/decode_mamba_old_$old.json" 2>&1 | tee "$OUT/decode_mamba_old_$old.log" \
         | grep -E "^\{'batch|rror" | cut -c1-200 || rc=1
   done
   unset HYBRID_DECODE_IN_PROJ_CONV HYBRID_DECODE_LINEAR
   timeout 200 python3 bench/bench_moe.py --shapes granite-tiny --batches 1 8 --gen-batches 1 --no-peer --no-eager \
-      --mamba-decode-ab --out "$OUT" --time-budget 190 2>&1 | tee "$OUT/bench_moe_mamba_decode.log" \
+      --mamba-unfused-ab --out "$OUT" --time-budget 190 2>&1 | tee "$OUT/bench_moe_mamba_unfused.log" \
       | grep -E "^\[granite|^\||Error|error" | cut -c1-220 || rc=1
+  left=$((560 - (SECONDS - start)))
+  if (( left > 30 )); then
+    gpu_pytest $left gpu_tests_mamba_defaults.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_graphs.py \
+        -k "engine or replay or graph"
+  fi
 fi
 # speculative  bench_speculative.py: a verify step (K=3) next to a decode step on the 8B shape, eager and
 #            replayed from the verify graphs (the default), batch 1 / 4 / 16, then generate with

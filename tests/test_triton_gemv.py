@@ -63,7 +63,8 @@ def test_layers_use_it_only_when_asked_and_eligible(monkeypatch):
 
 def test_plain_linear_by_role(monkeypatch, tiny_ckpt):
     """HYBRID_DECODE_LINEAR=plain takes every projection, plain:<roles> only those roles' (the model's
-    Linear modules carry them), anything else none; each read once until reset_switches."""
+    Linear modules carry them), unset only the Mamba out_proj, anything else none; each read once until
+    reset_switches."""
     from hybrid import LLM
     from hybrid.ops import triton_guard
 
@@ -77,7 +78,8 @@ def test_plain_linear_by_role(monkeypatch, tiny_ckpt):
 
     ROLES = ("mamba.in_proj", "mamba.out_proj", "attn.qkv_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")
     try:
-        assert taken(None) == set() and taken("triton") == set() and taken("cublas") == set()
+        assert taken(None) == {"mamba.out_proj"}  # the default (triton_guard.DECODE_LINEAR_DEFAULT)
+        assert taken("triton") == set() and taken("cublas") == set()
         assert taken("plain") == set(ROLES)
         assert taken("plain:mamba.in_proj, attn.o_proj") == {"mamba.in_proj", "attn.o_proj"}
         assert triton_guard.switch("decode_linear_plain") and not triton_guard.switch("decode_linear")
@@ -269,8 +271,8 @@ def test_mixer_decode_with_fewer_launches(monkeypatch, dtype, fusion):
     # the same projection kernel both ways
     monkeypatch.setenv("HYBRID_DECODE_LINEAR", "plain:mamba.in_proj,mamba.out_proj")
     for fused in ("0", "1"):
-        for env in FUSIONS[fusion]:
-            monkeypatch.setenv(env, fused)
+        for env in FUSIONS["both"]:  # the fusions under test as `fused` says, any other one off
+            monkeypatch.setenv(env, fused if env in FUSIONS[fusion] else "0")
         triton_guard.reset_switches()
         calls.clear()
         c, s = conv.clone(), ssm.clone()
@@ -278,7 +280,7 @@ def test_mixer_decode_with_fewer_launches(monkeypatch, dtype, fusion):
         assert sorted(calls) == (sorted(n for n in ("in_proj_conv", "gated_out_proj") if fusion in (n, "both"))
                                  if fused == "1" else [])
         results[fused] = out, c, s
-    for env in (*FUSIONS[fusion], "HYBRID_DECODE_LINEAR"):
+    for env in (*FUSIONS["both"], "HYBRID_DECODE_LINEAR"):
         monkeypatch.delenv(env)
     triton_guard.reset_switches()
     (out0, c0, s0), (out1, c1, s1) = results["0"], results["1"]
@@ -288,6 +290,32 @@ def test_mixer_decode_with_fewer_launches(monkeypatch, dtype, fusion):
     torch.testing.assert_close(s1.float(), s0.float(), **tol)
     untouched = [0, 2, 3, 5]
     assert torch.equal(c1[untouched], conv[untouched]) and torch.equal(s1[untouched], ssm[untouched])
+
+
+def test_decode_fusion_defaults(monkeypatch):
+    """in_proj + conv in one launch is on unless HYBRID_DECODE_IN_PROJ_CONV=0; the gated norm folded into the
+    SSM update and out_proj is off unless HYBRID_DECODE_GATED_OUT_PROJ=1 (triton_guard's measured defaults)."""
+    from random_mixer import random_mixer
+
+    from hybrid.ops import triton_gemv, triton_guard
+    from hybrid.ops.mamba_cuda import MambaCudaKernels
+
+    mixer = random_mixer(torch.float16)
+    mixer.in_proj.fused = mixer.out_proj.fused = mixer.fused = True
+    kernels = object.__new__(MambaCudaKernels)
+    hidden = torch.zeros(2, 32, dtype=torch.float16)
+    monkeypatch.setattr(triton_gemv, "eligible", lambda x, w: True)
+    for env in ("HYBRID_DECODE_IN_PROJ_CONV", "HYBRID_DECODE_GATED_OUT_PROJ"):
+        monkeypatch.delenv(env, raising=False)
+    triton_guard.reset_switches()
+    try:
+        assert kernels._decode_fusions(mixer, hidden) == (True, False)
+        monkeypatch.setenv("HYBRID_DECODE_IN_PROJ_CONV", "0")
+        triton_guard.reset_switches()
+        assert kernels._decode_fusions(mixer, hidden) == (False, False)
+    finally:
+        monkeypatch.delenv("HYBRID_DECODE_IN_PROJ_CONV", raising=False)
+        triton_guard.reset_switches()
 
 
 def test_decode_fusions_only_for_plain_projections(monkeypatch):

@@ -18,18 +18,20 @@ again: benchmarks comparing both):
   (hybrid/ops/triton_gemv.py), the Mamba gated norm fused into out_proj;
 - "decode_linear_plain" (HYBRID_DECODE_LINEAR=plain): the same Triton linear for decode-sized projections,
   the gated norm its own launch (no split-K reduce launch after out_proj): measured at batch 1 +3.2% on
-  Granite-4.0-H-Tiny's shape and -5.3% on Nemotron-3-Nano's (BENCHMARKS.md), so off.
+  Granite-4.0-H-Tiny's shape and -5.3% on Nemotron-3-Nano's (BENCHMARKS.md), so not for every projection.
   HYBRID_DECODE_LINEAR=plain:<role>,<role> limits it to those projections (`decode_linear_plain(role)`;
   roles as hybrid/layers.Linear names them: mamba.in_proj, mamba.out_proj, attn.qkv_proj, attn.o_proj,
-  mlp.up_proj, mlp.gate_up_proj, mlp.down_proj): bench_moe.py --linear-roles-ab times each alone;
-- "decode_in_proj_conv" (HYBRID_DECODE_IN_PROJ_CONV=1): a decode-only step's Mamba in_proj and causal conv
-  (with its conv-state update) in one launch (triton_gemv.in_proj_conv: one launch fewer a Mamba layer, the
-  projection on the Triton linear instead of cuBLAS); written 2026-12-05 and tested on the CPU (the
-  interpreter), not yet measured on the GPU, so off;
+  mlp.up_proj, mlp.gate_up_proj, mlp.down_proj): bench_moe.py --linear-roles-ab times each alone. Each role
+  alone (H100, 2026-12-05): mamba.out_proj won on both MoE shapes at batch 1 and 8 (+1.9% / +2.7% at batch 1;
+  no split-K reduce launch) and is the default (DECODE_LINEAR_DEFAULT); HYBRID_DECODE_LINEAR=cublas turns it off;
+- "decode_in_proj_conv" (on by default; HYBRID_DECODE_IN_PROJ_CONV=0 turns it off): a decode-only step's Mamba
+  in_proj and causal conv (with its conv-state update) in one launch (triton_gemv.in_proj_conv: one launch fewer
+  a Mamba layer, the projection on the Triton linear instead of cuBLAS). Measured (H100, 2026-12-05): +5.2% /
+  +0.6% at batch 1 / 8 on Granite-4.0-H-Tiny's shape, +0.4% / +1.1% on Nemotron-3-Nano's;
 - "decode_gated_out_proj" (HYBRID_DECODE_GATED_OUT_PROJ=1): in a decode-only step, the Mamba gated norm's sums
   of squares taken by the SSM update (triton_mamba.selective_state_update_gated) and the norm applied inside
-  out_proj on the Triton linear (triton_gemv.gated_out_proj): the gated norm's launch gone; written
-  2026-12-05, CPU-tested, not yet measured on the GPU, so off;
+  out_proj on the Triton linear (triton_gemv.gated_out_proj): the gated norm's launch gone. Measured (H100,
+  2026-12-05): -53% / -78% at batch 1 on the two MoE shapes, like gated_norm_linear before it, so off;
 - "norm_router" (HYBRID_NORM_ROUTER=1): the residual add and norm before an MoE layer computed in its
   router's launch (triton_norm.add_rms_norm_route);
 - "bf16_logits" (HYBRID_16BIT_LOGITS=1): the LM head's logits in the model dtype, widened after
@@ -49,8 +51,8 @@ again: benchmarks comparing both):
   state (hybrid/ops/triton_mamba_varlen.py) instead of a conv launch and a scan call per row. Measured on the
   GPU (BENCHMARKS.md): 18.5x on 64 prompts of 16 tokens, 3.6x at 128; its outputs and final states as close
   to fp32 as the row path's (tests/gpu/test_kernels.py::test_varlen_prefill_as_accurate_as_rows).
-The others are off: the first three measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
-BENCHMARKS.md) the first loses 37-45% at batch 1 and the second is neutral.
+The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
+BENCHMARKS.md) "decode_linear" loses 37-45% at batch 1 and "norm_router" is neutral.
 """
 from __future__ import annotations
 
@@ -80,7 +82,10 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
              "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
              "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1")}
-_ON_BY_DEFAULT = {"varlen_prefill"}  # these read as on unless their variable says "0"
+_ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv"}  # these read as on unless their variable says "0"
+# HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
+# docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS
+DECODE_LINEAR_DEFAULT = "plain:mamba.out_proj"
 _switch_values: dict[str, bool] = {}
 
 
@@ -89,7 +94,7 @@ def switch(name: str) -> bool:
     if name not in _switch_values:
         env, on = _SWITCHES[name]
         if name == "decode_linear_plain":  # "plain" or "plain:<roles>"
-            _switch_values[name] = os.environ.get(env, "").split(":", 1)[0] == on
+            _switch_values[name] = _decode_linear_value().split(":", 1)[0] == on
         elif name in _ON_BY_DEFAULT:
             _switch_values[name] = os.environ.get(env, on) != "0"
         else:
@@ -105,11 +110,15 @@ def decode_linear_plain(role: str) -> bool:
     if not switch("decode_linear_plain"):
         return False
     if not _plain_roles:
-        value = os.environ.get(_SWITCHES["decode_linear_plain"][0], "")
+        value = _decode_linear_value()
         _plain_roles.append(frozenset(r.strip() for r in value.split(":", 1)[1].split(",") if r.strip())
                             if ":" in value else None)
     roles = _plain_roles[0]
     return roles is None or role in roles
+
+
+def _decode_linear_value() -> str:
+    return os.environ.get(_SWITCHES["decode_linear"][0], DECODE_LINEAR_DEFAULT)
 
 
 def reset_switches() -> None:
