@@ -13,12 +13,13 @@ With programmatic dependent launch (hybrid/ops/triton_guard.py) each program loa
 PRE_K columns of its slab before waiting for the previous kernel (no kernel writes weights), so the
 first weight fetch, the latency a projection of a few MB is bound by, overlaps the kernel before it.
 
-The layers use it for steps of at most MAX_ROWS tokens when the "decode_linear" switch is on
-(HYBRID_DECODE_LINEAR=triton, triton_guard.switch). It is off: alone (bench/bench_gemv.py) it tied
-cuBLAS, but in the model (bench/bench_moe.py --linear-ab, BENCHMARKS.md) decode lost 37-45% at batch 1,
-most likely in gated_norm_linear, whose programs (one per 32 output columns: 48 for Granite-4.0-H-Tiny's
-out_proj) are too few and each recompute the whole gated norm. CPU tests run it through Triton's
-interpreter (tests/test_triton_gemv.py).
+The layers use it for steps of at most MAX_ROWS tokens by role (triton_guard.decode_linear_plain): by
+default each Mamba out_proj, and each Mamba in_proj as in_proj_conv (the causal conv in the same launch);
+both measured faster than cuBLAS in the MoE models (BENCHMARKS.md). Every projection with
+HYBRID_DECODE_LINEAR=plain; with =triton also the gated norm inside out_proj (gated_norm_linear), which
+lost 37-45% at batch 1, as did gated_out_proj (its sums of squares from the SSM update) by 2-5x: both
+normalise y and z inside the K loop, whose loads then feed arithmetic before the dot (not measured why
+that costs so much). CPU tests run it through Triton's interpreter (tests/test_triton_gemv.py).
 """
 from __future__ import annotations
 
