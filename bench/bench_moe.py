@@ -307,16 +307,19 @@ def build_fitting_llm(cfg_dict: dict, args, dev: torch.device, skipped: dict[int
 
 def measured_experts(model: torch.nn.Module, fn: Callable[[], Any]) -> float | None:
     """Mean distinct experts per MoE layer in one eager call of fn, read from the top_idx argument
-    of the routed-experts modules (None if the model has no such module taking it)."""
+    of the routed-experts modules, or routed from their `router` argument (None if the model has no such
+    module taking either)."""
     counts: list[int] = []
 
-    def hook(mod, inputs):
-        for a in inputs:
+    def hook(mod, inputs, kwargs):
+        router = kwargs.get("router")
+        for a in (*inputs, router.route()[0] if router is not None else None):
             if torch.is_tensor(a) and not a.is_floating_point() and a.dim() == 2:
                 counts.append(int(torch.unique(a).numel()))
                 return
 
-    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if type(m).__name__ == "Experts"]
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
+               if type(m).__name__ == "Experts"]
     try:
         fn()
     finally:
@@ -420,6 +423,8 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "mamba_unfused_ab": ("mamba_unfused", {"HYBRID_DECODE_IN_PROJ_CONV": "0", "HYBRID_DECODE_LINEAR": "cublas"},
                          "Mamba in_proj and out_proj on cuBLAS and the conv its own launch, as before 2026-12-05 "
                          "(HYBRID_DECODE_IN_PROJ_CONV=0 HYBRID_DECODE_LINEAR=cublas)"),
+    "route_in_gemm_ab": ("route_in_gemm", {"HYBRID_MOE_ROUTE_IN_GEMM": "1"},
+                         "a one-token step's MoE routing inside the first expert GEMM (HYBRID_MOE_ROUTE_IN_GEMM=1)"),
     "gated_out_proj_ab": ("gated_out_proj", {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
                           "the Mamba gated norm in the SSM update and out_proj (HYBRID_DECODE_GATED_OUT_PROJ=1)"),
     "decode_fusions_ab": ("decode_fusions", {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"},

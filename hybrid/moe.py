@@ -86,11 +86,13 @@ class Experts(nn.Module):
             first.setdefault(plan, T)
         return sorted(first.values())
 
-    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
-                add: torch.Tensor | None = None, shared: nn.Module | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor | None, top_w: torch.Tensor | None,
+                add: torch.Tensor | None = None, shared: nn.Module | None = None,
+                router: triton_moe_route.RouterLogits | None = None) -> torch.Tensor:
         """sum_k top_w * expert_k(x) (+ add), in x.dtype. `shared` (fused path only, see
         shared_slices): the shared MLP as pseudo-experts E.., whose ids and weights (1) are the
-        last columns of top_idx / top_w."""
+        last columns of top_idx / top_w. `router` (fused path only, top_idx / top_w None): the router's
+        logits, routed by the fused experts (inside their GEMMs at one token)."""
         if self.fused:
             s_up = s_down = None
             if shared is not None:
@@ -98,8 +100,8 @@ class Experts(nn.Module):
                 s_down = shared.down_proj.weight
             return triton_moe.fused_experts(x, self.up, self.down, top_idx, top_w, self.gated, add,
                                             shared_up=s_up, shared_down=s_down, defer_sum=self.defer_sum,
-                                            up_scale=self.up_scale, down_scale=self.down_scale)
-        assert shared is None, "the shared expert joins the experts only on the fused path"
+                                            up_scale=self.up_scale, down_scale=self.down_scale, router=router)
+        assert shared is None and router is None, "the shared expert and a router join the experts only when fused"
         out = torch.zeros(x.shape[0], x.shape[1], dtype=top_w.dtype, device=x.device)
         for e in torch.unique(top_idx).tolist():
             token, k = torch.where(top_idx == e)
@@ -137,12 +139,9 @@ class NemotronMoE(nn.Module):
 
     def route(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(top_idx, top_w) [T, k + num_shared]: the routed experts, then the shared expert's slices
-        (ids E.., weight 1; see Experts.shared_slices)."""
+        (ids E.., weight 1; see Experts.shared_slices). The torch router (group masking); the fused path
+        routes in the experts' launches (forward)."""
         cfg = self.cfg
-        args = self.router_args(x.dtype)
-        if args is not None:  # no group masking: Triton launches
-            weight, top_k, kw = args
-            return triton_moe_route.route_hidden(x, weight, top_k, num_shared=num_shared, **kw)
         logits = F.linear(x.float(), self.router_weight.float())
         scores = logits.sigmoid()
         choice = scores + self.router_bias.float()
@@ -167,10 +166,18 @@ class NemotronMoE(nn.Module):
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`routing`: (top_idx, top_w) already computed with the norm before (add_norm_route)."""
         slices = self.experts.shared_slices(self.shared, x.shape[0])
-        top_idx, top_w = routing if routing is not None else self.route(x, slices)
+        top_idx = top_w = router = None
+        args = self.router_args(x.dtype)
+        if routing is not None:
+            top_idx, top_w = routing
+        elif args is not None:  # no group masking: Triton launches, routed by the fused experts
+            weight, top_k, kw = args
+            router = triton_moe_route.router_logits(x, weight, top_k, num_shared=slices, **kw)
+        else:
+            top_idx, top_w = self.route(x, slices)
         if slices:
-            return self.experts(x, top_idx, top_w, shared=self.shared)
-        return self.experts(x, top_idx, top_w, add=self.shared(x))
+            return self.experts(x, top_idx, top_w, shared=self.shared, router=router)
+        return self.experts(x, top_idx, top_w, add=self.shared(x), router=router)
 
 
 class GraniteMoE(nn.Module):
@@ -195,13 +202,15 @@ class GraniteMoE(nn.Module):
         (top_idx, top_w) already computed with the norm before (add_norm_route)."""
         if self.experts.fused:  # Triton routing; the shared MLP inside the expert launches if it fits
             slices = self.experts.shared_slices(shared, x.shape[0])
+            top_idx = top_w = router = None
             if routing is not None:
                 top_idx, top_w = routing
-            else:
+            else:  # routed by the fused experts
                 weight, top_k, kw = self.router_args(x.dtype)
-                top_idx, top_w = triton_moe_route.route_hidden(x, weight, top_k, num_shared=slices, **kw)
+                router = triton_moe_route.router_logits(x, weight, top_k, num_shared=slices, **kw)
             if slices:
-                return self.experts(x, top_idx, top_w, shared=shared)
+                return self.experts(x, top_idx, top_w, shared=shared, router=router)
+            return self.experts(x, top_idx, top_w, add=shared(x) if shared is not None else None, router=router)
         else:
             logits = F.linear(x, self.router_weight)
             top_logits, top_idx = logits.float().topk(self.cfg.top_k, dim=-1)

@@ -213,3 +213,66 @@ def test_route_hidden_matches_router_gemm(T, logits_dtype):
         # bf16: the fp32 sums differ in order, so a logit may round one bf16 step the other way
         tol = dict(rtol=1e-5, atol=1e-6) if logits_dtype == torch.float32 else dict(rtol=0, atol=1e-2)
         torch.testing.assert_close(w, ref_w, **tol)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("shared", [0, 2])
+@pytest.mark.parametrize("T", [1, 2])
+def test_one_token_routed_inside_the_gemms(monkeypatch, gated, shared, T):
+    """fused_experts given the router's logits (triton_moe_route.router_logits): with HYBRID_MOE_ROUTE_IN_GEMM=1
+    a one-token step routes inside the first GEMM, with no routing launch, and gives the output (and writes the routing) of the
+    routing launch then fused_experts; a longer step launches the routing. NemotronH's router (sigmoid, correction
+    bias, normalised, scaled, fp32 split-K partials) and Granite's (softmax of model-dtype logits)."""
+    g = torch.Generator().manual_seed(T * 10 + shared + gated)
+    n_exp, top_k, dtype = 12, 3, torch.float32
+    Hd = 300  # several K splits of the router, the last one partial
+    x = torch.randn(T, Hd, generator=g).to(dtype)
+    w_up = torch.randn(n_exp, (2 if gated else 1) * INTER, Hd, generator=g) * Hd ** -0.5
+    w_down = torch.randn(n_exp, Hd, INTER, generator=g) * INTER ** -0.5
+    s_up = torch.randn((2 if gated else 1) * shared * INTER, Hd, generator=g) * Hd ** -0.5 if shared else None
+    s_down = torch.randn(Hd, shared * INTER, generator=g) * INTER ** -0.5 if shared else None
+    r_weight = torch.randn(n_exp, Hd, generator=g) * Hd ** -0.5
+    bias = torch.randn(n_exp, generator=g) * 0.1
+    from hybrid.ops import triton_guard
+
+    monkeypatch.setenv("HYBRID_MOE_ROUTE_IN_GEMM", "1")
+    triton_guard.reset_switches()
+    launches = []
+    real_route_rows = troute._route_rows
+    monkeypatch.setattr(troute, "_route_rows", lambda *a, **k: launches.append(1) or real_route_rows(*a, **k))
+    for sigmoid, kw in ((True, dict(bias=bias, normalize=True, scale=2.5)), (False, {})):
+        router = troute.router_logits(x, r_weight, top_k, logits_dtype=dtype, sigmoid=sigmoid, num_shared=shared, **kw)
+        idx, w = router.route()
+        want = triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, shared_up=s_up, shared_down=s_down)
+        launches.clear()
+        rows = triton_moe.fused_experts(x, w_up, w_down, None, None, gated, shared_up=s_up, shared_down=s_down,
+                                        router=router, defer_sum=True)
+        assert launches == ([] if T == 1 else [1])
+        torch.testing.assert_close(rows.sum(), want, rtol=1e-6, atol=1e-6)
+        assert rows.top_k == top_k + shared
+        if T == 1:  # the first GEMM wrote the routing, as the launch would have
+            got_idx, got_w = router_written(monkeypatch, x, w_up, w_down, gated, s_up, s_down, router)
+            assert torch.equal(got_idx, idx) and torch.allclose(got_w, w, rtol=1e-6, atol=1e-7)
+    monkeypatch.setenv("HYBRID_MOE_ROUTE_IN_GEMM", "0")  # off: the routing launch, at one token too
+    triton_guard.reset_switches()
+    launches.clear()
+    triton_moe.fused_experts(x, w_up, w_down, None, None, gated, shared_up=s_up, shared_down=s_down, router=router)
+    assert launches == [1]
+    monkeypatch.delenv("HYBRID_MOE_ROUTE_IN_GEMM")
+    triton_guard.reset_switches()
+
+
+def router_written(monkeypatch, x, w_up, w_down, gated, s_up, s_down, router):
+    """The (top_idx, top_w) buffers a routed fused_experts call's first GEMM filled (the second GEMM, not
+    routed, reads them)."""
+    seen = []
+    real = triton_moe._grouped_gemm
+
+    def spy(*args, routed=None, **kw):
+        seen.append(routed)
+        return real(*args, routed=routed, **kw)
+    monkeypatch.setattr(triton_moe, "_grouped_gemm", spy)
+    triton_moe.fused_experts(x, w_up, w_down, None, None, gated, shared_up=s_up, shared_down=s_down, router=router)
+    monkeypatch.setattr(triton_moe, "_grouped_gemm", real)
+    assert len(seen) == 2 and seen[0] is not None and seen[1] is None
+    return seen[0][1], seen[0][2]

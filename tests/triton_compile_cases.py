@@ -22,7 +22,7 @@ from hybrid.ops import (  # noqa: E402
 )
 
 SM90 = GPUTarget("cuda", 90, 32)
-FLOATS = {"eps", "scale", "min_scale"}
+FLOATS = {"eps", "scale", "min_scale", "r_scale"}
 
 
 def signature(fn, constexprs: dict, ptr_types: dict[str, str], default_ptr: str = "*bf16") -> dict[str, str]:
@@ -68,8 +68,28 @@ for _config in ("decode", "prefill_gated"):
             ptrs = dict(MOE_PTRS, ws_ptr="*fp32", **({"b_ptr": "*fp8e4nv"} if fp8 else {}))
             compiles(triton_moe._moe_gemm_kernel,
                      dict(ACT=act, MUL_W=act == triton_moe.ACT_NONE, HAS_SHARED=not fp8, W_SCALE=fp8, IEEE=False,
-                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early, PDL=True), ptrs, warps, stages)
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early, PDL=True,
+                          **triton_moe._NOT_ROUTED), ptrs, warps, stages)
         CASES[f"moe_gemm-{_config}-act{_act}-early{int(_early)}{'-fp8' * _fp8}"] = _moe
+
+
+# a one-token step routed inside the first GEMM: NemotronH's router (sigmoid, bias, normalised, fp32 partials over
+# 42 splits, 128 experts, shared slices) and Granite's (softmax of bf16-rounded logits, 64 experts)
+for _name, _route in (("nemotron", dict(R_TOP_K=6, R_KP=8, R_EP=128, R_SIGMOID=True, R_HAS_BIAS=True,
+                                        R_NORMALIZE=True, R_SPLITS=42, R_ROUND=0)),
+                      ("granite", dict(R_TOP_K=6, R_KP=8, R_EP=64, R_SIGMOID=False, R_HAS_BIAS=False,
+                                       R_NORMALIZE=False, R_SPLITS=24, R_ROUND=1))):
+    def _routed(route=_route):
+        up, _ = triton_moe.gemm_configs(triton_moe.CONFIGS["decode"])
+        for act in (triton_moe.ACT_RELU2, triton_moe.ACT_SILU_MUL):  # (the first GEMM only)
+            bm, bn, bk, gm, warps, stages = up
+            compiles(triton_moe._moe_gemm_kernel,
+                     dict(ACT=act, MUL_W=False, HAS_SHARED=True, W_SCALE=False, IEEE=False,
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=False, PDL=True, ROUTED=True,
+                          **route),
+                     dict(MOE_PTRS, ws_ptr="*fp32", r_ptr="*fp32", rb_ptr="*fp32", r_idx_ptr="*i32", r_w_ptr="*fp32"),
+                     warps, stages)
+    CASES[f"moe_gemm-routed-{_name}"] = _routed
 
 
 for _i, ((_e, _h, _inter, _gated), _pair) in enumerate(sorted(triton_moe.TUNED_DECODE.items())):
@@ -80,7 +100,8 @@ for _i, ((_e, _h, _inter, _gated), _pair) in enumerate(sorted(triton_moe.TUNED_D
             bm, bn, bk, gm, warps, stages = cfg
             compiles(triton_moe._moe_gemm_kernel,
                      dict(ACT=act, MUL_W=act == triton_moe.ACT_NONE, HAS_SHARED=True, W_SCALE=False, IEEE=False,
-                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early, PDL=True),
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early, PDL=True,
+                          **triton_moe._NOT_ROUTED),
                      dict(MOE_PTRS, ws_ptr="*fp32"), warps, stages)
     CASES[f"moe_gemm-tuned{_i}"] = _tuned
 

@@ -32,6 +32,10 @@ again: benchmarks comparing both):
   of squares taken by the SSM update (triton_mamba.selective_state_update_gated) and the norm applied inside
   out_proj on the Triton linear (triton_gemv.gated_out_proj): the gated norm's launch gone. Measured (H100,
   2026-12-05): -53% / -78% at batch 1 on the two MoE shapes, like gated_norm_linear before it, so off;
+- "moe_route_in_gemm" (HYBRID_MOE_ROUTE_IN_GEMM=1): a one-token step's MoE routing done inside the first expert
+  GEMM (triton_moe.fused_experts' `router`: each program routes the token from the router's split-K partials),
+  the routing launch gone, the second GEMM reading the routing the first wrote; written 2026-12-05 and tested on
+  the CPU (interpreter, and compiled for sm_90), not yet measured on the GPU, so off;
 - "norm_router" (HYBRID_NORM_ROUTER=1): the residual add and norm before an MoE layer computed in its
   router's launch (triton_norm.add_rms_norm_route);
 - "bf16_logits" (HYBRID_16BIT_LOGITS=1): the LM head's logits in the model dtype, widened after
@@ -81,7 +85,7 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
              "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
-             "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1")}
+             "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS

@@ -13,7 +13,9 @@ The n = T*k pairs are numbered p = t*k + j. Steps, every one a launch whose shap
 (no host synchronisation, CUDA-graph capturable):
 1. alignment (hybrid/ops/triton_moe_align.py): the pairs grouped by expert, each expert's group
    padded to a multiple of BLOCK_M with the sentinel n -> `pairs`, `block_expert` and the padded
-   total; blocks past the total exit at once;
+   total; blocks past the total exit at once. (A step of one token with few pairs has each pair in its
+   own block: no launch, and given the router's logits instead of top_idx / top_w, the first GEMM
+   routes the token itself, so the routing launch goes too: `router`.)
 2. GEMM 1: each block's rows x[p // k] against its expert's up rows -> h [n, I] in x.dtype, relu2
    or silu(gate) * up applied in fp32 in the epilogue (gate and up tiles of the same columns in one
    program).
@@ -28,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.ops import triton_moe_align
-from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
+from hybrid.ops import triton_moe_align, triton_moe_route
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, switch, tl, triton
 from state_pool.util import cdiv, sm_count
 
 ACT_NONE, ACT_RELU2, ACT_SILU_MUL = 0, 1, 2
@@ -41,6 +43,7 @@ def is_available() -> bool:
 
 if HAS_TRITON:
     from hybrid.ops.triton_guard import pdl_wait
+    from hybrid.ops.triton_moe_route import route_token
 
     @triton.jit
     def _block_tile(pid, N, num_m_blocks, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -53,13 +56,27 @@ if HAS_TRITON:
         return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
     @triton.jit
-    def _block_operands(a_ptr, b_ptr, s_ptr, pairs_ptr, block_expert_ptr, pid_m, pid_n, N, num_pairs, a_div,
+    def _routed_pair(r_ptr, rb_ptr, j, E, r_s_row, r_s_split, r_scale, TOP_K: tl.constexpr, KP: tl.constexpr,
+                     EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+                     SPLITS: tl.constexpr, ROUND: tl.constexpr):
+        """(expert, routing weight) of the one token's column j, routed here from its router logits
+        (triton_moe_route.route_token): the j-th chosen expert, or past the k the shared pseudo-expert
+        E + j - k with weight 1, as the routing launch writes them."""
+        top_idx, w = route_token(r_ptr, rb_ptr, 0, E, r_s_row, r_s_split, r_scale, TOP_K, KP, EP, SIGMOID,
+                                 HAS_BIAS, NORMALIZE, SPLITS, ROUND)
+        ks = tl.arange(0, KP)
+        routed = j < TOP_K
+        expert = tl.where(routed, tl.sum(tl.where(ks == j, top_idx, 0), axis=0), E + j - TOP_K)
+        weight = tl.where(routed, tl.sum(tl.where(ks == j, w, 0.0), axis=0), 1.0)
+        return expert.to(tl.int64), weight
+
+    @triton.jit
+    def _block_operands(a_ptr, b_ptr, s_ptr, pairs_ptr, expert, pid_m, pid_n, N, num_pairs, a_div,
                         num_experts, s_am, s_be, s_bn, s_sn, s_se, s_up, HAS_SHARED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The block's expert, pairs and tile pointers: W_e is b + e*s_be (rows s_bn apart; gated: the up
-        rows N rows below the gate rows), or for e >= num_experts the shared pseudo-expert
+        """The block's pairs and tile pointers for its expert: W_e is b + e*s_be (rows s_bn apart; gated:
+        the up rows N rows below the gate rows), or for e >= num_experts the shared pseudo-expert
         s = e - num_experts: s_ptr + s*s_se (rows s_sn apart; up rows s_up further). K is contiguous."""
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = pair < num_pairs
         a_row = (pair // a_div).to(tl.int64)
@@ -76,7 +93,7 @@ if HAS_TRITON:
                 row_stride = s_sn
                 up_off = s_up
         b_ptrs = w_base + offs_n[None, :].to(tl.int64) * row_stride + offs_k[:, None]
-        return expert, pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off
+        return pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off
 
     @triton.jit
     def _mma(a, b, acc, IEEE: tl.constexpr):
@@ -126,11 +143,14 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
     def _moe_gemm_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, pairs_ptr, block_expert_ptr, total_ptr,
                          ws_ptr, N, K, num_pairs, a_div, num_m_blocks, num_experts, s_am, s_be, s_bn, s_sn,
-                         s_se, s_up, s_cm, s_ws, ACT: tl.constexpr, MUL_W: tl.constexpr,
+                         s_se, s_up, s_cm, s_ws, r_ptr, rb_ptr, r_idx_ptr, r_w_ptr, r_s_row, r_s_split, r_scale,
+                         ACT: tl.constexpr, MUL_W: tl.constexpr,
                          HAS_SHARED: tl.constexpr, W_SCALE: tl.constexpr,
                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EARLY_B: tl.constexpr,
-                         PDL: tl.constexpr):
+                         ROUTED: tl.constexpr, R_TOP_K: tl.constexpr, R_KP: tl.constexpr, R_EP: tl.constexpr,
+                         R_SIGMOID: tl.constexpr, R_HAS_BIAS: tl.constexpr, R_NORMALIZE: tl.constexpr,
+                         R_SPLITS: tl.constexpr, R_ROUND: tl.constexpr, PDL: tl.constexpr):
         # C[p, :N] = act(A[p // a_div] @ W_e.T) (* w[p]) for the pairs p of each block (expert e):
         # see _block_operands.
         # EARLY_B (the second GEMM): the blocks, pairs and routing weights were written before the
@@ -141,6 +161,11 @@ if HAS_TRITON:
         # (exactly: every e4m3 value is a bf16 value), and output column n of expert e is multiplied by
         # ws[e, n] (its up column by ws[e, N + n]) in fp32 before the activation: the dequantized
         # weight's product, rounded once.
+        # ROUTED (the first GEMM of a step of one token, each pair alone in its block: naive alignment):
+        # no routing launch before it; each program routes the token from its router logits r
+        # (triton_moe_route.RouterLogits, written by the kernel before this one) and takes its block's
+        # column; the programs of the first column tile store the routing (r_idx, r_w), which the second
+        # GEMM reads as block_expert and w after its wait, as it would the routing launch's.
         if not EARLY_B:
             pdl_wait(PDL)
         pid_m, pid_n = _block_tile(tl.program_id(0), N, num_m_blocks, BLOCK_N, GROUP_M)
@@ -148,8 +173,16 @@ if HAS_TRITON:
         if not EARLY_B:
             if not live:
                 return
-        expert, pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off = _block_operands(
-            a_ptr, b_ptr, s_ptr, pairs_ptr, block_expert_ptr, pid_m, pid_n, N, num_pairs, a_div, num_experts,
+        if ROUTED:  # (never EARLY_B)
+            expert, route_w = _routed_pair(r_ptr, rb_ptr, pid_m, num_experts, r_s_row, r_s_split, r_scale, R_TOP_K,
+                                           R_KP, R_EP, R_SIGMOID, R_HAS_BIAS, R_NORMALIZE, R_SPLITS, R_ROUND)
+            if pid_n == 0:
+                tl.store(r_idx_ptr + pid_m, expert.to(tl.int32))
+                tl.store(r_w_ptr + pid_m, route_w)
+        else:
+            expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off = _block_operands(
+            a_ptr, b_ptr, s_ptr, pairs_ptr, expert, pid_m, pid_n, N, num_pairs, a_div, num_experts,
             s_am, s_be, s_bn, s_sn, s_se, s_up, HAS_SHARED, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -260,26 +293,39 @@ def launch_config(cfg: tuple, act: int, element_size: int, num_blocks: int, n_ou
     return bm, bn, bk, gm, warps, stages
 
 
+_NOT_ROUTED = dict(ROUTED=False, R_TOP_K=1, R_KP=1, R_EP=1, R_SIGMOID=False, R_HAS_BIAS=False, R_NORMALIZE=False,
+                   R_SPLITS=1, R_ROUND=0)
+
+
 def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div, act, cfg, narrow: bool,
-                  early_b: bool = False, w_scale: torch.Tensor | None = None) -> None:
+                  early_b: bool = False, w_scale: torch.Tensor | None = None,
+                  routed: tuple | None = None) -> None:
     """One grouped GEMM launch. `shared`: (tensor, row stride, pseudo-expert stride, up-row offset)
     or None. `narrow`: halve BLOCK_N (down to 16) while the launch has under two programs per SM,
     so that a decode step with few pairs still streams the weights from every SM. `early_b`: the
     blocks were aligned before the previous launch (the second GEMM): see _moe_gemm_kernel.
-    `w_scale` [E, rows of w] fp32: w is FP8 (e4m3) with these per-row scales."""
+    `w_scale` [E, rows of w] fp32: w is FP8 (e4m3) with these per-row scales. `routed` (a first GEMM only):
+    (RouterLogits, top_idx, top_w) of a one-token step routed inside the kernel (ROUTED), which writes
+    top_idx / top_w for the second."""
     n_out = out.shape[1]
     nb = block_expert.shape[0]
     bm, bn, bk, gm, warps, stages = launch_config(cfg, act, a.element_size(), nb, n_out, narrow, sm_count(a.device))
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
+    if routed is not None:
+        router, top_idx, top_w = routed
+        (r_logits, r_bias, r_s_row, r_s_split, r_scale), consts = router.kernel_args()
+        r_args, consts = (r_logits, r_bias, top_idx, top_w, r_s_row, r_s_split, r_scale), dict(consts, ROUTED=True)
+    else:
+        r_args, consts = (out, out, block_expert, out, 0, 0, 1.0), _NOT_ROUTED
     pdl = pdl_options(a.device)
     _moe_gemm_kernel[(nb * cdiv(n_out, bn),)](
         a, w, s_t, out, weights if weights is not None else out, pairs, block_expert, total,
         w_scale if w_scale is not None else out, n_out, a.shape[1], out.shape[0], a_div, nb, w.shape[0],
         a.stride(0), w.stride(0), w.stride(1), s_sn, s_se, s_up, out.stride(0),
-        w_scale.stride(0) if w_scale is not None else 0,
+        w_scale.stride(0) if w_scale is not None else 0, *r_args,
         ACT=act, MUL_W=weights is not None, HAS_SHARED=shared is not None, W_SCALE=w_scale is not None,
         IEEE=a.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early_b and act == ACT_NONE,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early_b and act == ACT_NONE, **consts,
         num_warps=warps, num_stages=stages, **pdl,
     )
 
@@ -350,14 +396,20 @@ def launch_plan(T: int, top_k: int, num_experts: int, num_shared: int, hidden: i
     return method, up, down, num_shared > 0
 
 
-def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top_idx: torch.Tensor,
-                  top_w: torch.Tensor, gated: bool, add: torch.Tensor | None = None, *,
+def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top_idx: torch.Tensor | None,
+                  top_w: torch.Tensor | None, gated: bool, add: torch.Tensor | None = None, *,
                   shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
                   config: tuple | tuple[tuple, tuple] | None = None, align_method: str | None = None,
                   defer_sum: bool = False, up_scale: torch.Tensor | None = None,
-                  down_scale: torch.Tensor | None = None) -> torch.Tensor | ExpertRows:
+                  down_scale: torch.Tensor | None = None,
+                  router: triton_moe_route.RouterLogits | None = None) -> torch.Tensor | ExpertRows:
     """The routed experts' output [T, H] in x.dtype (+ `add`); see the module docstring. With
     `defer_sum`, the ExpertRows that sum to it (for the next norm to add up: ExpertRows).
+
+    `router` (with top_idx and top_w None): the step's router logits, not yet routed. With the
+    "moe_route_in_gemm" switch (HYBRID_MOE_ROUTE_IN_GEMM=1), a step of one token whose pairs each get
+    their own block (naive alignment) is routed inside the first GEMM, which writes the routing for the
+    second (_moe_gemm_kernel's ROUTED: no routing launch); any other step launches the routing first.
 
     With shared_up [S*I or 2*S*I, H] ([gate | up] rows when gated) and shared_down [H, S*I] the
     shared expert (of S times the expert width) joins the same launches as S pseudo-experts
@@ -374,6 +426,17 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     T, H = x.shape
     E, width, _ = w_up.shape
     inter = w_down.shape[2]
+    routed = None
+    if router is not None:
+        assert top_idx is None and top_w is None and router.T == T and router.E == E, "router or top_idx / top_w"
+        width_k = router.top_k + router.num_shared
+        if (T == 1 and switch("moe_route_in_gemm")
+                and (align_method or triton_moe_align.pick_method(width_k)) == "naive"):
+            top_idx = torch.empty(1, width_k, dtype=torch.int32, device=x.device)  # written by the first GEMM
+            top_w = torch.empty(1, width_k, dtype=torch.float32, device=x.device)
+            routed = (router, top_idx, top_w)
+        else:
+            top_idx, top_w = router.route()
     top_k = top_idx.shape[1]
     assert x.stride(1) == 1 and w_up.stride(2) == 1 and w_down.stride(2) == 1
     assert width == (2 * inter if gated else inter)
@@ -396,13 +459,17 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
         return torch.empty(T, H, dtype=x.dtype, device=x.device)
     n = T * top_k
     cfg_up, cfg_down, align_method, narrow = _gemm_choice(T, top_k, E, S, H, inter, gated, config, align_method)
-    pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
+    if routed is not None:  # (the layout of naive blocks is fixed; the experts come from the kernels)
+        pairs, block_expert, total = triton_moe_align.align_naive(top_idx.reshape(-1), cfg_up[0])
+    else:
+        pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
-                  ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale)
+                  ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale, routed=routed)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
+    # (routed: the blocks' experts and weights come from the first GEMM, so the second reads them after its wait)
     _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,
-                  ACT_NONE, cfg_down, narrow, early_b=True, w_scale=down_scale)
+                  ACT_NONE, cfg_down, narrow, early_b=routed is None, w_scale=down_scale)
     if add is not None:
         assert add.shape == (T, H) and add.stride(1) == 1 and add.stride(0) == H
     rows = ExpertRows(y, add, top_k)

@@ -9,11 +9,16 @@
   router logits x @ weight.T computed as the reference does in `logits_dtype`: for steps of at most
   ROUTER_FUSED_MAX_TOKENS tokens in split-K partial sums (`_router_partial_kernel`) that the
   routing launch adds in a fixed order (no atomics), else a GEMM and `route`.
+- `router_logits(x, weight, top_k, ...)`: route_hidden's logits (or partials) not yet routed, a
+  `RouterLogits`: its `route()` is the routing launch, and the fused experts route a one-token step
+  inside their GEMMs instead (`route_token`, inlined there: one launch fewer a MoE layer).
 - `router_split`, `router_tiling`, `route_partials`: the split-K launch's program setup, tiling and
   routing launch, shared with triton_norm.add_rms_norm_route (the residual add and norm before an
   MoE layer computed inside its router's launch).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -57,18 +62,16 @@ if HAS_TRITON:
             acc += tl.sum(wv * xv[None, :], axis=1)
         tl.store(out_ptr + (tl.program_id(2) * T + t) * E + offs_e, acc, mask=e_ok)
 
-    @triton.jit(do_not_specialize=["s_split"])  # T * E for split-K partials: batch-dependent
-    def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, s_split, scale, TOP_K: tl.constexpr,
-                      KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
-        pdl_wait(PDL)
-        # One token per program: the k best experts by repeated argmax over the row (E <= a few
-        # hundred); KP, EP, SP: k, E and NUM_SHARED padded to powers of two for the register tiles.
-        # The logits are the sum of NUM_SPLITS partial rows s_split apart (1: the logits themselves),
-        # rounded to bf16 (ROUND 1) or fp16 (2) first where the reference router computes in that dtype.
-        # Output row: the k routed (id, weight), then the shared pseudo-experts (E + s, 1.0).
-        t = tl.program_id(0).to(tl.int64)
+    @triton.jit
+    def route_token(logits_ptr, bias_ptr, t, E, s_l, s_split, scale, TOP_K: tl.constexpr, KP: tl.constexpr,
+                    EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr):
+        """Token t's routing: (top_idx [KP] int32, w [KP] fp32 times scale; entries past TOP_K unused).
+        The k best experts by repeated argmax over the row (E <= a few hundred); KP and EP: k and E
+        padded to powers of two. The logits are the sum of NUM_SPLITS partial rows s_split apart (1:
+        the logits themselves), rounded to bf16 (ROUND 1) or fp16 (2) first where the reference router
+        computes in that dtype. Also inlined by the fused experts' first GEMMs (triton_moe: routing
+        inside the GEMM at one token)."""
         e = tl.arange(0, EP)
         ok = e < E
         logits = tl.load(logits_ptr + t * s_l + e, mask=ok, other=0.0).to(tl.float32)
@@ -104,13 +107,66 @@ if HAS_TRITON:
             top_s = tl.where(real, top_s, float("-inf"))
             w = tl.exp(top_s - tl.max(top_s, axis=0))
             w = w / tl.sum(w, axis=0)
+        return top_idx, w * scale
+
+    @triton.jit(do_not_specialize=["s_split"])  # T * E for split-K partials: batch-dependent
+    def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, s_split, scale, TOP_K: tl.constexpr,
+                      KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+        # One token per program (route_token). Output row: the k routed (id, weight), then the shared
+        # pseudo-experts (E + s, 1.0).
+        pdl_wait(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        top_idx, w = route_token(logits_ptr, bias_ptr, t, E, s_l, s_split, scale, TOP_K, KP, EP, SIGMOID, HAS_BIAS,
+                                 NORMALIZE, NUM_SPLITS, ROUND)
+        ks = tl.arange(0, KP)
+        real = ks < TOP_K
         row = t * (TOP_K + NUM_SHARED)
         tl.store(idx_ptr + row + ks, top_idx, mask=real)
-        tl.store(w_ptr + row + ks, w * scale, mask=real)
+        tl.store(w_ptr + row + ks, w, mask=real)
         if NUM_SHARED > 0:
             ss = tl.arange(0, SP)
             tl.store(idx_ptr + row + TOP_K + ss, E + ss, mask=ss < NUM_SHARED)
             tl.store(w_ptr + row + TOP_K + ss, tl.full([SP], 1.0, tl.float32), mask=ss < NUM_SHARED)
+
+
+@dataclass
+class RouterLogits:
+    """A step's router logits, not yet routed: what route_token reads. `logits` holds `num_splits`
+    partial sums [num_splits, T, E] (the split-K router launch's; their sum is the logits) or the
+    logits [T, E] themselves (num_splits 1); `round_to` as route_token's ROUND; the rest as `route`.
+    `route()` is the routing launch; the fused experts instead route inside their GEMMs where they can
+    (triton_moe.fused_experts: one token), one launch fewer a layer."""
+
+    logits: torch.Tensor
+    T: int
+    E: int
+    s_row: int  # elements between two tokens' rows
+    s_split: int  # elements between two partial sums
+    num_splits: int
+    round_to: int
+    top_k: int
+    sigmoid: bool
+    bias: torch.Tensor | None
+    normalize: bool
+    scale: float
+    num_shared: int
+
+    def route(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top_idx, top_w) [T, top_k + num_shared]: the routing launch."""
+        return _route_rows(self.logits, self.s_row, self.s_split, self.num_splits, self.round_to, self.T, self.E,
+                           self.top_k, sigmoid=self.sigmoid, bias=self.bias, normalize=self.normalize,
+                           scale=self.scale, num_shared=self.num_shared)
+
+    def kernel_args(self) -> tuple[tuple, dict]:
+        """(runtime arguments, constexprs) of route_token for a kernel that inlines it."""
+        args = (self.logits, self.bias if self.bias is not None else self.logits, self.s_row, self.s_split,
+                float(self.scale))
+        consts = dict(R_TOP_K=self.top_k, R_KP=triton.next_power_of_2(self.top_k), R_EP=triton.next_power_of_2(self.E),
+                      R_SIGMOID=self.sigmoid, R_HAS_BIAS=self.bias is not None, R_NORMALIZE=self.normalize,
+                      R_SPLITS=self.num_splits, R_ROUND=self.round_to)
+        return args, consts
 
 
 def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor | None = None,
@@ -123,8 +179,8 @@ def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor
     require(__name__)
     T, E = logits.shape
     assert logits.stride(1) == 1 and top_k <= E
-    return _route_rows(logits, logits.stride(0), 0, 1, 0, T, E, top_k, sigmoid=sigmoid, bias=bias,
-                       normalize=normalize, scale=scale, num_shared=num_shared)
+    return RouterLogits(logits, T, E, logits.stride(0), 0, 1, 0, top_k, sigmoid, bias, normalize, scale,
+                        num_shared).route()
 
 
 def _route_rows(logits, s_l, s_split, num_splits, round_to, T, E, top_k, *, sigmoid, bias, normalize, scale,
@@ -162,21 +218,32 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_dt
     `logits_dtype` (NemotronH: fp32 from fp32 x and weight; Granite: the model dtype, i.e. an fp32
     sum rounded once): for few tokens in two launches (see ROUTER_FUSED_MAX_TOKENS), else a GEMM
     and the routing launch."""
+    return router_logits(x, weight, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, bias=bias,
+                         normalize=normalize, scale=scale, num_shared=num_shared).route()
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_dtype: torch.dtype, sigmoid: bool,
+                  bias: torch.Tensor | None = None, normalize: bool = False, scale: float = 1.0,
+                  num_shared: int = 0) -> RouterLogits:
+    """route_hidden's first part: the router logits, as split-K partials for few tokens (one launch), else a
+    GEMM; routed later (RouterLogits.route, or inside the fused experts' GEMMs)."""
     require(__name__)
     T, H = x.shape
     E = weight.shape[0]
+    assert top_k <= E
     if T > ROUTER_FUSED_MAX_TOKENS or T == 0:
         logits = torch.nn.functional.linear(x.to(logits_dtype), weight.to(logits_dtype))
-        return route(logits, top_k, sigmoid=sigmoid, bias=bias, normalize=normalize, scale=scale,
-                     num_shared=num_shared)
-    assert x.stride(1) == 1 and weight.stride(1) == 1 and top_k <= E
+        assert logits.stride(1) == 1
+        return RouterLogits(logits, T, E, logits.stride(0), 0, 1, 0, top_k, sigmoid, bias, normalize, scale,
+                            num_shared)
+    assert x.stride(1) == 1 and weight.stride(1) == 1
     bk, be, splits, k_per_split = router_tiling(H, E)
     partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
     _router_partial_kernel[(T, cdiv(E, be), splits)](
         x, weight, partial, T, E, H, x.stride(0), weight.stride(0), k_per_split,
         BLOCK_E=be, BLOCK_K=bk, num_warps=4, **pdl_options(x.device))
-    return route_partials(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, bias=bias,
-                          normalize=normalize, scale=scale, num_shared=num_shared)
+    return partials_router(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, bias=bias,
+                           normalize=normalize, scale=scale, num_shared=num_shared)
 
 
 def router_tiling(H: int, E: int) -> tuple[int, int, int, int]:
@@ -186,9 +253,16 @@ def router_tiling(H: int, E: int) -> tuple[int, int, int, int]:
     return _ROUTER_BLOCK_K, _ROUTER_BLOCK_E, cdiv(H, k_per_split), k_per_split
 
 
+def partials_router(partial: torch.Tensor, T: int, E: int, top_k: int, *, logits_dtype: torch.dtype, sigmoid: bool,
+                    bias: torch.Tensor | None, normalize: bool, scale: float, num_shared: int) -> RouterLogits:
+    """The split-K partials [splits, T, E] of the router logits, to be routed."""
+    return RouterLogits(partial, T, E, E, T * E, partial.shape[0], _ROUND[logits_dtype], top_k, sigmoid, bias,
+                        normalize, scale, num_shared)
+
+
 def route_partials(partial: torch.Tensor, T: int, E: int, top_k: int, *, logits_dtype: torch.dtype, sigmoid: bool,
                    bias: torch.Tensor | None, normalize: bool, scale: float,
                    num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing launch over the split-K partials [splits, T, E] of the router logits."""
-    return _route_rows(partial, E, T * E, partial.shape[0], _ROUND[logits_dtype], T, E, top_k, sigmoid=sigmoid,
-                       bias=bias, normalize=normalize, scale=scale, num_shared=num_shared)
+    return partials_router(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, bias=bias,
+                           normalize=normalize, scale=scale, num_shared=num_shared).route()

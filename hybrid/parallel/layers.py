@@ -31,8 +31,8 @@ class ParallelExperts(Experts):
     group: TPGroup
     can_defer_sum = False  # the all-reduce needs the summed output
 
-    def forward(self, x, top_idx, top_w, add=None, shared=None):
-        return self.group.all_reduce(super().forward(x, top_idx, top_w, add, shared))
+    def forward(self, x, top_idx, top_w, add=None, shared=None, router=None):
+        return self.group.all_reduce(super().forward(x, top_idx, top_w, add, shared, router))
 
 
 class GroupNormStats:

@@ -206,3 +206,56 @@ def test_memory_plan_names_the_resident_experts(tiny_ckpt):
     assert experts > 0 and plan.expert_bytes == experts and plan.weight_bytes > experts
     assert "routed experts" in plan.summary(4, 64, llm.kv_cache.page_size)
     assert llm.runner.use_graphs and all(m.fused for m in llm.model.modules() if isinstance(m, Experts))
+
+
+@pytest.mark.parametrize("shape", ["nemotron-nano", "granite-tiny", "granite-small"])
+def test_one_token_routed_inside_the_gemms(shape, monkeypatch):
+    """A one-token step given the router's logits routes inside the first expert GEMM (no routing launch),
+    at the released routers and expert shapes (with the shared expert's slices): the output (bf16) of the
+    routing launch then fused_experts, eagerly and from a captured graph replayed on new tokens (the
+    second GEMM reads the routing the first wrote)."""
+    from hybrid.ops import triton_guard, triton_moe, triton_moe_route
+
+    monkeypatch.setenv("HYBRID_MOE_ROUTE_IN_GEMM", "1")
+    triton_guard.reset_switches()
+    E, H, inter, top_k, gated, shared, sigmoid = {
+        "nemotron-nano": (128, 2688, 1856, 6, False, 2, True), "granite-tiny": (64, 1536, 512, 6, True, 2, False),
+        "granite-small": (72, 4096, 768, 10, True, 1, False)}[shape]
+    g = torch.Generator(device="cuda").manual_seed(E)
+    w_up, w_down = _layer(gated=gated, E=E, H=H, inter=inter)
+    s_up = (torch.randn((2 if gated else 1) * shared * inter, H, generator=g, device="cuda") * H ** -0.5).bfloat16()
+    s_down = (torch.randn(H, shared * inter, generator=g, device="cuda") * inter ** -0.5).bfloat16()
+    r_weight = torch.randn(E, H, generator=g, device="cuda") * H ** -0.5
+    kw = dict(logits_dtype=torch.float32, sigmoid=True, bias=torch.randn(E, generator=g, device="cuda") * 0.1,
+              normalize=True, scale=2.5) if sigmoid else dict(logits_dtype=torch.bfloat16, sigmoid=False)
+    r_weight = r_weight.to(kw["logits_dtype"])
+    x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+
+    def routed():
+        x_r = x.float() if sigmoid else x
+        router = triton_moe_route.router_logits(x_r, r_weight, top_k, num_shared=shared, **kw)
+        return triton_moe.fused_experts(x, w_up, w_down, None, None, gated, shared_up=s_up, shared_down=s_down,
+                                        router=router)
+
+    def launched():
+        x_r = x.float() if sigmoid else x
+        idx, w = triton_moe_route.route_hidden(x_r, r_weight, top_k, num_shared=shared, **kw)
+        return triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, shared_up=s_up, shared_down=s_down)
+
+    # (the routing weights are the same fp32 sums, possibly reduced in another order: one bf16 step at most)
+    torch.testing.assert_close(routed(), launched(), rtol=1e-2, atol=1e-3)
+    for _ in range(2):
+        routed()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = routed()
+    for _ in range(3):
+        x.normal_()
+        graph.replay()
+        eager = routed()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        torch.testing.assert_close(out, launched(), rtol=1e-2, atol=1e-3)
+    monkeypatch.delenv("HYBRID_MOE_ROUTE_IN_GEMM")
+    triton_guard.reset_switches()

@@ -222,7 +222,9 @@ SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router
                "both": {"HYBRID_DECODE_LINEAR": "triton", "HYBRID_NORM_ROUTER": "1"},
                "in_proj_conv": {"HYBRID_DECODE_IN_PROJ_CONV": "1"},
                "gated_out_proj": {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
-               "decode_fusions": {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"}}
+               "decode_fusions": {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"},
+               "mamba_unfused": {"HYBRID_DECODE_IN_PROJ_CONV": "0", "HYBRID_DECODE_LINEAR": "cublas"},
+               "route_in_gemm": {"HYBRID_MOE_ROUTE_IN_GEMM": "1"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
@@ -231,9 +233,12 @@ def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switc
     """HYBRID_DECODE_LINEAR=triton (decode projections on the Triton linear, the gated norm in
     out_proj), HYBRID_NORM_ROUTER=1 (the norm before each MoE layer in its router's launch),
     HYBRID_DECODE_IN_PROJ_CONV=1 (a decode step's Mamba in_proj and conv in one launch) and
-    HYBRID_DECODE_GATED_OUT_PROJ=1 (the gated norm in the SSM update and out_proj), under
-    CUDA graphs: every token the default engine's greedy choice given the same prefix (or a bf16
-    near-tie). NemotronH without group masking, so that its router is the Triton one."""
+    HYBRID_DECODE_GATED_OUT_PROJ=1 (the gated norm in the SSM update and out_proj), the Mamba decode as before
+    its fusions were the default (HYBRID_DECODE_IN_PROJ_CONV=0 HYBRID_DECODE_LINEAR=cublas) and
+    HYBRID_MOE_ROUTE_IN_GEMM=1 (a one-token step routed inside the first expert GEMM), under CUDA graphs,
+    the prompts together and the first alone (batch-1 decode): every token the default engine's greedy
+    choice given the same prefix (or a bf16 near-tie). NemotronH without group masking, so that its
+    router is the Triton one."""
     import tiny_checkpoints
 
     from hybrid import LLM, SamplingParams
@@ -255,12 +260,14 @@ def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switc
         llm = LLM(str(path), **kw)
         assert all(m.fused for m in llm.model.modules() if isinstance(m, Linear))
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        alone = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], sp, use_tqdm=False)]
         assert llm.runner.stats["graph_replays"] > 0
     finally:
         for env in SWITCH_SETS[switches]:
             monkeypatch.delenv(env)
         triton_guard.reset_switches()
     assert_greedy_under_reference(reference, prompts, got)
+    assert_greedy_under_reference(reference, prompts[:1], alone)
 
 
 @pytest.mark.parametrize("T", [1, 8, 16])
