@@ -183,7 +183,8 @@ class Fp8Linear(nn.Module):
     (triton_fp8.fp8_small_m_linear), which HYBRID_FP8_DECODE_GEMM=triton also gives the quantized
     ones (it lost to _scaled_mm alone on the H200: the benchmarks' A/B). HYBRID_FP8_DECODE_GEMM=gemv:
     steps of at most triton_fp8.GEMV_MAX_ROWS tokens on triton_fp8.fp8_gemv after the row
-    quantization (not measured yet). No host syncs (the dynamic scales are computed on the device),
+    quantization, for projections of K up to triton_fp8.GEMV_MAX_K (not measured in the model against
+    the tensor-wise default yet). No host syncs (the dynamic scales are computed on the device),
     so all are captured in CUDA graphs."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,

@@ -147,6 +147,16 @@ def test_gemv_refuses_more_rows_than_it_reduces():
         triton_fp8.fp8_gemv(torch.zeros(5, 32), None, w, torch.tensor(1.0))
 
 
+def test_gemv_takes_few_rows_of_bounded_width(monkeypatch):
+    """HYBRID_FP8_DECODE_GEMM=gemv sends fp8_gemv at most GEMV_MAX_ROWS rows of at most GEMV_MAX_K columns
+    (past that the tensor-wise GEMM was faster on the GPU); the device checks are eligible()'s."""
+    monkeypatch.setattr(triton_fp8, "eligible", lambda x, w: True)
+    w = torch.zeros(16, 1, dtype=FP8_DTYPE)
+    assert triton_fp8.gemv_eligible(torch.zeros(triton_fp8.GEMV_MAX_ROWS, triton_fp8.GEMV_MAX_K), w)
+    assert not triton_fp8.gemv_eligible(torch.zeros(1, triton_fp8.GEMV_MAX_K + 1), w)
+    assert not triton_fp8.gemv_eligible(torch.zeros(triton_fp8.GEMV_MAX_ROWS + 1, 64), w)
+
+
 @pytest.mark.parametrize("activation", [None, DYNAMIC])
 def test_layer_gemv_path(activation):
     """Fp8Linear.forward_gemv (HYBRID_FP8_DECODE_GEMM=gemv on CUDA) on [batch, tokens, in] rows."""

@@ -238,6 +238,11 @@ if HAS_TRITON:
 
 
 GEMV_MAX_ROWS = 4  # fp8_gemv reduces the weight tile against each row in turn
+# fp8_gemv's program walks all of K alone: measured on the H200 (bench/bench_fp8_gemv.py, 2026-12-02) it beat
+# the tensor-wise _scaled_mm path on every 8B projection of K 4096 / 8192 (e.g. 19.6 against 23.6 + 3.4 us for
+# the Mamba in_proj) and lost on the MLP down_proj's K 21504 (38.5 against 26.3 us for the GEMM alone), so
+# Fp8Linear sends it the projections of K up to this many columns
+GEMV_MAX_K = 8192
 
 
 def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -271,8 +276,8 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
 
 
 def gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Inputs fp8_gemv serves in Fp8Linear: eligible(), with at most GEMV_MAX_ROWS rows."""
-    return eligible(x, weight) and x.shape[0] <= GEMV_MAX_ROWS
+    """Inputs fp8_gemv serves in Fp8Linear: eligible(), with at most GEMV_MAX_ROWS rows of at most GEMV_MAX_K."""
+    return eligible(x, weight) and x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] <= GEMV_MAX_K
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
