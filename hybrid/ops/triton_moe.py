@@ -143,7 +143,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
     def _moe_gemm_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, pairs_ptr, block_expert_ptr, total_ptr,
                          ws_ptr, N, K, num_pairs, a_div, num_m_blocks, num_experts, s_am, s_be, s_bn, s_sn,
-                         s_se, s_up, s_cm, s_ws, r_ptr, rb_ptr, r_idx_ptr, r_w_ptr, r_s_row, r_s_split, r_scale,
+                         s_se, s_up, s_cm, s_ws, r_ptr, rb_ptr, r_s_row, r_s_split, r_scale, r_idx_ptr, r_w_ptr,
                          ACT: tl.constexpr, MUL_W: tl.constexpr,
                          HAS_SHARED: tl.constexpr, W_SCALE: tl.constexpr,
                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -311,12 +311,12 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
     nb = block_expert.shape[0]
     bm, bn, bk, gm, warps, stages = launch_config(cfg, act, a.element_size(), nb, n_out, narrow, sm_count(a.device))
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
-    if routed is not None:
+    if routed is not None:  # the router's arguments, then where the kernel writes the routing
         router, top_idx, top_w = routed
-        (r_logits, r_bias, r_s_row, r_s_split, r_scale), consts = router.kernel_args()
-        r_args, consts = (r_logits, r_bias, top_idx, top_w, r_s_row, r_s_split, r_scale), dict(consts, ROUTED=True)
+        r_args, consts = router.kernel_args()
+        r_args, consts = (*r_args, top_idx, top_w), dict(consts, ROUTED=True)
     else:
-        r_args, consts = (out, out, block_expert, out, 0, 0, 1.0), _NOT_ROUTED
+        r_args, consts = (out, out, 0, 0, 1.0, block_expert, out), _NOT_ROUTED
     pdl = pdl_options(a.device)
     _moe_gemm_kernel[(nb * cdiv(n_out, bn),)](
         a, w, s_t, out, weights if weights is not None else out, pairs, block_expert, total,
