@@ -101,37 +101,24 @@ def chains(layer: Layer, h: torch.Tensor, slots: torch.Tensor) -> dict:
                                             z.reshape(x.shape))
     normed = triton_norm.gated_rms_norm(y2, z, L.norm_w, eps, d.groups)
 
-    def default_chain():
-        zx_ = F.linear(h, L.w_in)
-        z_, xBC_, dt_ = split_in(d, zx_)
-        xbc_ = tm.conv_state_update(xBC_, L.conv_state, L.conv_w, L.conv_b, slots)
+    def chain(fuse_conv: bool, out: str):
+        """One layer's decode: in_proj on cuBLAS then the conv, or in_proj_conv (fuse_conv); then the SSM update
+        and `out`: "cublas" / "triton" (the gated norm, then out_proj on cuBLAS / the Triton linear) or "gated"
+        (the sums of squares in the SSM update, the norm inside out_proj)."""
+        if fuse_conv:
+            z_, xbc_, dt_ = split_in(d, triton_gemv.in_proj_conv(h, L.w_in, None, L.conv_state, L.conv_w, L.conv_b,
+                                                                 slots, d.inner))
+        else:
+            z_, xBC_, dt_ = split_in(d, F.linear(h, L.w_in))
+            xbc_ = tm.conv_state_update(xBC_, L.conv_state, L.conv_w, L.conv_b, slots)
         x_, B_, C_ = operands(d, xbc_)
-        y_ = tm.selective_state_update(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots)
-        return F.linear(triton_norm.gated_rms_norm(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups), L.w_out)
-
-    def in_proj_conv_chain():
-        zx_ = triton_gemv.in_proj_conv(h, L.w_in, None, L.conv_state, L.conv_w, L.conv_b, slots, d.inner)
-        z_, xbc_, dt_ = split_in(d, zx_)
-        x_, B_, C_ = operands(d, xbc_)
-        y_ = tm.selective_state_update(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots)
-        return F.linear(triton_norm.gated_rms_norm(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups), L.w_out)
-
-    def in_proj_conv_triton_out_chain():  # HYBRID_DECODE_IN_PROJ_CONV=1 HYBRID_DECODE_LINEAR=plain:mamba.out_proj
-        zx_ = triton_gemv.in_proj_conv(h, L.w_in, None, L.conv_state, L.conv_w, L.conv_b, slots, d.inner)
-        z_, xbc_, dt_ = split_in(d, zx_)
-        x_, B_, C_ = operands(d, xbc_)
+        if out == "gated":
+            y_, sq_ = tm.selective_state_update_gated(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots,
+                                                      z_.reshape(x_.shape))
+            return triton_gemv.gated_out_proj(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups, sq_, L.w_out)
         y_ = tm.selective_state_update(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots)
         normed_ = triton_norm.gated_rms_norm(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups)
-        return triton_gemv.small_m_linear(normed_, L.w_out)
-
-    def gated_chain():
-        zx_ = F.linear(h, L.w_in)
-        z_, xBC_, dt_ = split_in(d, zx_)
-        xbc_ = tm.conv_state_update(xBC_, L.conv_state, L.conv_w, L.conv_b, slots)
-        x_, B_, C_ = operands(d, xbc_)
-        y_, sq_ = tm.selective_state_update_gated(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots,
-                                                  z_.reshape(x_.shape))
-        return triton_gemv.gated_out_proj(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups, sq_, L.w_out)
+        return F.linear(normed_, L.w_out) if out == "cublas" else triton_gemv.small_m_linear(normed_, L.w_out)
 
     return {
         "in_proj cuBLAS": lambda: F.linear(h, L.w_in),
@@ -147,10 +134,10 @@ def chains(layer: Layer, h: torch.Tensor, slots: torch.Tensor) -> dict:
         "out_proj small_m_linear": lambda: triton_gemv.small_m_linear(normed, L.w_out),
         "gated_norm_linear": lambda: triton_gemv.gated_norm_linear(y2, z, L.norm_w, eps, d.groups, L.w_out),
         "gated_out_proj": lambda: triton_gemv.gated_out_proj(y2, z, L.norm_w, eps, d.groups, sq, L.w_out),
-        "chain default": default_chain,
-        "chain in_proj_conv": in_proj_conv_chain,
-        "chain in_proj_conv + out_proj small_m_linear": in_proj_conv_triton_out_chain,
-        "chain gated_out_proj": gated_chain,
+        "chain as before 2026-12-05": lambda: chain(False, "cublas"),
+        "chain in_proj_conv": lambda: chain(True, "cublas"),
+        "chain default (in_proj_conv, out_proj small_m_linear)": lambda: chain(True, "triton"),
+        "chain gated_out_proj": lambda: chain(False, "gated"),
     }
 
 
