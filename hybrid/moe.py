@@ -167,10 +167,9 @@ class NemotronMoE(nn.Module):
         """`routing`: (top_idx, top_w) already computed with the norm before (add_norm_route)."""
         slices = self.experts.shared_slices(self.shared, x.shape[0])
         top_idx = top_w = router = None
-        args = self.router_args(x.dtype)
         if routing is not None:
             top_idx, top_w = routing
-        elif args is not None:  # no group masking: Triton launches, routed by the fused experts
+        elif (args := self.router_args(x.dtype)) is not None:  # no group masking: routed by the fused experts
             weight, top_k, kw = args
             router = triton_moe_route.router_logits(x, weight, top_k, num_shared=slices, **kw)
         else:
