@@ -306,16 +306,17 @@ def build_fitting_llm(cfg_dict: dict, args, dev: torch.device, skipped: dict[int
 
 
 def measured_experts(model: torch.nn.Module, fn: Callable[[], Any]) -> float | None:
-    """Mean distinct experts per MoE layer in one eager call of fn, read from the top_idx argument
+    """Mean distinct routed experts per MoE layer in one eager call of fn, read from the top_idx argument
     of the routed-experts modules, or routed from their `router` argument (None if the model has no such
-    module taking either)."""
+    module taking either). The shared expert's slices (ids from E on: triton_moe's pseudo-experts) are
+    not routed experts and do not count."""
     counts: list[int] = []
 
     def hook(mod, inputs, kwargs):
         router = kwargs.get("router")
         for a in (*inputs, router.route()[0] if router is not None else None):
             if torch.is_tensor(a) and not a.is_floating_point() and a.dim() == 2:
-                counts.append(int(torch.unique(a).numel()))
+                counts.append(int(torch.unique(a[a < mod.up.shape[0]]).numel()))
                 return
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
