@@ -238,8 +238,8 @@ def test_one_token_routed_inside_the_gemms(monkeypatch, gated, shared, T):
     monkeypatch.setenv("HYBRID_MOE_ROUTE_IN_GEMM", "1")
     triton_guard.reset_switches()
     launches = []
-    real_route_rows = troute._route_rows
-    monkeypatch.setattr(troute, "_route_rows", lambda *a, **k: launches.append(1) or real_route_rows(*a, **k))
+    real_route = troute.RouterLogits.route
+    monkeypatch.setattr(troute.RouterLogits, "route", lambda self: launches.append(1) or real_route(self))
     for sigmoid, kw in ((True, dict(bias=bias, normalize=True, scale=2.5)), (False, {})):
         router = troute.router_logits(x, r_weight, top_k, logits_dtype=dtype, sigmoid=sigmoid, num_shared=shared, **kw)
         idx, w = router.route()

@@ -10,8 +10,8 @@
   ROUTER_FUSED_MAX_TOKENS tokens in split-K partial sums (`_router_partial_kernel`) that the
   routing launch adds in a fixed order (no atomics), else a GEMM and `route`.
 - `router_logits(x, weight, top_k, ...)`: route_hidden's logits (or partials) not yet routed, a
-  `RouterLogits`: its `route()` is the routing launch, and the fused experts route a one-token step
-  inside their GEMMs instead (`route_token`, inlined there: one launch fewer a MoE layer).
+  `RouterLogits`: its `route()` is the routing launch, and the fused experts may route a one-token step
+  inside their first GEMM instead (`route_token`, inlined there: one launch fewer a MoE layer).
 - `router_split`, `router_tiling`, `route_partials`: the split-K launch's program setup, tiling and
   routing launch, shared with triton_norm.add_rms_norm_route (the residual add and norm before an
   MoE layer computed inside its router's launch).
@@ -136,7 +136,7 @@ class RouterLogits:
     """A step's router logits, not yet routed: what route_token reads. `logits` holds `num_splits`
     partial sums [num_splits, T, E] (the split-K router launch's; their sum is the logits) or the
     logits [T, E] themselves (num_splits 1); `round_to` as route_token's ROUND; the rest as `route`.
-    `route()` is the routing launch; the fused experts instead route inside their GEMMs where they can
+    `route()` is the routing launch; the fused experts may instead route inside their first GEMM
     (triton_moe.fused_experts: one token), one launch fewer a layer."""
 
     logits: torch.Tensor
@@ -153,11 +153,30 @@ class RouterLogits:
     scale: float
     num_shared: int
 
+    @classmethod
+    def of_logits(cls, logits: torch.Tensor, top_k: int, sigmoid: bool, bias: torch.Tensor | None, normalize: bool,
+                  scale: float, num_shared: int) -> RouterLogits:
+        """The router logits [T, E] themselves (last dim contiguous), to be routed."""
+        T, E = logits.shape
+        assert logits.stride(1) == 1 and top_k <= E
+        return cls(logits, T, E, logits.stride(0), 0, 1, 0, top_k, sigmoid, bias, normalize, scale, num_shared)
+
     def route(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(top_idx, top_w) [T, top_k + num_shared]: the routing launch."""
-        return _route_rows(self.logits, self.s_row, self.s_split, self.num_splits, self.round_to, self.T, self.E,
-                           self.top_k, sigmoid=self.sigmoid, bias=self.bias, normalize=self.normalize,
-                           scale=self.scale, num_shared=self.num_shared)
+        """(top_idx, top_w) [T, top_k + num_shared]: the routing launch, one token a program."""
+        width = self.top_k + self.num_shared
+        dev = self.logits.device
+        idx = torch.empty(self.T, width, dtype=torch.int32, device=dev)
+        w = torch.empty(self.T, width, dtype=torch.float32, device=dev)
+        if self.T:
+            bias = self.bias
+            _route_kernel[(self.T,)](
+                self.logits, bias if bias is not None else self.logits, idx, w, self.E, self.s_row, self.s_split,
+                self.scale, TOP_K=self.top_k, KP=triton.next_power_of_2(self.top_k),
+                EP=triton.next_power_of_2(self.E), SIGMOID=self.sigmoid, HAS_BIAS=bias is not None,
+                NORMALIZE=self.normalize, NUM_SHARED=self.num_shared,
+                SP=triton.next_power_of_2(max(self.num_shared, 1)), NUM_SPLITS=self.num_splits,
+                ROUND=self.round_to, num_warps=1 if self.E <= 256 else 4, **pdl_options(dev))
+        return idx, w
 
     def kernel_args(self) -> tuple[tuple, dict]:
         """(runtime arguments, constexprs) of route_token for a kernel that inlines it."""
@@ -177,26 +196,7 @@ def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor
     Granite (the top-k logits, softmax over them). The last num_shared columns are the shared
     expert's slices for triton_moe.fused_experts: ids E .. E+num_shared-1, weight 1."""
     require(__name__)
-    T, E = logits.shape
-    assert logits.stride(1) == 1 and top_k <= E
-    return RouterLogits(logits, T, E, logits.stride(0), 0, 1, 0, top_k, sigmoid, bias, normalize, scale,
-                        num_shared).route()
-
-
-def _route_rows(logits, s_l, s_split, num_splits, round_to, T, E, top_k, *, sigmoid, bias, normalize, scale,
-                num_shared) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing launch over T rows of logits (or of NUM_SPLITS partial sums): (idx, w)."""
-    width = top_k + num_shared
-    idx = torch.empty(T, width, dtype=torch.int32, device=logits.device)
-    w = torch.empty(T, width, dtype=torch.float32, device=logits.device)
-    if T:
-        _route_kernel[(T,)](logits, bias if bias is not None else logits, idx, w, E, s_l, s_split, scale,
-                            TOP_K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
-                            SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize,
-                            NUM_SHARED=num_shared, SP=triton.next_power_of_2(max(num_shared, 1)),
-                            NUM_SPLITS=num_splits, ROUND=round_to, num_warps=1 if E <= 256 else 4,
-                            **pdl_options(logits.device))
-    return idx, w
+    return RouterLogits.of_logits(logits, top_k, sigmoid, bias, normalize, scale, num_shared).route()
 
 
 # Steps of at most this many tokens compute the router logits with _router_partial_kernel (split over
@@ -226,16 +226,14 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_d
                   bias: torch.Tensor | None = None, normalize: bool = False, scale: float = 1.0,
                   num_shared: int = 0) -> RouterLogits:
     """route_hidden's first part: the router logits, as split-K partials for few tokens (one launch), else a
-    GEMM; routed later (RouterLogits.route, or inside the fused experts' GEMMs)."""
+    GEMM; routed later (RouterLogits.route, or inside the fused experts' first GEMM)."""
     require(__name__)
     T, H = x.shape
     E = weight.shape[0]
     assert top_k <= E
     if T > ROUTER_FUSED_MAX_TOKENS or T == 0:
         logits = torch.nn.functional.linear(x.to(logits_dtype), weight.to(logits_dtype))
-        assert logits.stride(1) == 1
-        return RouterLogits(logits, T, E, logits.stride(0), 0, 1, 0, top_k, sigmoid, bias, normalize, scale,
-                            num_shared)
+        return RouterLogits.of_logits(logits, top_k, sigmoid, bias, normalize, scale, num_shared)
     assert x.stride(1) == 1 and weight.stride(1) == 1
     bk, be, splits, k_per_split = router_tiling(H, E)
     partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
