@@ -459,10 +459,8 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
         return torch.empty(T, H, dtype=x.dtype, device=x.device)
     n = T * top_k
     cfg_up, cfg_down, align_method, narrow = _gemm_choice(T, top_k, E, S, H, inter, gated, config, align_method)
-    if routed is not None:  # (the layout of naive blocks is fixed; the experts come from the kernels)
-        pairs, block_expert, total = triton_moe_align.align_naive(top_idx.reshape(-1), cfg_up[0])
-    else:
-        pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
+    # (routed: the naive layout, which reads no ids; the first GEMM writes them into block_expert = top_idx)
+    pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
                   ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale, routed=routed)
