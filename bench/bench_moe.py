@@ -426,6 +426,9 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                          "(HYBRID_DECODE_IN_PROJ_CONV=0 HYBRID_DECODE_LINEAR=cublas)"),
     "route_in_gemm_ab": ("route_in_gemm", {"HYBRID_MOE_ROUTE_IN_GEMM": "1"},
                          "a one-token step's MoE routing inside the first expert GEMM (HYBRID_MOE_ROUTE_IN_GEMM=1)"),
+    "moe_three_launches_ab": ("moe_three_launches", {"HYBRID_NORM_ROUTER": "1", "HYBRID_MOE_ROUTE_IN_GEMM": "1"},
+                              "the norm in the router's launch and a one-token step routed inside the first expert "
+                              "GEMM: an MoE layer in three launches (HYBRID_NORM_ROUTER=1 HYBRID_MOE_ROUTE_IN_GEMM=1)"),
     "gated_out_proj_ab": ("gated_out_proj", {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
                           "the Mamba gated norm in the SSM update and out_proj (HYBRID_DECODE_GATED_OUT_PROJ=1)"),
     "decode_fusions_ab": ("decode_fusions", {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"},

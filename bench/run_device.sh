@@ -251,7 +251,7 @@ if [[ $what == mamba-layer ]]; then  # each step in what is left of ${MAMBA_LAYE
       | tee "$OUT/mamba_decode_layer.log" | grep -v Warn || rc=1
   for old in 0 1; do
     if [[ $old == 1 ]]; then export HYBRID_DECODE_IN_PROJ_CONV=0 HYBRID_DECODE_LINEAR=cublas; fi
-    timeout 110 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 --batches 1 8 \
+    timeout 200 python3 -u bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 --batches 1 8 \
         --json "$OUT/decode_mamba_old_$old.json" 2>&1 | tee "$OUT/decode_mamba_old_$old.log" \
         | grep -E "^\{'batch|rror" | cut -c1-200 || rc=1
   done
@@ -268,19 +268,19 @@ if [[ $what == mamba-layer ]]; then  # each step in what is left of ${MAMBA_LAYE
         | grep -E "^\[granite|^\||Error|error" | cut -c1-220 || rc=1
   fi
 fi
-# moe-next  Nemotron-Nano and Granite-Tiny decode at batch 1 / 8 (graphs) with the defaults, as before the Mamba decode
-#            defaults (--mamba-unfused-ab) and with HYBRID_MOE_ROUTE_IN_GEMM=1 (--route-in-gemm-ab) (<= 340 s), then the
-#            GPU tests of those changes (the routing inside the first expert GEMM, the engine with each switch, the
-#            graph tests) in what is left of 560 s
+# moe-next  Nemotron-Nano and Granite-Tiny decode at batch 1 / 8 (graphs) with the defaults, with
+#            HYBRID_MOE_ROUTE_IN_GEMM=1 (--route-in-gemm-ab) and with it and HYBRID_NORM_ROUTER=1 (an MoE layer in
+#            three launches: --moe-three-launches-ab) (<= 340 s), then the GPU tests of those switches (the
+#            routing inside the first expert GEMM, the engine with them, the graph tests) in what is left of 560 s
 if [[ $what == moe-next ]]; then
   start=$SECONDS
-  timeout 340 python3 bench/bench_moe.py --shapes nemotron-nano granite-tiny --batches 1 8 --gen-batches 1 --no-peer \
-      --no-eager --mamba-unfused-ab --route-in-gemm-ab --out "$OUT" --time-budget 330 2>&1 \
+  timeout 340 python3 -u bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
+      --no-eager --route-in-gemm-ab --moe-three-launches-ab --out "$OUT" --time-budget 330 2>&1 \
       | tee "$OUT/bench_moe_next.log" | grep -E "^\[|^\||^graphs|Error|error" | cut -c1-220 || rc=1
   left=$((560 - (SECONDS - start)))
   if (( left > 30 )); then
     gpu_pytest $left gpu_tests_moe_next.log tests/gpu/test_moe_gpu.py tests/gpu/test_triton_fused_ops_gpu.py \
-        tests/gpu/test_graphs.py -k "routed_inside or engine or replay_equals_eager"
+        tests/gpu/test_graphs.py -k "routed_inside or route_in_gemm or moe_three or norm_router or replay_equals_eager"
   fi
 fi
 # speculative  bench_speculative.py: a verify step (K=3) next to a decode step on the 8B shape, eager and

@@ -163,16 +163,15 @@ class NemotronMoE(nn.Module):
             top_w = torch.cat([top_w, top_w.new_ones(n, num_shared)], dim=1)
         return top_idx, top_w
 
-    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """`routing`: (top_idx, top_w) already computed with the norm before (add_norm_route)."""
+    def forward(self, x: torch.Tensor, routing: triton_moe_route.RouterLogits | None = None) -> torch.Tensor:
+        """`routing`: the router logits already computed with the norm before (add_norm_route)."""
         slices = self.experts.shared_slices(self.shared, x.shape[0])
-        top_idx = top_w = router = None
-        if routing is not None:
-            top_idx, top_w = routing
-        elif (args := self.router_args(x.dtype)) is not None:  # no group masking: routed by the fused experts
+        top_idx = top_w = None
+        router = routing
+        if router is None and (args := self.router_args(x.dtype)) is not None:  # no group masking: fused routing
             weight, top_k, kw = args
             router = triton_moe_route.router_logits(x, weight, top_k, num_shared=slices, **kw)
-        else:
+        elif router is None:
             top_idx, top_w = self.route(x, slices)
         if slices:
             return self.experts(x, top_idx, top_w, shared=self.shared, router=router)
@@ -196,15 +195,14 @@ class GraniteMoE(nn.Module):
         return self.router_weight, self.cfg.top_k, dict(logits_dtype=dtype, sigmoid=False)
 
     def forward(self, x: torch.Tensor, shared: nn.Module | None = None,
-                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The routed experts' output plus the block's shared MLP `shared` (if any). `routing`:
-        (top_idx, top_w) already computed with the norm before (add_norm_route)."""
+                routing: triton_moe_route.RouterLogits | None = None) -> torch.Tensor:
+        """The routed experts' output plus the block's shared MLP `shared` (if any). `routing`: the
+        router logits already computed with the norm before (add_norm_route)."""
         if self.experts.fused:  # Triton routing; the shared MLP inside the expert launches if it fits
             slices = self.experts.shared_slices(shared, x.shape[0])
-            top_idx = top_w = router = None
-            if routing is not None:
-                top_idx, top_w = routing
-            else:  # routed by the fused experts
+            top_idx = top_w = None
+            router = routing
+            if router is None:  # routed by the fused experts
                 weight, top_k, kw = self.router_args(x.dtype)
                 router = triton_moe_route.router_logits(x, weight, top_k, num_shared=slices, **kw)
             if slices:
@@ -218,22 +216,23 @@ class GraniteMoE(nn.Module):
 
 
 def add_norm_route(norm: RMSNorm, x, residual: torch.Tensor | None, scale: float, moe: nn.Module,
-                   shared: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+                   shared: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, triton_moe_route.RouterLogits | None]:
     """norm.add_norm(x, residual, scale) before an MoE layer `moe` (whose shared MLP is `shared`),
-    plus the layer's routing when it was computed in the same launch: with the "norm_router" switch
-    on (HYBRID_NORM_ROUTER=1), the Triton router and a step of few tokens, the add and norm run
-    inside the router's split-K launch (triton_norm.add_rms_norm_route). Returns (x, residual,
-    routing or None), for moe(x, ..., routing=routing)."""
+    plus the layer's router logits when they were computed in the same launch: with the "norm_router"
+    switch on (HYBRID_NORM_ROUTER=1), the Triton router and a step of few tokens, the add and norm run
+    inside the router's split-K launch (triton_norm.add_rms_norm_router). Returns (x, residual,
+    router logits or None), for moe(x, ..., routing=...), whose experts route them (the routing launch,
+    or inside their first GEMM: triton_moe.fused_experts)."""
     if (switch("norm_router") and norm.fused and residual is not None and isinstance(x, torch.Tensor)
             and 0 < x.shape[0] <= triton_moe_route.ROUTER_FUSED_MAX_TOKENS and x.stride(-1) == 1):
         args = moe.router_args(residual.dtype)
         if args is not None:
             weight, top_k, kw = args
-            route_scale = kw.pop("scale", 1.0)  # (route_hidden's `scale` is the routing weights')
+            route_scale = kw.pop("scale", 1.0)  # (router_logits' `scale` is the routing weights')
             slices = moe.experts.shared_slices(shared, x.shape[0])
-            normed, residual, top_idx, top_w = triton_norm.add_rms_norm_route(
+            normed, residual, router = triton_norm.add_rms_norm_router(
                 x, residual, norm.weight, norm.eps, norm.weight_in_fp32, scale, weight, top_k, num_shared=slices,
                 route_scale=route_scale, **kw)
-            return normed, residual, (top_idx, top_w)
+            return normed, residual, router
     x, residual = norm.add_norm(x, residual, scale)
     return x, residual, None

@@ -177,14 +177,17 @@ def test_add_rms_norm_route_equals_the_two_launches(dtype, weight_in_fp32, scale
 
 
 @pytest.mark.parametrize("name", ["nemotron_h", "granite_moe"])
-def test_moe_models_with_the_norm_in_the_router(tiny_ckpt, make_llm, name, monkeypatch, tmp_path):
+@pytest.mark.parametrize("route_in_gemm", [False, True])
+def test_moe_models_with_the_norm_in_the_router(tiny_ckpt, make_llm, name, route_in_gemm, monkeypatch, tmp_path):
     """HYBRID_NORM_ROUTER=1: the norm before each MoE layer runs in its router's launch for steps
-    of few tokens; the engine gives the same tokens and logprobs as with the separate launches.
-    (NemotronH without group masking, which the Triton router does not do.)"""
+    of few tokens; the engine gives the same tokens and logprobs as with the separate launches. With
+    HYBRID_MOE_ROUTE_IN_GEMM=1 too, a one-token step's router logits from that launch are routed inside
+    the first expert GEMM (an MoE layer in three launches). (NemotronH without group masking, which
+    the Triton router does not do.)"""
     import tiny_checkpoints
 
     from hybrid import SamplingParams
-    from hybrid.ops import triton_guard
+    from hybrid.ops import triton_guard, triton_moe
 
     path = tiny_ckpt(name)
     if name == "nemotron_h":
@@ -193,17 +196,27 @@ def test_moe_models_with_the_norm_in_the_router(tiny_ckpt, make_llm, name, monke
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
     prompts = [[5, 6, 7, 8, 9], [11], list(range(20, 45))]
     ref = make_llm(path, fused_ops=True).generate(prompts, sp, use_tqdm=False)
-    monkeypatch.setenv("HYBRID_NORM_ROUTER", "1")
+    ref_alone = make_llm(path, fused_ops=True).generate(prompts[1:2], sp, use_tqdm=False)
+    switches = {"HYBRID_NORM_ROUTER": "1", **({"HYBRID_MOE_ROUTE_IN_GEMM": "1"} if route_in_gemm else {})}
+    for var, value in switches.items():
+        monkeypatch.setenv(var, value)
     triton_guard.reset_switches()
     try:
-        calls = []
-        real = tn.add_rms_norm_route
-        monkeypatch.setattr(tn, "add_rms_norm_route", lambda *a, **k: calls.append(1) or real(*a, **k))
+        calls, routed_in_gemm = [], []
+        real = tn.add_rms_norm_router
+        monkeypatch.setattr(tn, "add_rms_norm_router", lambda *a, **k: calls.append(1) or real(*a, **k))
+        real_gemm = triton_moe._grouped_gemm
+        monkeypatch.setattr(triton_moe, "_grouped_gemm",
+                            lambda *a, **k: routed_in_gemm.append(k.get("routed") is not None) or real_gemm(*a, **k))
+        # one request alone (one-token steps), then the three together
+        alone = make_llm(path, fused_ops=True).generate(prompts[1:2], sp, use_tqdm=False)
         got = make_llm(path, fused_ops=True).generate(prompts, sp, use_tqdm=False)
     finally:
-        monkeypatch.delenv("HYBRID_NORM_ROUTER")
+        for var in switches:
+            monkeypatch.delenv(var)
         triton_guard.reset_switches()
     assert calls, "the fused norm + router never ran"
-    for r, o in zip(ref, got):
+    assert any(routed_in_gemm) == route_in_gemm, "the routing inside the first GEMM ran where it should not, or never"
+    for r, o in zip([*ref, *ref_alone], [*got, *alone]):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         assert o.outputs[0].logprobs == r.outputs[0].logprobs

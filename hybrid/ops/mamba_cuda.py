@@ -169,10 +169,12 @@ class MambaCudaKernels:
     def _decode_fusions(self, mixer, hidden: torch.Tensor) -> tuple[bool, bool]:
         """For a decode-only step: (in_proj and conv in one launch: the "decode_in_proj_conv" switch, the
         gated norm's sums of squares in the SSM update and the norm inside out_proj: "decode_gated_out_proj"),
-        each where its projection is a 16-bit one the fused ops own, at a decode size."""
+        each where its projection is a 16-bit one the fused ops own, at a decode size (in_proj and conv: an
+        in_proj of at most triton_gemv.IN_PROJ_CONV_MAX_BYTES, past which cuBLAS streams it faster)."""
         cfg, proj_in, proj_out = mixer.cfg, mixer.in_proj, mixer.out_proj
         fuse_conv = (switch("decode_in_proj_conv") and type(proj_in) is Linear and proj_in.fused
-                     and triton_gemv.eligible(hidden, proj_in.weight))
+                     and triton_gemv.eligible(hidden, proj_in.weight)
+                     and proj_in.weight.numel() * proj_in.weight.element_size() <= triton_gemv.IN_PROJ_CONV_MAX_BYTES)
         # (exactly Linear: tensor parallelism's RowParallelLinear all-reduces in its forward, which this skips)
         fuse_out = (switch("decode_gated_out_proj") and type(proj_out) is Linear and proj_out.fused and mixer.fused
                     and cfg.gate == GATE_THEN_NORM and mixer.norm_stats is None

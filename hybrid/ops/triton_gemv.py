@@ -30,6 +30,12 @@ from state_pool.util import cdiv
 
 MAX_ROWS = 16  # tl.dot's smallest tile height: rows past M are masked
 MAX_GATE_PARTS = 1024  # gated_out_proj's register tile of sums of squares: MAX_ROWS x this many floats
+# in_proj_conv takes Mamba in_projs of at most this many weight bytes: on the H200 (2026-12-05,
+# bench/bench_mamba_decode_layer.py, bench/results/mamba_decode_layer_9fff566_h200.log) it tied or beat cuBLAS's
+# in_proj plus the conv's own launch on Granite-4.0-H-Tiny's 19.8 MB in_proj (batch 1: 10.1 vs 10.1 us; in
+# the model +4.5%), and lost at batch 8 on Nemotron-3-Nano's 55 MB (22.1 vs 20.0 us) and the 8B's 152 MB
+# (51.4 vs 45.8 us), where cuBLAS streams the weight faster than this kernel.
+IN_PROJ_CONV_MAX_BYTES = 32 << 20
 PREFETCH_ELEMENTS = 16384  # the slab's first BLOCK_N x PRE_K weights (32 KB in bf16) load before the wait
 
 if HAS_TRITON:

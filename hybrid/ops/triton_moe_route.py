@@ -12,9 +12,9 @@
 - `router_logits(x, weight, top_k, ...)`: route_hidden's logits (or partials) not yet routed, a
   `RouterLogits`: its `route()` is the routing launch, and the fused experts may route a one-token step
   inside their first GEMM instead (`route_token`, inlined there: one launch fewer a MoE layer).
-- `router_split`, `router_tiling`, `route_partials`: the split-K launch's program setup, tiling and
-  routing launch, shared with triton_norm.add_rms_norm_route (the residual add and norm before an
-  MoE layer computed inside its router's launch).
+- `router_split`, `router_tiling`, `partials_router`: the split-K launch's program setup, tiling and
+  its partials as a RouterLogits, shared with triton_norm.add_rms_norm_router (the residual add and
+  norm before an MoE layer computed inside its router's launch).
 """
 from __future__ import annotations
 
@@ -256,11 +256,3 @@ def partials_router(partial: torch.Tensor, T: int, E: int, top_k: int, *, logits
     """The split-K partials [splits, T, E] of the router logits, to be routed."""
     return RouterLogits(partial, T, E, E, T * E, partial.shape[0], _ROUND[logits_dtype], top_k, sigmoid, bias,
                         normalize, scale, num_shared)
-
-
-def route_partials(partial: torch.Tensor, T: int, E: int, top_k: int, *, logits_dtype: torch.dtype, sigmoid: bool,
-                   bias: torch.Tensor | None, normalize: bool, scale: float,
-                   num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing launch over the split-K partials [splits, T, E] of the router logits."""
-    return partials_router(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, bias=bias,
-                           normalize=normalize, scale=scale, num_shared=num_shared).route()

@@ -11,9 +11,10 @@ torch ops (which, at decode batch sizes, cost more in launches than in bytes):
   over k (triton_moe.ExpertRows), the sum folded in: one launch for the two.
 - `gated_rms_norm(y, z, weight, eps, n_groups)`: the Mamba2 output norm, RMSNorm(y * silu(z)) over
   each contiguous group of I/G channels, in fp32, times the weight; output dtype: the weight's.
-- `add_rms_norm_route(x, residual, ..., router_weight, top_k, ...)`: add_rms_norm then
-  triton_moe_route.route_hidden of its output, for steps of few tokens, with the add and norm inside the
+- `add_rms_norm_router(x, residual, ..., router_weight, top_k, ...)`: add_rms_norm then
+  triton_moe_route.router_logits of its output, for steps of few tokens, with the add and norm inside the
   router's split-K launch (one launch fewer an MoE layer); the residual is returned out of place.
+  `add_rms_norm_route` also routes (the routing launch).
 
 Same math as hybrid.layers.RMSNorm / Mamba2Mixer.gated_norm (the reductions add in another order).
 Triton is imported guarded (hybrid/ops/triton_guard.py).
@@ -210,15 +211,15 @@ def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: fl
     return out
 
 
-def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                       weight_in_fp32: bool, scale: float, router_weight: torch.Tensor, top_k: int, *,
-                       logits_dtype: torch.dtype, sigmoid: bool, bias: torch.Tensor | None = None,
-                       normalize: bool = False, route_scale: float = 1.0, num_shared: int = 0
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """add_rms_norm(x, residual, ...) and triton_moe_route.route_hidden of its output for a step of at
+def add_rms_norm_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        weight_in_fp32: bool, scale: float, router_weight: torch.Tensor, top_k: int, *,
+                        logits_dtype: torch.dtype, sigmoid: bool, bias: torch.Tensor | None = None,
+                        normalize: bool = False, route_scale: float = 1.0, num_shared: int = 0
+                        ) -> tuple[torch.Tensor, torch.Tensor, triton_moe_route.RouterLogits]:
+    """add_rms_norm(x, residual, ...) and triton_moe_route.router_logits of its output for a step of at
     most triton_moe_route.ROUTER_FUSED_MAX_TOKENS tokens, the add and norm inside the router's split-K
-    launch: (normed, new residual, top_idx, top_w), the same values as the two calls. The residual
-    is not updated in place: the new one is returned."""
+    launch: (normed, new residual, the router logits not yet routed), the same values as the two calls.
+    The residual is not updated in place: the new one is returned."""
     require(__name__)
     T, H = residual.shape
     E = router_weight.shape[0]
@@ -233,8 +234,22 @@ def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         x, residual, weight, normed, new_res, router_weight, partial, T, E, H, x.stride(0), residual.stride(0),
         router_weight.stride(0), eps, float(scale), k_per_split, BLOCK=block, BLOCK_E=be, BLOCK_K=bk,
         W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block), **pdl_options(x.device))
-    idx, w = triton_moe_route.route_partials(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid,
-                                             bias=bias, normalize=normalize, scale=route_scale, num_shared=num_shared)
+    router = triton_moe_route.partials_router(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid,
+                                              bias=bias, normalize=normalize, scale=route_scale,
+                                              num_shared=num_shared)
+    return normed, new_res, router
+
+
+def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       weight_in_fp32: bool, scale: float, router_weight: torch.Tensor, top_k: int, *,
+                       logits_dtype: torch.dtype, sigmoid: bool, bias: torch.Tensor | None = None,
+                       normalize: bool = False, route_scale: float = 1.0, num_shared: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm_router, then the routing launch: (normed, new residual, top_idx, top_w)."""
+    normed, new_res, router = add_rms_norm_router(
+        x, residual, weight, eps, weight_in_fp32, scale, router_weight, top_k, logits_dtype=logits_dtype,
+        sigmoid=sigmoid, bias=bias, normalize=normalize, route_scale=route_scale, num_shared=num_shared)
+    idx, w = router.route()
     return normed, new_res, idx, w
 
 

@@ -224,7 +224,8 @@ SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router
                "gated_out_proj": {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
                "decode_fusions": {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"},
                "mamba_unfused": {"HYBRID_DECODE_IN_PROJ_CONV": "0", "HYBRID_DECODE_LINEAR": "cublas"},
-               "route_in_gemm": {"HYBRID_MOE_ROUTE_IN_GEMM": "1"}}
+               "route_in_gemm": {"HYBRID_MOE_ROUTE_IN_GEMM": "1"},
+               "moe_three_launches": {"HYBRID_NORM_ROUTER": "1", "HYBRID_MOE_ROUTE_IN_GEMM": "1"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
@@ -235,7 +236,8 @@ def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switc
     HYBRID_DECODE_IN_PROJ_CONV=1 (a decode step's Mamba in_proj and conv in one launch) and
     HYBRID_DECODE_GATED_OUT_PROJ=1 (the gated norm in the SSM update and out_proj), the Mamba decode as before
     its fusions were the default (HYBRID_DECODE_IN_PROJ_CONV=0 HYBRID_DECODE_LINEAR=cublas) and
-    HYBRID_MOE_ROUTE_IN_GEMM=1 (a one-token step routed inside the first expert GEMM), under CUDA graphs,
+    HYBRID_MOE_ROUTE_IN_GEMM=1 (a one-token step routed inside the first expert GEMM), alone and with
+    HYBRID_NORM_ROUTER=1 (the router logits of the norm's launch routed in the GEMM), under CUDA graphs,
     the prompts together and the first alone (batch-1 decode): every token the default engine's greedy
     choice given the same prefix (or a bf16 near-tie). NemotronH without group masking, so that its
     router is the Triton one."""
