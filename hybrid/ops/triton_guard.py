@@ -26,8 +26,9 @@ again: benchmarks comparing both):
   no split-K reduce launch) and is the default (DECODE_LINEAR_DEFAULT); HYBRID_DECODE_LINEAR=cublas turns it off;
 - "decode_in_proj_conv" (on by default; HYBRID_DECODE_IN_PROJ_CONV=0 turns it off): a decode-only step's Mamba
   in_proj and causal conv (with its conv-state update) in one launch (triton_gemv.in_proj_conv: one launch fewer
-  a Mamba layer, the projection on the Triton linear instead of cuBLAS). Measured (H100, 2026-12-05): +5.2% /
-  +0.6% at batch 1 / 8 on Granite-4.0-H-Tiny's shape, +0.4% / +1.1% on Nemotron-3-Nano's;
+  a Mamba layer, the projection on the Triton linear instead of cuBLAS), for in_projs of at most
+  triton_gemv.IN_PROJ_CONV_MAX_BYTES (past it cuBLAS streams the weight faster). Measured (H200, 2026-12-05):
+  with the Triton out_proj +4.5% at batch 1 on Granite-4.0-H-Tiny's shape;
 - "decode_gated_out_proj" (HYBRID_DECODE_GATED_OUT_PROJ=1): in a decode-only step, the Mamba gated norm's sums
   of squares taken by the SSM update (triton_mamba.selective_state_update_gated) and the norm applied inside
   out_proj on the Triton linear (triton_gemv.gated_out_proj): the gated norm's launch gone. Measured (H100,
