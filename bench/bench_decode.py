@@ -166,8 +166,30 @@ def time_steps(fn, steps):
     return (time.perf_counter() - t) / steps
 
 
+def marginal_times(kernels: list[tuple[str, float, float]], steps: int) -> dict[str, list[float]]:
+    """{name: [marginal us per step, kernels per step]} of `steps` back-to-back steps' kernels (name, start,
+    end in us). A kernel's marginal time is how far it moves the step's last end: end - (the latest end of
+    the kernels that started before it), at least 0; the first kernel of a step counts its whole span.
+    Under programmatic dependent launch a kernel starts while its predecessor runs and its span includes
+    that wait, so spans add up to more than the step; marginal times add up to the step's device time
+    (without the host gaps between steps) and say which kernels lengthen it."""
+    order = sorted(kernels, key=lambda k: k[1])
+    per_step = len(order) // steps if steps else 0
+    out: dict[str, list[float]] = {}
+    for s in range(steps):
+        last_end = None
+        for name, start, end in order[s * per_step:(s + 1) * per_step]:
+            gain = end - start if last_end is None else max(0.0, end - last_end)
+            last_end = end if last_end is None else max(last_end, end)
+            rec = out.setdefault(name, [0.0, 0])
+            rec[0] += gain / steps
+            rec[1] += 1 / steps
+    return out
+
+
 def profile_step(fn, label, steps=5):
-    """Kernel time per kernel name over `steps` calls (CUPTI sees the kernels inside a CUDA graph)."""
+    """Kernel time per kernel name over `steps` calls (CUPTI sees the kernels inside a CUDA graph), and
+    each name's marginal time (marginal_times: what it adds to the step's span)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -177,16 +199,23 @@ def profile_step(fn, label, steps=5):
             fn()
         torch.cuda.synchronize()
     per_name: dict[str, list[float]] = {}
+    kernels: list[tuple[str, float, float]] = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             rec = per_name.setdefault(ev.name[:90], [0.0, 0])
             rec[0] += ev.device_time / steps
             rec[1] += 1 / steps
+            kernels.append((ev.name[:90], ev.time_range.start, ev.time_range.end))
     total = sum(v[0] for v in per_name.values())
     count = sum(v[1] for v in per_name.values())
     print(f"profile {label}: {count:.0f} kernels, {total / 1e3:.3f} ms of kernel time per step")
     for name, (us, k) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:30]:
         print(f"  {us:9.1f} us  {k:5.0f}x  {name}")
+    marginal = marginal_times(kernels, steps)
+    span = sum(v[0] for v in marginal.values())
+    print(f"profile {label}, marginal (what each kernel adds to the step's span): {span / 1e3:.3f} ms per step")
+    for name, (us, k) in sorted(marginal.items(), key=lambda kv: -kv[1][0])[:30]:
+        print(f"  {us:9.1f} us  {k:5.0f}x  {us / max(k, 1):6.2f} us each  {name}")
 
 
 def main():

@@ -283,6 +283,15 @@ if [[ $what == moe-next ]]; then
         tests/gpu/test_graphs.py -k "routed_inside or route_in_gemm or moe_three or norm_router or replay_equals_eager"
   fi
 fi
+# moe-timeline  Granite-Tiny alone (its own time share: the fresh machine's compiles cut it from moe-next), batch
+#            1 / 8, graphs, with the kernel profile of each batch-1 replay: per kernel its span and its marginal time
+#            (what it adds to the step: bench_decode.marginal_times), for the default, HYBRID_MOE_ROUTE_IN_GEMM=1
+#            and that with HYBRID_NORM_ROUTER=1 (~5-8 minutes fresh)
+if [[ $what == moe-timeline ]]; then
+  timeout 560 python3 -u bench/bench_moe.py --shapes granite-tiny --batches 1 8 --gen-batches 1 --no-peer --no-eager \
+      --profile --route-in-gemm-ab --moe-three-launches-ab --out "$OUT" --time-budget 550 2>&1 \
+      | tee "$OUT/bench_moe_timeline.log" | grep -E "^\[|^\||^graphs|^profile|Error|error" | cut -c1-220 || rc=1
+fi
 # speculative  bench_speculative.py: a verify step (K=3) next to a decode step on the 8B shape, eager and
 #            replayed from the verify graphs (the default), batch 1 / 4 / 16, then generate with
 #            n-gram speculation (~3 minutes)

@@ -137,3 +137,17 @@ def test_bench_decode_fp8_projections(tiny_ckpt, scheme):
     if scheme == "pcpt":
         top = max(before, key=before.get)
         assert top in after and abs(after[top] - before[top]) < 0.5
+
+
+def test_marginal_times_add_up_to_each_steps_span():
+    """bench_decode.marginal_times: under PDL a kernel's span overlaps its predecessor's; each kernel is
+    charged only what it adds past the latest end before it, so the charges sum to the steps' spans
+    (host gaps between steps excluded) and a kernel hidden under another's span costs nothing."""
+    from bench.bench_decode import marginal_times
+
+    # one step: a [0, 10], b starts early and waits [2, 14], c hidden under b [3, 12], d [13, 20]
+    step = [("a", 0.0, 10.0), ("b", 2.0, 14.0), ("c", 3.0, 12.0), ("d", 13.0, 20.0)]
+    second = [(n, s + 100.0, e + 100.0) for n, s, e in step]  # the next step after a host gap
+    got = marginal_times(step + second, steps=2)
+    assert got == {"a": [10.0, 1], "b": [4.0, 1], "c": [0.0, 1], "d": [6.0, 1]}
+    assert sum(v[0] for v in got.values()) == 20.0  # the step's span, not the 38 us of summed spans
