@@ -293,7 +293,8 @@ def test_mixer_decode_with_fewer_launches(monkeypatch, dtype, fusion):
 
 
 def test_decode_fusion_defaults(monkeypatch):
-    """in_proj + conv in one launch is on unless HYBRID_DECODE_IN_PROJ_CONV=0; the gated norm folded into the
+    """in_proj + conv in one launch is on unless HYBRID_DECODE_IN_PROJ_CONV=0, for in_projs of at most
+    triton_gemv.IN_PROJ_CONV_MAX_BYTES (cuBLAS streams larger ones faster); the gated norm folded into the
     SSM update and out_proj is off unless HYBRID_DECODE_GATED_OUT_PROJ=1 (triton_guard's measured defaults)."""
     from random_mixer import random_mixer
 
@@ -309,6 +310,14 @@ def test_decode_fusion_defaults(monkeypatch):
         monkeypatch.delenv(env, raising=False)
     triton_guard.reset_switches()
     try:
+        assert kernels._decode_fusions(mixer, hidden) == (True, False)
+        in_proj_bytes = mixer.in_proj.weight.numel() * mixer.in_proj.weight.element_size()
+        monkeypatch.setattr(triton_gemv, "IN_PROJ_CONV_MAX_BYTES", in_proj_bytes)
+        assert kernels._decode_fusions(mixer, hidden) == (True, False)
+        monkeypatch.setattr(triton_gemv, "IN_PROJ_CONV_MAX_BYTES", in_proj_bytes - 1)
+        assert kernels._decode_fusions(mixer, hidden) == (False, False)
+        monkeypatch.undo()
+        monkeypatch.setattr(triton_gemv, "eligible", lambda x, w: True)
         assert kernels._decode_fusions(mixer, hidden) == (True, False)
         monkeypatch.setenv("HYBRID_DECODE_IN_PROJ_CONV", "0")
         triton_guard.reset_switches()
