@@ -85,6 +85,65 @@ def test_zero_state_scan_plus_finish_rows_equals_each_rows_own_scan(state_dtype,
     assert torch.equal(state[6], ref_state[6])  # a slot no row owns is untouched
 
 
+# a padding row (PAD_SLOT_ID) among them, flagged as if it had an initial state: it must still read none
+PADDED = ROWS[:3] + [(4, -1, True)] + ROWS[3:]
+
+
+def test_conv_varlen_padding_row_touches_no_slot():
+    """A padding row (slot -1) is convolved from a zero history and reads and writes no slot (a -1 taken as an
+    index would be the last slot); the other rows' outputs and histories are those of the step without it."""
+    g = torch.Generator().manual_seed(3)
+    CD, K, slots = 48, 4, 7
+    x = torch.randn(sum(n for n, _, _ in PADDED), CD, generator=g)
+    weight, bias = torch.randn(CD, K, generator=g), torch.randn(CD, generator=g)
+    state = torch.randn(slots, CD, K - 1, generator=g)
+    pad_at = sum(n for n, _, _ in PADDED[:3])
+    real = torch.cat([x[:pad_at], x[pad_at + 4:]])
+
+    def run(rows_spec, xs, st):
+        rows = tv.varlen_rows([n for n, _, _ in rows_spec], [s for _, s, _ in rows_spec], [i for _, _, i in rows_spec],
+                              torch.device("cpu"))
+        return tv.conv_prefill_varlen(xs, st, rows, weight, bias, block_l=16, block_c=32)
+
+    want_state = state.clone()
+    want = run(ROWS, real, want_state)
+    got = run(PADDED, x, state)
+    assert torch.equal(torch.cat([got[:pad_at], got[pad_at + 4:]]), want)
+    assert torch.equal(state, want_state)  # slot 6 (index -1) included
+    scratch = torch.randn(1, CD, K - 1, generator=g)
+    alone = tm.conv_prefill(x[pad_at:pad_at + 4], scratch, 0, False, weight, bias, block_l=16, block_c=32)
+    assert torch.equal(got[pad_at:pad_at + 4], alone)
+
+
+def test_finish_rows_padding_row_touches_no_slot():
+    """finish_rows leaves a padding row's zero-state outputs as they are (no initial state added) and
+    writes its final state nowhere; the other rows' outputs and states are those of the step without it."""
+    g = torch.Generator().manual_seed(4)
+    H, P, N, slots = 4, 16, 16, 7
+    T = sum(n for n, _, _ in PADDED)
+    x, y0 = torch.randn(T, H, P, generator=g), torch.randn(T, H, P, generator=g)
+    B, C = torch.randn(T, 1, N, generator=g), torch.randn(T, 1, N, generator=g)
+    dt = torch.rand(H, T, generator=g) * 0.5
+    A = -torch.rand(H, generator=g) - 0.2
+    state = torch.randn(slots, H, P, N, generator=g)
+    pad_at = sum(n for n, _, _ in PADDED[:3])
+    keep = torch.cat([torch.arange(pad_at), torch.arange(pad_at + 4, T)])
+
+    def run(rows_spec, idx, st):
+        rows = tv.varlen_rows([n for n, _, _ in rows_spec], [s for _, s, _ in rows_spec], [i for _, _, i in rows_spec],
+                              torch.device("cpu"))
+        y = y0[idx].clone()
+        tv.finish_rows(y, x[idx], B[idx], C[idx], dt[:, idx].contiguous(), A, st, rows, block_t=16, block_p=16)
+        return y
+
+    want_state = state.clone()
+    want = run(ROWS, keep, want_state)
+    got = run(PADDED, torch.arange(T), state)
+    assert torch.equal(got[keep], want)
+    assert torch.equal(got[pad_at:pad_at + 4], y0[pad_at:pad_at + 4])
+    assert torch.equal(state, want_state)
+
+
 class TorchScan:
     """hybrid.ops.mamba_scan.ChunkScan's calls on CPU: mamba_torch.ssm_prefill per row (the reference)."""
 

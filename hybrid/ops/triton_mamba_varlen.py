@@ -13,6 +13,9 @@ exp(sum_{t0<=u<=end} A dt_u) * h0.
   (any row stride); rows = VarlenRows (device tensors: cu_seqlens [R+1], seq_of_token [T], slots [R],
   has_init [R]). Returns silu(conv) [T, C] (x's dtype); each row's slot keeps its last K-1 inputs. As
   triton_mamba.conv_prefill called row by row, bit for bit.
+- A row whose slot is PAD_SLOT_ID (-1, or any negative) is padding: its tokens are computed as a row
+  without history or initial state, and no slot is read or written for it (a fixed-shape step may carry
+  such a row for its unused tokens; the other rows' results do not depend on it).
 - `finish_rows(y, x, B, C, dt, A, ssm_state, rows)`: y [T, H, P] the zero-state scan's output (in place:
   + each row's initial-state part), x [T, H, P], B, C [T, G, N] the scan's inputs, dt [H, >= T] fp32 (the
   scan's dt after softplus and clamp, token-major per head), A [H]; writes each row's final state (from
@@ -38,7 +41,7 @@ class VarlenRows:
     """A step's prefill rows (none of them padding) as device tensors, shared by every layer."""
     cu_seqlens: torch.Tensor  # [R + 1] int32: row r's tokens are [cu[r], cu[r + 1]) of the rows' tokens
     seq_of_token: torch.Tensor  # [T] int32: each token's row
-    slots: torch.Tensor  # [R] int32: each row's Mamba slot
+    slots: torch.Tensor  # [R] int32: each row's Mamba slot (negative: a padding row, which touches no slot)
     has_init: torch.Tensor  # [R] int32: 1 where the row starts from its slot's state (a later chunk)
     max_len: int  # the longest row's tokens (host value)
 
@@ -84,7 +87,8 @@ if HAS_TRITON:
         row = tl.load(seq_ptr + offs_t, mask=mask_t, other=0)
         first = tl.load(cu_ptr + row, mask=mask_t, other=0)
         slot = tl.load(slot_ptr + row, mask=mask_t, other=0).to(tl.int64)
-        init = tl.load(init_ptr + row, mask=mask_t, other=0) != 0
+        init = (tl.load(init_ptr + row, mask=mask_t, other=0) != 0) & (slot >= 0)  # (a padding row: no history)
+        slot = tl.maximum(slot, 0)
         acc = tl.zeros((BLOCK_L, BLOCK_C), dtype=tl.float32)
         for k in tl.static_range(K):
             src = offs_t + (k - (K - 1))  # token index; < first: history column src - first + K - 1
@@ -115,9 +119,11 @@ if HAS_TRITON:
         first = tl.load(cu_ptr + r)
         n = tl.load(cu_ptr + r + 1) - first
         slot = tl.load(slot_ptr + r).to(tl.int64)
+        live = slot >= 0  # a padding row writes no history
+        slot = tl.maximum(slot, 0)
         init = tl.load(init_ptr + r) != 0
         offs_w = tl.arange(0, WP)  # (WP: W rounded up to a power of two; columns >= W masked)
-        mask_w = offs_w < W
+        mask_w = (offs_w < W) & live
         pos = n - W + offs_w  # position in the row's tokens; < 0: old history column pos + W
         from_x = pos >= 0
         xv = tl.load(x_ptr + (first + tl.maximum(pos, 0)).to(tl.int64)[:, None] * s_x + offs_c[None, :],
@@ -148,8 +154,9 @@ if HAS_TRITON:
         first = tl.load(cu_ptr + r)
         end = tl.load(cu_ptr + r + 1)
         slot = tl.load(slot_ptr + r).to(tl.int64)
-        init = tl.load(init_ptr + r) != 0
-        st_ptrs = state_ptr + slot * s_st_s + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :]
+        live = slot >= 0  # a padding row: no initial state read, no final state written
+        init = (tl.load(init_ptr + r) != 0) & live
+        st_ptrs = state_ptr + tl.maximum(slot, 0) * s_st_s + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :]
         tile = mask_p[:, None] & mask_n[None, :]
         h0 = tl.load(st_ptrs, mask=tile & init, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]; 0 without one
         state = h0
@@ -188,7 +195,7 @@ if HAS_TRITON:
                 contrib = tl.dot(tl.trans(xv.to(tl.float32)), bw)
             state = state * tl.exp(total) + contrib
             carry += total
-        tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile)
+        tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile & live)
 
 
 def conv_prefill_varlen(x: torch.Tensor, conv_state: torch.Tensor, rows: VarlenRows, weight: torch.Tensor,
