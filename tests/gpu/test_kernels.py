@@ -350,3 +350,44 @@ def test_prefill_snapshots_vs_torch(cfg, hidden, dtype, decode_kernels):
     for slot in (5, 2, 3, 0, 1, 4):
         assert rel_err(ssm[slot], ssm_ref[slot]) < tol and rel_err(conv[slot], conv_ref[slot]) < tol, slot
     assert torch.equal(ssm[6], ssm_ref[6]) and torch.equal(conv[6], conv_ref[6])  # the scratch row
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_varlen_padding_row_touches_no_slot(dtype):
+    """The varlen prefill kernels with a padding row (PAD_SLOT_ID) between real rows, on the device: the real
+    rows' conv outputs, y and states are those of the step without it, bit for bit, and no slot (the last one,
+    which -1 would index, included) is read or written for it."""
+    from hybrid.ops import triton_mamba_varlen as tv
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    spec = [(37, 2, True), (1, 0, True), (9, PAD_SLOT_ID, True), (300, 1, False), (3, SLOTS, True)]
+    real = [r for r in spec if r[1] != PAD_SLOT_ID]
+    lengths = [n for n, _, _ in spec]
+    T, CD, K, H, P, N = sum(lengths), 256, 4, 8, 64, 128
+    pad0 = sum(lengths[:2])
+    keep = torch.cat([torch.arange(pad0), torch.arange(pad0 + 9, T)]).to(DEV)
+
+    def rows_of(rows_spec):
+        return tv.varlen_rows([n for n, _, _ in rows_spec], [s for _, s, _ in rows_spec],
+                              [i for _, _, i in rows_spec], torch.device(DEV))
+
+    x = torch.randn(T, CD, device=DEV, generator=g).to(dtype)
+    weight, bias = torch.randn(CD, K, device=DEV, generator=g), torch.randn(CD, device=DEV, generator=g)
+    conv = torch.randn(SLOTS + 1, CD, K - 1, device=DEV, generator=g).to(dtype)
+    conv_want = conv.clone()
+    want = tv.conv_prefill_varlen(x[keep], conv_want, rows_of(real), weight, bias)
+    got = tv.conv_prefill_varlen(x, conv, rows_of(spec), weight, bias)
+    assert torch.equal(got[keep], want) and torch.equal(conv, conv_want)
+
+    xs, y0 = torch.randn(T, H, P, device=DEV, generator=g).to(dtype), torch.randn(T, H, P, device=DEV, generator=g).to(dtype)
+    B, C = (torch.randn(T, 1, N, device=DEV, generator=g).to(dtype) for _ in range(2))
+    dt = torch.rand(H, T, device=DEV, generator=g) * 0.1
+    A = -torch.rand(H, device=DEV, generator=g) - 0.2
+    state = torch.randn(SLOTS + 1, H, P, N, device=DEV, generator=g)
+    state_want = state.clone()
+    y_want = y0[keep].clone()
+    tv.finish_rows(y_want, xs[keep], B[keep], C[keep], dt[:, keep].contiguous(), A, state_want, rows_of(real))
+    y = y0.clone()
+    tv.finish_rows(y, xs, B, C, dt, A, state, rows_of(spec))
+    assert torch.equal(y[keep], y_want) and torch.equal(y[pad0:pad0 + 9], y0[pad0:pad0 + 9])
+    assert torch.equal(state, state_want)
