@@ -14,12 +14,16 @@ PRE_K columns of its slab before waiting for the previous kernel (no kernel writ
 first weight fetch, the latency a projection of a few MB is bound by, overlaps the kernel before it.
 
 The layers use it for steps of at most MAX_ROWS tokens by role (triton_guard.decode_linear_plain): by
-default each Mamba out_proj, and each Mamba in_proj as in_proj_conv (the causal conv in the same launch);
-both measured faster than cuBLAS in the MoE models (BENCHMARKS.md). Every projection with
+default each Mamba out_proj, and each Mamba in_proj as in_proj_conv (the causal conv in the same launch, for
+in_projs up to IN_PROJ_CONV_MAX_BYTES); measured faster than cuBLAS there (BENCHMARKS.md). Every projection with
 HYBRID_DECODE_LINEAR=plain; with =triton also the gated norm inside out_proj (gated_norm_linear), which
-lost 37-45% at batch 1, as did gated_out_proj (its sums of squares from the SSM update) by 2-5x: both
-normalise y and z inside the K loop, whose loads then feed arithmetic before the dot (not measured why
-that costs so much). CPU tests run it through Triton's interpreter (tests/test_triton_gemv.py).
+lost 37-45% at batch 1, as did gated_out_proj (its sums of squares from the SSM update) by 2-5x in the model
+and 8-40x alone. Why, from the compiled code (its loads are pipelined, nothing spills): every program, one per
+32 output columns, computes the whole normalised activation itself, silu(z) * y / rms * w over all K columns
+of 16 rows (the dot's tile height, whatever M is) with an exp and two IEEE divisions an element, so the
+elementwise work is N/32 times what the gated norm's own launch does, on the path of every weight tile. A
+fused gated norm would have to split that work between programs, which needs a grid-wide sum first: the
+norm stays its own launch. CPU tests run them through Triton's interpreter (tests/test_triton_gemv.py).
 """
 from __future__ import annotations
 
