@@ -39,7 +39,7 @@ again: benchmarks comparing both):
   Nemotron-3-Nano's shape: -0.4% at batch 1, and -1.3% with "norm_router" too (an MoE layer in three
   launches: triton_norm.add_rms_norm_router's logits routed in the GEMM), so off;
 - "norm_router" (HYBRID_NORM_ROUTER=1): the residual add and norm before an MoE layer computed in its
-  router's launch (triton_norm.add_rms_norm_route);
+  router's launch (triton_norm.add_rms_norm_router);
 - "bf16_logits" (HYBRID_16BIT_LOGITS=1): the LM head's logits in the model dtype, widened after
   (hybrid/layers.logits_fp32 otherwise writes the fp32 accumulator): the A/B of the fp32 head's cost
   (bench/bench_moe.py --logits-ab).
