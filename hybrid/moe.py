@@ -168,11 +168,13 @@ class NemotronMoE(nn.Module):
         slices = self.experts.shared_slices(self.shared, x.shape[0])
         top_idx = top_w = None
         router = routing
-        if router is None and (args := self.router_args(x.dtype)) is not None:  # no group masking: fused routing
-            weight, top_k, kw = args
-            router = triton_moe_route.router_logits(x, weight, top_k, num_shared=slices, **kw)
-        elif router is None:
-            top_idx, top_w = self.route(x, slices)
+        if router is None:
+            args = self.router_args(x.dtype)
+            if args is not None:  # no group masking: routed by the fused experts
+                weight, top_k, kw = args
+                router = triton_moe_route.router_logits(x, weight, top_k, num_shared=slices, **kw)
+            else:
+                top_idx, top_w = self.route(x, slices)
         if slices:
             return self.experts(x, top_idx, top_w, shared=self.shared, router=router)
         return self.experts(x, top_idx, top_w, add=self.shared(x), router=router)
