@@ -24,34 +24,32 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.cuda_timing import graph_us_per_call  # noqa: E402
+from hybrid.config import MambaConfig  # noqa: E402
+from hybrid.ops.mamba_cuda import ssm_operands  # noqa: E402
+
+
+def mamba_config(heads: int, groups: int) -> MambaConfig:
+    """A released shape's Mamba dims (head dim 64, state 128, conv width 4) as the model's config."""
+    return MambaConfig(num_heads=heads, head_dim=64, n_groups=groups, state_size=128, conv_kernel=4, chunk_size=256,
+                       conv_bias=True, proj_bias=False, norm_eps=1e-5, dt_limit=(0.0, float("inf")))
 
 
 @dataclass(frozen=True)
 class MambaDims:
     hidden: int
-    heads: int
-    head_dim: int
-    groups: int
-    state: int
-    conv_width: int = 4
-
-    @property
-    def inner(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return self.inner + 2 * self.groups * self.state
+    mamba: MambaConfig
 
     @property
     def in_width(self) -> int:
-        return self.inner + self.conv_dim + self.heads
+        """in_proj's output width: [z | xBC | dt]."""
+        m = self.mamba
+        return m.intermediate_size + m.conv_dim + m.num_heads
 
 
 SHAPES = {
-    "nemotron-nano": MambaDims(hidden=2688, heads=64, head_dim=64, groups=8, state=128),
-    "granite-tiny": MambaDims(hidden=1536, heads=48, head_dim=64, groups=1, state=128),
-    "nemotron-h-8b": MambaDims(hidden=4096, heads=128, head_dim=64, groups=8, state=128),
+    "nemotron-nano": MambaDims(2688, mamba_config(heads=64, groups=8)),
+    "granite-tiny": MambaDims(1536, mamba_config(heads=48, groups=1)),
+    "nemotron-h-8b": MambaDims(4096, mamba_config(heads=128, groups=8)),
 }
 
 
@@ -59,81 +57,74 @@ class Layer:
     """One Mamba layer's decode operands on the GPU (random), state for `slots` requests."""
 
     def __init__(self, d: MambaDims, slots: int, dev: torch.device, state_dtype: torch.dtype):
-        bf = torch.bfloat16
+        bf, m = torch.bfloat16, d.mamba
         self.d = d
         self.w_in = torch.randn(d.in_width, d.hidden, device=dev, dtype=bf) * d.hidden ** -0.5
-        self.w_out = torch.randn(d.hidden, d.inner, device=dev, dtype=bf) * d.inner ** -0.5
-        self.conv_w = torch.randn(d.conv_dim, d.conv_width, device=dev, dtype=bf) * 0.5
-        self.conv_b = torch.randn(d.conv_dim, device=dev, dtype=bf) * 0.1
-        self.conv_state = torch.randn(slots, d.conv_dim, d.conv_width - 1, device=dev, dtype=bf)
-        self.ssm_state = (torch.randn(slots, d.heads, d.head_dim, d.state, device=dev) * 0.1).to(state_dtype)
-        self.A = -torch.rand(d.heads, device=dev) - 0.5
-        self.D = torch.randn(d.heads, device=dev)
-        self.dt_bias = torch.randn(d.heads, device=dev) * 0.1
-        self.norm_w = (1 + 0.1 * torch.randn(d.inner, device=dev)).to(bf)
+        self.w_out = torch.randn(d.hidden, m.intermediate_size, device=dev, dtype=bf) * m.intermediate_size ** -0.5
+        self.conv_w = torch.randn(m.conv_dim, m.conv_kernel, device=dev, dtype=bf) * 0.5
+        self.conv_b = torch.randn(m.conv_dim, device=dev, dtype=bf) * 0.1
+        self.conv_state = torch.randn(slots, m.conv_dim, m.conv_kernel - 1, device=dev, dtype=bf)
+        self.ssm_state = (torch.randn(slots, m.num_heads, m.head_dim, m.state_size, device=dev) * 0.1).to(state_dtype)
+        self.A = -torch.rand(m.num_heads, device=dev) - 0.5
+        self.D = torch.randn(m.num_heads, device=dev)
+        self.dt_bias = torch.randn(m.num_heads, device=dev) * 0.1
+        self.norm_w = (1 + 0.1 * torch.randn(m.intermediate_size, device=dev)).to(bf)
 
 
-def split_in(d: MambaDims, zx: torch.Tensor):
-    return torch.split(zx, [d.inner, d.conv_dim, d.heads], dim=-1)
-
-
-def operands(d: MambaDims, xbc: torch.Tensor):
-    gn = d.groups * d.state
-    x, B, C = torch.split(xbc, [d.inner, gn, gn], dim=-1)
-    b = xbc.shape[0]
-    return x.reshape(b, d.heads, d.head_dim), B.reshape(b, d.groups, d.state), C.reshape(b, d.groups, d.state)
+def split_in(m: MambaConfig, zx: torch.Tensor):
+    return torch.split(zx, [m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
 
 
 def chains(layer: Layer, h: torch.Tensor, slots: torch.Tensor) -> dict:
     """name -> zero-argument callable: the ops alone (on inputs made once) and the whole chains."""
     from hybrid.ops import triton_gemv, triton_mamba as tm, triton_norm
 
-    d, L = layer.d, layer
+    m, L = layer.d.mamba, layer
     b = h.shape[0]
-    eps = 1e-5
+    eps, inner, groups = m.norm_eps, m.intermediate_size, m.n_groups
     zx = F.linear(h, L.w_in)
-    z, xBC, dt = split_in(d, zx)
+    z, xBC, dt = split_in(m, zx)
     xbc = tm.conv_state_update(xBC, L.conv_state, L.conv_w, L.conv_b, slots)
-    x, B, C = operands(d, xbc)
+    x, B, C = ssm_operands(m, xbc)
     y = tm.selective_state_update(L.ssm_state, x, dt, L.A, B, C, L.D, L.dt_bias, slots)
-    y2 = y.reshape(b, d.inner)
+    y2 = y.reshape(b, inner)
     _, sq = tm.selective_state_update_gated(L.ssm_state, x, dt, L.A, B, C, L.D, L.dt_bias, slots,
                                             z.reshape(x.shape))
-    normed = triton_norm.gated_rms_norm(y2, z, L.norm_w, eps, d.groups)
+    normed = triton_norm.gated_rms_norm(y2, z, L.norm_w, eps, groups)
 
     def chain(fuse_conv: bool, out: str):
         """One layer's decode: in_proj on cuBLAS then the conv, or in_proj_conv (fuse_conv); then the SSM update
         and `out`: "cublas" / "triton" (the gated norm, then out_proj on cuBLAS / the Triton linear) or "gated"
         (the sums of squares in the SSM update, the norm inside out_proj)."""
         if fuse_conv:
-            z_, xbc_, dt_ = split_in(d, triton_gemv.in_proj_conv(h, L.w_in, None, L.conv_state, L.conv_w, L.conv_b,
-                                                                 slots, d.inner))
+            z_, xbc_, dt_ = split_in(m, triton_gemv.in_proj_conv(h, L.w_in, None, L.conv_state, L.conv_w, L.conv_b,
+                                                                 slots, inner))
         else:
-            z_, xBC_, dt_ = split_in(d, F.linear(h, L.w_in))
+            z_, xBC_, dt_ = split_in(m, F.linear(h, L.w_in))
             xbc_ = tm.conv_state_update(xBC_, L.conv_state, L.conv_w, L.conv_b, slots)
-        x_, B_, C_ = operands(d, xbc_)
+        x_, B_, C_ = ssm_operands(m, xbc_)
         if out == "gated":
             y_, sq_ = tm.selective_state_update_gated(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots,
                                                       z_.reshape(x_.shape))
-            return triton_gemv.gated_out_proj(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups, sq_, L.w_out)
+            return triton_gemv.gated_out_proj(y_.reshape(b, inner), z_, L.norm_w, eps, groups, sq_, L.w_out)
         y_ = tm.selective_state_update(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots)
-        normed_ = triton_norm.gated_rms_norm(y_.reshape(b, d.inner), z_, L.norm_w, eps, d.groups)
+        normed_ = triton_norm.gated_rms_norm(y_.reshape(b, inner), z_, L.norm_w, eps, groups)
         return F.linear(normed_, L.w_out) if out == "cublas" else triton_gemv.small_m_linear(normed_, L.w_out)
 
     return {
         "in_proj cuBLAS": lambda: F.linear(h, L.w_in),
         "in_proj small_m_linear": lambda: triton_gemv.small_m_linear(h, L.w_in),
         "in_proj_conv": lambda: triton_gemv.in_proj_conv(h, L.w_in, None, L.conv_state, L.conv_w, L.conv_b,
-                                                         slots, d.inner),
+                                                         slots, inner),
         "conv_state_update": lambda: tm.conv_state_update(xBC, L.conv_state, L.conv_w, L.conv_b, slots),
         "ssm_update": lambda: tm.selective_state_update(L.ssm_state, x, dt, L.A, B, C, L.D, L.dt_bias, slots),
         "ssm_update_gated": lambda: tm.selective_state_update_gated(L.ssm_state, x, dt, L.A, B, C, L.D,
                                                                     L.dt_bias, slots, z.reshape(x.shape)),
-        "gated_rms_norm": lambda: triton_norm.gated_rms_norm(y2, z, L.norm_w, eps, d.groups),
+        "gated_rms_norm": lambda: triton_norm.gated_rms_norm(y2, z, L.norm_w, eps, groups),
         "out_proj cuBLAS": lambda: F.linear(normed, L.w_out),
         "out_proj small_m_linear": lambda: triton_gemv.small_m_linear(normed, L.w_out),
-        "gated_norm_linear": lambda: triton_gemv.gated_norm_linear(y2, z, L.norm_w, eps, d.groups, L.w_out),
-        "gated_out_proj": lambda: triton_gemv.gated_out_proj(y2, z, L.norm_w, eps, d.groups, sq, L.w_out),
+        "gated_norm_linear": lambda: triton_gemv.gated_norm_linear(y2, z, L.norm_w, eps, groups, L.w_out),
+        "gated_out_proj": lambda: triton_gemv.gated_out_proj(y2, z, L.norm_w, eps, groups, sq, L.w_out),
         "chain as before 2026-12-05": lambda: chain(False, "cublas"),
         "chain in_proj_conv": lambda: chain(True, "cublas"),
         "chain default (in_proj_conv, out_proj small_m_linear)": lambda: chain(True, "triton"),
@@ -155,7 +146,7 @@ def main() -> None:
     results = []
     for name in args.shapes:
         d = SHAPES[name]
-        per_layer = 2 * (d.in_width * d.hidden + d.hidden * d.inner)
+        per_layer = 2 * (d.in_width * d.hidden + d.hidden * d.mamba.intermediate_size)
         n_layers = args.layers or max(4, min(32, (400 << 20) // per_layer))
         slots = max(args.batches) + 1
         layers = [Layer(d, slots, dev, state_dtype) for _ in range(n_layers)]
