@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, bulk_prefetchable, l2_prefetch_on, pdl_options, require, tl, triton
 from state_pool.util import cdiv
 
 MAX_ROWS = 16  # tl.dot's smallest tile height: rows past M are masked
@@ -43,13 +43,14 @@ IN_PROJ_CONV_MAX_BYTES = 32 << 20
 PREFETCH_ELEMENTS = 16384  # the slab's first BLOCK_N x PRE_K weights (32 KB in bf16) load before the wait
 
 if HAS_TRITON:
-    from hybrid.ops.triton_guard import pdl_wait
+    from hybrid.ops.triton_guard import l2_prefetch_rows, pdl_wait
 
     @triton.jit
-    def _program_slab(w_ptr, M, N, K, s_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRE_K: tl.constexpr):
+    def _program_slab(w_ptr, M, N, K, s_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRE_K: tl.constexpr,
+                      PREFETCH: tl.constexpr = False):
         """This program's BLOCK_N output columns: (offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk,
         mask_pk, w_first), w_first the first PRE_K columns of its weight slab, loaded at once (no
-        kernel writes weights: before the PDL wait)."""
+        kernel writes weights: before the PDL wait); PREFETCH: the rest of the slab asked of the L2 too."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         mask_n = offs_n < N
@@ -58,6 +59,8 @@ if HAS_TRITON:
         offs_pk = tl.arange(0, PRE_K)
         mask_pk = offs_pk < K
         w_first = _weight_tile(w_rows, offs_pk, mask_n, mask_pk)
+        l2_prefetch_rows(w_ptr + offs_n.to(tl.int64) * s_wn + PRE_K, mask_n,
+                         (K - PRE_K) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), 4, PREFETCH)
         return offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first
 
     @triton.jit
@@ -94,9 +97,10 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["M"])  # the step's row count: a new compile per value class otherwise
     def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
                                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
+                               BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
+                               PREFETCH: tl.constexpr = False):
         offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
-            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K)
+            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K, PREFETCH)
         pdl_wait(PDL)
         acc = _rows_times_slab(x_ptr, w_rows, w_first, offs_m, mask_m, offs_pk, mask_pk, mask_n, K, s_xm,
                                BLOCK_K, PRE_K)
@@ -107,13 +111,13 @@ if HAS_TRITON:
                              s_xm, s_wn, s_ym, s_cs_slot, s_cs_c, s_cs_k, s_cw_c,
                              HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KW: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PRE_K: tl.constexpr, PDL: tl.constexpr):
+                             PRE_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
         # A Mamba decode step's in_proj, with the depthwise causal conv (width KW, + silu) of its xBC
         # columns [C0, C0 + CD) and their conv-state update done on the program's own columns: a
         # channel's conv needs only that channel's history, so no other program reads what one writes.
         # Row m is one token of the request in slot idx[m] (< 0: padding, zero history, nothing stored).
         offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
-            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K)
+            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K, PREFETCH)
         pdl_wait(PDL)
         acc = _rows_times_slab(x_ptr, w_rows, w_first, offs_m, mask_m, offs_pk, mask_pk, mask_n, K, s_xm,
                                BLOCK_K, PRE_K)
@@ -252,9 +256,15 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _small_m_linear_kernel[(cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
+        PREFETCH=_prefetch(weight, K, pre_k), num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )
     return out
+
+
+def _prefetch(weight: torch.Tensor, K: int, pre_k: int) -> bool:
+    """Whether a launch asks the L2 for the rest of each slab before its PDL wait (triton_guard.l2_prefetch_rows,
+    the "l2_prefetch" switch)."""
+    return K > pre_k and l2_prefetch_on(weight.device) and bulk_prefetchable(weight, K)
 
 
 def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -286,7 +296,7 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         conv_bias if conv_bias is not None else conv_weight, state_indices, M, N, K, conv_start, C,
         x.stride(0), weight.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         conv_weight.stride(0), HAS_BIAS=bias is not None, HAS_CONV_BIAS=conv_bias is not None, KW=W,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k, PREFETCH=_prefetch(weight, K, pre_k),
         num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )
     return out

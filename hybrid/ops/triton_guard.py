@@ -87,7 +87,8 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
              "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
-             "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1")}
+             "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1"),
+             "l2_prefetch": ("HYBRID_L2_PREFETCH", "1"), "pdl_early_trigger": ("HYBRID_PDL_EARLY_TRIGGER", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS
@@ -137,10 +138,12 @@ def reset_switches() -> None:
 _pdl_by_device: dict = {}
 
 
-def pdl_options(device) -> dict:
+def pdl_options(device, small: bool = False) -> dict:
     """Launch keyword arguments for a kernel with a `PDL: tl.constexpr` parameter that begins with
     pdl_wait(PDL): PDL on CUDA devices of compute capability 9.0 or newer, off elsewhere (the CPU
-    interpreter, older GPUs, HYBRID_PDL=0)."""
+    interpreter, older GPUs, HYBRID_PDL=0). `small`: a kernel of few programs and little memory traffic
+    (norms, routing, the SSM update), which with the "pdl_early_trigger" switch lets the next kernel start
+    before its own wait (PDL=2), so that kernel's weight prefetch overlaps more of the chain before it."""
     key = (device.type, device.index)
     if key not in _pdl_by_device:
         import torch
@@ -148,8 +151,22 @@ def pdl_options(device) -> dict:
         on = (device.type == "cuda" and os.environ.get("HYBRID_PDL", "1") != "0"
               and os.environ.get("TRITON_INTERPRET", "0") != "1"
               and torch.cuda.get_device_capability(device)[0] >= 9)
-        _pdl_by_device[key] = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
-    return _pdl_by_device[key]
+        _pdl_by_device[key] = ({"PDL": 1, "launch_pdl": True}, {"PDL": 2 if switch("pdl_early_trigger") else 1,
+                                                                  "launch_pdl": True}) if on else ({"PDL": 0},) * 2
+    return _pdl_by_device[key][small]
+
+
+def l2_prefetch_on(device) -> bool:
+    """Whether kernels ask the L2 for their weights before their PDL wait ("l2_prefetch" switch; sm_90's bulk
+    prefetch, so only where PDL is on)."""
+    return switch("l2_prefetch") and pdl_options(device)["PDL"] > 0
+
+
+def bulk_prefetchable(t, row_elements: int) -> bool:
+    """Whether rows of `t` (dim 0 apart) can be prefetched by l2_prefetch_rows: every row start and the
+    prefetched length 16-byte aligned."""
+    e = t.element_size()
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * e) % 16 == 0 and (row_elements * e) % 16 == 0
 
 
 if HAS_TRITON:
@@ -157,7 +174,29 @@ if HAS_TRITON:
     @triton.jit
     def pdl_wait(PDL: tl.constexpr):
         """Wait for the previous kernel to complete (and its writes to be visible), then let the
-        next kernel start: see the module docstring. A no-op when PDL is off."""
-        if PDL:
+        next kernel start: see the module docstring. A no-op when PDL is 0; PDL 2 (pdl_options(small=True)
+        under "pdl_early_trigger") lets the next kernel start first, then waits."""
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        elif PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def l2_prefetch_rows(row_ptrs, mask, nbytes, CHUNKS: tl.constexpr, ON: tl.constexpr):
+        """Ask the L2 for `nbytes` (an int, a multiple of 16) from each of the rows row_ptrs [R] (16-byte
+        aligned) where mask [R] holds, as CHUNKS bulk prefetches a row (sm_90 cp.async.bulk.prefetch.L2:
+        fire and forget, nothing waits on it). For weights a kernel streams after its PDL wait: issued
+        before the wait, their fetch from memory overlaps the kernels before it, and the loads after the
+        wait find them in the L2. ON False: nothing."""
+        if ON:
+            per = tl.cdiv(nbytes, CHUNKS * 16) * 16
+            start = tl.arange(0, CHUNKS) * per
+            size = tl.minimum(per, nbytes - start)
+            take = mask[:, None] & (size > 0)[None, :]
+            addr = row_ptrs.to(tl.uint64, bitcast=True)[:, None] + start.to(tl.uint64)[None, :]
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [addr, tl.where(take, size[None, :], 0).to(tl.int32)], dtype=tl.int32, is_pure=False,
+                pack=1)
