@@ -88,7 +88,8 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
              "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
              "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1"),
-             "l2_prefetch": ("HYBRID_L2_PREFETCH", "1"), "pdl_early_trigger": ("HYBRID_PDL_EARLY_TRIGGER", "1")}
+             "l2_prefetch": ("HYBRID_L2_PREFETCH", "1"), "pdl_early_trigger": ("HYBRID_PDL_EARLY_TRIGGER", "1"),
+             "gemv_narrow": ("HYBRID_GEMV_NARROW", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS

@@ -226,7 +226,8 @@ SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router
                "mamba_unfused": {"HYBRID_DECODE_IN_PROJ_CONV": "0", "HYBRID_DECODE_LINEAR": "cublas"},
                "route_in_gemm": {"HYBRID_MOE_ROUTE_IN_GEMM": "1"},
                "moe_three_launches": {"HYBRID_NORM_ROUTER": "1", "HYBRID_MOE_ROUTE_IN_GEMM": "1"},
-               "prefetch_trigger": {"HYBRID_L2_PREFETCH": "1", "HYBRID_PDL_EARLY_TRIGGER": "1"}}
+               "prefetch_trigger_narrow": {"HYBRID_L2_PREFETCH": "1", "HYBRID_PDL_EARLY_TRIGGER": "1",
+                                           "HYBRID_GEMV_NARROW": "1"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
@@ -305,8 +306,9 @@ def test_add_rms_norm_route_real_dims(T, H, E, top_k, router_dtype):
 
 @pytest.mark.parametrize("T", [1, 8])
 def test_l2_prefetch_and_early_trigger_change_no_value(T, monkeypatch):
-    """HYBRID_L2_PREFETCH=1 (weights asked of the L2 before the PDL wait) and HYBRID_PDL_EARLY_TRIGGER=1 (small
-    kernels start the next one before their own wait) change when bytes move and kernels start, never a value:
+    """HYBRID_L2_PREFETCH=1 (weights asked of the L2 before the PDL wait), HYBRID_PDL_EARLY_TRIGGER=1 (small
+    kernels start the next one before their own wait) and HYBRID_GEMV_NARROW=1 (16 output columns a Triton linear
+    program: each column's K loop unchanged) change when bytes move and kernels start, never a value:
     a Granite-4.0-H-Tiny-shaped decode chain (add-norm, in_proj+conv, SSM-free out_proj, the experts with the
     shared expert's slices: one token is the naive layout whose shared blocks prefetch before the wait) bit
     for bit against the switches off, eagerly and replayed from a CUDA graph on new inputs (with the state
@@ -338,7 +340,7 @@ def test_l2_prefetch_and_early_trigger_change_no_value(T, monkeypatch):
         return triton_moe.fused_experts(h2, w_up, w_down, idx, w, True, shared_up=s_up, shared_down=s_down)
 
     def run(switches: dict) -> list:
-        for env in ("HYBRID_L2_PREFETCH", "HYBRID_PDL_EARLY_TRIGGER"):
+        for env in ("HYBRID_L2_PREFETCH", "HYBRID_PDL_EARLY_TRIGGER", "HYBRID_GEMV_NARROW"):
             monkeypatch.delenv(env, raising=False)
         for env, value in switches.items():
             monkeypatch.setenv(env, value)
@@ -364,8 +366,8 @@ def test_l2_prefetch_and_early_trigger_change_no_value(T, monkeypatch):
     x0 = x.clone()
     off = run({})
     x.copy_(x0)
-    for switches in ({"HYBRID_L2_PREFETCH": "1"}, {"HYBRID_PDL_EARLY_TRIGGER": "1"},
-                     {"HYBRID_L2_PREFETCH": "1", "HYBRID_PDL_EARLY_TRIGGER": "1"}):
+    for switches in ({"HYBRID_L2_PREFETCH": "1"}, {"HYBRID_PDL_EARLY_TRIGGER": "1"}, {"HYBRID_GEMV_NARROW": "1"},
+                     {"HYBRID_L2_PREFETCH": "1", "HYBRID_PDL_EARLY_TRIGGER": "1", "HYBRID_GEMV_NARROW": "1"}):
         on = run(switches)
         x.copy_(x0)
         assert all(torch.equal(a, b) for a, b in zip(on, off)), switches
