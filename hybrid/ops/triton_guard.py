@@ -10,7 +10,10 @@ which would otherwise start only after the one before it has finished and flushe
 (and before any early return); `pdl_wait` then lets the next kernel start in turn. What no earlier
 kernel of the step writes (weights, a layer's own Mamba state, which only that layer's kernel
 writes) may be read before the wait, so that its latency overlaps the previous kernel's tail.
-HYBRID_PDL=0 turns it off.
+HYBRID_PDL=0 turns it off. The second expert GEMM also reads the routing before its wait: written
+before the first GEMM, which lets it start only after its own wait, so that writer is complete. With
+"pdl_early_trigger" a kernel after a small one may start while the kernel two back still runs: a
+kernel that follows a small one reads before its wait nothing that the step writes.
 
 Kernel switches (`switch(name)`), read from the environment once (`reset_switches()` reads them
 again: benchmarks comparing both):
@@ -57,6 +60,19 @@ again: benchmarks comparing both):
   state (hybrid/ops/triton_mamba_varlen.py) instead of a conv launch and a scan call per row. Measured on the
   GPU (BENCHMARKS.md): 18.5x on 64 prompts of 16 tokens, 3.6x at 128; its outputs and final states as close
   to fp32 as the row path's (tests/gpu/test_kernels.py::test_varlen_prefill_as_accurate_as_rows).
+- "l2_prefetch" (HYBRID_L2_PREFETCH=1): kernels that stream weights ask the L2 for them before their PDL wait
+  (`l2_prefetch_rows`, sm_90's bulk prefetch, no launch of its own): the Triton linear's slab past its first
+  PRE_K columns, the second expert GEMM's rows, the first expert GEMM's shared-expert slices in a one-token
+  step. Unlike the separate prefetch launch tried before (BENCHMARKS.md: a launch cost more than a hot weight
+  saves), it costs no launch: the fetch from memory overlaps the kernel before, the loads after the wait hit
+  the L2. Changes no value (tests/gpu/test_triton_fused_ops_gpu.py);
+- "pdl_early_trigger" (HYBRID_PDL_EARLY_TRIGGER=1): kernels launched with pdl_options(small=True) (norms,
+  routing, the SSM and conv updates, the sum over k, activations: few programs, little traffic) let the next
+  kernel start before their own wait (PDL=2), so a projection after two or three of them starts, and
+  prefetches, that much earlier. Each kernel still waits for the one before it to complete, which waited for
+  its own predecessor: the order of every write and read is unchanged;
+- "gemv_narrow" (HYBRID_GEMV_NARROW=1): the Triton linear at 16 output columns a program where 32 would leave
+  SMs without one (triton_gemv.default_block_n); each column's K loop is unchanged, so are the values.
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) "decode_linear" loses 37-45% at batch 1 and "norm_router" is neutral.
 """
