@@ -178,6 +178,27 @@ def test_in_proj_conv_equals_linear_then_conv_update(dtype, width, bias, conv_bi
     assert torch.equal(state[[1, 2, 4]], ref_state[[1, 2, 4]])  # (no row's slot: untouched in both)
 
 
+@pytest.mark.parametrize("conv_bias", [False, True])
+def test_in_proj_conv_early_conv_reads_change_nothing(conv_bias):
+    """The width-4 conv's history and weights read before the PDL wait (early_conv, the "l2_prefetch" switch's
+    path): output and every slot's history bit for bit the kernel's other path (a padding row included)."""
+    from hybrid.ops.triton_gemv import in_proj_conv
+
+    g = torch.Generator().manual_seed(int(conv_bias))
+    M, K, start, C, tail, S = 3, 64, 16, 40, 9, 5
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(start + C + tail, K, generator=g) / K ** 0.5
+    cw = torch.randn(C, 4, generator=g)
+    cb = torch.randn(C, generator=g) if conv_bias else None
+    state = torch.randn(S, C, 3, generator=g)
+    slots = torch.tensor([4, -1, 1], dtype=torch.int32)
+    early_state, late_state = state.clone(), state.clone()
+    early = in_proj_conv(x, w, None, early_state, cw, cb, slots, start, block_n=16, block_k=32, early_conv=True)
+    late = in_proj_conv(x, w, None, late_state, cw, cb, slots, start, block_n=16, block_k=32, early_conv=False)
+    assert torch.equal(early, late) and torch.equal(early_state, late_state)
+    assert not torch.equal(early_state, state)  # (the live slots advanced)
+
+
 def test_in_proj_conv_refuses_what_it_cannot_take():
     from hybrid.ops.triton_gemv import in_proj_conv
 

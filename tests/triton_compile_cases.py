@@ -224,7 +224,7 @@ def _l2_prefetch():
                          num_stages=4))
     _prefetches(compiles(triton_gemv._in_proj_conv_kernel,
                          dict(HAS_BIAS=False, HAS_CONV_BIAS=True, KW=4, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PRE_K=512,
-                              PDL=1, PREFETCH=True), dict(idx_ptr="*i32"), num_stages=4))
+                              PDL=1, PREFETCH=True, EARLY_CONV=True), dict(idx_ptr="*i32"), num_stages=4))
     up, down = triton_moe.gemm_configs(triton_moe.CONFIGS["decode"])
     for cfg, act, extra in ((up, triton_moe.ACT_SILU_MUL, dict(SHARED_FROM=6)), (up, triton_moe.ACT_RELU2, dict(SHARED_FROM=6)),
                             (down, triton_moe.ACT_NONE, dict(EARLY_B=True, PREFETCH=True))):

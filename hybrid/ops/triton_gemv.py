@@ -113,41 +113,69 @@ if HAS_TRITON:
                              s_xm, s_wn, s_ym, s_cs_slot, s_cs_c, s_cs_k, s_cw_c,
                              HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KW: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PRE_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
+                             PRE_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+                             EARLY_CONV: tl.constexpr = False):
         # A Mamba decode step's in_proj, with the depthwise causal conv (width KW, + silu) of its xBC
         # columns [C0, C0 + CD) and their conv-state update done on the program's own columns: a
         # channel's conv needs only that channel's history, so no other program reads what one writes.
         # Row m is one token of the request in slot idx[m] (< 0: padding, zero history, nothing stored).
+        # EARLY_CONV (KW == 4): the slots' histories, the conv weights and bias read before the PDL wait
+        # (no kernel of the step but this layer's own writes the history), so the conv after the dot adds
+        # no memory round trip; the same sums in the same order.
         offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
             w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K, PREFETCH)
+        is_conv = mask_n & (offs_n >= C0) & (offs_n < C0 + CD)
+        c = tl.where(is_conv, offs_n - C0, 0)
+        if EARLY_CONV:
+            slot = tl.load(idx_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+            live = (mask_m & (slot >= 0))[:, None] & is_conv[None, :]
+            hist_ptrs = cs_ptr + tl.maximum(slot, 0)[:, None] * s_cs_slot + c[None, :] * s_cs_c
+            h0 = tl.load(hist_ptrs, mask=live, other=0.0)
+            h1 = tl.load(hist_ptrs + s_cs_k, mask=live, other=0.0)
+            h2 = tl.load(hist_ptrs + 2 * s_cs_k, mask=live, other=0.0)
+            w0 = tl.load(cw_ptr + c * s_cw_c, mask=is_conv, other=0.0).to(tl.float32)
+            w1 = tl.load(cw_ptr + c * s_cw_c + 1, mask=is_conv, other=0.0).to(tl.float32)
+            w2 = tl.load(cw_ptr + c * s_cw_c + 2, mask=is_conv, other=0.0).to(tl.float32)
+            w3 = tl.load(cw_ptr + c * s_cw_c + 3, mask=is_conv, other=0.0).to(tl.float32)
+            cb = tl.load(cb_ptr + c, mask=is_conv & HAS_CONV_BIAS, other=0.0).to(tl.float32)
         pdl_wait(PDL)
         acc = _rows_times_slab(x_ptr, w_rows, w_first, offs_m, mask_m, offs_pk, mask_pk, mask_n, K, s_xm,
                                BLOCK_K, PRE_K)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         v = acc.to(y_ptr.dtype.element_ty)  # the in_proj output, as the unfused projection stores it
-        is_conv = mask_n & (offs_n >= C0) & (offs_n < C0 + CD)
-        c = tl.where(is_conv, offs_n - C0, 0)
-        slot = tl.load(idx_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
-        live = (mask_m & (slot >= 0))[:, None] & is_conv[None, :]
-        hist_ptrs = cs_ptr + tl.maximum(slot, 0)[:, None] * s_cs_slot + c[None, :] * s_cs_c
         conv = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # the window [history 0 .. KW-2, this token], summed in that order; each history column is read
-        # before it is overwritten by the next one (the state advances by this token)
-        h_prev = tl.load(hist_ptrs, mask=live, other=0.0)
-        for k in tl.static_range(KW - 1):
-            wk = tl.load(cw_ptr + c * s_cw_c + k, mask=is_conv, other=0.0).to(tl.float32)
-            conv += h_prev.to(tl.float32) * wk[None, :]
-            if k + 1 < KW - 1:
-                h_next = tl.load(hist_ptrs + (k + 1) * s_cs_k, mask=live, other=0.0)
-                tl.debug_barrier()  # every thread has read column k + 1 before column k is overwritten
-                tl.store(hist_ptrs + k * s_cs_k, h_next, mask=live)
-                h_prev = h_next
-        w_last = tl.load(cw_ptr + c * s_cw_c + (KW - 1), mask=is_conv, other=0.0).to(tl.float32)
-        conv += v.to(tl.float32) * w_last[None, :]
-        tl.store(hist_ptrs + (KW - 2) * s_cs_k, v.to(cs_ptr.dtype.element_ty), mask=live)
-        if HAS_CONV_BIAS:
-            conv += tl.load(cb_ptr + c, mask=is_conv, other=0.0).to(tl.float32)[None, :]
+        if EARLY_CONV:
+            conv += h0.to(tl.float32) * w0[None, :]
+            conv += h1.to(tl.float32) * w1[None, :]
+            conv += h2.to(tl.float32) * w2[None, :]
+            conv += v.to(tl.float32) * w3[None, :]
+            tl.debug_barrier()  # every thread has its history before any column is overwritten
+            tl.store(hist_ptrs, h1, mask=live)
+            tl.store(hist_ptrs + s_cs_k, h2, mask=live)
+            tl.store(hist_ptrs + 2 * s_cs_k, v.to(cs_ptr.dtype.element_ty), mask=live)
+            if HAS_CONV_BIAS:
+                conv += cb[None, :]
+        else:
+            slot = tl.load(idx_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+            live = (mask_m & (slot >= 0))[:, None] & is_conv[None, :]
+            hist_ptrs = cs_ptr + tl.maximum(slot, 0)[:, None] * s_cs_slot + c[None, :] * s_cs_c
+            # the window [history 0 .. KW-2, this token], summed in that order; each history column is read
+            # before it is overwritten by the next one (the state advances by this token)
+            h_prev = tl.load(hist_ptrs, mask=live, other=0.0)
+            for k in tl.static_range(KW - 1):
+                wk = tl.load(cw_ptr + c * s_cw_c + k, mask=is_conv, other=0.0).to(tl.float32)
+                conv += h_prev.to(tl.float32) * wk[None, :]
+                if k + 1 < KW - 1:
+                    h_next = tl.load(hist_ptrs + (k + 1) * s_cs_k, mask=live, other=0.0)
+                    tl.debug_barrier()  # every thread has read column k + 1 before column k is overwritten
+                    tl.store(hist_ptrs + k * s_cs_k, h_next, mask=live)
+                    h_prev = h_next
+            w_last = tl.load(cw_ptr + c * s_cw_c + (KW - 1), mask=is_conv, other=0.0).to(tl.float32)
+            conv += v.to(tl.float32) * w_last[None, :]
+            tl.store(hist_ptrs + (KW - 2) * s_cs_k, v.to(cs_ptr.dtype.element_ty), mask=live)
+            if HAS_CONV_BIAS:
+                conv += tl.load(cb_ptr + c, mask=is_conv, other=0.0).to(tl.float32)[None, :]
         conv = conv / (1.0 + tl.exp(-conv))
         out = tl.where(is_conv[None, :], conv.to(y_ptr.dtype.element_ty), v)
         tl.store(y_ptr + offs_m[:, None] * s_ym + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
@@ -284,14 +312,16 @@ def _prefetch(weight: torch.Tensor, K: int, pre_k: int) -> bool:
 def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                  conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, state_indices: torch.Tensor,
                  conv_start: int, *, block_n: int = 32, block_k: int = 256, num_warps: int = 4,
-                 num_stages: int = 4) -> torch.Tensor:
+                 num_stages: int = 4, early_conv: bool | None = None) -> torch.Tensor:
     """A Mamba decode step's in_proj and causal conv in one launch: x [M, K] (one token a row, M <= MAX_ROWS)
     @ weight [N, K].T (+ bias), then columns [conv_start, conv_start + C) (C = conv_weight's channels) replaced
     by the depthwise causal conv of [slot history | this token] with conv_weight [C, W] (+ conv_bias) and silu,
     and each live row's slot history (conv_state [S, C, W-1]) advanced by its token, as
     triton_mamba.conv_state_update does on small_m_linear's output. Rows with state_indices < 0 (padding) see
     a zero history and store nothing. Returns [M, N] in x's dtype. Summation order: the conv's taps in window
-    order, then the bias (the unfused kernel sums the window as one reduction: equal up to fp32 rounding)."""
+    order, then the bias (the unfused kernel sums the window as one reduction: equal up to fp32 rounding).
+    `early_conv`: the conv's history and weights read before the PDL wait (a width-4 conv; default: with the
+    "l2_prefetch" switch); the same values either way."""
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]
@@ -311,6 +341,7 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         x.stride(0), weight.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         conv_weight.stride(0), HAS_BIAS=bias is not None, HAS_CONV_BIAS=conv_bias is not None, KW=W,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k, PREFETCH=_prefetch(weight, K, pre_k),
+        EARLY_CONV=W == 4 and (early_conv if early_conv is not None else l2_prefetch_on(x.device)),
         num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )
     return out
