@@ -439,17 +439,6 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "context_buckets_ab": ("one_width", {"HYBRID_GRAPH_CONTEXT_BUCKETS": "0"},
                            "one full-width graph a bucket (HYBRID_GRAPH_CONTEXT_BUCKETS=0; default: small buckets "
                            "also at narrower page tables)"),
-    "l2_prefetch_ab": ("l2_prefetch", {"HYBRID_L2_PREFETCH": "1"},
-                       "weights asked of the L2 before each PDL wait (HYBRID_L2_PREFETCH=1)"),
-    "prefetch_trigger_ab": ("prefetch_trigger", {"HYBRID_L2_PREFETCH": "1", "HYBRID_PDL_EARLY_TRIGGER": "1"},
-                            "weight prefetch under a longer PDL overlap (HYBRID_L2_PREFETCH=1 "
-                            "HYBRID_PDL_EARLY_TRIGGER=1)"),
-    "gemv_narrow_ab": ("gemv_narrow", {"HYBRID_GEMV_NARROW": "1"},
-                       "16-column programs on the Triton linear where 32 leave SMs idle (HYBRID_GEMV_NARROW=1)"),
-    "all_prefetch_ab": ("all_prefetch", {"HYBRID_L2_PREFETCH": "1", "HYBRID_PDL_EARLY_TRIGGER": "1",
-                                         "HYBRID_GEMV_NARROW": "1"}, "the three: prefetch, early trigger, narrow linear"),
-    "early_trigger_ab": ("early_trigger", {"HYBRID_PDL_EARLY_TRIGGER": "1"},
-                         "small kernels start the next one before their wait (HYBRID_PDL_EARLY_TRIGGER=1)"),
     "logits_ab": ("bf16_logits", {"HYBRID_16BIT_LOGITS": "1"},
                   "the LM head's logits in bf16, widened after (HYBRID_16BIT_LOGITS=1; fp32 accumulator by default)"),
 }

@@ -293,24 +293,6 @@ if [[ $what == mamba-layer ]]; then  # each step in what is left of ${MAMBA_LAYE
         | grep -E "^\[granite|^\||Error|error" | cut -c1-220 || rc=1
   fi
 fi
-# prefetch  HYBRID_L2_PREFETCH=1 (weights asked of the L2 before each PDL wait) and HYBRID_PDL_EARLY_TRIGGER=1 (small
-#            kernels release the next before their wait) and HYBRID_GEMV_NARROW=1 (16-column Triton linear programs
-#            where 32 leave SMs idle): first their bit-for-bit GPU test (<= 100 s), then Granite-Tiny decode at
-#            batch 1 / 8 with each and together, with the marginal-time kernel profile of
-#            each at batch 1 (<= 340 s), then the engine under them and the varlen padding-row test
-if [[ $what == prefetch ]]; then
-  start=$SECONDS
-  gpu_pytest 100 gpu_tests_prefetch.log tests/gpu/test_triton_fused_ops_gpu.py -k "change_no_value"
-  timeout 340 python3 -u bench/bench_moe.py --shapes granite-tiny --batches 1 8 --gen-batches 1 --no-peer --no-eager \
-      --profile --l2-prefetch-ab --prefetch-trigger-ab --gemv-narrow-ab --all-prefetch-ab --early-trigger-ab \
-      --out "$OUT" --time-budget 330 2>&1 \
-      | tee "$OUT/bench_moe_prefetch.log" | grep -E "^\[|^\||^graphs|^profile|Error|error" | cut -c1-220 || rc=1
-  left=$((570 - (SECONDS - start)))
-  if (( left > 30 )); then
-    gpu_pytest $left gpu_tests_prefetch_engine.log tests/gpu/test_triton_fused_ops_gpu.py -k "switches and prefetch" \
-        tests/gpu/test_kernels.py::test_varlen_padding_row_touches_no_slot
-  fi
-fi
 # moe-next  Nemotron-Nano and Granite-Tiny decode at batch 1 / 8 (graphs) with the defaults, with
 #            HYBRID_MOE_ROUTE_IN_GEMM=1 (--route-in-gemm-ab) and with it and HYBRID_NORM_ROUTER=1 (an MoE layer in
 #            three launches: --moe-three-launches-ab) (<= 340 s), then the GPU tests of those switches (the

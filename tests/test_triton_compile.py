@@ -49,8 +49,7 @@ NAMES = ["moe_gemm-decode-act0-early0", "moe_gemm-decode-act0-early1", "moe_gemm
          "norm_router-bf16", "norms", "decode_linears-pre256", "decode_linears-pre512", "decode_linears-pre2048",
          "mamba_decode-inter0", "mamba_decode-inter1", "prefill_attention-hd160-bf16", "prefill_attention-hd160-fp8",
          "prefill_attention-hd224-bf16", "prefill_attention-hd224-fp8", "fp8_quantize_rows", "fp8_scale_accumulator", "fp8_small_m-act0",
-         "fp8_small_m-act1", "fp8_small_m-act2", "fp8_gemv-m1", "fp8_gemv-m2", "fp8_gemv-m4", "l2_prefetch",
-         "pdl_early_trigger"]
+         "fp8_small_m-act1", "fp8_small_m-act2", "fp8_gemv-m1", "fp8_gemv-m2", "fp8_gemv-m4"]
 
 
 def test_the_cases_are_these():

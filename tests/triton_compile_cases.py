@@ -49,7 +49,7 @@ def aligned(fn, sig: dict[str, str]) -> dict:
 
 
 def compiles(fn, constexprs: dict, ptr_types: dict[str, str] | None = None, num_warps: int = 4,
-             num_stages: int = 3):
+             num_stages: int = 3) -> None:
     """Compiles `fn` for sm_90 twice: with nothing known of its arguments, and as aligned() specialises them
     (whose pipelined copies must fit the shared memory of an SM)."""
     sig = signature(fn, constexprs, ptr_types or {})
@@ -58,7 +58,6 @@ def compiles(fn, constexprs: dict, ptr_types: dict[str, str] | None = None, num_
         kernel = triton.compile(src, target=SM90,
                                 options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=True))
         assert kernel.metadata.shared <= SM90_SHARED_BYTES, f"{kernel.metadata.shared} bytes of shared memory"
-    return kernel  # (the aligned variant)
 
 
 MOE_PTRS = dict(w_ptr="*fp32", pairs_ptr="*i32", block_expert_ptr="*i32", total_ptr="*i32")
@@ -207,40 +206,6 @@ for _pre_k in (256, 512, 2048):
         compiles(triton_gemv._gated_norm_linear_kernel,
                  dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PRE_K=min(pre_k, 512), GP=8, PDL=True))
     CASES[f"decode_linears-pre{_pre_k}"] = _linears
-
-
-def _prefetches(kernel) -> None:
-    """The L2 prefetches (triton_guard.l2_prefetch_rows) are in the compiled code, before the PDL wait."""
-    ptx = kernel.asm["ptx"]
-    assert "cp.async.bulk.prefetch.L2.global" in ptx, "no L2 prefetch in the PTX"
-    assert ptx.index("cp.async.bulk.prefetch.L2.global") < ptx.index("griddepcontrol.wait"), "prefetch after the wait"
-
-
-@case("l2_prefetch")
-def _l2_prefetch():
-    # the decode linears and both expert GEMMs with the "l2_prefetch" switch's weight prefetch
-    _prefetches(compiles(triton_gemv._small_m_linear_kernel,
-                         dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PRE_K=512, PDL=1, PREFETCH=True),
-                         num_stages=4))
-    _prefetches(compiles(triton_gemv._in_proj_conv_kernel,
-                         dict(HAS_BIAS=False, HAS_CONV_BIAS=True, KW=4, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PRE_K=512,
-                              PDL=1, PREFETCH=True, EARLY_CONV=True), dict(idx_ptr="*i32"), num_stages=4))
-    up, down = triton_moe.gemm_configs(triton_moe.CONFIGS["decode"])
-    for cfg, act, extra in ((up, triton_moe.ACT_SILU_MUL, dict(SHARED_FROM=6)), (up, triton_moe.ACT_RELU2, dict(SHARED_FROM=6)),
-                            (down, triton_moe.ACT_NONE, dict(EARLY_B=True, PREFETCH=True))):
-        bm, bn, bk, gm, warps, stages = cfg
-        consts = dict(ACT=act, MUL_W=act == triton_moe.ACT_NONE, HAS_SHARED=True, W_SCALE=False, IEEE=False,
-                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=False, PDL=1, **triton_moe._NOT_ROUTED)
-        consts.update(extra)
-        _prefetches(compiles(triton_moe._moe_gemm_kernel, consts, dict(MOE_PTRS, ws_ptr="*fp32"), warps, stages))
-
-
-@case("pdl_early_trigger")
-def _early_trigger():
-    # PDL 2 (pdl_options(small=True) under "pdl_early_trigger"): the next kernel released before the wait
-    kernel = compiles(triton_norm._add_rms_norm_kernel, dict(BLOCK=2048, W_FP32=False, SCALED=True, PDL=2))
-    ptx = kernel.asm["ptx"]
-    assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
 
 
 for _inter in (False, True):

@@ -52,7 +52,7 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     if T:
         _relu2_kernel[(T, triton.cdiv(width, BLOCK))](x, out, x.stride(0), out.stride(0), width, BLOCK=BLOCK,
-                                                      num_warps=4, **pdl_options(x.device, small=True))
+                                                      num_warps=4, **pdl_options(x.device))
     return out
 
 
@@ -64,5 +64,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, width, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         _silu_and_mul_kernel[(T, triton.cdiv(width, BLOCK))](gate_up, out, gate_up.stride(0), out.stride(0), width,
-                                                             BLOCK=BLOCK, num_warps=4, **pdl_options(gate_up.device, small=True))
+                                                             BLOCK=BLOCK, num_warps=4, **pdl_options(gate_up.device))
     return out

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.ops.triton_guard import (
-    HAS_TRITON, bulk_prefetchable, l2_prefetch_on, pdl_options, require, switch, tl, triton,
-)
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, switch, tl, triton
 from state_pool.util import cdiv, sm_count
 
 MAX_ROWS = 16  # tl.dot's smallest tile height: rows past M are masked
@@ -45,14 +43,13 @@ IN_PROJ_CONV_MAX_BYTES = 32 << 20
 PREFETCH_ELEMENTS = 16384  # the slab's first BLOCK_N x PRE_K weights (32 KB in bf16) load before the wait
 
 if HAS_TRITON:
-    from hybrid.ops.triton_guard import l2_prefetch_rows, pdl_wait
+    from hybrid.ops.triton_guard import pdl_wait
 
     @triton.jit
-    def _program_slab(w_ptr, M, N, K, s_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRE_K: tl.constexpr,
-                      PREFETCH: tl.constexpr = False):
+    def _program_slab(w_ptr, M, N, K, s_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRE_K: tl.constexpr):
         """This program's BLOCK_N output columns: (offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk,
         mask_pk, w_first), w_first the first PRE_K columns of its weight slab, loaded at once (no
-        kernel writes weights: before the PDL wait); PREFETCH: the rest of the slab asked of the L2 too."""
+        kernel writes weights: before the PDL wait)."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         mask_n = offs_n < N
@@ -61,8 +58,6 @@ if HAS_TRITON:
         offs_pk = tl.arange(0, PRE_K)
         mask_pk = offs_pk < K
         w_first = _weight_tile(w_rows, offs_pk, mask_n, mask_pk)
-        l2_prefetch_rows(w_ptr + offs_n.to(tl.int64) * s_wn + PRE_K, mask_n,
-                         (K - PRE_K) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), 4, PREFETCH)
         return offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first
 
     @triton.jit
@@ -99,10 +94,9 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["M"])  # the step's row count: a new compile per value class otherwise
     def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
                                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
-                               PREFETCH: tl.constexpr = False):
+                               BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
         offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
-            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K, PREFETCH)
+            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K)
         pdl_wait(PDL)
         acc = _rows_times_slab(x_ptr, w_rows, w_first, offs_m, mask_m, offs_pk, mask_pk, mask_n, K, s_xm,
                                BLOCK_K, PRE_K)
@@ -113,69 +107,41 @@ if HAS_TRITON:
                              s_xm, s_wn, s_ym, s_cs_slot, s_cs_c, s_cs_k, s_cw_c,
                              HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KW: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PRE_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-                             EARLY_CONV: tl.constexpr = False):
+                             PRE_K: tl.constexpr, PDL: tl.constexpr):
         # A Mamba decode step's in_proj, with the depthwise causal conv (width KW, + silu) of its xBC
         # columns [C0, C0 + CD) and their conv-state update done on the program's own columns: a
         # channel's conv needs only that channel's history, so no other program reads what one writes.
         # Row m is one token of the request in slot idx[m] (< 0: padding, zero history, nothing stored).
-        # EARLY_CONV (KW == 4): the slots' histories, the conv weights and bias read before the PDL wait
-        # (no kernel of the step but this layer's own writes the history), so the conv after the dot adds
-        # no memory round trip; the same sums in the same order.
         offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
-            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K, PREFETCH)
-        is_conv = mask_n & (offs_n >= C0) & (offs_n < C0 + CD)
-        c = tl.where(is_conv, offs_n - C0, 0)
-        if EARLY_CONV:
-            slot = tl.load(idx_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
-            live = (mask_m & (slot >= 0))[:, None] & is_conv[None, :]
-            hist_ptrs = cs_ptr + tl.maximum(slot, 0)[:, None] * s_cs_slot + c[None, :] * s_cs_c
-            h0 = tl.load(hist_ptrs, mask=live, other=0.0)
-            h1 = tl.load(hist_ptrs + s_cs_k, mask=live, other=0.0)
-            h2 = tl.load(hist_ptrs + 2 * s_cs_k, mask=live, other=0.0)
-            w0 = tl.load(cw_ptr + c * s_cw_c, mask=is_conv, other=0.0).to(tl.float32)
-            w1 = tl.load(cw_ptr + c * s_cw_c + 1, mask=is_conv, other=0.0).to(tl.float32)
-            w2 = tl.load(cw_ptr + c * s_cw_c + 2, mask=is_conv, other=0.0).to(tl.float32)
-            w3 = tl.load(cw_ptr + c * s_cw_c + 3, mask=is_conv, other=0.0).to(tl.float32)
-            cb = tl.load(cb_ptr + c, mask=is_conv & HAS_CONV_BIAS, other=0.0).to(tl.float32)
+            w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K)
         pdl_wait(PDL)
         acc = _rows_times_slab(x_ptr, w_rows, w_first, offs_m, mask_m, offs_pk, mask_pk, mask_n, K, s_xm,
                                BLOCK_K, PRE_K)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         v = acc.to(y_ptr.dtype.element_ty)  # the in_proj output, as the unfused projection stores it
+        is_conv = mask_n & (offs_n >= C0) & (offs_n < C0 + CD)
+        c = tl.where(is_conv, offs_n - C0, 0)
+        slot = tl.load(idx_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+        live = (mask_m & (slot >= 0))[:, None] & is_conv[None, :]
+        hist_ptrs = cs_ptr + tl.maximum(slot, 0)[:, None] * s_cs_slot + c[None, :] * s_cs_c
         conv = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if EARLY_CONV:
-            conv += h0.to(tl.float32) * w0[None, :]
-            conv += h1.to(tl.float32) * w1[None, :]
-            conv += h2.to(tl.float32) * w2[None, :]
-            conv += v.to(tl.float32) * w3[None, :]
-            tl.debug_barrier()  # every thread has its history before any column is overwritten
-            tl.store(hist_ptrs, h1, mask=live)
-            tl.store(hist_ptrs + s_cs_k, h2, mask=live)
-            tl.store(hist_ptrs + 2 * s_cs_k, v.to(cs_ptr.dtype.element_ty), mask=live)
-            if HAS_CONV_BIAS:
-                conv += cb[None, :]
-        else:
-            slot = tl.load(idx_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
-            live = (mask_m & (slot >= 0))[:, None] & is_conv[None, :]
-            hist_ptrs = cs_ptr + tl.maximum(slot, 0)[:, None] * s_cs_slot + c[None, :] * s_cs_c
-            # the window [history 0 .. KW-2, this token], summed in that order; each history column is read
-            # before it is overwritten by the next one (the state advances by this token)
-            h_prev = tl.load(hist_ptrs, mask=live, other=0.0)
-            for k in tl.static_range(KW - 1):
-                wk = tl.load(cw_ptr + c * s_cw_c + k, mask=is_conv, other=0.0).to(tl.float32)
-                conv += h_prev.to(tl.float32) * wk[None, :]
-                if k + 1 < KW - 1:
-                    h_next = tl.load(hist_ptrs + (k + 1) * s_cs_k, mask=live, other=0.0)
-                    tl.debug_barrier()  # every thread has read column k + 1 before column k is overwritten
-                    tl.store(hist_ptrs + k * s_cs_k, h_next, mask=live)
-                    h_prev = h_next
-            w_last = tl.load(cw_ptr + c * s_cw_c + (KW - 1), mask=is_conv, other=0.0).to(tl.float32)
-            conv += v.to(tl.float32) * w_last[None, :]
-            tl.store(hist_ptrs + (KW - 2) * s_cs_k, v.to(cs_ptr.dtype.element_ty), mask=live)
-            if HAS_CONV_BIAS:
-                conv += tl.load(cb_ptr + c, mask=is_conv, other=0.0).to(tl.float32)[None, :]
+        # the window [history 0 .. KW-2, this token], summed in that order; each history column is read
+        # before it is overwritten by the next one (the state advances by this token)
+        h_prev = tl.load(hist_ptrs, mask=live, other=0.0)
+        for k in tl.static_range(KW - 1):
+            wk = tl.load(cw_ptr + c * s_cw_c + k, mask=is_conv, other=0.0).to(tl.float32)
+            conv += h_prev.to(tl.float32) * wk[None, :]
+            if k + 1 < KW - 1:
+                h_next = tl.load(hist_ptrs + (k + 1) * s_cs_k, mask=live, other=0.0)
+                tl.debug_barrier()  # every thread has read column k + 1 before column k is overwritten
+                tl.store(hist_ptrs + k * s_cs_k, h_next, mask=live)
+                h_prev = h_next
+        w_last = tl.load(cw_ptr + c * s_cw_c + (KW - 1), mask=is_conv, other=0.0).to(tl.float32)
+        conv += v.to(tl.float32) * w_last[None, :]
+        tl.store(hist_ptrs + (KW - 2) * s_cs_k, v.to(cs_ptr.dtype.element_ty), mask=live)
+        if HAS_CONV_BIAS:
+            conv += tl.load(cb_ptr + c, mask=is_conv, other=0.0).to(tl.float32)[None, :]
         conv = conv / (1.0 + tl.exp(-conv))
         out = tl.where(is_conv[None, :], conv.to(y_ptr.dtype.element_ty), v)
         tl.store(y_ptr + offs_m[:, None] * s_ym + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
@@ -270,9 +236,8 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    out: torch.Tensor | None = None, block_n: int | None = None, block_k: int = 256,
                    num_warps: int = 4, num_stages: int = 4, pre_k: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, last dim contiguous) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype.
-    `pre_k`: the columns each program loads before the PDL wait (a power of two; default: up to
-    PREFETCH_ELEMENTS weights a program, at least block_k). `block_n`: output columns a program (default
-    default_block_n)."""
+    `block_n`: output columns a program (default: default_block_n). `pre_k`: the columns each program loads
+    before the PDL wait (a power of two; default: up to PREFETCH_ELEMENTS weights a program, at least block_k)."""
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]
@@ -289,39 +254,32 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _small_m_linear_kernel[(cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k,
-        PREFETCH=_prefetch(weight, K, pre_k), num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )
     return out
 
 
 def default_block_n(N: int, device: torch.device) -> int:
-    """32 output columns a program; with the "gemv_narrow" switch (HYBRID_GEMV_NARROW=1) 16 where 32 would
-    leave SMs without a program (Granite-4.0-H-Tiny's 9.4 MB out_proj: 48 programs of 196 KB each on 132
-    SMs), so that more SMs stream the weight."""
-    if switch("gemv_narrow") and device.type == "cuda" and cdiv(N, 32) < sm_count(device):
+    """32 output columns a program, or 16 on a GPU where 32 would leave more than half its SMs idle: a decode
+    projection streams its weight at the rate of the SMs that read it (Granite-4.0-H-Tiny's out_proj, N 1536:
+    48 programs of 32 on 132 SMs; at 16 a column, 7.0 -> 6.1 us a call on the H200, BENCHMARKS.md). Each
+    column's K loop is the same at either width, so the values are too. HYBRID_GEMV_NARROW=0 keeps 32."""
+    if switch("gemv_narrow") and 2 * cdiv(N, 32) <= sm_count(device):
         return 16
     return 32
-
-
-def _prefetch(weight: torch.Tensor, K: int, pre_k: int) -> bool:
-    """Whether a launch asks the L2 for the rest of each slab before its PDL wait (triton_guard.l2_prefetch_rows,
-    the "l2_prefetch" switch)."""
-    return K > pre_k and l2_prefetch_on(weight.device) and bulk_prefetchable(weight, K)
 
 
 def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                  conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, state_indices: torch.Tensor,
                  conv_start: int, *, block_n: int = 32, block_k: int = 256, num_warps: int = 4,
-                 num_stages: int = 4, early_conv: bool | None = None) -> torch.Tensor:
+                 num_stages: int = 4) -> torch.Tensor:
     """A Mamba decode step's in_proj and causal conv in one launch: x [M, K] (one token a row, M <= MAX_ROWS)
     @ weight [N, K].T (+ bias), then columns [conv_start, conv_start + C) (C = conv_weight's channels) replaced
     by the depthwise causal conv of [slot history | this token] with conv_weight [C, W] (+ conv_bias) and silu,
     and each live row's slot history (conv_state [S, C, W-1]) advanced by its token, as
     triton_mamba.conv_state_update does on small_m_linear's output. Rows with state_indices < 0 (padding) see
     a zero history and store nothing. Returns [M, N] in x's dtype. Summation order: the conv's taps in window
-    order, then the bias (the unfused kernel sums the window as one reduction: equal up to fp32 rounding).
-    `early_conv`: the conv's history and weights read before the PDL wait (a width-4 conv; default: with the
-    "l2_prefetch" switch); the same values either way."""
+    order, then the bias (the unfused kernel sums the window as one reduction: equal up to fp32 rounding)."""
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]
@@ -340,8 +298,7 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         conv_bias if conv_bias is not None else conv_weight, state_indices, M, N, K, conv_start, C,
         x.stride(0), weight.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         conv_weight.stride(0), HAS_BIAS=bias is not None, HAS_CONV_BIAS=conv_bias is not None, KW=W,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k, PREFETCH=_prefetch(weight, K, pre_k),
-        EARLY_CONV=W == 4 and (early_conv if early_conv is not None else l2_prefetch_on(x.device)),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )
     return out

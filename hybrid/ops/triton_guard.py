@@ -10,10 +10,7 @@ which would otherwise start only after the one before it has finished and flushe
 (and before any early return); `pdl_wait` then lets the next kernel start in turn. What no earlier
 kernel of the step writes (weights, a layer's own Mamba state, which only that layer's kernel
 writes) may be read before the wait, so that its latency overlaps the previous kernel's tail.
-HYBRID_PDL=0 turns it off. The second expert GEMM also reads the routing before its wait: written
-before the first GEMM, which lets it start only after its own wait, so that writer is complete. With
-"pdl_early_trigger" a kernel after a small one may start while the kernel two back still runs: a
-kernel that follows a small one reads before its wait nothing that the step writes.
+HYBRID_PDL=0 turns it off.
 
 Kernel switches (`switch(name)`), read from the environment once (`reset_switches()` reads them
 again: benchmarks comparing both):
@@ -60,19 +57,8 @@ again: benchmarks comparing both):
   state (hybrid/ops/triton_mamba_varlen.py) instead of a conv launch and a scan call per row. Measured on the
   GPU (BENCHMARKS.md): 18.5x on 64 prompts of 16 tokens, 3.6x at 128; its outputs and final states as close
   to fp32 as the row path's (tests/gpu/test_kernels.py::test_varlen_prefill_as_accurate_as_rows).
-- "l2_prefetch" (HYBRID_L2_PREFETCH=1): kernels that stream weights ask the L2 for them before their PDL wait
-  (`l2_prefetch_rows`, sm_90's bulk prefetch, no launch of its own): the Triton linear's slab past its first
-  PRE_K columns, the second expert GEMM's rows, the first expert GEMM's shared-expert slices in a one-token
-  step. Unlike the separate prefetch launch tried before (BENCHMARKS.md: a launch cost more than a hot weight
-  saves), it costs no launch: the fetch from memory overlaps the kernel before, the loads after the wait hit
-  the L2. Changes no value (tests/gpu/test_triton_fused_ops_gpu.py);
-- "pdl_early_trigger" (HYBRID_PDL_EARLY_TRIGGER=1): kernels launched with pdl_options(small=True) (norms,
-  routing, the SSM and conv updates, the sum over k, activations: few programs, little traffic) let the next
-  kernel start before their own wait (PDL=2), so a projection after two or three of them starts, and
-  prefetches, that much earlier. Each kernel still waits for the one before it to complete, which waited for
-  its own predecessor: the order of every write and read is unchanged;
-- "gemv_narrow" (HYBRID_GEMV_NARROW=1): the Triton linear at 16 output columns a program where 32 would leave
-  SMs without one (triton_gemv.default_block_n); each column's K loop is unchanged, so are the values.
+- "gemv_narrow" (on by default; HYBRID_GEMV_NARROW=0 turns it off): the Triton linear at 16 output columns a
+  program where 32 would leave more than half the SMs idle (triton_gemv.default_block_n; same values).
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) "decode_linear" loses 37-45% at batch 1 and "norm_router" is neutral.
 """
@@ -104,9 +90,8 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
              "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
              "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1"),
-             "l2_prefetch": ("HYBRID_L2_PREFETCH", "1"), "pdl_early_trigger": ("HYBRID_PDL_EARLY_TRIGGER", "1"),
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1")}
-_ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv"}  # these read as on unless their variable says "0"
+_ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS
 DECODE_LINEAR_DEFAULT = "plain:mamba.out_proj"
@@ -155,12 +140,10 @@ def reset_switches() -> None:
 _pdl_by_device: dict = {}
 
 
-def pdl_options(device, small: bool = False) -> dict:
+def pdl_options(device) -> dict:
     """Launch keyword arguments for a kernel with a `PDL: tl.constexpr` parameter that begins with
     pdl_wait(PDL): PDL on CUDA devices of compute capability 9.0 or newer, off elsewhere (the CPU
-    interpreter, older GPUs, HYBRID_PDL=0). `small`: a kernel of few programs and little memory traffic
-    (norms, routing, the SSM update), which with the "pdl_early_trigger" switch lets the next kernel start
-    before its own wait (PDL=2), so that kernel's weight prefetch overlaps more of the chain before it."""
+    interpreter, older GPUs, HYBRID_PDL=0)."""
     key = (device.type, device.index)
     if key not in _pdl_by_device:
         import torch
@@ -168,22 +151,8 @@ def pdl_options(device, small: bool = False) -> dict:
         on = (device.type == "cuda" and os.environ.get("HYBRID_PDL", "1") != "0"
               and os.environ.get("TRITON_INTERPRET", "0") != "1"
               and torch.cuda.get_device_capability(device)[0] >= 9)
-        _pdl_by_device[key] = ({"PDL": 1, "launch_pdl": True}, {"PDL": 2 if switch("pdl_early_trigger") else 1,
-                                                                  "launch_pdl": True}) if on else ({"PDL": 0},) * 2
-    return _pdl_by_device[key][small]
-
-
-def l2_prefetch_on(device) -> bool:
-    """Whether kernels ask the L2 for their weights before their PDL wait ("l2_prefetch" switch; sm_90's bulk
-    prefetch, so only where PDL is on)."""
-    return switch("l2_prefetch") and pdl_options(device)["PDL"] > 0
-
-
-def bulk_prefetchable(t, row_elements: int) -> bool:
-    """Whether rows of `t` (dim 0 apart) can be prefetched by l2_prefetch_rows: every row start and the
-    prefetched length 16-byte aligned."""
-    e = t.element_size()
-    return t.data_ptr() % 16 == 0 and (t.stride(0) * e) % 16 == 0 and (row_elements * e) % 16 == 0
+        _pdl_by_device[key] = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return _pdl_by_device[key]
 
 
 if HAS_TRITON:
@@ -191,29 +160,7 @@ if HAS_TRITON:
     @triton.jit
     def pdl_wait(PDL: tl.constexpr):
         """Wait for the previous kernel to complete (and its writes to be visible), then let the
-        next kernel start: see the module docstring. A no-op when PDL is 0; PDL 2 (pdl_options(small=True)
-        under "pdl_early_trigger") lets the next kernel start first, then waits."""
-        if PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        elif PDL:
+        next kernel start: see the module docstring. A no-op when PDL is off."""
+        if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def l2_prefetch_rows(row_ptrs, mask, nbytes, CHUNKS: tl.constexpr, ON: tl.constexpr):
-        """Ask the L2 for `nbytes` (an int, a multiple of 16) from each of the rows row_ptrs [R] (16-byte
-        aligned) where mask [R] holds, as CHUNKS bulk prefetches a row (sm_90 cp.async.bulk.prefetch.L2:
-        fire and forget, nothing waits on it). For weights a kernel streams after its PDL wait: issued
-        before the wait, their fetch from memory overlaps the kernels before it, and the loads after the
-        wait find them in the L2. ON False: nothing."""
-        if ON:
-            per = tl.cdiv(nbytes, CHUNKS * 16) * 16
-            start = tl.arange(0, CHUNKS) * per
-            size = tl.minimum(per, nbytes - start)
-            take = mask[:, None] & (size > 0)[None, :]
-            addr = row_ptrs.to(tl.uint64, bitcast=True)[:, None] + start.to(tl.uint64)[None, :]
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [addr, tl.where(take, size[None, :], 0).to(tl.int32)], dtype=tl.int32, is_pure=False,
-                pack=1)

@@ -399,7 +399,7 @@ def _ssm_update(state, x, dt, A, B, C, D, dt_bias, state_indices, out, intermedi
         BLOCK_P=bp, BLOCK_N=_next_pow2(N),
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_INTER=intermediate_states is not None, HAS_INTER_IDX=intermediate_indices is not None,
-        HAS_GATE_SQ=z is not None, num_warps=nw, **pdl_options(x.device, small=True),
+        HAS_GATE_SQ=z is not None, num_warps=nw, **pdl_options(x.device),
     )
     return (out[:, 0] if single else out), sq
 
@@ -452,7 +452,7 @@ def conv_state_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
         K=K, KP=_next_pow2(K), BLOCK_C=block_c,
         HAS_BIAS=bias is not None, SILU=activation is not None,
         HAS_INTER=intermediate_states is not None, HAS_INTER_IDX=intermediate_indices is not None,
-        num_warps=num_warps, **pdl_options(x.device, small=True),
+        num_warps=num_warps, **pdl_options(x.device),
     )
     return out[:, 0] if single else out
 

@@ -31,9 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.ops import triton_moe_align, triton_moe_route
-from hybrid.ops.triton_guard import (
-    HAS_TRITON, bulk_prefetchable, l2_prefetch_on, pdl_options, require, switch, tl, triton,
-)
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, switch, tl, triton
 from state_pool.util import cdiv, sm_count
 
 ACT_NONE, ACT_RELU2, ACT_SILU_MUL = 0, 1, 2
@@ -44,7 +42,7 @@ def is_available() -> bool:
 
 
 if HAS_TRITON:
-    from hybrid.ops.triton_guard import l2_prefetch_rows, pdl_wait
+    from hybrid.ops.triton_guard import pdl_wait
     from hybrid.ops.triton_moe_route import route_token
 
     @triton.jit
@@ -94,9 +92,8 @@ if HAS_TRITON:
                 w_base = s_ptr + (expert - num_experts) * s_se
                 row_stride = s_sn
                 up_off = s_up
-        w_rows = w_base + offs_n.to(tl.int64) * row_stride
-        b_ptrs = w_rows[None, :] + offs_k[:, None]
-        return pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off, w_rows
+        b_ptrs = w_base + offs_n[None, :].to(tl.int64) * row_stride + offs_k[:, None]
+        return pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off
 
     @triton.jit
     def _mma(a, b, acc, IEEE: tl.constexpr):
@@ -153,8 +150,7 @@ if HAS_TRITON:
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EARLY_B: tl.constexpr,
                          ROUTED: tl.constexpr, R_TOP_K: tl.constexpr, R_KP: tl.constexpr, R_EP: tl.constexpr,
                          R_SIGMOID: tl.constexpr, R_HAS_BIAS: tl.constexpr, R_NORMALIZE: tl.constexpr,
-                         R_SPLITS: tl.constexpr, R_ROUND: tl.constexpr, PDL: tl.constexpr,
-                         PREFETCH: tl.constexpr = False, SHARED_FROM: tl.constexpr = -1):
+                         R_SPLITS: tl.constexpr, R_ROUND: tl.constexpr, PDL: tl.constexpr):
         # C[p, :N] = act(A[p // a_div] @ W_e.T) (* w[p]) for the pairs p of each block (expert e):
         # see _block_operands.
         # EARLY_B (the second GEMM): the blocks, pairs and routing weights were written before the
@@ -170,18 +166,6 @@ if HAS_TRITON:
         # (triton_moe_route.RouterLogits, written by the kernel before this one) and takes its block's
         # column; the programs of the first column tile store the routing (r_idx, r_w), which the second
         # GEMM reads as block_expert and w after its wait, as it would the routing launch's.
-        # PREFETCH (triton_guard.l2_prefetch_rows): the weight rows a program streams are asked of the L2
-        # before the wait where its expert is known then: in the second GEMM every block's, in the first
-        # the shared expert's slices, blocks SHARED_FROM.. of a one-token step's naive layout.
-        es = b_ptr.dtype.element_ty.primitive_bitwidth // 8
-        if SHARED_FROM >= 0:
-            pid_m0, pid_n0 = _block_tile(tl.program_id(0), N, num_m_blocks, BLOCK_N, GROUP_M)
-            if pid_m0 >= SHARED_FROM:
-                offs_s = pid_n0 * BLOCK_N + tl.arange(0, BLOCK_N)
-                s_rows = s_ptr + (pid_m0 - SHARED_FROM) * s_se + offs_s.to(tl.int64) * s_sn
-                l2_prefetch_rows(s_rows, offs_s < N, K * es, 4, True)
-                if ACT == 2:
-                    l2_prefetch_rows(s_rows + s_up, offs_s < N, K * es, 4, True)
         if not EARLY_B:
             pdl_wait(PDL)
         pid_m, pid_n = _block_tile(tl.program_id(0), N, num_m_blocks, BLOCK_N, GROUP_M)
@@ -197,7 +181,7 @@ if HAS_TRITON:
                 tl.store(r_w_ptr + pid_m, route_w)
         else:
             expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off, w_rows = _block_operands(
+        pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off = _block_operands(
             a_ptr, b_ptr, s_ptr, pairs_ptr, expert, pid_m, pid_n, N, num_pairs, a_div, num_experts,
             s_am, s_be, s_bn, s_sn, s_se, s_up, HAS_SHARED, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -206,8 +190,6 @@ if HAS_TRITON:
         if EARLY_B:  # (ACT_NONE: one W tile a step) the first K step peeled, its W tile before the wait
             k_ok = tl.arange(0, BLOCK_K) < K
             b = tl.load(b_ptrs, mask=live & k_ok[:, None] & n_ok[None, :], other=0.0).to(a_ptr.dtype.element_ty)
-            if PREFETCH:  # the rest of the rows (the first BLOCK_K columns are in b)
-                l2_prefetch_rows(w_rows + BLOCK_K, n_ok & live, (K - BLOCK_K) * es, 4, True)
             pdl_wait(PDL)
             if not live:
                 return
@@ -317,15 +299,14 @@ _NOT_ROUTED = dict(ROUTED=False, R_TOP_K=1, R_KP=1, R_EP=1, R_SIGMOID=False, R_H
 
 def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div, act, cfg, narrow: bool,
                   early_b: bool = False, w_scale: torch.Tensor | None = None,
-                  routed: tuple | None = None, shared_from: int = -1) -> None:
+                  routed: tuple | None = None) -> None:
     """One grouped GEMM launch. `shared`: (tensor, row stride, pseudo-expert stride, up-row offset)
     or None. `narrow`: halve BLOCK_N (down to 16) while the launch has under two programs per SM,
     so that a decode step with few pairs still streams the weights from every SM. `early_b`: the
     blocks were aligned before the previous launch (the second GEMM): see _moe_gemm_kernel.
     `w_scale` [E, rows of w] fp32: w is FP8 (e4m3) with these per-row scales. `routed` (a first GEMM only):
     (RouterLogits, top_idx, top_w) of a one-token step routed inside the kernel (ROUTED), which writes
-    top_idx / top_w for the second. `shared_from` (>= 0: blocks from it on are the shared expert's slices, known
-    before the wait: a one-token step's naive layout) and early_b: what the "l2_prefetch" switch prefetches."""
+    top_idx / top_w for the second."""
     n_out = out.shape[1]
     nb = block_expert.shape[0]
     bm, bn, bk, gm, warps, stages = launch_config(cfg, act, a.element_size(), nb, n_out, narrow, sm_count(a.device))
@@ -337,14 +318,6 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
     else:
         r_args, consts = (out, out, 0, 0, 1.0, block_expert, out), _NOT_ROUTED
     pdl = pdl_options(a.device)
-    early = early_b and act == ACT_NONE
-    K = a.shape[1]
-    prefetch = {}
-    if l2_prefetch_on(a.device) and bulk_prefetchable(w.flatten(0, 1), K) and (w.stride(0) * w.element_size()) % 16 == 0:
-        if early and K > bk:
-            prefetch["PREFETCH"] = True
-        elif shared_from >= 0 and shared is not None and not early and bulk_prefetchable(s_t, K):
-            prefetch["SHARED_FROM"] = shared_from
     _moe_gemm_kernel[(nb * cdiv(n_out, bn),)](
         a, w, s_t, out, weights if weights is not None else out, pairs, block_expert, total,
         w_scale if w_scale is not None else out, n_out, a.shape[1], out.shape[0], a_div, nb, w.shape[0],
@@ -352,8 +325,8 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
         w_scale.stride(0) if w_scale is not None else 0, *r_args,
         ACT=act, MUL_W=weights is not None, HAS_SHARED=shared is not None, W_SCALE=w_scale is not None,
         IEEE=a.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early, **consts,
-        num_warps=warps, num_stages=stages, **pdl, **prefetch,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early_b and act == ACT_NONE, **consts,
+        num_warps=warps, num_stages=stages, **pdl,
     )
 
 
@@ -391,7 +364,7 @@ class ExpertRows:
             block = min(1024, triton.next_power_of_2(H))
             _sum_k_kernel[(T, cdiv(H, block))](self.y, self.add if self.add is not None else self.y, out, H,
                                                   TOP_K=self.top_k, HAS_ADD=self.add is not None, BLOCK=block,
-                                                  num_warps=4, **pdl_options(self.y.device, small=True))
+                                                  num_warps=4, **pdl_options(self.y.device))
         return out
 
 
@@ -489,12 +462,8 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
     # (routed: the naive layout, which reads no ids; the first GEMM writes them into block_expert = top_idx)
     pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    # (the naive layout with the shared expert is a one-token step's: block j is column j, the last S shared)
-    naive = (align_method or triton_moe_align.pick_method(n)) == "naive"
-    shared_from = top_k - S if S and naive and T == 1 else -1
     _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
-                  ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale, routed=routed,
-                  shared_from=shared_from)
+                  ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale, routed=routed)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
     # (routed: the blocks' experts and weights come from the first GEMM, so the second reads them after its wait)
     _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,

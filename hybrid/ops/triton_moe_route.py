@@ -175,7 +175,7 @@ class RouterLogits:
                 EP=triton.next_power_of_2(self.E), SIGMOID=self.sigmoid, HAS_BIAS=bias is not None,
                 NORMALIZE=self.normalize, NUM_SHARED=self.num_shared,
                 SP=triton.next_power_of_2(max(self.num_shared, 1)), NUM_SPLITS=self.num_splits,
-                ROUND=self.round_to, num_warps=1 if self.E <= 256 else 4, **pdl_options(dev, small=True))
+                ROUND=self.round_to, num_warps=1 if self.E <= 256 else 4, **pdl_options(dev))
         return idx, w
 
     def kernel_args(self) -> tuple[tuple, dict]:
@@ -239,7 +239,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, logits_d
     partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
     _router_partial_kernel[(T, cdiv(E, be), splits)](
         x, weight, partial, T, E, H, x.stride(0), weight.stride(0), k_per_split,
-        BLOCK_E=be, BLOCK_K=bk, num_warps=4, **pdl_options(x.device, small=True))
+        BLOCK_E=be, BLOCK_K=bk, num_warps=4, **pdl_options(x.device))
     return partials_router(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid, bias=bias,
                            normalize=normalize, scale=scale, num_shared=num_shared)
 

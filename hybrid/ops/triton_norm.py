@@ -173,7 +173,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     if T:
         block = triton.next_power_of_2(H)
         _rms_norm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), H, eps,
-                               BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block), **pdl_options(x.device, small=True))
+                               BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block), **pdl_options(x.device))
     return out
 
 
@@ -188,7 +188,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         block = triton.next_power_of_2(H)
         _add_rms_norm_kernel[(T,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), H, eps,
                                    float(scale), BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
-                                   num_warps=_warps(block), **pdl_options(x.device, small=True))
+                                   num_warps=_warps(block), **pdl_options(x.device))
     return out
 
 
@@ -207,7 +207,7 @@ def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: fl
         _sum_add_rms_norm_kernel[(T,)](y, add if add is not None else y, residual, weight, out, residual.stride(0),
                                        out.stride(0), H, eps, float(scale), TOP_K=rows.top_k, HAS_ADD=add is not None,
                                        BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block),
-                                       **pdl_options(y.device, small=True))
+                                       **pdl_options(y.device))
     return out
 
 
@@ -233,7 +233,7 @@ def add_rms_norm_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     _add_rms_norm_router_kernel[(T, triton.cdiv(E, be), splits)](
         x, residual, weight, normed, new_res, router_weight, partial, T, E, H, x.stride(0), residual.stride(0),
         router_weight.stride(0), eps, float(scale), k_per_split, BLOCK=block, BLOCK_E=be, BLOCK_K=bk,
-        W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block), **pdl_options(x.device, small=True))
+        W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block), **pdl_options(x.device))
     router = triton_moe_route.partials_router(partial, T, E, top_k, logits_dtype=logits_dtype, sigmoid=sigmoid,
                                               bias=bias, normalize=normalize, scale=route_scale,
                                               num_shared=num_shared)
@@ -263,5 +263,5 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         group = inner // n_groups
         block = triton.next_power_of_2(group)
         _gated_rms_norm_kernel[(T, n_groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), group, eps,
-                                              BLOCK=block, num_warps=_warps(block), **pdl_options(y.device, small=True))
+                                              BLOCK=block, num_warps=_warps(block), **pdl_options(y.device))
     return out
