@@ -213,6 +213,16 @@ if [[ $what == prefix-snap ]]; then
   timeout 300 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" 2>&1 | tee "$OUT/prefix_cache.log" \
       | grep -E "steps|turn|rror" || rc=1
 fi
+# prefix-varlen  the GPU tests of snapshots inside prefill rows (now one varlen launch of each kernel a Mamba layer
+#            with our kernels, both step shapes), then bench_prefix_cache.py with the default and with
+#            HYBRID_VARLEN_PREFILL=0 (the hit's row as one conv and one scan call a segment), each its own process
+if [[ $what == prefix-varlen ]]; then
+  gpu_pytest 200 gpu_tests_prefix_varlen.log tests/gpu/test_kernels.py -k "snapshots"
+  timeout 180 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache_varlen.json" 2>&1 \
+      | tee "$OUT/prefix_cache_varlen.log" | grep -E "steps|turn|rror" || rc=1
+  HYBRID_VARLEN_PREFILL=0 timeout 180 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache_rows.json" 2>&1 \
+      | tee "$OUT/prefix_cache_rows.log" | grep -E "steps|turn|rror" || rc=1
+fi
 # prefix-profile  the selected GPU tests of .devkit/sel.txt (if any, at most 150 s), then bench_prefix_cache.py with
 #            one more hit under torch.profiler (host ops and kernels: tables in the log, chrome trace in $OUT)
 if [[ $what == prefix-profile ]]; then

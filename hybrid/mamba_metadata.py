@@ -17,8 +17,9 @@ The row groups are computed here only, for both Mamba paths:
 - `prefills`: each prefill chunk's token rows, slot and has_initial_state (host values); a chunk with
   state snapshots (StepBatch.state_snapshots) as consecutive segments on the same slot, each but the
   last naming the slot its state is copied to once it has run (`snapshot_slot`).
-- `varlen`: with the "varlen_prefill" switch (on unless HYBRID_VARLEN_PREFILL=0), two or more prefill rows,
-  none of them padding and no snapshot, the same rows as device tensors for one varlen launch a layer.
+- `varlen`: with the "varlen_prefill" switch (on unless HYBRID_VARLEN_PREFILL=0), two or more prefill rows
+  or a row with snapshots, none of them padding, as device tensors for one varlen launch a layer (a row's
+  segments joined again, its snapshots as (tokens, slot) pairs the kernels store from inside the row).
 A plain decode step (the shape the CUDA graphs capture) has none of these: its metadata is empty
 and costs no torch op. A batch derived with dataclasses.replace (e.g. padded) builds its own.
 """
@@ -76,17 +77,33 @@ class MambaStepMetadata:
     replay_positions: tuple[TokenPosition, ...] = ()
     prefills: tuple[PrefillRow, ...] = ()
     # the prefill rows as one varlen launch's device tensors (hybrid/ops/triton_mamba_varlen.py): with the
-    # "varlen_prefill" switch, for steps of two or more prefill rows and no padding row among them
+    # "varlen_prefill" switch, for steps of two or more prefill rows or one with snapshots, and no padding row
     varlen: VarlenRows | None = None
 
 
 def _varlen(batch: StepBatch, prefills: list[PrefillRow]) -> VarlenRows | None:
-    if len(prefills) < 2 or not switch("varlen_prefill"):
+    """The prefill rows as one varlen launch a layer: two or more rows, or a row with snapshots (its segments
+    joined again: the varlen kernels store the state at each snapshot from inside the row, where the row path
+    runs a conv and a scan call a segment). A single plain row keeps the row path: one scan call from its
+    state, where the varlen path would recur over a long prompt's tokens once more for its final state."""
+    if not switch("varlen_prefill") or any(r.slot < 0 for r in prefills):  # (padding rows: the row path)
         return None
-    if any(r.slot < 0 or r.snapshot_slot >= 0 for r in prefills):  # padding, or a row in segments
+    lengths, slots, has_init, snapshots = [], [], [], []
+    joined = False  # the previous PrefillRow ended at a snapshot: this one continues its request row
+    for r in prefills:
+        if joined:
+            lengths[-1] += r.length
+        else:
+            lengths.append(r.length)
+            slots.append(r.slot)
+            has_init.append(r.has_initial_state)
+            snapshots.append([])
+        if r.snapshot_slot >= 0:
+            snapshots[-1].append((lengths[-1], r.snapshot_slot))
+        joined = r.snapshot_slot >= 0
+    if len(lengths) < 2 and not any(snapshots):
         return None
-    return varlen_rows([r.length for r in prefills], [r.slot for r in prefills],
-                       [r.has_initial_state for r in prefills], batch.state_slot.device)
+    return varlen_rows(lengths, slots, has_init, batch.state_slot.device, snapshots)
 
 
 def _prefill_segments(batch: StepBatch, i: int, start: int) -> list[PrefillRow]:

@@ -218,3 +218,35 @@ def test_uniform_verify_metadata_equals_the_built_one():
     for pu, pb in zip(uniform.verify_positions, built.verify_positions):
         assert torch.equal(pu.tokens, pb.tokens) and torch.equal(pu.slots, pb.slots)
         assert torch.equal(pu.scratch, pb.scratch)
+
+
+def test_varlen_rows_join_a_rows_snapshot_segments(monkeypatch):
+    """The varlen launch's rows: two or more prefill rows, or one with snapshots, whose segments (PrefillRows
+    ending at a snapshot) are joined again into one row with its snapshots' (tokens, slot) pairs; a single
+    plain row, a padding row or the switch off keep the row path."""
+    from types import SimpleNamespace
+
+    from hybrid.ops import triton_guard
+
+    monkeypatch.delenv("HYBRID_VARLEN_PREFILL", raising=False)
+    triton_guard.reset_switches()
+    batch = SimpleNamespace(state_slot=torch.zeros(1))
+    Row = mm.PrefillRow
+    # one request row of 40 tokens from token 3, cut at 16 (into slot 8) and 30 (into slot 9)
+    hit = [Row(3, 16, 2, True, 8), Row(19, 14, 2, True, 9), Row(33, 10, 2, True)]
+    rows = mm._varlen(batch, hit)
+    assert rows.num_rows == 1 and rows.cu_seqlens.tolist() == [0, 40] and rows.slots.tolist() == [2]
+    assert rows.has_init.tolist() == [1] and rows.snap_cu.tolist() == [0, 2]
+    assert rows.snap_pos.tolist() == [16, 30] and rows.snap_slots.tolist() == [8, 9]
+    rows = mm._varlen(batch, [Row(0, 3, 5, False)] + hit)
+    assert rows.cu_seqlens.tolist() == [0, 3, 43] and rows.snap_cu.tolist() == [0, 0, 2]
+    assert rows.has_init.tolist() == [0, 1] and rows.snap_pos.tolist() == [16, 30]
+    assert mm._varlen(batch, [Row(0, 40, 2, True)]) is None  # one plain row: one scan call from its state
+    assert mm._varlen(batch, hit + [Row(43, 4, -1, False)]) is None  # a padding row
+    monkeypatch.setenv("HYBRID_VARLEN_PREFILL", "0")
+    triton_guard.reset_switches()
+    try:
+        assert mm._varlen(batch, hit) is None
+    finally:
+        monkeypatch.delenv("HYBRID_VARLEN_PREFILL")
+        triton_guard.reset_switches()

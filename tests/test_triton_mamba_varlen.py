@@ -144,6 +144,67 @@ def test_finish_rows_padding_row_touches_no_slot():
     assert torch.equal(state, want_state)
 
 
+# snapshots (tokens into the row, slot): inside the first conv window (needs the old history), on and next to a
+# finish_rows block boundary (16), and two in one row
+SNAPSHOTS = [[(2, 6)], [], [], [(16, 7), (17, 8), (40, 9)], [], []]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_snapshots_inside_rows_equal_the_rows_cut_there(state_dtype):
+    """A row's snapshots store, in their own slots, the conv history and SSM state that the row cut at that
+    point would leave in its slot (conv: bit for bit; state: up to the recurrence's rounding), and change
+    nothing else: outputs and every row's own slot as without them (the conv's bit for bit; y and the states
+    up to rounding, the segments' blocks summing the decays in other groups)."""
+    g = torch.Generator().manual_seed(5)
+    CD, K, H, P, N, slots = 40, 4, 4, 16, 16, 10
+    lengths = [n for n, _, _ in ROWS]
+    T = sum(lengths)
+    row_slots, inits = [s for _, s, _ in ROWS], [i for _, _, i in ROWS]
+    xc = torch.randn(T, CD, generator=g)
+    weight, bias = torch.randn(CD, K, generator=g), torch.randn(CD, generator=g)
+    conv0 = torch.randn(slots, CD, K - 1, generator=g)
+    x, y0 = torch.randn(T, H, P, generator=g), torch.randn(T, H, P, generator=g)
+    B, C = torch.randn(T, 1, N, generator=g), torch.randn(T, 1, N, generator=g)
+    dt = torch.rand(H, T, generator=g) * 0.5
+    A = -torch.rand(H, generator=g) - 0.2
+    ssm0 = (torch.randn(slots, H, P, N, generator=g) * 0.5).to(state_dtype)
+
+    def run(snapshots):
+        conv, ssm, y = conv0.clone(), ssm0.clone(), y0.clone()
+        rows = tv.varlen_rows(lengths, row_slots, inits, torch.device("cpu"), snapshots)
+        out = tv.conv_prefill_varlen(xc, conv, rows, weight, bias, block_l=16, block_c=32)
+        tv.finish_rows(y, x, B, C, dt, A, ssm, rows, block_t=16, block_p=16)
+        return out, y, conv, ssm
+
+    plain = run(None)
+    snap = run(SNAPSHOTS)
+    tol = dict(rtol=1e-5, atol=1e-5) if state_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    assert torch.equal(snap[0], plain[0])  # the conv outputs
+    torch.testing.assert_close(snap[1], plain[1], rtol=1e-5, atol=1e-5)  # (the decay sums in other blocks)
+    live = torch.tensor(sorted(set(row_slots)))
+    assert torch.equal(snap[2][live], plain[2][live])
+    torch.testing.assert_close(snap[3][live].float(), plain[3][live].float(), **tol)
+    # each snapshot: the same rows with that row cut at its point (the cut row writes its slot)
+    starts = [sum(lengths[:r]) for r in range(len(ROWS))]
+    for r, points in enumerate(SNAPSHOTS):
+        for k, snap_slot in points:
+            keep = torch.cat([torch.arange(starts[r] + k), torch.arange(starts[r] + lengths[r], T)])
+            cut_lengths = lengths[:r] + [k] + lengths[r + 1:]
+            conv, ssm = conv0.clone(), ssm0.clone()
+            rows = tv.varlen_rows(cut_lengths, row_slots, inits, torch.device("cpu"))
+            tv.conv_prefill_varlen(xc[keep], conv, rows, weight, bias, block_l=16, block_c=32)
+            tv.finish_rows(y0[keep].clone(), x[keep], B[keep], C[keep], dt[:, keep].contiguous(), A, ssm, rows,
+                           block_t=16, block_p=16)
+            assert torch.equal(snap[2][snap_slot], conv[row_slots[r]]), (r, k)
+            torch.testing.assert_close(snap[3][snap_slot].float(), ssm[row_slots[r]].float(), **tol)
+
+
+def test_snapshots_refused_where_they_cannot_be():
+    for bad in ([[(0, 6)]], [[(5, 6)]], [[(3, 6), (2, 7)]], [[(2, 2)]], [[(2, -1)]], [[], []]):
+        with pytest.raises(ValueError, match="snapshot"):
+            tv.varlen_rows([5], [2], [True], torch.device("cpu"), bad)
+
+
 class TorchScan:
     """hybrid.ops.mamba_scan.ChunkScan's calls on CPU: mamba_torch.ssm_prefill per row (the reference)."""
 
@@ -167,11 +228,24 @@ class TorchScan:
         return torch.cat(ys)[None].to(x.dtype), dt_p
 
 
+# (decode slots, prefill rows (slot, length, has_init), prefix-cache snapshots {request row: [(tokens, slot)]})
+MIXER_STEPS = {
+    "rows": ([5, 0], [(2, 21, True), (3, 2, False), (4, 1, True), (1, 9, False)], {}),
+    "rows_with_snapshots": ([5, 0], [(2, 21, True), (3, 2, False), (4, 1, True), (1, 9, False)],
+                            {2: [(2, 7), (16, 8)], 3: [(1, 9)]}),
+    # a prefix-cache hit's step: one row resuming from its slot, its next caching point inside it
+    "one_row_with_a_snapshot": ([], [(2, 21, True)], {0: [(16, 8)]}),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixer_varlen_prefill_equals_the_rows_one_by_one(monkeypatch, dtype):
+@pytest.mark.parametrize("step", list(MIXER_STEPS))
+def test_mixer_varlen_prefill_equals_the_rows_one_by_one(monkeypatch, dtype, step):
     """MambaCudaKernels.mamba_forward with the varlen_prefill switch: a step of decode rows and several prefill
-    rows (with and without a history, shorter than the conv window, one token, several chunks) gives the
-    outputs and leaves the slots as the row-by-row path does (the scan is the torch reference on CPU)."""
+    rows (with and without a history, shorter than the conv window, one token, several chunks), with and
+    without prefix-cache snapshots inside them, and a single row with a snapshot, gives the outputs and
+    leaves the slots (snapshot slots included) as the row-by-row path does (the scan is the torch reference
+    on CPU)."""
     import dataclasses
 
     from hybrid.batch import StepBatch
@@ -185,7 +259,7 @@ def test_mixer_varlen_prefill_equals_the_rows_one_by_one(monkeypatch, dtype):
     kernels.chunk_scan, kernels.decode_kernels, kernels.triton, kernels._params = TorchScan(), "triton", tm, {}
     kernels.supports_verify = True
     mixer.kernels = kernels
-    decode, prefill = [5, 0], [(2, 21, True), (3, 2, False), (4, 1, True), (1, 9, False)]
+    decode, prefill, snapshots = MIXER_STEPS[step]
     q = [1] * len(decode) + [n for _, n, _ in prefill]
     slots = decode + [s for s, _, _ in prefill]
     init = [True] * len(decode) + [i for _, _, i in prefill]
@@ -196,10 +270,10 @@ def test_mixer_varlen_prefill_equals_the_rows_one_by_one(monkeypatch, dtype):
         seq_lens=torch.tensor(q, dtype=torch.int32), page_table=torch.zeros(len(q), 1, dtype=torch.int32),
         kv_write_loc=torch.zeros(T, dtype=torch.long), state_slot=torch.tensor(slots), has_initial_state=torch.tensor(init),
         logits_indices=torch.tensor([T - 1]), num_decodes=len(decode), num_prefills=len(prefill), query_lens_cpu=q,
-        seq_lens_cpu=q, state_slot_cpu=slots, has_initial_state_cpu=init)
+        seq_lens_cpu=q, state_slot_cpu=slots, has_initial_state_cpu=init, state_snapshots=snapshots)
     hidden = torch.randn(T, 32).to(dtype)
-    conv = torch.randn(7, cfg.conv_dim, cfg.conv_kernel - 1).to(dtype)
-    ssm = torch.randn(7, cfg.num_heads, cfg.head_dim, cfg.state_size) * 0.3
+    conv = torch.randn(10, cfg.conv_dim, cfg.conv_kernel - 1).to(dtype)
+    ssm = torch.randn(10, cfg.num_heads, cfg.head_dim, cfg.state_size) * 0.3
     conv_ref, ssm_ref = conv.clone(), ssm.clone()
     monkeypatch.setenv("HYBRID_VARLEN_PREFILL", "0")  # the rows one by one
     triton_guard.reset_switches()
@@ -211,7 +285,7 @@ def test_mixer_varlen_prefill_equals_the_rows_one_by_one(monkeypatch, dtype):
     try:
         run = dataclasses.replace(batch)
         out = mixer(hidden, run, conv, ssm)
-        assert run.mamba_metadata.varlen is not None and run.mamba_metadata.varlen.num_rows == 4
+        assert run.mamba_metadata.varlen is not None and run.mamba_metadata.varlen.num_rows == len(prefill)
     finally:
         monkeypatch.delenv("HYBRID_VARLEN_PREFILL")
         triton_guard.reset_switches()

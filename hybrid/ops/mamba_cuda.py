@@ -15,11 +15,12 @@
   kernels under one state contract: the state is rounded to its storage dtype after every token,
   so a T-token verify or replay launch commits bit for bit what T decode steps would
   (tests/test_state_contract.py).
-- prefill chunks: a step of two or more prefill rows runs them together (the "varlen_prefill" switch, on
-  unless HYBRID_VARLEN_PREFILL=0): one varlen conv launch, one zero-state varlen scan (mamba-ssm's resets
-  to zero at sequence boundaries) and one launch that adds each row's initial state to its outputs and
-  writes its final state (hybrid/ops/triton_mamba_varlen.py). A single row, a row with prefix-cache
-  snapshots, or the library decode kernels run one request at a time: the causal conv runs over [slot history |
+- prefill chunks: a step of two or more prefill rows, or a row with prefix-cache snapshots, runs them
+  together (the "varlen_prefill" switch, on unless HYBRID_VARLEN_PREFILL=0): one varlen conv launch, one
+  zero-state varlen scan (mamba-ssm's resets to zero at sequence boundaries) and one launch that adds each
+  row's initial state to its outputs and writes its final state and its snapshots' states
+  (hybrid/ops/triton_mamba_varlen.py). A single plain row, or the library decode kernels, run one request
+  at a time (with the library kernels, a row with snapshots as one segment a snapshot): the causal conv runs over [slot history |
   chunk], on our token-major Triton kernel (`triton_mamba.conv_prefill`; with the library decode
   kernels, causal-conv1d's `causal_conv1d_fn`, which wants channel-first input: two transposes that
   cost ~1.7 ms per layer on an 8K chunk); mamba-ssm's chunked scan (`mamba_chunk_scan_combined`'s

@@ -324,30 +324,48 @@ def test_varlen_prefill_as_accurate_as_rows(cfg, hidden, state_dtype, monkeypatc
         assert var_err <= 1.25 * rows_err + 1e-5, (name, errs)
 
 
+# (decode slots, prefill rows, snapshots, the slots a step writes): two rows with three snapshots, and a
+# prefix-cache hit's step (one row resuming from its slot, its next caching point inside it)
+SNAPSHOT_STEPS = {"rows": ([5], [(2, 300, True), (3, 37, False)], {1: [(16, 0), (256, 1)], 2: [(32, 4)]},
+                           (5, 2, 3, 0, 1, 4)),
+                  "hit": ([], [(2, 272, True)], {0: [(16, 1)]}, (2, 1))}
+
+
+@pytest.mark.parametrize("step", list(SNAPSHOT_STEPS))
 @pytest.mark.parametrize("decode_kernels", ["triton", "library"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cfg,hidden", [(TINY, 64), (NEMO, 512)])
-def test_prefill_snapshots_vs_torch(cfg, hidden, dtype, decode_kernels):
-    """Prefix-cache snapshots inside prefill rows (StepBatch.state_snapshots: the row runs as segments,
-    the state after each but the last copied to its snapshot slot) on the CUDA kernels against the torch
-    path: outputs, the rows' slots and the snapshot slots; slots no row names stay as they were."""
+def test_prefill_snapshots_vs_torch(cfg, hidden, dtype, decode_kernels, step):
+    """Prefix-cache snapshots inside prefill rows (StepBatch.state_snapshots: the state after a row's first k
+    tokens into the snapshot's slot) on the CUDA kernels against the torch path: outputs, the rows' slots and
+    the snapshot slots; slots no row names stay as they were. With our kernels the step is one varlen launch
+    of each kernel (the snapshots stored from inside the rows); with the library's, the rows as segments."""
     from hybrid.ops.mamba_cuda import MambaCudaKernels
 
     torch.manual_seed(3)
+    decode, prefill, snapshots, written = SNAPSHOT_STEPS[step]
     mixer = make_mixer(cfg, hidden, dtype)
     conv = torch.randn(SLOTS + 1, cfg.conv_dim, cfg.conv_kernel - 1, device=DEV).to(dtype)
     ssm = torch.randn(SLOTS + 1, cfg.num_heads, cfg.head_dim, cfg.state_size, device=DEV) * 0.3
-    batch = mixed_batch([5], [(2, 300, True), (3, 37, False)])
-    batch.state_snapshots = {1: [(16, 0), (256, 1)], 2: [(32, 4)]}
+    batch = mixed_batch(decode, prefill)
+    batch.state_snapshots = snapshots
     hidden_in = torch.randn(batch.num_tokens, hidden, device=DEV).to(dtype)
     conv_ref, ssm_ref = conv.clone(), ssm.clone()
     ref = mixer(hidden_in, dataclasses.replace(batch), conv_ref, ssm_ref)  # torch path
     mixer.kernels = MambaCudaKernels(decode_kernels)
-    out = mixer(hidden_in, dataclasses.replace(batch), conv, ssm)
+    if decode_kernels == "triton":  # (the scan's first call checks its lean path, which the varlen path needs)
+        mixer(torch.randn(9, hidden, device=DEV).to(dtype), mixed_batch([], [(1, 9, True)]), conv.clone(), ssm.clone())
+        assert mixer.kernels.chunk_scan.lean is True
+    run = dataclasses.replace(batch)
+    out = mixer(hidden_in, run, conv, ssm)
     torch.cuda.synchronize()
+    assert run.mamba_metadata.varlen is not None  # (the library kernels ignore it: their rows as segments)
     tol = TOL[dtype]
     assert rel_err(out, ref) < tol
-    for slot in (5, 2, 3, 0, 1, 4):
+    for slot in range(SLOTS):
+        if slot not in written:
+            assert torch.equal(ssm[slot], ssm_ref[slot]) and torch.equal(conv[slot], conv_ref[slot]), slot
+    for slot in written:
         assert rel_err(ssm[slot], ssm_ref[slot]) < tol and rel_err(conv[slot], conv_ref[slot]) < tol, slot
     assert torch.equal(ssm[6], ssm_ref[6]) and torch.equal(conv[6], conv_ref[6])  # the scratch row
 
