@@ -18,7 +18,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from attention import triton_prefill  # noqa: E402
 from hybrid.ops import (  # noqa: E402
-    triton_fp8, triton_gemv, triton_mamba, triton_moe, triton_moe_align, triton_moe_route, triton_norm,
+    triton_fp8, triton_gemv, triton_mamba, triton_mamba_varlen, triton_moe, triton_moe_align, triton_moe_route,
+    triton_norm,
 )
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -220,6 +221,22 @@ for _inter in (False, True):
         compiles(triton_mamba._conv_prefill_kernel,
                  dict(K=4, BLOCK_L=64, BLOCK_C=128, HAS_HIST=True, HAS_BIAS=True, PDL=True))
     CASES[f"mamba_decode-inter{int(_inter)}"] = _mamba
+
+
+VARLEN_PTRS = dict(cu_ptr="*i32", seq_ptr="*i32", slot_ptr="*i32", init_ptr="*i32", snap_cu_ptr="*i32",
+                   snap_pos_ptr="*i32", snap_slot_ptr="*i32")
+
+
+@case("mamba_varlen_prefill")
+def _mamba_varlen():
+    """The varlen prefill kernels at the launches' tiles (the Nemotron-H shape's state: 128 wide, fp32 and bf16):
+    the conv, the histories (with the snapshots' loop) and the rows' states (segments ending at snapshots)."""
+    tv = triton_mamba_varlen
+    compiles(tv._conv_varlen_kernel, dict(K=4, BLOCK_L=64, BLOCK_C=128, HAS_BIAS=True, PDL=True), VARLEN_PTRS)
+    compiles(tv._conv_history_kernel, dict(W=3, WP=4, BLOCK_C=128, PDL=True), VARLEN_PTRS)
+    for state in ("*fp32", "*bf16"):
+        compiles(tv._row_states_kernel, dict(BLOCK_T=32, BLOCK_P=32, BLOCK_N=128, IEEE=False, PDL=True),
+                 dict(VARLEN_PTRS, dt_ptr="*fp32", a_ptr="*fp32", state_ptr=state))
 
 
 SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one block may have on sm_90
