@@ -20,10 +20,10 @@
   zero-state varlen scan (mamba-ssm's resets to zero at sequence boundaries) and one launch that adds each
   row's initial state to its outputs and writes its final state and its snapshots' states
   (hybrid/ops/triton_mamba_varlen.py). A single plain row, or the library decode kernels, run one request
-  at a time (with the library kernels, a row with snapshots as one segment a snapshot): the causal conv runs over [slot history |
-  chunk], on our token-major Triton kernel (`triton_mamba.conv_prefill`; with the library decode
-  kernels, causal-conv1d's `causal_conv1d_fn`, which wants channel-first input: two transposes that
-  cost ~1.7 ms per layer on an 8K chunk); mamba-ssm's chunked scan (`mamba_chunk_scan_combined`'s
+  at a time (with the library kernels, a row with snapshots as one segment a snapshot): the causal conv
+  runs over [slot history | chunk], on our token-major Triton kernel (`triton_mamba.conv_prefill`; with the
+  library decode kernels, causal-conv1d's `causal_conv1d_fn`, which wants channel-first input: two
+  transposes that cost ~1.7 ms per layer on an 8K chunk); mamba-ssm's chunked scan (`mamba_chunk_scan_combined`'s
   kernels and configs, issued with little host work: hybrid/ops/mamba_scan.py) runs with the slot's SSM
   state as initial state (or none for a first chunk) and its final state is written back.
 

@@ -25,8 +25,8 @@ exp(sum_{t0<=u<=end} A dt_u) * h0.
 - Prefix-cache snapshots (`varlen_rows(..., snapshots=)`): a row may name points inside it whose state goes
   to other slots, as if the row had ended there: the conv's history there (by the history launch) and the
   SSM state there (finish_rows runs the row as segments ending at its points: no block straddles one). The
-  row's outputs are those of the row without them (up to rounding); a single row with snapshots is one launch of each kernel
-  a layer, where the row path runs a conv and a scan call a segment.
+  row's outputs are those of the row without them (up to rounding); a single row with snapshots is one
+  launch of each kernel a layer, where the row path runs a conv and a scan call a segment.
 
 Semantics are hybrid/ops/mamba_torch.py's (tests/test_triton_mamba_varlen.py on CPU with
 TRITON_INTERPRET=1). Triton is imported guarded (hybrid/ops/triton_guard.py).
@@ -51,9 +51,9 @@ class VarlenRows:
     max_len: int  # the longest row's tokens (host value)
     # prefix-cache snapshots: row r's are entries [snap_cu[r], snap_cu[r + 1]) of snap_pos / snap_slots; entry j
     # copies the state after the row's first snap_pos[j] tokens (conv history and SSM state) into snap_slots[j]
-    snap_cu: torch.Tensor | None = None  # [R + 1] int32
-    snap_pos: torch.Tensor | None = None  # [M] int32 (M >= 1: an unused zero where no row has one)
-    snap_slots: torch.Tensor | None = None  # [M] int32
+    snap_cu: torch.Tensor  # [R + 1] int32
+    snap_pos: torch.Tensor  # [M] int32 (M >= 1: an unused zero where no row has one)
+    snap_slots: torch.Tensor  # [M] int32
 
     @property
     def num_rows(self) -> int:
