@@ -83,7 +83,7 @@ HELPERS = {
                                "_rows_times_slab", "_gated_normed_dot"},
     "hybrid.ops.triton_act": set(),
     "hybrid.ops.triton_mamba": {"_softplus", "_ext_tile", "_conv_window_out"},
-    "hybrid.ops.triton_mamba_varlen": set(),
+    "hybrid.ops.triton_mamba_varlen": {"_history_columns"},
     "hybrid.ops.triton_sampling": {"_fixed", "_kept_masses"},
     "attention.triton_prefill": {"_attend_tile"},
     "attention.trtllm": set(),
