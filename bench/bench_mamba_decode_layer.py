@@ -123,6 +123,9 @@ def chains(layer: Layer, h: torch.Tensor, slots: torch.Tensor) -> dict:
         "gated_rms_norm": lambda: triton_norm.gated_rms_norm(y2, z, L.norm_w, eps, groups),
         "out_proj cuBLAS": lambda: F.linear(normed, L.w_out),
         "out_proj small_m_linear": lambda: triton_gemv.small_m_linear(normed, L.w_out),
+        # the default's program width (triton_gemv.default_block_n) against both widths at every shape
+        "out_proj small_m_linear 32 columns": lambda: triton_gemv.small_m_linear(normed, L.w_out, block_n=32),
+        "out_proj small_m_linear 16 columns": lambda: triton_gemv.small_m_linear(normed, L.w_out, block_n=16),
         "gated_norm_linear": lambda: triton_gemv.gated_norm_linear(y2, z, L.norm_w, eps, groups, L.w_out),
         "gated_out_proj": lambda: triton_gemv.gated_out_proj(y2, z, L.norm_w, eps, groups, sq, L.w_out),
         "chain as before 2026-12-05": lambda: chain(False, "cublas"),
