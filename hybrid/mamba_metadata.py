@@ -31,7 +31,7 @@ import torch
 
 from hybrid.batch import StepBatch, to_device
 from hybrid.ops.triton_guard import switch
-from hybrid.ops.triton_mamba_varlen import VarlenRows, varlen_rows
+from hybrid.ops.triton_mamba_varlen import VarlenRows, check_snapshot, varlen_rows
 
 _ALIGN = 2  # int64 elements: every segment of the uploaded block starts 16-byte aligned (Triton pointer hints)
 
@@ -81,29 +81,20 @@ class MambaStepMetadata:
     varlen: VarlenRows | None = None
 
 
-def _varlen(batch: StepBatch, prefills: list[PrefillRow]) -> VarlenRows | None:
-    """The prefill rows as one varlen launch a layer: two or more rows, or a row with snapshots (its segments
-    joined again: the varlen kernels store the state at each snapshot from inside the row, where the row path
+def _varlen(batch: StepBatch, first: int) -> VarlenRows | None:
+    """The prefill request rows (from row `first` on) as one varlen launch a layer: two or more rows, or a row
+    with snapshots (the varlen kernels store the state at each snapshot from inside the row, where the row path
     runs a conv and a scan call a segment). A single plain row keeps the row path: one scan call from its
     state, where the varlen path would recur over a long prompt's tokens once more for its final state."""
-    if not switch("varlen_prefill") or any(r.slot < 0 for r in prefills):  # (padding rows: the row path)
+    rows = range(first, batch.num_requests)
+    slots = [batch.state_slot_cpu[i] for i in rows]
+    snapshots = [list(batch.state_snapshots.get(i, ())) for i in rows]
+    if not switch("varlen_prefill") or any(s < 0 for s in slots):  # (padding rows: the row path)
         return None
-    lengths, slots, has_init, snapshots = [], [], [], []
-    joined = False  # the previous PrefillRow ended at a snapshot: this one continues its request row
-    for r in prefills:
-        if joined:
-            lengths[-1] += r.length
-        else:
-            lengths.append(r.length)
-            slots.append(r.slot)
-            has_init.append(r.has_initial_state)
-            snapshots.append([])
-        if r.snapshot_slot >= 0:
-            snapshots[-1].append((lengths[-1], r.snapshot_slot))
-        joined = r.snapshot_slot >= 0
-    if len(lengths) < 2 and not any(snapshots):
+    if len(slots) < 2 and not any(snapshots):
         return None
-    return varlen_rows(lengths, slots, has_init, batch.state_slot.device, snapshots)
+    return varlen_rows([batch.query_lens_cpu[i] for i in rows], slots, [batch.has_initial_state_cpu[i] for i in rows],
+                       batch.state_slot.device, snapshots)
 
 
 def _prefill_segments(batch: StepBatch, i: int, start: int) -> list[PrefillRow]:
@@ -112,9 +103,7 @@ def _prefill_segments(batch: StepBatch, i: int, start: int) -> list[PrefillRow]:
     length, slot, has_init = batch.query_lens_cpu[i], batch.state_slot_cpu[i], batch.has_initial_state_cpu[i]
     rows, done = [], 0
     for k, snapshot_slot in batch.state_snapshots.get(i, ()):
-        if not done < k < length or slot < 0 or snapshot_slot < 0 or snapshot_slot == slot:
-            raise ValueError(f"state snapshot {(k, snapshot_slot)} of prefill row {i} ({length} tokens, slot {slot}): "
-                             f"needs 0 < k < q_len, ascending, and a slot of its own")
+        check_snapshot(k, snapshot_slot, done, length, slot, f"prefill row {i}")
         rows.append(PrefillRow(start + done, k - done, slot, has_init or done > 0, snapshot_slot))
         done = k
     rows.append(PrefillRow(start + done, length - done, slot, has_init or done > 0))
@@ -184,11 +173,12 @@ def build(batch: StepBatch) -> MambaStepMetadata:
     q_lens = batch.query_lens_cpu
     start = nd + sum(q_lens[nd:nd + nv + nr])
     prefills = []
-    for i in range(nd + nv + nr, batch.num_requests):
+    first_prefill = nd + nv + nr
+    for i in range(first_prefill, batch.num_requests):
         prefills.extend(_prefill_segments(batch, i, start))
         start += q_lens[i]
     if not nv and not nr:  # decodes and prefills only (a captured decode step among them): no upload
-        return MambaStepMetadata(prefills=tuple(prefills), varlen=_varlen(batch, prefills))
+        return MambaStepMetadata(prefills=tuple(prefills), varlen=_varlen(batch, first_prefill))
 
     # verify rows: position j of scratch row r is r * width + j in the flat view of a layer's scratch
     width = batch.state_scratch[0].shape[2] if nv else 0  # [layers, rows, K+1, ...]
@@ -224,4 +214,4 @@ def build(batch: StepBatch) -> MambaStepMetadata:
     verify_groups, verify_positions = finish("verify")
     replay_groups, replay_positions = finish("replay")
     return MambaStepMetadata(verify_groups, verify_positions, replay_groups, replay_positions, tuple(prefills),
-                             _varlen(batch, prefills))
+                             _varlen(batch, first_prefill))

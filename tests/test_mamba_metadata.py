@@ -220,33 +220,36 @@ def test_uniform_verify_metadata_equals_the_built_one():
         assert torch.equal(pu.scratch, pb.scratch)
 
 
-def test_varlen_rows_join_a_rows_snapshot_segments(monkeypatch):
-    """The varlen launch's rows: two or more prefill rows, or one with snapshots, whose segments (PrefillRows
-    ending at a snapshot) are joined again into one row with its snapshots' (tokens, slot) pairs; a single
-    plain row, a padding row or the switch off keep the row path."""
+def test_varlen_rows_of_a_steps_prefill_rows(monkeypatch):
+    """The varlen launch's rows: two or more prefill rows, or one with snapshots (each a (tokens, slot) pair the
+    kernels store from inside the row); a single plain row, a padding row or the switch off keep the row path."""
     from types import SimpleNamespace
 
     from hybrid.ops import triton_guard
 
     monkeypatch.delenv("HYBRID_VARLEN_PREFILL", raising=False)
     triton_guard.reset_switches()
-    batch = SimpleNamespace(state_slot=torch.zeros(1))
-    Row = mm.PrefillRow
-    # one request row of 40 tokens from token 3, cut at 16 (into slot 8) and 30 (into slot 9)
-    hit = [Row(3, 16, 2, True, 8), Row(19, 14, 2, True, 9), Row(33, 10, 2, True)]
-    rows = mm._varlen(batch, hit)
+
+    def step(rows, snapshots):  # rows: (length, slot, has_init) of each prefill request row, after one decode
+        return SimpleNamespace(state_slot=torch.zeros(1), num_requests=1 + len(rows),
+                               query_lens_cpu=[1] + [n for n, _, _ in rows], state_slot_cpu=[0] + [s for _, s, _ in rows],
+                               has_initial_state_cpu=[True] + [i for _, _, i in rows], state_snapshots=snapshots)
+
+    # a request row of 40 tokens on slot 2, cut at 16 (into slot 8) and 30 (into slot 9)
+    hit = [(40, 2, True)]
+    rows = mm._varlen(step(hit, {1: [(16, 8), (30, 9)]}), 1)
     assert rows.num_rows == 1 and rows.cu_seqlens.tolist() == [0, 40] and rows.slots.tolist() == [2]
     assert rows.has_init.tolist() == [1] and rows.snap_cu.tolist() == [0, 2]
     assert rows.snap_pos.tolist() == [16, 30] and rows.snap_slots.tolist() == [8, 9]
-    rows = mm._varlen(batch, [Row(0, 3, 5, False)] + hit)
+    rows = mm._varlen(step([(3, 5, False)] + hit, {2: [(16, 8), (30, 9)]}), 1)
     assert rows.cu_seqlens.tolist() == [0, 3, 43] and rows.snap_cu.tolist() == [0, 0, 2]
     assert rows.has_init.tolist() == [0, 1] and rows.snap_pos.tolist() == [16, 30]
-    assert mm._varlen(batch, [Row(0, 40, 2, True)]) is None  # one plain row: one scan call from its state
-    assert mm._varlen(batch, hit + [Row(43, 4, -1, False)]) is None  # a padding row
+    assert mm._varlen(step(hit, {}), 1) is None  # one plain row: one scan call from its state
+    assert mm._varlen(step(hit + [(4, -1, False)], {1: [(16, 8)]}), 1) is None  # a padding row
     monkeypatch.setenv("HYBRID_VARLEN_PREFILL", "0")
     triton_guard.reset_switches()
     try:
-        assert mm._varlen(batch, hit) is None
+        assert mm._varlen(step(hit, {1: [(16, 8), (30, 9)]}), 1) is None
     finally:
         monkeypatch.delenv("HYBRID_VARLEN_PREFILL")
         triton_guard.reset_switches()

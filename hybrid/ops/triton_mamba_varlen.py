@@ -60,6 +60,14 @@ class VarlenRows:
         return self.slots.shape[0]
 
 
+def check_snapshot(k: int, snap_slot: int, done: int, length: int, slot: int, row: str) -> None:
+    """A prefix-cache snapshot after the first k tokens of a row of `length` tokens on `slot` (the previous
+    one, if any, at `done`): inside the row, ascending, from a live row into a slot of its own; else ValueError."""
+    if not done < k < length or slot < 0 or snap_slot < 0 or snap_slot == slot:
+        raise ValueError(f"state snapshot {(k, snap_slot)} of {row} ({length} tokens, slot {slot}): needs 0 < k < "
+                         f"the row's tokens, ascending, and a slot of its own")
+
+
 def varlen_rows(lengths: list[int], slots: list[int], has_init: list[bool], device: torch.device,
                 snapshots: list[list[tuple[int, int]]] | None = None) -> VarlenRows:
     """VarlenRows of rows with these token counts, slots and initial-state flags (one upload); `snapshots`:
@@ -73,9 +81,7 @@ def varlen_rows(lengths: list[int], slots: list[int], has_init: list[bool], devi
     for r, points in enumerate(snapshots or [[] for _ in lengths]):
         done = 0
         for k, snap_slot in points:
-            if not done < k < lengths[r] or slots[r] < 0 or snap_slot < 0 or snap_slot == slots[r]:
-                raise ValueError(f"snapshot {(k, snap_slot)} of varlen row {r} ({lengths[r]} tokens, slot {slots[r]}): "
-                                 f"needs 0 < tokens < the row's, ascending, and a slot of its own")
+            check_snapshot(k, snap_slot, done, lengths[r], slots[r], f"varlen row {r}")
             snap_pos.append(k)
             snap_slots.append(snap_slot)
             done = k
