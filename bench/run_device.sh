@@ -34,10 +34,12 @@ rc=0
 # The JIT caches (Triton's, FlashInfer's) of an earlier call, carried in .jitcache/ (ignored by git; `carry`
 # names it): a fresh machine then loads the kernels that call compiled instead of compiling them again (each
 # call's start otherwise spends 1-3 minutes on it). JIT_SAVE=1 packs this call's caches into $OUT as
-# jit.tgz.* parts of at most 15 MiB (two of the 8 files a call brings back, and under what may travel beside
+# jit.txz.* parts of at most 15 MiB (two of the 8 files a call brings back, and under what may travel beside
 # the kit), or says why not; copy them into .jitcache/ for the next calls.
 JIT_DIRS=("$HOME/.triton/cache" "$HOME/.cache/flashinfer")
-if compgen -G ".jitcache/jit.tgz.*" > /dev/null; then
+if compgen -G ".jitcache/jit.txz.*" > /dev/null; then
+  cat .jitcache/jit.txz.* | tar -xJf - -C / && echo "JIT caches loaded from .jitcache ($(du -sh .jitcache | cut -f1))"
+elif compgen -G ".jitcache/jit.tgz.*" > /dev/null; then
   cat .jitcache/jit.tgz.* | tar -xzf - -C / && echo "JIT caches loaded from .jitcache ($(du -sh .jitcache | cut -f1))"
 fi
 save_jit() {
@@ -46,14 +48,15 @@ save_jit() {
   for d in "${JIT_DIRS[@]}"; do [[ -d $d ]] && dirs+=("${d#/}"); done
   (( ${#dirs[@]} )) || { echo "JIT_SAVE: no cache to save"; return 0; }
   # compiled kernels only: FlashInfer's object files and generated sources are rebuilt from nothing anyway
-  tar -czf /tmp/jit.tgz -C / --exclude='*.o' --exclude='*.cu' --exclude='*.ninja*' "${dirs[@]}"
-  local size; size=$(stat -c %s /tmp/jit.tgz)
+  # xz: a third of gzip's size on these caches (cubins compress well), so the cache and the kit fit the carry limit
+  tar -cf - -C / --exclude='*.o' --exclude='*.cu' --exclude='*.ninja*' "${dirs[@]}" | xz -6 -T0 > /tmp/jit.txz
+  local size; size=$(stat -c %s /tmp/jit.txz)
   if (( size > 26 * 1024 * 1024 )); then
     echo "JIT_SAVE: caches are $((size >> 20)) MiB packed, over the 26 MiB that may travel beside the kit: not saved"
     du -sh "${dirs[@]/#//}" 2>/dev/null
     return 0
   fi
-  split -b 15m /tmp/jit.tgz "$OUT/jit.tgz." && echo "JIT_SAVE: $((size >> 20)) MiB in $OUT/jit.tgz.*"
+  split -b 15m /tmp/jit.txz "$OUT/jit.txz." && echo "JIT_SAVE: $((size >> 20)) MiB in $OUT/jit.txz.*"
 }
 trap save_jit EXIT
 python3 -c "import torch; print(torch.cuda.get_device_name(0), torch.__version__)"
