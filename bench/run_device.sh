@@ -126,13 +126,13 @@ if [[ $what == fp8 ]]; then
       --json "$OUT/decode_fp8_kv.json" 2>&1 | tee "$OUT/decode_fp8_kv.log" | grep -v Warn | tail -8 || rc=1
 fi
 # fp8-decode  the FP8 decode projections' A/B: the 8B shape in FP8 (pcpt), graphs, batch 1 / 8 / 64, with the
-#            default (Triton row quantization, tensor-wise torch._scaled_mm, scales after it), with fp8_gemv for
-#            steps of <= 4 tokens and K <= 8192 (HYBRID_FP8_DECODE_GEMM=gemv) and with the one-launch Triton FP8 linear
-#            for decode-sized steps
-#            (HYBRID_FP8_DECODE_GEMM=triton), after the kernels' GPU tests
+#            default (Triton row quantization, tensor-wise torch._scaled_mm, scales after it) and with fp8_gemv for
+#            steps of <= 4 tokens and K <= 8192, the rows quantized inside its launch (HYBRID_FP8_DECODE_GEMM=gemv),
+#            after the kernels' GPU tests
 if [[ $what == fp8-decode ]]; then
-  gpu_pytest 150 gpu_tests_fp8_decode.log tests/gpu/test_fp8_gpu.py -k "decode_sized or quantize_rows or misaligned or captured or switches"
-  for gemm in scaled_mm gemv triton; do
+  gpu_pytest 150 gpu_tests_fp8_decode.log tests/gpu/test_fp8_gpu.py \
+      -k "decode_sized or quantize_rows or quantizing or misaligned or captured or switches"
+  for gemm in scaled_mm gemv; do
     HYBRID_FP8_DECODE_GEMM=$gemm timeout 140 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 \
         --fp8 pcpt --batches 1 8 64 --json "$OUT/decode_fp8_$gemm.json" 2>&1 | tee "$OUT/decode_fp8_$gemm.log" \
         | grep -v Warn | grep -E "batch|tok/s|Error|error" | tail -8 || rc=1

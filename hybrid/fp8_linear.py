@@ -182,8 +182,8 @@ class Fp8Linear(nn.Module):
     at most triton_fp8.MAX_ROWS tokens: one Triton launch streaming the e4m3 weight
     (triton_fp8.fp8_small_m_linear), which HYBRID_FP8_DECODE_GEMM=triton also gives the quantized
     ones (it lost to _scaled_mm alone on the H200: the benchmarks' A/B). HYBRID_FP8_DECODE_GEMM=gemv:
-    steps of at most triton_fp8.GEMV_MAX_ROWS tokens on triton_fp8.fp8_gemv after the row
-    quantization, for projections of K up to triton_fp8.GEMV_MAX_K (not measured in the model against
+    steps of at most triton_fp8.GEMV_MAX_ROWS tokens on triton_fp8.fp8_gemv, the rows quantized inside
+    its launch, for projections of K up to triton_fp8.GEMV_MAX_K (not measured in the model against
     the tensor-wise default yet). No host syncs (the dynamic scales are computed on the device),
     so all are captured in CUDA graphs."""
 
@@ -272,15 +272,13 @@ class Fp8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def forward_gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """At most triton_fp8.GEMV_MAX_ROWS tokens [..., in]: the rows quantized (triton_fp8.quantize_rows,
-        unless weight-only), then triton_fp8.fp8_gemv (HYBRID_FP8_DECODE_GEMM=gemv)."""
+        """At most triton_fp8.GEMV_MAX_ROWS tokens [..., in] on triton_fp8.fp8_gemv, one launch: the rows
+        rounded to e4m3 inside it as quantize_rows would (unless weight-only) (HYBRID_FP8_DECODE_GEMM=gemv)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.activation is None:
-            out = triton_fp8.fp8_gemv(x2, None, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
-        else:
-            xq, xs = triton_fp8.quantize_rows(x2, self.input_scale)
-            out = triton_fp8.fp8_gemv(xq, xs, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
+        act = {None: triton_fp8.ACT_NONE, STATIC: triton_fp8.ACT_STATIC, DYNAMIC: triton_fp8.ACT_DYNAMIC}
+        out = triton_fp8.fp8_gemv(x2, None, self.weight, self.weight_scale, self.bias, quantize=act[self.activation],
+                                  input_scale=self.input_scale, out_dtype=x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,39 @@ def test_gemv_matches_the_reference(activation, per_row, m, n, k, block_n, block
     torch.testing.assert_close(got, layer.forward_reference(x), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("activation", [STATIC, DYNAMIC])
+@pytest.mark.parametrize("m,n,k,block_k", [(1, 40, 96, 32), (3, 17, 100, 64), (4, 24, 300, 128)])
+@pytest.mark.parametrize("fma_quotient", [False, True])
+def test_gemv_quantizing_its_rows_equals_quantize_rows_then_gemv(activation, m, n, k, block_k, fma_quotient):
+    """fp8_gemv(quantize=...) rounds 16-bit rows to e4m3 inside its launch: the same bytes as quantize_rows
+    and then fp8_gemv on its output (the same scales, e4m3 values, products and sums), bit for bit;
+    rows with very different scales, ragged N and K, both quotients."""
+    layer = _layer(n, k, activation, True, bias=m > 1, seed=m * 3 + n + k)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)) * 3).to(torch.bfloat16)
+    x[0, 1] = -35.0
+    if m > 2:
+        x[2] *= 1e-3
+    act = triton_fp8.ACT_STATIC if activation == STATIC else triton_fp8.ACT_DYNAMIC
+    xq, xs = triton_fp8.quantize_rows(x, layer.input_scale, fma_quotient=fma_quotient, hw_cast=False)
+    two = triton_fp8.fp8_gemv(xq, xs, layer.weight, layer.weight_scale, layer.bias, out_dtype=torch.float32,
+                              block_n=16, block_k=block_k)
+    one = triton_fp8.fp8_gemv(x, None, layer.weight, layer.weight_scale, layer.bias, quantize=act,
+                              input_scale=layer.input_scale, out_dtype=torch.float32, block_n=16, block_k=block_k,
+                              fma_quotient=fma_quotient, hw_cast=False)
+    torch.testing.assert_close(one, two, atol=0, rtol=0)
+    # the reference in fp32 on the same (bf16-exact) values: the dequantized GEMM up to summation order
+    torch.testing.assert_close(one, layer.forward_reference(x.float()), atol=2e-3, rtol=2e-3)
+
+
+def test_gemv_quantize_argument_checks():
+    w = torch.zeros(16, 32, dtype=FP8_DTYPE)
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="input_scale exactly when static"):
+        triton_fp8.fp8_gemv(x, None, w, torch.tensor(1.0), quantize=triton_fp8.ACT_STATIC)
+    with pytest.raises(ValueError, match="input_scale exactly when static"):
+        triton_fp8.fp8_gemv(x, torch.ones(1, 1), w, torch.tensor(1.0), quantize=triton_fp8.ACT_DYNAMIC)
+
+
 def test_gemv_refuses_more_rows_than_it_reduces():
     w = torch.zeros(16, 32, dtype=FP8_DTYPE)
     with pytest.raises(ValueError, match="1 to 4 rows"):

@@ -154,10 +154,12 @@ for _act in (triton_fp8.ACT_NONE, triton_fp8.ACT_STATIC, triton_fp8.ACT_DYNAMIC)
 
 for _mp in (1, 2, 4):
     def _fp8_gemv(m_p=_mp):
-        for x_scale in (True, False):  # e4m3 rows with their scales, or 16-bit rows (weight-only)
+        # e4m3 rows with their scales, 16-bit rows (weight-only), 16-bit rows quantized inside (static, dynamic)
+        for x_scale, quant in ((True, 0), (False, 0), (False, 1), (False, 2)):
             compiles(triton_fp8._fp8_gemv_kernel,
-                     dict(HAS_X_SCALE=x_scale, W_PER_ROW=True, HAS_BIAS=True, M_P=m_p, BLOCK_N=16, BLOCK_K=256,
-                          PDL=True), dict(FP8_PTRS, x_ptr="*fp8e4nv" if x_scale else "*bf16"), num_stages=4)
+                     dict(HAS_X_SCALE=x_scale, QUANT=quant, FMA_QUOTIENT=True, HW_CAST=True, W_PER_ROW=True,
+                          HAS_BIAS=True, M_P=m_p, BLOCK_N=16, BLOCK_K=256, PDL=True),
+                     dict(FP8_PTRS, x_ptr="*fp8e4nv" if x_scale else "*bf16"), num_stages=4)
     CASES[f"fp8_gemv-m{_mp}"] = _fp8_gemv
 
 

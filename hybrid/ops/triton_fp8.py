@@ -202,14 +202,50 @@ if HAS_TRITON:
             acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
         return acc
 
+    @triton.jit
+    def _gemv_step_quantizing(acc, w, x_ptr, s_xm, M, ks, mask_k, rows, x_scale, FMA_QUOTIENT: tl.constexpr,
+                              HW_CAST: tl.constexpr, M_P: tl.constexpr):
+        """_gemv_step on 16-bit rows rounded to e4m3 with their scales x_scale [M_P] as they are loaded:
+        the values quantize_rows would write (the same _e4m3_row), so the same products and sums."""
+        wf = w.to(tl.float32)
+        for m in tl.static_range(M_P):
+            s = tl.sum(tl.where(rows == m, x_scale, 0.0), axis=0)  # row m's scale (exact: one term)
+            xm = tl.load(x_ptr + m * s_xm + ks, mask=mask_k & (m < M), other=0.0)
+            xq = _e4m3_row(xm, s, FMA_QUOTIENT, HW_CAST).to(tl.float32)
+            part = tl.sum(wf * xq[None, :], axis=1)
+            acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+        return acc
+
+    @triton.jit
+    def _gemv_row_scales(x_ptr, in_scale_ptr, s_xm, M, K, min_scale, rows, QUANT: tl.constexpr,
+                         M_P: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The rows' e4m3 scales [M_P] as quantize_rows takes them: the static input scale (QUANT 1), or
+        each row's absmax over K / 448 floored at min_scale (QUANT 2; max is exact in any order)."""
+        if QUANT == 1:
+            return tl.zeros((M_P,), dtype=tl.float32) + tl.load(in_scale_ptr)
+        offs_k = tl.arange(0, BLOCK_K)
+        amax = tl.zeros((M_P,), dtype=tl.float32)
+        for m in tl.static_range(M_P):
+            a = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                x = tl.load(x_ptr + m * s_xm + ks, mask=(ks < K) & (m < M), other=0.0)
+                a = tl.maximum(a, tl.abs(x.to(tl.float32)))
+            amax = tl.where(rows == m, tl.max(a, axis=0), amax)
+        return tl.where(rows < M, _dynamic_scale(amax, min_scale), 1.0)
+
     @triton.jit(do_not_specialize=["M"])
     def _fp8_gemv_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
-                         HAS_X_SCALE: tl.constexpr, W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         min_scale, HAS_X_SCALE: tl.constexpr, QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr,
+                         HW_CAST: tl.constexpr, W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                          M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # y[m, n] = sum_k x[m, k] w[n, k] * x_scale[m] * w_scale[n]: each program's [BLOCK_N, BLOCK_K] e4m3
         # weight tile is loaded once per K step and reduced against every row m in turn (no tl.dot:
         # with M <= 4 rows a 16-row tile would be mostly padding); products in fp32 (exact for e4m3
-        # operands), sums in fp32
+        # operands), sums in fp32. x: e4m3 rows with their scales (HAS_X_SCALE), 16-bit rows as they
+        # are (weight-only), or 16-bit rows that every program rounds to e4m3 itself (QUANT 1: with
+        # the static scale at x_scale_ptr, 2: with each row's dynamic scale), which is one launch
+        # where quantize_rows and then this kernel are two, for the same bytes
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
@@ -218,18 +254,30 @@ if HAS_TRITON:
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0,
                     eviction_policy="evict_first")  # no kernel writes weights: before the wait
         pdl_wait(PDL)
-        acc = _gemv_step(tl.zeros((M_P, BLOCK_N), dtype=tl.float32), w, x_ptr, s_xm, M, offs_k, offs_k < K, rows, M_P)
+        acc = tl.zeros((M_P, BLOCK_N), dtype=tl.float32)
+        if QUANT != 0:
+            x_scale = _gemv_row_scales(x_ptr, x_scale_ptr, s_xm, M, K, min_scale, rows, QUANT, M_P, BLOCK_K)
+            acc = _gemv_step_quantizing(acc, w, x_ptr, s_xm, M, offs_k, offs_k < K, rows, x_scale, FMA_QUOTIENT,
+                                        HW_CAST, M_P)
+        else:
+            acc = _gemv_step(acc, w, x_ptr, s_xm, M, offs_k, offs_k < K, rows, M_P)
         for k0 in range(BLOCK_K, K, BLOCK_K):  # the first step peeled off: the loop's loads pipeline
             ks = k0 + offs_k
             mask_k = ks < K
             w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")
-            acc = _gemv_step(acc, w, x_ptr, s_xm, M, ks, mask_k, rows, M_P)
+            if QUANT != 0:
+                acc = _gemv_step_quantizing(acc, w, x_ptr, s_xm, M, ks, mask_k, rows, x_scale, FMA_QUOTIENT,
+                                            HW_CAST, M_P)
+            else:
+                acc = _gemv_step(acc, w, x_ptr, s_xm, M, ks, mask_k, rows, M_P)
         if W_PER_ROW:
             acc = acc * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
         else:
             acc = acc * tl.load(w_scale_ptr)
-        if HAS_X_SCALE:
+        if QUANT != 0:
+            acc = acc * x_scale[:, None]
+        elif HAS_X_SCALE:
             acc = acc * tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -246,14 +294,19 @@ GEMV_MAX_K = 8192
 
 
 def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None,
-             block_k: int = 512, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+             bias: torch.Tensor | None = None, *, quantize: int = ACT_NONE, input_scale: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None, block_k: int = 512,
+             num_warps: int = 4, num_stages: int = 4, fma_quotient: bool | None = None,
+             hw_cast: bool | None = None) -> torch.Tensor:
     """y [M, N] = (x [M, K] * x_scale) @ (weight [N, K] e4m3 * weight_scale).T (+ bias), M <= GEMV_MAX_ROWS:
     x is e4m3 rows with their scales [M, 1] (quantize_rows' output: a quantized-activation scheme) or
-    16-bit rows with x_scale None (weight-only). `weight_scale`: fp32, 0-dim or [N]. The default tiling
-    is the H200's best at one row over the 8B projections (bench/bench_fp8_gemv.py, 2026-12-02): 8
-    columns a program up to 8192 outputs, 16 up to 20480, 32 above, K steps of 512 (2.0-3.9 TB/s,
-    against 1.0-2.6 for the 16 x 256 it replaced)."""
+    16-bit rows with x_scale None (weight-only). `quantize` ACT_STATIC (with the 0-dim `input_scale`) or
+    ACT_DYNAMIC: x is 16-bit rows (x_scale None) that the kernel rounds to e4m3 as quantize_rows would,
+    in the same launch: the same bytes as quantize_rows then this, one launch fewer. `weight_scale`:
+    fp32, 0-dim or [N]. The default tiling is the H200's best at one row over the 8B projections
+    (bench/bench_fp8_gemv.py, 2026-12-02): 8 columns a program up to 8192 outputs, 16 up to 20480, 32
+    above, K steps of 512 (2.0-3.9 TB/s, against 1.0-2.6 for the 16 x 256 it replaced).
+    `fma_quotient` / `hw_cast` (tests): as quantize_rows'."""
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]
@@ -264,13 +317,18 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
                          f"(1 to {GEMV_MAX_ROWS} rows, last dims contiguous)")
     if x_scale is not None and (x_scale.numel() != M or not x_scale.is_contiguous()):
         raise ValueError(f"fp8_gemv: x_scale must hold one contiguous scale per row ({M}), got {tuple(x_scale.shape)}")
+    if quantize != ACT_NONE and (x_scale is not None or x.dtype == FP8_DTYPE
+                                 or (quantize == ACT_STATIC) != (input_scale is not None)):
+        raise ValueError("fp8_gemv: quantize takes 16-bit rows without x_scale, and input_scale exactly when static")
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    scale_arg = x_scale if x_scale is not None else (input_scale if input_scale is not None else weight_scale)
     _fp8_gemv_kernel[(cdiv(N, block_n),)](
-        x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
-        bias if bias is not None else weight_scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_X_SCALE=x_scale is not None, W_PER_ROW=weight_scale.dim() == 1, HAS_BIAS=bias is not None,
-        M_P=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages, **pdl_options(x.device),
+        x, scale_arg, weight, weight_scale, bias if bias is not None else weight_scale, y, M, N, K, x.stride(0),
+        weight.stride(0), y.stride(0), MIN_DYNAMIC_SCALE, HAS_X_SCALE=x_scale is not None, QUANT=quantize,
+        FMA_QUOTIENT=not _INTERPRETED if fma_quotient is None else fma_quotient,
+        HW_CAST=not _INTERPRETED if hw_cast is None else hw_cast, W_PER_ROW=weight_scale.dim() == 1,
+        HAS_BIAS=bias is not None, M_P=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )
     return y
 

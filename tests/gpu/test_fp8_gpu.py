@@ -113,6 +113,30 @@ def test_decode_sized_kernel_matches_the_exact_product(name, act):
             assert rel_err(layer.forward_gemv(x), exact) < 5e-3, (name, act, m)
 
 
+@pytest.mark.parametrize("act", [STATIC, DYNAMIC])
+@pytest.mark.parametrize("name", ["mamba.in_proj", "mamba.out_proj", "attn.o_proj"])
+def test_gemv_quantizing_inside_equals_quantize_rows_then_gemv(name, act):
+    """fp8_gemv(quantize=...) (Fp8Linear.forward_gemv, one launch) writes the bytes of quantize_rows followed
+    by fp8_gemv on its e4m3 rows (two launches) on the GPU too: the hardware cast and the fma quotient in
+    both, 1-4 rows with very different scales, at the 8B shapes."""
+    from hybrid.ops import triton_fp8
+
+    n, k = SHAPES_8B[name]
+    layer = _layer(n, k, per_channel=True, act=act, seed=13, bias=name == "attn.o_proj")
+    a = triton_fp8.ACT_STATIC if act == STATIC else triton_fp8.ACT_DYNAMIC
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        x[0, 0] = 30.0
+        x[-1] *= 1e-3
+        xq, xs = triton_fp8.quantize_rows(x, layer.input_scale)
+        two = triton_fp8.fp8_gemv(xq, xs, layer.weight, layer.weight_scale, layer.bias)
+        one = triton_fp8.fp8_gemv(x, None, layer.weight, layer.weight_scale, layer.bias, quantize=a,
+                                  input_scale=layer.input_scale)
+        assert torch.equal(one, two), (name, act, m)
+        assert torch.equal(layer.forward_gemv(x), one)
+
+
 @pytest.mark.parametrize("gemm", ["gemv", "triton"])
 def test_decode_switches_route_and_capture(gemm, monkeypatch):
     """HYBRID_FP8_DECODE_GEMM=gemv / triton send a decode-sized step to fp8_gemv / the one-launch
