@@ -155,6 +155,14 @@ def copy_bandwidth(dev):
     return bw
 
 
+def step_greedy(logits: torch.Tensor) -> torch.Tensor:
+    """A step's greedy tokens as the engine takes them (hybrid.sampling.greedy_tokens), so that the timed
+    step includes what LLM.generate's greedy decode pays after the model."""
+    from hybrid.sampling import greedy_tokens
+
+    return greedy_tokens(logits)[0]
+
+
 def time_steps(fn, steps):
     for _ in range(3):
         fn()
@@ -264,8 +272,8 @@ def main():
     runner = llm.runner
     for n in args.batches:
         batch = decode_batch(llm, n, args.ctx)
-        t_graph = time_steps(lambda: runner.execute(batch).argmax(-1), args.steps)
-        t_eager = float("nan") if args.no_eager else time_steps(lambda: runner.model(batch, runner.ctx).argmax(-1), args.steps)
+        t_graph = time_steps(lambda: step_greedy(runner.execute(batch)), args.steps)
+        t_eager = float("nan") if args.no_eager else time_steps(lambda: step_greedy(runner.model(batch, runner.ctx)), args.steps)
         step_bytes = weight_bytes + n * (args.ctx * kv_token_bytes + 2 * slot_bytes)
         floor = step_bytes / bw
         rows.append(dict(batch=n, ctx=args.ctx, graph_ms=t_graph * 1e3, eager_ms=t_eager * 1e3,
@@ -273,7 +281,7 @@ def main():
                          floor_tok_s=n / floor, step_gb=step_bytes / 1e9))
         print(rows[-1], flush=True)
         if args.profile:
-            profile_step(lambda: runner.execute(batch).argmax(-1), f"batch {n}, graph replay")
+            profile_step(lambda: step_greedy(runner.execute(batch)), f"batch {n}, graph replay")
     # the engine runs below (prefill TTFT, greedy tokens): give back the slots the synthetic batches used
     for s in list(llm.state_pool.live_slots):
         llm.state_pool.free(s)

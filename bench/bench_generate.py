@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_decode import decode_batch, make_llm, time_steps  # noqa: E402
+from bench.bench_decode import decode_batch, make_llm, step_greedy, time_steps  # noqa: E402
 
 
 def decode_phase(llm, batch: int, prompt_len: int, tokens: int, params) -> dict:
@@ -66,7 +66,7 @@ def main() -> None:
         # device-only step at the mid-generation context, on a prebuilt batch (slots taken and given back)
         slots = [llm.state_pool.allocate() for _ in range(b)]
         batch = decode_batch(llm, b, args.prompt + args.tokens // 2)
-        device_ms = time_steps(lambda: llm.runner.execute(batch).argmax(-1), 10) * 1e3
+        device_ms = time_steps(lambda: step_greedy(llm.runner.execute(batch)), 10) * 1e3
         for s in slots:
             llm.state_pool.free(s)
         greedy = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)

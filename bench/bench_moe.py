@@ -72,7 +72,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.bench_decode import decode_batch, profile_step, random_model  # noqa: E402
+from bench.bench_decode import decode_batch, profile_step, random_model, step_greedy  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -400,10 +400,10 @@ def variant_decode(llm, rows: list[dict], args, dev: torch.device, env: dict[str
         if "graph_ms" not in row:
             continue
         batch = decode_batch(llm, row["batch"], args.ctx)
-        t = time_steps(lambda: runner.execute(batch).argmax(-1), args.steps, dev)
+        t = time_steps(lambda: step_greedy(runner.execute(batch)), args.steps, dev)
         row.update({f"{key}_ms": t * 1e3, f"{key}_tok_s": row["batch"] / t})
         if args.profile and row["batch"] == 1:
-            profile_step(lambda: runner.execute(batch).argmax(-1), f"batch 1, graph replay, {key}")
+            profile_step(lambda: step_greedy(runner.execute(batch)), f"batch 1, graph replay, {key}")
         del batch
     recapture(before)
 
@@ -441,6 +441,8 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                            "also at narrower page tables)"),
     "logits_ab": ("bf16_logits", {"HYBRID_16BIT_LOGITS": "1"},
                   "the LM head's logits in bf16, widened after (HYBRID_16BIT_LOGITS=1; fp32 accumulator by default)"),
+    "greedy_ab": ("torch_argmax", {"HYBRID_TRITON_GREEDY": "0"},
+                  "the greedy tokens by torch's argmax (HYBRID_TRITON_GREEDY=0; default: hybrid/ops/triton_greedy.py)"),
 }
 
 
@@ -493,7 +495,7 @@ def run_shape(name: str, cfg_dict: dict, args, dev: torch.device, save: Callable
             try:
                 batch = decode_batch(llm, n, args.ctx)
                 replays = runner.stats["graph_replays"]
-                t_graph = time_steps(lambda: runner.execute(batch).argmax(-1), args.steps, dev)
+                t_graph = time_steps(lambda: step_greedy(runner.execute(batch)), args.steps, dev)
                 row.update(graph_ms=t_graph * 1e3, graph_tok_s=n / t_graph,
                            graph_replayed=runner.stats["graph_replays"] > replays)
                 if args.no_eager:
@@ -501,12 +503,12 @@ def run_shape(name: str, cfg_dict: dict, args, dev: torch.device, save: Callable
                 elif not row["graph_replayed"]:  # execute already ran eagerly: the same number
                     row.update(eager_ms=row["graph_ms"], eager_tok_s=row["graph_tok_s"])
                 else:
-                    t_eager = time_steps(lambda: runner.model(batch, runner.ctx).argmax(-1), args.eager_steps, dev)
+                    t_eager = time_steps(lambda: step_greedy(runner.model(batch, runner.ctx)), args.eager_steps, dev)
                     row.update(eager_ms=t_eager * 1e3, eager_tok_s=n / t_eager)
                 if cfg.moe is not None:
                     row["measured_experts"] = measured_experts(llm.model, lambda: runner.model(batch, runner.ctx))
                 if args.profile and dev.type == "cuda":
-                    profile_step(lambda: runner.execute(batch).argmax(-1), f"{name} batch {n}, graph replay")
+                    profile_step(lambda: step_greedy(runner.execute(batch)), f"{name} batch {n}, graph replay")
                 del batch
             except (CapacityError, RuntimeError) as e:
                 if not (isinstance(e, CapacityError) or is_oom(e)):

@@ -39,9 +39,9 @@ import torch
 
 from hybrid.batch import to_device
 from hybrid.errors import InvalidRequestError
-from hybrid.ops import triton_sampling
+from hybrid.ops import triton_greedy, triton_sampling
 from hybrid.sample_stream import GENERATOR_SEED_RANGE, SampleStream, draw_bits, generator_seed, splitmix64  # noqa: F401
-from hybrid.ops.triton_guard import HAS_TRITON
+from hybrid.ops.triton_guard import HAS_TRITON, switch
 from hybrid.structured_outputs import StructuredOutputsParams  # re-exported: hybrid.sampling.StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -164,6 +164,18 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: "SampleS
     return int(sample_tokens(logits[None], [params], [generator])[0][0])
 
 
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's argmax [R] int64, whether the logit there is finite [R] bool) of logits [R, V]: on CUDA
+    with triton two small launches (hybrid/ops/triton_greedy.py: torch's argmax of a long row is one ~22 us
+    kernel; HYBRID_TRITON_GREEDY=0 keeps torch's), elsewhere torch.argmax; the same tokens either way (NaN the
+    maximum, ties to the lowest index)."""
+    if (logits.is_cuda and HAS_TRITON and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1]
+            and switch("triton_greedy")):
+        return triton_greedy.greedy_tokens(logits)
+    tokens = logits.argmax(dim=-1)
+    return tokens, torch.isfinite(logits.gather(1, tokens[:, None])[:, 0])
+
+
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams | None],
                   generators: list["SampleStream | torch.Generator | None"], *,
                   candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,8 +194,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams | None],
     values on top of the argmax every row needs anyway: argmax propagates NaN (a NaN anywhere in a
     row is its "maximum"), so a row with a NaN or a +Inf is flagged. (-Inf entries are legitimate:
     masked tokens.)"""
-    tokens = logits.argmax(dim=-1)
-    finite = torch.isfinite(logits.gather(1, tokens[:, None])[:, 0])
+    tokens, finite = greedy_tokens(logits)
     rows = [i for i, p in enumerate(params) if p is not None and not p.greedy]
     if not rows:
         return tokens, finite

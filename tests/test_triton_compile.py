@@ -44,7 +44,7 @@ NAMES = ["moe_gemm-decode-act0-early0", "moe_gemm-decode-act0-early1", "moe_gemm
          "moe_gemm-decode-act0-early1-fp8", "moe_gemm-decode-act1-early0-fp8", "moe_gemm-decode-act2-early0-fp8",
          "moe_gemm-prefill_gated-act0-early1-fp8", "moe_gemm-prefill_gated-act1-early0-fp8",
          "moe_gemm-prefill_gated-act2-early0-fp8", "moe_gemm-routed-nemotron", "moe_gemm-routed-granite",
-         "moe_gemm-tuned0", "router", "counting_alignment",
+         "moe_gemm-tuned0", "router", "counting_alignment", "greedy",
          "norm_router-fp32",
          "norm_router-bf16", "norms", "decode_linears-pre256", "decode_linears-pre512", "decode_linears-pre2048",
          "mamba_decode-inter0", "mamba_decode-inter1", "mamba_varlen_prefill", "prefill_attention-hd160-bf16", "prefill_attention-hd160-fp8",

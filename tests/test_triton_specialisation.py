@@ -53,6 +53,9 @@ KERNELS = {
     ("hybrid.ops.triton_mamba_varlen", "_row_states_kernel"): ("s_dt_h",),  # (the scan's dt: chunks x chunk)
     # V: the vocabulary (the sampled rows are the grid)
     ("hybrid.ops.triton_sampling", "fallback_kernel"): (),
+    # V, the chunk width and count: the vocabulary's (the rows are the grid)
+    ("hybrid.ops.triton_greedy", "_chunk_best_kernel"): (),
+    ("hybrid.ops.triton_greedy", "_combine_kernel"): (),
     # requests in the step, and the KV split (from the step's grid)
     ("attention.triton_prefill", "_paged_prefill_kernel"): ("num_seqs", "num_splits"),
     ("attention.triton_prefill", "_combine_splits_kernel"): ("num_splits",),
@@ -85,9 +88,11 @@ HELPERS = {
     "hybrid.ops.triton_mamba": {"_softplus", "_ext_tile", "_conv_window_out"},
     "hybrid.ops.triton_mamba_varlen": {"_history_columns"},
     "hybrid.ops.triton_sampling": {"_fixed", "_kept_masses"},
+    "hybrid.ops.triton_greedy": {"_better", "_tile_best"},
     "attention.triton_prefill": {"_attend_tile"},
     "attention.trtllm": set(),
-    "hybrid.ops.triton_fp8": {"_round_e4m3", "_e4m3_values", "_quantized", "_gemv_step", "_ieee_quotient", "_e4m3_row", "_dynamic_scale"},
+    "hybrid.ops.triton_fp8": {"_round_e4m3", "_e4m3_values", "_quantized", "_gemv_step", "_ieee_quotient", "_e4m3_row", "_dynamic_scale",
+                             "_gemv_step_quantizing", "_gemv_row_scales"},
 }
 
 

@@ -18,8 +18,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from attention import triton_prefill  # noqa: E402
 from hybrid.ops import (  # noqa: E402
-    triton_fp8, triton_gemv, triton_mamba, triton_mamba_varlen, triton_moe, triton_moe_align, triton_moe_route,
-    triton_norm,
+    triton_fp8, triton_gemv, triton_greedy, triton_mamba, triton_mamba_varlen, triton_moe, triton_moe_align,
+    triton_moe_route, triton_norm,
 )
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -239,6 +239,16 @@ def _mamba_varlen():
     for state in ("*fp32", "*bf16"):
         compiles(tv._row_states_kernel, dict(BLOCK_T=32, BLOCK_P=32, BLOCK_N=128, IEEE=False, PDL=True),
                  dict(VARLEN_PTRS, dt_ptr="*fp32", a_ptr="*fp32", state_ptr=state))
+
+
+@case("greedy")
+def _greedy():
+    """The greedy tokens' two launches at their tiles: fp32 and bf16 logits, 128 chunks at most."""
+    for logits in ("*fp32", "*bf16"):
+        compiles(triton_greedy._chunk_best_kernel, dict(BLOCK=1024, PDL=True),
+                 dict(x_ptr=logits, val_ptr="*fp32", idx_ptr="*i32"))
+    compiles(triton_greedy._combine_kernel, dict(C_P=triton_greedy.MAX_CHUNKS, PDL=True),
+             dict(val_ptr="*fp32", idx_ptr="*i32", token_ptr="*i64", finite_ptr="*i8"), num_warps=1)
 
 
 SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one block may have on sm_90

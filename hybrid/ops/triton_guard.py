@@ -49,7 +49,7 @@ again: benchmarks comparing both):
   of `bash bench/run_device.sh fp8-decode`;
 - "fp8_gemv_decode" (HYBRID_FP8_DECODE_GEMM=gemv): FP8 projections of steps of at most 4 tokens on
   triton_fp8.fp8_gemv (a weight-streaming reduction without tl.dot) after the row quantization:
-  written after that measurement, not measured yet.
+  written after that measurement, not measured yet; the rows are quantized inside its launch.
 - "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
   scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
 - "varlen_prefill" (on by default; HYBRID_VARLEN_PREFILL=0 turns it off): a step's prefill rows through each
@@ -59,6 +59,9 @@ again: benchmarks comparing both):
   to fp32 as the row path's (tests/gpu/test_kernels.py::test_varlen_prefill_as_accurate_as_rows).
 - "gemv_narrow" (on by default; HYBRID_GEMV_NARROW=0 turns it off): the Triton linear at 16 output columns a
   program where 32 would leave more than half the SMs idle (triton_gemv.default_block_n; same values).
+- "triton_greedy" (on by default; HYBRID_TRITON_GREEDY=0 turns it off): a step's greedy tokens (each logits row's
+  argmax and its finite flag) in two small launches (hybrid/ops/triton_greedy.py) rather than torch's argmax,
+  one ~22 us kernel for a long row; the same tokens.
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) "decode_linear" loses 37-45% at batch 1 and "norm_router" is neutral.
 """
@@ -90,8 +93,8 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
              "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
              "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1"),
-             "gemv_narrow": ("HYBRID_GEMV_NARROW", "1")}
-_ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow"}  # these read as on unless their variable says "0"
+             "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1")}
+_ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS
 DECODE_LINEAR_DEFAULT = "plain:mamba.out_proj"

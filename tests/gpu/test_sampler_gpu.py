@@ -58,3 +58,28 @@ def test_the_kernel_redo_equals_the_torch_redo_at_full_vocabulary(monkeypatch):
         got = sample_tokens(logits, [sp] * n, [SampleStream(i) for i in range(n)])[0]
         assert not sampling._kernel_failed, sampling._kernel_failed
         assert torch.equal(got, want), sp
+
+
+@pytest.mark.parametrize("V", [100352, 131072, 256000])
+@pytest.mark.parametrize("rows", [1, 8, 256])
+def test_greedy_kernels_give_torchs_argmax(V, rows):
+    """The greedy launches (hybrid/ops/triton_greedy.py, sample_tokens' argmax on CUDA) against torch.argmax
+    and isfinite at the released vocabularies: random rows, ties across chunks, NaN, +-inf, all -inf, bf16."""
+    from hybrid.ops import triton_greedy
+
+    g = torch.Generator(device="cuda").manual_seed(V + rows)
+    x = torch.randn(rows, V, generator=g, device="cuda")
+    x[0, [17, V - 1]] = 50.0  # a tie: the first wins
+    if rows > 1:
+        x[1, [V // 2, 3]] = float("nan")
+        x[-1] = float("-inf")
+    if rows > 2:
+        x[2, 5000] = float("inf")
+        x[3, ::2] = float("-inf")
+    for logits in (x, x.to(torch.bfloat16)):
+        tokens, finite = triton_greedy.greedy_tokens(logits)
+        want = logits.argmax(dim=-1)
+        assert torch.equal(tokens, want)
+        assert torch.equal(finite, torch.isfinite(logits.gather(1, want[:, None])[:, 0]))
+    tokens, finite = sampling.greedy_tokens(x)
+    assert torch.equal(tokens, x.argmax(dim=-1))
