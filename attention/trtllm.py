@@ -36,6 +36,7 @@ attention/triton_prefill.py).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import triton
@@ -148,6 +149,14 @@ class PrefillPlans:
         self.current, self.key = self._wrappers[i], key
 
 
+def triton_decode_requested() -> bool:
+    """HYBRID_DECODE_ATTENTION=triton: decode and verify steps on our Triton paged kernel (split KV) even where
+    XQA builds. The A/B of `bench_moe.py --triton-decode-attention-ab`: in the MoE shapes' batch-1 kernel
+    profiles XQA's span is ~20 us a layer for a 2K context (H200), where the KV is a few MB. Read at each
+    call (a captured graph keeps what its capture read)."""
+    return os.environ.get("HYBRID_DECODE_ATTENTION", "") == "triton"
+
+
 class TrtllmAttentionBackend:
     name = "trtllm"
     supports_cuda_graphs = True  # for decode-only steps in 16-bit dtypes
@@ -197,7 +206,7 @@ class TrtllmAttentionBackend:
         write_kv_fused(kv_layer, k, v, batch.kv_write_loc, kv_scales)
         decode_step = batch.num_prefills == 0 and num_tokens == batch.num_decodes
         verify_step = batch.uniform_q_len > 1 and batch.num_verify == batch.num_requests
-        if (decode_step or verify_step) and not decode_kernel_builds(head_dim, self._sm):
+        if (decode_step or verify_step) and (not decode_kernel_builds(head_dim, self._sm) or triton_decode_requested()):
             # reads only device tensors and its grid depends on T and B alone: graph capturable as XQA is
             self._log_triton(head_dim, "decode")
             out = paged_prefill_attention(q, kv_layer, batch, scale, kv_scales)

@@ -441,6 +441,9 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                            "also at narrower page tables)"),
     "logits_ab": ("bf16_logits", {"HYBRID_16BIT_LOGITS": "1"},
                   "the LM head's logits in bf16, widened after (HYBRID_16BIT_LOGITS=1; fp32 accumulator by default)"),
+    "triton_decode_attention_ab": ("triton_attention", {"HYBRID_DECODE_ATTENTION": "triton"},
+                                   "decode attention on the Triton paged kernel, split KV (HYBRID_DECODE_ATTENTION=triton; "
+                                   "default: XQA)"),
     "greedy_ab": ("torch_argmax", {"HYBRID_TRITON_GREEDY": "0"},
                   "the greedy tokens by torch's argmax (HYBRID_TRITON_GREEDY=0; default: hybrid/ops/triton_greedy.py)"),
 }

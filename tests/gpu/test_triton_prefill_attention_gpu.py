@@ -181,3 +181,62 @@ def test_trtllm_backend_runs_it_where_flashinfer_has_no_kernel(model, caplog):
     assert rel_err(out.float(), ref) < BF16_TOL, rel_err(out.float(), ref)
     if torch.cuda.get_device_capability()[0] < 10:
         assert any("triton_prefill" in r.getMessage() for r in caplog.records)
+
+
+MOE_ATTENTION = {"granite_tiny": (12, 4, 128), "nemotron_nano": (32, 2, 128)}  # heads, KV heads, head dim
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("model", sorted(MOE_ATTENTION))
+def test_decode_on_the_triton_kernel_where_xqa_builds(model, rows, monkeypatch):
+    """HYBRID_DECODE_ATTENTION=triton (the A/B of bench_moe.py --triton-decode-attention-ab): a decode step of
+    the MoE shapes' attention at a 2K context through the backend's forward on our kernel, against the
+    reference and against XQA (both bf16), captured in a CUDA graph and replayed; the two timed (printed)."""
+    from attention.trtllm import TrtllmAttentionBackend
+
+    heads, kv_heads, head_dim = MOE_ATTENTION[model]
+    q_lens, ctx = [1] * rows, [2047 - 5 * i for i in range(rows)]
+    batch, num_pages = attn_batch(q_lens, ctx, PAGE, max_pages=4096 // PAGE, device=DEV, seed=rows)
+    kv = _cache(num_pages, kv_heads, head_dim, torch.bfloat16, seed=3)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    q, k, v = (torch.randn(rows, n, head_dim, device=DEV, generator=g).bfloat16() for n in (heads, kv_heads, kv_heads))
+    scale = head_dim ** -0.5
+    backend = TrtllmAttentionBackend()
+    outs, times = {}, {}
+    for label, env in (("xqa", None), ("triton", "triton")):
+        if env is None:
+            monkeypatch.delenv("HYBRID_DECODE_ATTENTION", raising=False)
+        else:
+            monkeypatch.setenv("HYBRID_DECODE_ATTENTION", env)
+        cache = kv.clone()
+        outs[label] = backend.forward(q, k, v, cache, batch, scale).float()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            captured = backend.forward(q, k, v, cache, batch, scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured.float(), outs[label]), label
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times[label] = start.elapsed_time(end) / 50 * 1e3
+    ref = _reference(q, kv_after_write(kv, k, v, batch), batch, scale, (1.0, 1.0))
+    assert rel_err(outs["triton"], ref) < BF16_TOL
+    assert rel_err(outs["triton"], outs["xqa"]) < BF16_TOL
+    print(f"\n{model} decode x{rows} at 2K: XQA {times['xqa']:.1f} us, Triton split-KV {times['triton']:.1f} us "
+          f"(KV write included)")
+
+
+def kv_after_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> torch.Tensor:
+    """The cache with this step's K / V written at batch.kv_write_loc (as the backend's fused write does)."""
+    out = kv.clone()
+    page_size = out.shape[3]
+    loc = batch.kv_write_loc.long()
+    pages, offs = loc // page_size, loc % page_size
+    out[pages, 0, :, offs] = k
+    out[pages, 1, :, offs] = v
+    return out
