@@ -244,6 +244,25 @@ if [[ $what == greedy-fp8 ]]; then
         | grep -v Warn | grep -E "batch|tok/s|Error|error" | tail -8 || rc=1
   done
 fi
+# combined  one call for this session's unmeasured work, each step in what is left of ${COMBINED_LIMIT:-560} s: the
+#            GPU tests of snapshots inside varlen prefill rows, the greedy launches, fp8_gemv quantizing its rows and
+#            decode attention on the Triton split-KV kernel (<= 200 s); bench_prefix_cache.py (the hit's step, varlen
+#            snapshots on by default; <= 150 s); Granite-Tiny decode at batch 1 / 8 with --greedy-ab and
+#            --triton-decode-attention-ab and the kernel profile (what is left)
+if [[ $what == combined ]]; then
+  start=$SECONDS
+  limit=${COMBINED_LIMIT:-560}
+  gpu_pytest 200 gpu_tests_combined.log tests/gpu/test_kernels.py tests/gpu/test_sampler_gpu.py tests/gpu/test_fp8_gpu.py \
+      tests/gpu/test_triton_prefill_attention_gpu.py -k "snapshots or greedy or quantizing or where_xqa"
+  timeout 150 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache_varlen.json" 2>&1 \
+      | tee "$OUT/prefix_cache_varlen.log" | grep -E "steps|turn|rror" || rc=1
+  left=$((limit - (SECONDS - start)))
+  if (( left > 60 )); then
+    timeout $left python3 bench/bench_moe.py --shapes granite-tiny --batches 1 8 --gen-batches 1 --no-peer --no-eager \
+        --greedy-ab --triton-decode-attention-ab --profile --out "$OUT" --time-budget $((left - 10)) 2>&1 \
+        | tee "$OUT/bench_moe_greedy.log" | grep -E "decode \{|tok_s|rror" | cut -c1-300 || rc=1
+  fi
+fi
 # prefix-profile  the selected GPU tests of .devkit/sel.txt (if any, at most 150 s), then bench_prefix_cache.py with
 #            one more hit under torch.profiler (host ops and kernels: tables in the log, chrome trace in $OUT)
 if [[ $what == prefix-profile ]]; then
