@@ -259,8 +259,9 @@ if [[ $what == combined ]]; then
   left=$((limit - (SECONDS - start)))
   if (( left > 60 )); then
     timeout $left python3 bench/bench_moe.py --shapes granite-tiny --batches 1 8 --gen-batches 1 --no-peer --no-eager \
-        --greedy-ab --triton-decode-attention-ab --profile --out "$OUT" --time-budget $((left - 10)) 2>&1 \
+        --greedy-ab --triton-decode-attention-ab --profile --out /tmp/moe_out --time-budget $((left - 10)) 2>&1 \
         | tee "$OUT/bench_moe_greedy.log" | grep -E "decode \{|tok_s|rror" | cut -c1-300 || rc=1
+    cp /tmp/moe_out/moe_benchmark.md "$OUT/" 2>/dev/null || true  # (at most 8 files come back: the rest stays)
   fi
 fi
 # prefix-profile  the selected GPU tests of .devkit/sel.txt (if any, at most 150 s), then bench_prefix_cache.py with
