@@ -12,6 +12,7 @@ Triton launch that streams the e4m3 weight. No host sync: capturable in CUDA gra
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn as nn
@@ -136,6 +137,17 @@ TENSORWISE_MAX_ROWS = 64
 _tensorwise_probed: dict[torch.device, bool] = {}
 
 
+def gemv_max_rows() -> int:
+    """The most tokens a step may have for its FP8 projections to run on triton_fp8.fp8_gemv (one launch, the
+    rows quantized inside it): 1 by default (measured on an H100, 2026-12-06, 8B shape in FP8 per-channel /
+    per-token: batch 1 255 against 242 tok/s for the row quantization + tensor-wise _scaled_mm; alone at the
+    8B projections fp8_gemv is 2-2.5x slower at 4 rows, so larger steps keep the GEMM), up to
+    triton_fp8.GEMV_MAX_ROWS with HYBRID_FP8_DECODE_GEMM=gemv, none with any other value of it (scaled_mm,
+    rowwise, triton: their A/Bs)."""
+    value = os.environ.get("HYBRID_FP8_DECODE_GEMM", "")
+    return triton_fp8.GEMV_MAX_ROWS if value == "gemv" else 1 if value == "" else 0
+
+
 def _tensorwise_fp32_out(device: torch.device) -> bool:
     """Whether this device's torch._scaled_mm takes e4m3 x e4m3 with 0-dim scales into fp32 (probed
     once per device on a 16 x 16 product, eagerly: the first FP8 step of an LLM is a warm-up or
@@ -181,10 +193,10 @@ class Fp8Linear(nn.Module):
     (forward_tensorwise; HYBRID_FP8_DECODE_GEMM=rowwise keeps the row-wise GEMM). Weight-only projections (16-bit activations), steps of
     at most triton_fp8.MAX_ROWS tokens: one Triton launch streaming the e4m3 weight
     (triton_fp8.fp8_small_m_linear), which HYBRID_FP8_DECODE_GEMM=triton also gives the quantized
-    ones (it lost to _scaled_mm alone on the H200: the benchmarks' A/B). HYBRID_FP8_DECODE_GEMM=gemv:
-    steps of at most triton_fp8.GEMV_MAX_ROWS tokens on triton_fp8.fp8_gemv, the rows quantized inside
-    its launch, for projections of K up to triton_fp8.GEMV_MAX_K (not measured in the model against
-    the tensor-wise default yet). No host syncs (the dynamic scales are computed on the device),
+    ones (it lost to _scaled_mm alone on the H200: the benchmarks' A/B). One-token steps (gemv_max_rows;
+    up to triton_fp8.GEMV_MAX_ROWS with HYBRID_FP8_DECODE_GEMM=gemv) on triton_fp8.fp8_gemv, the rows
+    quantized inside its launch, for projections of K up to triton_fp8.GEMV_MAX_K (+5.4% at batch 1 on
+    an H100 against the tensor-wise path, BENCHMARKS.md). No host syncs (the dynamic scales are computed on the device),
     so all are captured in CUDA graphs."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
@@ -284,7 +296,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and HAS_TRITON:
             rows = x.reshape(-1, self.in_features)
-            if switch("fp8_gemv_decode") and triton_fp8.gemv_eligible(rows, self.weight):
+            if rows.shape[0] <= gemv_max_rows() and triton_fp8.gemv_eligible(rows, self.weight):
                 return self.forward_gemv(x)
             if (self.activation is None or switch("fp8_triton_decode")) and triton_fp8.eligible(rows, self.weight):
                 return self.forward_small_m(x)

@@ -47,9 +47,9 @@ again: benchmarks comparing both):
   activations on the one-launch Triton FP8 linear instead of the Triton row quantization and
   torch._scaled_mm (hybrid/ops/triton_fp8.py; alone it lost at every 8B shape on the H200): the A/B
   of `bash bench/run_device.sh fp8-decode`;
-- "fp8_gemv_decode" (HYBRID_FP8_DECODE_GEMM=gemv): FP8 projections of steps of at most 4 tokens on
-  triton_fp8.fp8_gemv (a weight-streaming reduction without tl.dot) after the row quantization:
-  written after that measurement, not measured yet; the rows are quantized inside its launch.
+- HYBRID_FP8_DECODE_GEMM=gemv (read by hybrid/fp8_linear.gemv_max_rows, not a switch here): FP8 projections of
+  steps of up to 4 tokens on triton_fp8.fp8_gemv, the rows quantized inside its launch (one-token steps take it
+  by default: +5.4% at batch 1 on an H100); any other value keeps every step on the GEMMs.
 - "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
   scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
 - "varlen_prefill" (on by default; HYBRID_VARLEN_PREFILL=0 turns it off): a step's prefill rows through each
@@ -90,7 +90,6 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "decode_in_proj_conv": ("HYBRID_DECODE_IN_PROJ_CONV", "1"),
              "decode_gated_out_proj": ("HYBRID_DECODE_GATED_OUT_PROJ", "1"), "norm_router": ("HYBRID_NORM_ROUTER", "1"),
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
-             "fp8_gemv_decode": ("HYBRID_FP8_DECODE_GEMM", "gemv"),
              "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
              "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1"),
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1")}
