@@ -252,3 +252,17 @@ def test_fma_quotient_gives_the_ieee_quotient_near_every_rounding_boundary(stati
     # without the correction (x * RN(1/s) alone) some of these values round to the other e4m3 neighbour
     naive = (x * (1.0 / want_s)).clamp(-448, 448).to(FP8_DTYPE)
     assert not torch.equal(naive.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_gemv_rows_by_setting(monkeypatch):
+    """One-token steps take fp8_gemv by default; HYBRID_FP8_DECODE_GEMM=gemv up to GEMV_MAX_ROWS; any other
+    value (the GEMMs' A/Bs) none."""
+    from hybrid.fp8_linear import gemv_max_rows
+
+    monkeypatch.delenv("HYBRID_FP8_DECODE_GEMM", raising=False)
+    assert gemv_max_rows() == 1
+    monkeypatch.setenv("HYBRID_FP8_DECODE_GEMM", "gemv")
+    assert gemv_max_rows() == triton_fp8.GEMV_MAX_ROWS
+    for other in ("scaled_mm", "rowwise", "triton"):
+        monkeypatch.setenv("HYBRID_FP8_DECODE_GEMM", other)
+        assert gemv_max_rows() == 0
