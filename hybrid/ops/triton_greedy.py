@@ -76,17 +76,9 @@ if HAS_TRITON:
         pdl_wait(PDL)
         v = tl.load(val_ptr + row * num_chunks + offs, mask=valid, other=float("-inf"))
         i = tl.load(idx_ptr + row * num_chunks + offs, mask=valid, other=2147483647)
-        # chunks are in index order and each holds its own first best: the same rule over their bests,
-        # ties between chunks to the lower index (the earlier chunk)
-        big = 2147483647
-        isnan = (v != v) & valid
-        nan_i = tl.min(tl.where(isnan, i, big), axis=0)
-        clean = tl.where(valid & ~isnan, v, float("-inf"))
-        m = tl.max(clean, axis=0)
-        m_i = tl.min(tl.where(valid & ~isnan & (clean == m), i, big), axis=0)
-        has_nan = nan_i < big
-        token = tl.where(has_nan, nan_i, m_i)
-        finite = ~has_nan & (tl.abs(m) < float("inf"))
+        # the chunks' bests by the same rule (chunks are in index order: a tie goes to the earlier one)
+        best, token, has_nan = _tile_best(v, i, valid)
+        finite = ~has_nan & (tl.abs(best) < float("inf"))
         tl.store(token_ptr + row, token.to(tl.int64))
         tl.store(finite_ptr + row, finite.to(tl.int8))
 
