@@ -137,6 +137,10 @@ TENSORWISE_MAX_ROWS = 64
 _tensorwise_probed: dict[torch.device, bool] = {}
 
 
+# an activation scheme as the Triton FP8 kernels' ACT / quantize argument
+_ACT_CODES = {None: triton_fp8.ACT_NONE, STATIC: triton_fp8.ACT_STATIC, DYNAMIC: triton_fp8.ACT_DYNAMIC}
+
+
 def gemv_max_rows() -> int:
     """The most tokens a step may have for its FP8 projections to run on triton_fp8.fp8_gemv (one launch, the
     rows quantized inside it): 1 by default (measured on an H100, 2026-12-06, 8B shape in FP8 per-channel /
@@ -278,9 +282,8 @@ class Fp8Linear(nn.Module):
     def forward_small_m(self, x: torch.Tensor) -> torch.Tensor:
         """A decode-sized step [..., in] on the one-launch Triton kernel (see the class docs)."""
         shape = x.shape
-        act = {None: triton_fp8.ACT_NONE, STATIC: triton_fp8.ACT_STATIC, DYNAMIC: triton_fp8.ACT_DYNAMIC}
         out = triton_fp8.fp8_small_m_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale,
-                                            act[self.activation], self.input_scale, self.bias)
+                                            _ACT_CODES[self.activation], self.input_scale, self.bias)
         return out.reshape(*shape[:-1], self.out_features)
 
     def forward_gemv(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,9 +291,8 @@ class Fp8Linear(nn.Module):
         rounded to e4m3 inside it as quantize_rows would (unless weight-only) (HYBRID_FP8_DECODE_GEMM=gemv)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()
-        act = {None: triton_fp8.ACT_NONE, STATIC: triton_fp8.ACT_STATIC, DYNAMIC: triton_fp8.ACT_DYNAMIC}
-        out = triton_fp8.fp8_gemv(x2, None, self.weight, self.weight_scale, self.bias, quantize=act[self.activation],
-                                  input_scale=self.input_scale, out_dtype=x.dtype)
+        out = triton_fp8.fp8_gemv(x2, None, self.weight, self.weight_scale, self.bias,
+                                  quantize=_ACT_CODES[self.activation], input_scale=self.input_scale, out_dtype=x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
