@@ -264,6 +264,16 @@ if [[ $what == combined ]]; then
     cp /tmp/moe_out/moe_benchmark.md "$OUT/" 2>/dev/null || true  # (at most 8 files come back: the rest stays)
   fi
 fi
+# hit-check  a short call: the greedy launches' GPU tests (<= 60 s), bench_prefix_cache.py (the hit with varlen
+#            snapshots, <= 120 s), then the snapshot GPU tests in what is left of ${HIT_CHECK_LIMIT:-240} s
+if [[ $what == hit-check ]]; then
+  start=$SECONDS
+  gpu_pytest 60 gpu_tests_greedy.log tests/gpu/test_sampler_gpu.py -k greedy
+  timeout 120 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache_varlen.json" 2>&1 \
+      | tee "$OUT/prefix_cache_varlen.log" | grep -E "steps|turn|rror" || rc=1
+  left=$(( ${HIT_CHECK_LIMIT:-240} - (SECONDS - start) ))
+  if (( left > 20 )); then gpu_pytest $left gpu_tests_snapshots.log tests/gpu/test_kernels.py -k snapshots; fi
+fi
 # prefix-profile  the selected GPU tests of .devkit/sel.txt (if any, at most 150 s), then bench_prefix_cache.py with
 #            one more hit under torch.profiler (host ops and kernels: tables in the log, chrome trace in $OUT)
 if [[ $what == prefix-profile ]]; then
