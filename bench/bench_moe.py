@@ -444,6 +444,8 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "triton_decode_attention_ab": ("triton_attention", {"HYBRID_DECODE_ATTENTION": "triton"},
                                    "decode attention on the Triton paged kernel, split KV (HYBRID_DECODE_ATTENTION=triton; "
                                    "default: XQA)"),
+    "in_proj_conv_rows_ab": ("in_proj_conv_4_rows", {"HYBRID_IN_PROJ_CONV_MAX_ROWS": "4"},
+                             "in_proj + conv in one launch only for steps of up to 4 tokens (HYBRID_IN_PROJ_CONV_MAX_ROWS=4)"),
     "greedy_ab": ("torch_argmax", {"HYBRID_TRITON_GREEDY": "0"},
                   "the greedy tokens by torch's argmax (HYBRID_TRITON_GREEDY=0; default: hybrid/ops/triton_greedy.py)"),
 }

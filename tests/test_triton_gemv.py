@@ -383,3 +383,13 @@ def test_decode_fusions_only_for_plain_projections(monkeypatch):
         monkeypatch.delenv("HYBRID_DECODE_IN_PROJ_CONV")
         monkeypatch.delenv("HYBRID_DECODE_GATED_OUT_PROJ")
         triton_guard.reset_switches()
+
+
+def test_in_proj_conv_rows_setting(monkeypatch):
+    """in_proj_conv takes decode steps of up to MAX_ROWS tokens, or HYBRID_IN_PROJ_CONV_MAX_ROWS (its A/B)."""
+    from hybrid.ops.triton_gemv import in_proj_conv_max_rows
+
+    monkeypatch.delenv("HYBRID_IN_PROJ_CONV_MAX_ROWS", raising=False)
+    assert in_proj_conv_max_rows() == MAX_ROWS
+    monkeypatch.setenv("HYBRID_IN_PROJ_CONV_MAX_ROWS", "4")
+    assert in_proj_conv_max_rows() == 4

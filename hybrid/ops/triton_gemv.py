@@ -27,6 +27,8 @@ norm stays its own launch. CPU tests run them through Triton's interpreter (test
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, switch, tl, triton
@@ -40,6 +42,14 @@ MAX_GATE_PARTS = 1024  # gated_out_proj's register tile of sums of squares: MAX_
 # the model +4.5%), and lost at batch 8 on Nemotron-3-Nano's 55 MB (22.1 vs 20.0 us) and the 8B's 152 MB
 # (51.4 vs 45.8 us), where cuBLAS streams the weight faster than this kernel.
 IN_PROJ_CONV_MAX_BYTES = 32 << 20
+
+
+def in_proj_conv_max_rows() -> int:
+    """The most tokens a decode step may have for in_proj_conv: MAX_ROWS, or HYBRID_IN_PROJ_CONV_MAX_ROWS (an A/B:
+    alone, on the H200 and on an H100, in_proj_conv ties cuBLAS + the conv launch at one row and loses by 1.3-1.6 us
+    at 8 on Granite-4.0-H-Tiny's in_proj, where the model A/B at 8 was within noise; bench_moe.py
+    --in-proj-conv-rows-ab times 4). Read at each call: a captured graph keeps what its capture read."""
+    return int(os.environ.get("HYBRID_IN_PROJ_CONV_MAX_ROWS", MAX_ROWS))
 PREFETCH_ELEMENTS = 16384  # the slab's first BLOCK_N x PRE_K weights (32 KB in bf16) load before the wait
 
 if HAS_TRITON:
