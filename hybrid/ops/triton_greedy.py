@@ -54,8 +54,9 @@ if HAS_TRITON:
         pdl_wait(PDL)
         start = c * chunk
         end = tl.minimum(start + chunk, V)
+        # the chunk's first element is the best until a later one beats it (so a chunk of -infs gives its first)
         best_v = tl.full((), float("-inf"), tl.float32)
-        best_i = tl.full((), 2147483647, tl.int32)
+        best_i = tl.full((), 0, tl.int32) + start
         best_nan = tl.full((), 0, tl.int1)
         for k0 in range(start, end, BLOCK):
             idx = k0 + offs
@@ -63,8 +64,6 @@ if HAS_TRITON:
             x = tl.load(x_ptr + row * s_xr + idx, mask=valid, other=float("-inf")).to(tl.float32)
             v, i, nan = _tile_best(x, idx, valid)
             best_v, best_i, best_nan = _better(v, i, nan, best_v, best_i, best_nan)
-        # the chunk's first element is a candidate even when every value is -inf (v > best_v never held)
-        best_i = tl.where(best_i == 2147483647, start, best_i)
         tl.store(val_ptr + row * num_chunks + c, best_v)
         tl.store(idx_ptr + row * num_chunks + c, best_i)
 
