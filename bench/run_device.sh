@@ -226,24 +226,6 @@ if [[ $what == prefix-varlen ]]; then
   HYBRID_VARLEN_PREFILL=0 timeout 180 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache_rows.json" 2>&1 \
       | tee "$OUT/prefix_cache_rows.log" | grep -E "steps|turn|rror" || rc=1
 fi
-# greedy-fp8  the GPU tests of the greedy launches (hybrid/ops/triton_greedy.py), of fp8_gemv quantizing its rows
-#            itself and of decode attention on the Triton split-KV kernel (<= 120 s); Granite-Tiny decode at batch 1 / 8
-#            (graphs) with torch's argmax (--greedy-ab) and with HYBRID_DECODE_ATTENTION=triton against the default,
-#            with the kernel profile (<= 220 s); then the FP8 8B shape's decode at batch 1 / 8 / 64 with the default
-#            and with HYBRID_FP8_DECODE_GEMM=gemv (<= 110 s each)
-if [[ $what == greedy-fp8 ]]; then
-  gpu_pytest 120 gpu_tests_greedy_fp8.log tests/gpu/test_sampler_gpu.py tests/gpu/test_fp8_gpu.py \
-      tests/gpu/test_triton_prefill_attention_gpu.py -k "greedy or quantizing or decode_sized or switches or where_xqa"
-  timeout 220 python3 bench/bench_moe.py --shapes granite-tiny --batches 1 8 --gen-batches 1 --no-peer --no-eager \
-      --greedy-ab --triton-decode-attention-ab --profile --out "$OUT" --time-budget 210 2>&1 \
-      | tee "$OUT/bench_moe_greedy.log" \
-      | grep -E "decode \{|tok_s|rror" | cut -c1-300 || rc=1
-  for gemm in scaled_mm gemv; do
-    HYBRID_FP8_DECODE_GEMM=$gemm timeout 110 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 \
-        --fp8 pcpt --batches 1 8 64 --json "$OUT/decode_fp8_$gemm.json" 2>&1 | tee "$OUT/decode_fp8_$gemm.log" \
-        | grep -v Warn | grep -E "batch|tok/s|Error|error" | tail -8 || rc=1
-  done
-fi
 # combined  one call for this session's unmeasured work, each step in what is left of ${COMBINED_LIMIT:-560} s: the
 #            GPU tests of snapshots inside varlen prefill rows, the greedy launches, fp8_gemv quantizing its rows and
 #            decode attention on the Triton split-KV kernel (<= 200 s); bench_prefix_cache.py (the hit's step, varlen
