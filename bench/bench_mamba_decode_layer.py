@@ -92,13 +92,14 @@ def chains(layer: Layer, h: torch.Tensor, slots: torch.Tensor) -> dict:
                                             z.reshape(x.shape))
     normed = triton_norm.gated_rms_norm(y2, z, L.norm_w, eps, groups)
 
-    def chain(fuse_conv: bool, out: str):
+    def chain(fuse_conv: bool, out: str, preload: bool = False):
         """One layer's decode: in_proj on cuBLAS then the conv, or in_proj_conv (fuse_conv); then the SSM update
         and `out`: "cublas" / "triton" (the gated norm, then out_proj on cuBLAS / the Triton linear) or "gated"
-        (the sums of squares in the SSM update, the norm inside out_proj)."""
+        (the sums of squares in the SSM update, the norm inside out_proj). `preload`: in_proj_conv and the Triton
+        out_proj on the preloading kernels."""
         if fuse_conv:
             z_, xbc_, dt_ = split_in(m, triton_gemv.in_proj_conv(h, L.w_in, None, L.conv_state, L.conv_w, L.conv_b,
-                                                                 slots, inner))
+                                                                 slots, inner, preload=preload))
         else:
             z_, xBC_, dt_ = split_in(m, F.linear(h, L.w_in))
             xbc_ = tm.conv_state_update(xBC_, L.conv_state, L.conv_w, L.conv_b, slots)
@@ -109,7 +110,30 @@ def chains(layer: Layer, h: torch.Tensor, slots: torch.Tensor) -> dict:
             return triton_gemv.gated_out_proj(y_.reshape(b, inner), z_, L.norm_w, eps, groups, sq_, L.w_out)
         y_ = tm.selective_state_update(L.ssm_state, x_, dt_, L.A, B_, C_, L.D, L.dt_bias, slots)
         normed_ = triton_norm.gated_rms_norm(y_.reshape(b, inner), z_, L.norm_w, eps, groups)
-        return F.linear(normed_, L.w_out) if out == "cublas" else triton_gemv.small_m_linear(normed_, L.w_out)
+        if out == "cublas":
+            return F.linear(normed_, L.w_out)
+        return triton_gemv.small_m_linear(normed_, L.w_out, preload=preload)
+
+    # the preloading kernels (HYBRID_GEMV_PRELOAD), for steps of up to PRELOAD_MAX_ROWS tokens: the default tile
+    # and half / twice its weights a program, at 4 and 8 warps
+    preload = {}
+    if b <= triton_gemv.PRELOAD_MAX_ROWS:
+        for elements in (8192, 16384, 32768):
+            for warps in (4, 8):
+                tag = f"{elements // 1024}K weights {warps} warps"
+                bn_in = triton_gemv.preload_block_n(L.w_in.shape[1], elements)
+                bn_out = triton_gemv.preload_block_n(L.w_out.shape[1], elements)
+                preload[f"in_proj preload {tag}"] = (
+                    lambda bn=bn_in, w=warps: triton_gemv.small_m_linear(h, L.w_in, block_n=bn, num_warps=w,
+                                                                         preload=True))
+                preload[f"in_proj_conv preload {tag}"] = (
+                    lambda bn=bn_in, w=warps: triton_gemv.in_proj_conv(h, L.w_in, None, L.conv_state, L.conv_w,
+                                                                       L.conv_b, slots, inner, block_n=bn,
+                                                                       num_warps=w, preload=True))
+                preload[f"out_proj preload {tag}"] = (
+                    lambda bn=bn_out, w=warps: triton_gemv.small_m_linear(normed, L.w_out, block_n=bn, num_warps=w,
+                                                                          preload=True))
+        preload["chain preload (in_proj_conv, out_proj)"] = lambda: chain(True, "triton", preload=True)
 
     return {
         "in_proj cuBLAS": lambda: F.linear(h, L.w_in),
@@ -132,13 +156,14 @@ def chains(layer: Layer, h: torch.Tensor, slots: torch.Tensor) -> dict:
         "chain in_proj_conv": lambda: chain(True, "cublas"),
         "chain default (in_proj_conv, out_proj small_m_linear)": lambda: chain(True, "triton"),
         "chain gated_out_proj": lambda: chain(False, "gated"),
+        **preload,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--layers", type=int, default=0, help="layers cycled over (default: enough for ~400 MB)")
     ap.add_argument("--ssm-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--json")

@@ -246,6 +246,23 @@ if [[ $what == combined ]]; then
     cp /tmp/moe_out/moe_benchmark.md "$OUT/" 2>/dev/null || true  # (at most 8 files come back: the rest stays)
   fi
 fi
+# preload   the preloading decode linear (HYBRID_GEMV_PRELOAD): its GPU tests and the engine with each setting (<= 150 s),
+#           one Mamba layer op by op with its tiles (bench_mamba_decode_layer.py, batch 1 and 4, <= 120 s), then
+#           Granite-Tiny decode at batch 1 and 8 with HYBRID_GEMV_PRELOAD=1 and =all against the default, recaptured
+#           in one process (the rest of ${PRELOAD_LIMIT:-550} s)
+if [[ $what == preload ]]; then
+  start=$SECONDS
+  gpu_pytest 150 gpu_tests_preload.log tests/gpu/test_triton_fused_ops_gpu.py -k "preload"
+  timeout 120 python3 bench/bench_mamba_decode_layer.py --batches 1 4 --json "$OUT/mamba_decode_layer_preload.json" 2>&1 \
+      | tee "$OUT/mamba_decode_layer_preload.log" | grep -E "batch|rror" | cut -c1-3000 || rc=1
+  left=$(( ${PRELOAD_LIMIT:-550} - (SECONDS - start) ))
+  if (( left > 60 )); then
+    timeout $left python3 bench/bench_moe.py --shapes ${PRELOAD_SHAPES:-granite-tiny} --batches 1 8 --gen-batches 1 \
+        --no-peer --no-eager --gemv-preload-ab --gemv-preload-all-ab --out /tmp/moe_out --time-budget $((left - 10)) 2>&1 \
+        | tee "$OUT/bench_moe_preload.log" | grep -E "decode \{|tok_s|rror" | cut -c1-300 || rc=1
+    cp /tmp/moe_out/moe_benchmark.md "$OUT/" 2>/dev/null || true
+  fi
+fi
 # hit-check  a short call: the greedy launches' GPU tests (<= 60 s), bench_prefix_cache.py (the hit with varlen
 #            snapshots, <= 120 s), then the snapshot GPU tests in what is left of ${HIT_CHECK_LIMIT:-240} s
 if [[ $what == hit-check ]]; then

@@ -29,7 +29,8 @@ class Linear(nn.Module):
         self.role = role  # e.g. "mamba.in_proj": what the projection is in its layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.fused and (switch("decode_linear") or decode_linear_plain(self.role))
+        if (self.fused and (switch("decode_linear") or decode_linear_plain(self.role)
+                            or triton_gemv.preload_everywhere(x.shape[0]))
                 and triton_gemv.eligible(x, self.weight)):
             return triton_gemv.small_m_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

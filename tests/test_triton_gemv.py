@@ -393,3 +393,97 @@ def test_in_proj_conv_rows_setting(monkeypatch):
     assert in_proj_conv_max_rows() == MAX_ROWS
     monkeypatch.setenv("HYBRID_IN_PROJ_CONV_MAX_ROWS", "4")
     assert in_proj_conv_max_rows() == 4
+
+
+def test_k_pieces_and_preload_tiles():
+    """K as the preloading kernels hold it (two powers of two, a third rounded up), and their columns a program."""
+    from hybrid.ops.triton_gemv import PRELOAD_ELEMENTS, k_pieces, preload_block_n
+
+    assert k_pieces(4096) == (4096, 0, 0)
+    assert k_pieces(3072) == (2048, 1024, 0)
+    assert k_pieces(2688) == (2048, 512, 128)
+    assert k_pieces(1600) == (1024, 512, 64)  # 64 columns, of which 64 real
+    assert k_pieces(1601) == (1024, 512, 128)  # 65 real of 128
+    assert k_pieces(1) == (1, 0, 0)
+    for K in (1, 7, 33, 100, 1536, 1600, 1601, 2688, 3072, 21504):
+        k1, k2, k3 = k_pieces(K)
+        assert k1 + k2 <= K <= k1 + k2 + k3 or (k3 == 0 and k1 + k2 == K)
+        assert k3 == 0 or k3 < 2 * (K - k1 - k2)
+        bn = preload_block_n(K)
+        assert bn == 1 or bn * (k1 + k2 + k3) <= PRELOAD_ELEMENTS
+        assert bn == 64 or 2 * bn * (k1 + k2 + k3) > PRELOAD_ELEMENTS
+    assert (preload_block_n(1536), preload_block_n(3072), preload_block_n(8192)) == (8, 4, 2)
+    with pytest.raises(ValueError, match="k_pieces"):
+        k_pieces(0)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("n,k,block_n", [(40, 96, 8), (17, 100, 4), (64, 64, 16), (9, 33, None)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_preloading_linear_matches_torch(m, n, k, block_n, bias):
+    """The preloading kernel: K in one, two and three pieces (the last masked past K), ragged N, up to its
+    4 rows; and a row's result does not depend on the others (each row alone gives its bits)."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    got = small_m_linear(x, w, b, block_n=block_n, preload=True)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    for i in range(m):
+        assert torch.equal(small_m_linear(x[i:i + 1], w, b, block_n=block_n, preload=True), got[i:i + 1])
+
+
+def test_preloading_switch_and_its_rows(monkeypatch):
+    """HYBRID_GEMV_PRELOAD=1 sends steps of up to PRELOAD_MAX_ROWS rows to the preloading kernel (more rows keep
+    the tiled one); =all also every projection role; unset, neither. A step past its rows is refused when asked
+    for it explicitly."""
+    from hybrid.ops import triton_guard
+    from hybrid.ops.triton_gemv import PRELOAD_MAX_ROWS, preload_applies, preload_everywhere
+
+    for value, applies, everywhere in ((None, False, False), ("1", True, False), ("all", True, True)):
+        if value is None:
+            monkeypatch.delenv("HYBRID_GEMV_PRELOAD", raising=False)
+        else:
+            monkeypatch.setenv("HYBRID_GEMV_PRELOAD", value)
+        triton_guard.reset_switches()
+        assert (preload_applies(1), preload_applies(PRELOAD_MAX_ROWS)) == (applies, applies)
+        assert not preload_applies(PRELOAD_MAX_ROWS + 1) and not preload_everywhere(PRELOAD_MAX_ROWS + 1)
+        assert preload_everywhere(1) == everywhere
+    triton_guard.reset_switches()
+    with pytest.raises(ValueError, match="preloading"):
+        small_m_linear(torch.zeros(PRELOAD_MAX_ROWS + 1, 8), torch.zeros(4, 8), preload=True)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("width,bias,conv_bias", [(4, False, True), (2, True, False), (3, True, True)])
+def test_preloading_in_proj_conv_equals_linear_then_conv_update(dtype, width, bias, conv_bias):
+    """The preloading in_proj_conv = the preloading linear, then triton_mamba.conv_state_update on its conv
+    columns: the other columns bit for bit, the conv's within fp32 summation order, each slot's history bit
+    for bit (the padding row reads a zero history and stores nothing; slots of no row are untouched); and it
+    equals the tiled in_proj_conv on those histories."""
+    from hybrid.ops import triton_mamba as tm
+    from hybrid.ops.triton_gemv import in_proj_conv
+
+    g = torch.Generator().manual_seed(width * 10 + bias + 7)
+    M, K, start, C, tail, S = 4, 80, 24, 40, 7, 6  # K = 64 + 16: two pieces; blocks straddle both conv edges
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(start + C + tail, K, generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(start + C + tail, generator=g).to(dtype) if bias else None
+    cw = torch.randn(C, width, generator=g).to(dtype)
+    cb = torch.randn(C, generator=g).to(dtype) if conv_bias else None
+    state = torch.randn(S, C, width - 1, generator=g).to(dtype)
+    slots = torch.tensor([3, -1, 0, 5], dtype=torch.int32)
+    ref_state, tiled_state = state.clone(), state.clone()
+    ref = small_m_linear(x, w, b, block_n=8, preload=True)
+    ref_conv = tm.conv_state_update(ref[:, start:start + C], ref_state, cw, cb, slots)
+    got = in_proj_conv(x, w, b, state, cw, cb, slots, start, block_n=8, preload=True)
+    assert torch.equal(got[:, :start], ref[:, :start]) and torch.equal(got[:, start + C:], ref[:, start + C:])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got[:, start:start + C].float(), ref_conv.float(), **tol)
+    assert torch.equal(state, ref_state)
+    assert torch.equal(state[[1, 2, 4]], ref_state[[1, 2, 4]])
+    tiled = in_proj_conv(x, w, b, tiled_state, cw, cb, slots, start, block_n=16, block_k=32, preload=False)
+    torch.testing.assert_close(got.float(), tiled.float(), **tol)
+    torch.testing.assert_close(state.float(), tiled_state.float(), **tol)

@@ -40,6 +40,8 @@ KERNELS = {
     ("hybrid.ops.triton_gemv", "_in_proj_conv_kernel"): ("M",),  # C0, CD, the conv state's strides: the model's
     # HB (heads x head-dim blocks) and HB_G (a group's part of it): the SSM update's block count follows the batch
     ("hybrid.ops.triton_gemv", "_gated_out_proj_kernel"): ("M", "HB_G", "HB", "s_sq"),
+    ("hybrid.ops.triton_gemv", "_preload_linear_kernel"): ("M",),
+    ("hybrid.ops.triton_gemv", "_preload_in_proj_conv_kernel"): ("M",),
     ("hybrid.ops.triton_act", "_relu2_kernel"): (),
     ("hybrid.ops.triton_act", "_silu_and_mul_kernel"): (),
     # T (tokens per row): == 1 is decode's own specialisation (~40% of a bf16 decode on the H200), so
@@ -83,7 +85,8 @@ HELPERS = {
     "hybrid.ops.triton_moe_route": {"router_split", "route_token"},
     "hybrid.ops.triton_norm": {"_normalised_cols", "_normalised_row", "_plus_residual", "_added_row"},
     "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed",
-                               "_rows_times_slab", "_gated_normed_dot"},
+                               "_rows_times_slab", "_gated_normed_dot", "_slab_piece", "_preload_slab", "_piece_dot",
+                               "_preloaded_rows"},
     "hybrid.ops.triton_act": set(),
     "hybrid.ops.triton_mamba": {"_softplus", "_ext_tile", "_conv_window_out"},
     "hybrid.ops.triton_mamba_varlen": {"_history_columns"},

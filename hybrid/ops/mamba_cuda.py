@@ -176,7 +176,8 @@ class MambaCudaKernels:
         fuse_conv = (switch("decode_in_proj_conv") and type(proj_in) is Linear and proj_in.fused
                      and triton_gemv.eligible(hidden, proj_in.weight)
                      and hidden.shape[0] <= triton_gemv.in_proj_conv_max_rows()
-                     and proj_in.weight.numel() * proj_in.weight.element_size() <= triton_gemv.IN_PROJ_CONV_MAX_BYTES)
+                     and (proj_in.weight.numel() * proj_in.weight.element_size() <= triton_gemv.IN_PROJ_CONV_MAX_BYTES
+                          or triton_gemv.preload_everywhere(hidden.shape[0])))
         # (exactly Linear: tensor parallelism's RowParallelLinear all-reduces in its forward, which this skips)
         fuse_out = (switch("decode_gated_out_proj") and type(proj_out) is Linear and proj_out.fused and mixer.fused
                     and cfg.gate == GATE_THEN_NORM and mixer.norm_stats is None

@@ -51,6 +51,46 @@ def in_proj_conv_max_rows() -> int:
     --in-proj-conv-rows-ab times 4). Read at each call: a captured graph keeps what its capture read."""
     return int(os.environ.get("HYBRID_IN_PROJ_CONV_MAX_ROWS", MAX_ROWS))
 PREFETCH_ELEMENTS = 16384  # the slab's first BLOCK_N x PRE_K weights (32 KB in bf16) load before the wait
+# The preloading variant (steps of at most PRELOAD_MAX_ROWS tokens, "gemv_preload" switch): a program's whole
+# slab, about PRELOAD_ELEMENTS weights (32 KB in bf16, 64 registers a thread at 4 warps), is asked for before
+# the PDL wait and held in registers; the rows are dot products on CUDA cores (no tensor-core tile of 16 rows).
+PRELOAD_MAX_ROWS = 4
+PRELOAD_ELEMENTS = 16384
+
+
+def preload_applies(rows: int) -> bool:
+    """Whether a decode projection of `rows` tokens on this module's kernels takes the preloading ones
+    (HYBRID_GEMV_PRELOAD=1 or all)."""
+    return rows <= PRELOAD_MAX_ROWS and (switch("gemv_preload") or switch("gemv_preload_all"))
+
+
+def preload_everywhere(rows: int) -> bool:
+    """Whether every 16-bit projection of a step of `rows` tokens (and each Mamba in_proj with its conv, of any
+    size) goes to the preloading kernels (HYBRID_GEMV_PRELOAD=all)."""
+    return rows <= PRELOAD_MAX_ROWS and switch("gemv_preload_all")
+
+
+def k_pieces(K: int) -> tuple[int, int, int]:
+    """K as the preloading kernels hold it: two powers of two (the largest that fit) and a third rounded up
+    (masked past K), e.g. 3072 = 2048 + 1024, 2688 = 2048 + 512 + 128, 1600 -> 1024 + 512 + 64 (of which 64)."""
+    if K < 1:
+        raise ValueError(f"k_pieces: K = {K}")
+    k1 = 1 << (K.bit_length() - 1)
+    rest = K - k1
+    k2 = 1 << (rest.bit_length() - 1) if rest else 0
+    rest -= k2
+    k3 = 1 << (rest - 1).bit_length() if rest else 0
+    return k1, k2, k3
+
+
+def preload_block_n(K: int, elements: int = PRELOAD_ELEMENTS) -> int:
+    """Output columns a preloading program takes: the largest power of two (1 to 64) whose slab of
+    k_pieces(K) columns holds at most `elements` weights (at least one column)."""
+    width = sum(k_pieces(K))
+    block_n = 1
+    while block_n < 64 and 2 * block_n * width <= elements:
+        block_n *= 2
+    return block_n
 
 if HAS_TRITON:
     from hybrid.ops.triton_guard import pdl_wait
@@ -156,6 +196,118 @@ if HAS_TRITON:
         out = tl.where(is_conv[None, :], conv.to(y_ptr.dtype.element_ty), v)
         tl.store(y_ptr + offs_m[:, None] * s_ym + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
 
+    # ---- the preloading variant (decode steps of at most PRELOAD_MAX_ROWS tokens: see preload_applies) ----
+
+    @triton.jit
+    def _slab_piece(w_rows, k0, K, mask_n, KP: tl.constexpr):
+        """[BLOCK_N, KP] of the weight slab from column k0 (evict-first: streamed once)."""
+        offs_k = k0 + tl.arange(0, KP)
+        return tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0,
+                       eviction_policy="evict_first")
+
+    @triton.jit
+    def _preload_slab(w_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
+                      K3: tl.constexpr):
+        """This program's whole weight slab, [BLOCK_N, K] as up to three power-of-two pieces of K1, K2, K3
+        columns (K2, K3 may be 0: then the piece is K1's again, unused), loads issued at once."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
+        w1 = _slab_piece(w_rows, 0, K, mask_n, K1)
+        w2 = w1
+        w3 = w1
+        if K2 > 0:
+            w2 = _slab_piece(w_rows, K1, K, mask_n, K2)
+        if K3 > 0:
+            w3 = _slab_piece(w_rows, K1 + K2, K, mask_n, K3)
+        return offs_n, mask_n, w1, w2, w3
+
+    @triton.jit
+    def _piece_dot(x_row, w, k0, K, KP: tl.constexpr):
+        """fp32 [BLOCK_N]: one row of x at columns [k0, k0 + KP) against a slab piece."""
+        offs_k = k0 + tl.arange(0, KP)
+        x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+
+    @triton.jit
+    def _preloaded_rows(x_ptr, s_xm, M, K, w1, w2, w3, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr):
+        """fp32 [ROWS, BLOCK_N]: rows m < M of x against the preloaded slab (each row's sum in a fixed order:
+        piece by piece, each a tree over its columns; rows past M are zero)."""
+        offs_m = tl.arange(0, ROWS)
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for m in tl.static_range(ROWS):
+            if m < M:
+                x_row = x_ptr + m * s_xm
+                r = _piece_dot(x_row, w1, 0, K, K1)
+                if K2 > 0:
+                    r += _piece_dot(x_row, w2, K1, K, K2)
+                if K3 > 0:
+                    r += _piece_dot(x_row, w3, K1 + K2, K, K3)
+                acc = tl.where(offs_m[:, None] == m, r[None, :], acc)
+        return acc
+
+    @triton.jit(do_not_specialize=["M"])
+    def _preload_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.constexpr,
+                               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
+                               K3: tl.constexpr, PDL: tl.constexpr):
+        # the whole weight slab is asked for before the PDL wait (no kernel writes weights): the stream
+        # starts while the previous kernel runs, and after the wait only x (a few KB, from L2) is read
+        offs_n, mask_n, w1, w2, w3 = _preload_slab(w_ptr, N, K, s_wn, BLOCK_N, K1, K2, K3)
+        pdl_wait(PDL)
+        acc = _preloaded_rows(x_ptr, s_xm, M, K, w1, w2, w3, ROWS, BLOCK_N, K1, K2, K3)
+        offs_m = tl.arange(0, ROWS)
+        _store_rows(acc, bias_ptr, y_ptr, offs_m, offs_n, offs_m < M, mask_n, s_ym, HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _preload_in_proj_conv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cs_ptr, cw_ptr, cb_ptr, idx_ptr, M, N, K, C0,
+                                     CD, s_xm, s_wn, s_ym, s_cs_slot, s_cs_c, s_cs_k, s_cw_c,
+                                     HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KW: tl.constexpr,
+                                     KWP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                     K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
+        # _in_proj_conv_kernel's work with _preload_linear_kernel's slab: before the wait also the slots'
+        # histories (a layer's conv state is written only by this layer's own kernels: not by the kernel
+        # before), the conv weights and the biases; after it, x, then the stores
+        offs_n, mask_n, w1, w2, w3 = _preload_slab(w_ptr, N, K, s_wn, BLOCK_N, K1, K2, K3)
+        offs_m = tl.arange(0, ROWS)
+        mask_m = offs_m < M
+        is_conv = mask_n & (offs_n >= C0) & (offs_n < C0 + CD)
+        c = tl.where(is_conv, offs_n - C0, 0)
+        taps = tl.arange(0, KWP)
+        slot = tl.load(idx_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+        live = (mask_m & (slot >= 0))[:, None] & is_conv[None, :]
+        hist_ptrs = (cs_ptr + tl.maximum(slot, 0)[:, None, None] * s_cs_slot + c[None, :, None] * s_cs_c
+                     + taps[None, None, :] * s_cs_k)
+        hist = tl.load(hist_ptrs, mask=live[:, :, None] & (taps < KW - 1)[None, None, :], other=0.0)
+        cw = tl.load(cw_ptr + c[:, None] * s_cw_c + taps[None, :], mask=is_conv[:, None] & (taps < KW)[None, :],
+                     other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if HAS_CONV_BIAS:
+            conv_bias = tl.load(cb_ptr + c, mask=is_conv, other=0.0).to(tl.float32)
+        pdl_wait(PDL)
+        acc = _preloaded_rows(x_ptr, s_xm, M, K, w1, w2, w3, ROWS, BLOCK_N, K1, K2, K3)
+        if HAS_BIAS:
+            acc += bias[None, :]
+        v = acc.to(y_ptr.dtype.element_ty)  # the in_proj output, as the unfused projection stores it
+        # the window [history 0 .. KW-2, this token], summed in that order (as _in_proj_conv_kernel does);
+        # a tap is taken out of its tile by a masked sum of zeros and itself: exact
+        conv = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for k in tl.static_range(KW - 1):
+            h_k = tl.sum(tl.where(taps[None, None, :] == k, hist.to(tl.float32), 0.0), axis=2)
+            conv += h_k * tl.sum(tl.where(taps[None, :] == k, cw, 0.0), axis=1)[None, :]
+        conv += v.to(tl.float32) * tl.sum(tl.where(taps[None, :] == KW - 1, cw, 0.0), axis=1)[None, :]
+        # the history advances by this token: tap k takes tap k + 1 (all read before the wait), the last v
+        tl.store(hist_ptrs - s_cs_k, hist,
+                 mask=live[:, :, None] & ((taps >= 1) & (taps < KW - 1))[None, None, :])
+        tl.store(cs_ptr + tl.maximum(slot, 0)[:, None] * s_cs_slot + c[None, :] * s_cs_c + (KW - 2) * s_cs_k,
+                 v.to(cs_ptr.dtype.element_ty), mask=live)
+        if HAS_CONV_BIAS:
+            conv += conv_bias[None, :]
+        conv = conv / (1.0 + tl.exp(-conv))
+        out = tl.where(is_conv[None, :], conv.to(y_ptr.dtype.element_ty), v)
+        tl.store(y_ptr + offs_m[:, None] * s_ym + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
+
     @triton.jit
     def _gated_rows(y_ptr, z_ptr, offs_m, offs_k, mask_m, mask_k, s_y, s_z):
         """h = y * silu(z) in fp32 for rows offs_m, columns offs_k (triton_norm's gated norm's h)."""
@@ -244,21 +396,36 @@ def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    out: torch.Tensor | None = None, block_n: int | None = None, block_k: int = 256,
-                   num_warps: int = 4, num_stages: int = 4, pre_k: int | None = None) -> torch.Tensor:
+                   num_warps: int = 4, num_stages: int = 4, pre_k: int | None = None,
+                   preload: bool | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, last dim contiguous) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype.
-    `block_n`: output columns a program (default: default_block_n). `pre_k`: the columns each program loads
-    before the PDL wait (a power of two; default: up to PREFETCH_ELEMENTS weights a program, at least block_k)."""
+    `block_n`: output columns a program (default: default_block_n, or preload_block_n when preloading).
+    `pre_k`: the columns each program loads before the PDL wait (a power of two; default: up to
+    PREFETCH_ELEMENTS weights a program, at least block_k). `preload` (default: preload_applies(M)): the
+    preloading kernel, whole slab before the wait (M <= PRELOAD_MAX_ROWS)."""
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]
-    if block_n is None:
-        block_n = default_block_n(N, x.device)
-    if M > MAX_ROWS:
-        raise ValueError(f"small_m_linear takes at most {MAX_ROWS} rows, got {M}")
+    if preload is None:
+        preload = preload_applies(M)
+    if M > (PRELOAD_MAX_ROWS if preload else MAX_ROWS):
+        raise ValueError(f"small_m_linear takes at most {PRELOAD_MAX_ROWS if preload else MAX_ROWS} rows "
+                         f"{'preloading' if preload else ''}, got {M}")
     if weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"shapes/strides: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} {weight.stride()}")
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if preload:
+        block_n = block_n or preload_block_n(K)
+        k1, k2, k3 = k_pieces(K)
+        _preload_linear_kernel[(cdiv(N, block_n),)](
+            x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
+            out.stride(0), HAS_BIAS=bias is not None, ROWS=PRELOAD_MAX_ROWS, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3,
+            num_warps=num_warps, **pdl_options(x.device),
+        )
+        return out
+    if block_n is None:
+        block_n = default_block_n(N, x.device)
     if pre_k is None:
         pre_k = min(triton.next_power_of_2(K), max(block_k, PREFETCH_ELEMENTS // block_n))
     _small_m_linear_kernel[(cdiv(N, block_n),)](
@@ -281,20 +448,24 @@ def default_block_n(N: int, device: torch.device) -> int:
 
 def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                  conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, state_indices: torch.Tensor,
-                 conv_start: int, *, block_n: int = 32, block_k: int = 256, num_warps: int = 4,
-                 num_stages: int = 4) -> torch.Tensor:
+                 conv_start: int, *, block_n: int | None = None, block_k: int = 256, num_warps: int = 4,
+                 num_stages: int = 4, preload: bool | None = None) -> torch.Tensor:
     """A Mamba decode step's in_proj and causal conv in one launch: x [M, K] (one token a row, M <= MAX_ROWS)
     @ weight [N, K].T (+ bias), then columns [conv_start, conv_start + C) (C = conv_weight's channels) replaced
     by the depthwise causal conv of [slot history | this token] with conv_weight [C, W] (+ conv_bias) and silu,
     and each live row's slot history (conv_state [S, C, W-1]) advanced by its token, as
     triton_mamba.conv_state_update does on small_m_linear's output. Rows with state_indices < 0 (padding) see
     a zero history and store nothing. Returns [M, N] in x's dtype. Summation order: the conv's taps in window
-    order, then the bias (the unfused kernel sums the window as one reduction: equal up to fp32 rounding)."""
+    order, then the bias (the unfused kernel sums the window as one reduction: equal up to fp32 rounding).
+    `preload` (default: preload_applies(M)): the projection as small_m_linear's preloading kernel does it, the
+    histories, conv weights and biases also read before the PDL wait; `block_n` defaults to its kernel's."""
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]
     C, W = conv_weight.shape
-    if M > MAX_ROWS or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
+    if preload is None:
+        preload = preload_applies(M)
+    if M > (PRELOAD_MAX_ROWS if preload else MAX_ROWS) or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"in_proj_conv: x {tuple(x.shape)} {x.stride()}, "
                          f"weight {tuple(weight.shape)} {weight.stride()}")
     if (W < 2 or conv_state.shape[1:] != (C, W - 1) or not 0 <= conv_start <= N - C or state_indices.shape != (M,)
@@ -302,6 +473,19 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"in_proj_conv: conv_state {tuple(conv_state.shape)}, conv_weight {tuple(conv_weight.shape)}, "
                          f"conv_start {conv_start} of {N} columns, state_indices {tuple(state_indices.shape)}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if preload:
+        block_n = block_n or preload_block_n(K)
+        k1, k2, k3 = k_pieces(K)
+        _preload_in_proj_conv_kernel[(cdiv(N, block_n),)](
+            x, weight, bias if bias is not None else weight, out, conv_state, conv_weight,
+            conv_bias if conv_bias is not None else conv_weight, state_indices, M, N, K, conv_start, C,
+            x.stride(0), weight.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
+            conv_state.stride(2), conv_weight.stride(0), HAS_BIAS=bias is not None,
+            HAS_CONV_BIAS=conv_bias is not None, KW=W, KWP=triton.next_power_of_2(W), ROWS=PRELOAD_MAX_ROWS,
+            BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=num_warps, **pdl_options(x.device),
+        )
+        return out
+    block_n = block_n or 32
     pre_k = min(triton.next_power_of_2(K), max(block_k, PREFETCH_ELEMENTS // block_n))
     _in_proj_conv_kernel[(cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, out, conv_state, conv_weight,

@@ -62,6 +62,11 @@ again: benchmarks comparing both):
 - "triton_greedy" (on by default; HYBRID_TRITON_GREEDY=0 turns it off): a step's greedy tokens (each logits row's
   argmax and its finite flag) in two small launches (hybrid/ops/triton_greedy.py) rather than torch's argmax,
   one ~22 us kernel for a long row; the same tokens.
+- "gemv_preload" (HYBRID_GEMV_PRELOAD=1): decode steps of up to 4 tokens on the Triton linear's preloading
+  kernels (triton_gemv.preload_applies): each program asks for its whole weight slab before its PDL wait, so
+  the stream starts while the previous kernel runs, and after the wait reads only x (and, in in_proj_conv, the
+  conv histories are also read before it). HYBRID_GEMV_PRELOAD=all also takes every other 16-bit projection of
+  such a step (attention, MLP, the Mamba in_proj of any size with its conv) onto them.
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) "decode_linear" loses 37-45% at batch 1 and "norm_router" is neutral.
 """
@@ -92,7 +97,8 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "bf16_logits": ("HYBRID_16BIT_LOGITS", "1"), "fp8_triton_decode": ("HYBRID_FP8_DECODE_GEMM", "triton"),
              "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
              "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1"),
-             "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1")}
+             "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1"),
+             "gemv_preload": ("HYBRID_GEMV_PRELOAD", "1"), "gemv_preload_all": ("HYBRID_GEMV_PRELOAD", "all")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS

@@ -108,6 +108,78 @@ def test_small_m_linear_real_shapes(m, n, k):
         assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("n,k", [(6448, 1536), (1536, 3072), (2688, 4096), (10304, 2688), (4096, 8192),
+                                 (4096, 21504)])  # the MoE hybrids' projections, the 8B's out_proj and down_proj
+def test_preloading_linear_real_shapes(m, n, k):
+    """The preloading linear (whole slab before the PDL wait, rows on CUDA cores) against cuBLAS in bf16, each
+    row alone bit for bit the rows together, and a chain of two replayed from a CUDA graph equal to eager, bit
+    for bit: the slab read before the wait must not let x be read early."""
+    from hybrid.ops.triton_gemv import small_m_linear
+
+    g = torch.Generator(device=DEV).manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g, device=DEV).bfloat16()
+    w1 = (torch.randn(n, k, generator=g, device=DEV) * k ** -0.5).bfloat16()
+    w2 = (torch.randn(k, n, generator=g, device=DEV) * n ** -0.5).bfloat16()
+    y = small_m_linear(x, w1, preload=True)
+    ref = torch.nn.functional.linear(x, w1)
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    for i in range(m):
+        assert torch.equal(small_m_linear(x[i:i + 1], w1, preload=True), y[i:i + 1])
+    eager = small_m_linear(small_m_linear(x, w1, preload=True), w2, preload=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = small_m_linear(small_m_linear(x, w1, preload=True), w2, preload=True)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("hidden,inner,conv_dim,nh,conv_dtype", [
+    (1536, 3072, 3328, 48, torch.bfloat16),  # Granite-4.0-H-Tiny's Mamba in_proj
+    (2688, 4096, 6144, 64, torch.float32),  # Nemotron-3-Nano's, a conv state in fp32
+    (4096, 8192, 10240, 128, torch.bfloat16)])  # the 8B's
+def test_preloading_in_proj_conv_real_dims(m, hidden, inner, conv_dim, nh, conv_dtype):
+    """The preloading in_proj_conv (slab, histories and conv weights before the PDL wait) against the
+    preloading linear then triton_mamba.conv_state_update in bf16: z and dt bit for bit, the conv columns
+    within fp32 summation order, the histories bit for bit with a padding row storing nothing; a CUDA-graph
+    replay after a kernel that writes x equal to eager (x must be read after the wait)."""
+    from hybrid.ops import triton_mamba as tm
+    from hybrid.ops.triton_gemv import in_proj_conv, small_m_linear
+
+    g = torch.Generator(device=DEV).manual_seed(m + hidden)
+    n = inner + conv_dim + nh
+    x0 = torch.randn(m, hidden, generator=g, device=DEV).bfloat16()
+    w_x = (torch.randn(hidden, hidden, generator=g, device=DEV) * hidden ** -0.5).bfloat16()
+    w = (torch.randn(n, hidden, generator=g, device=DEV) * hidden ** -0.5).bfloat16()
+    cw = (torch.randn(conv_dim, 4, generator=g, device=DEV) * 0.5).bfloat16()
+    cb = torch.randn(conv_dim, generator=g, device=DEV).bfloat16()
+    state = torch.randn(m + 2, conv_dim, 3, generator=g, device=DEV).to(conv_dtype)
+    slots = torch.randperm(m + 1, generator=g, device=DEV)[:m].int()
+    slots[m // 2] = -1  # a padding row
+    x = small_m_linear(x0, w_x, preload=True)
+    ref_state = state.clone()
+    ref = small_m_linear(x, w, preload=True)
+    ref_conv = tm.conv_state_update(ref[:, inner:inner + conv_dim], ref_state, cw, cb, slots)
+    start_state = state.clone()
+    got = in_proj_conv(x, w, None, state, cw, cb, slots, inner, preload=True)
+    assert torch.equal(got[:, :inner], ref[:, :inner]) and torch.equal(got[:, inner + conv_dim:], ref[:, inner + conv_dim:])
+    torch.testing.assert_close(got[:, inner:inner + conv_dim].float(), ref_conv.float(), atol=2e-2, rtol=1.6e-2)
+    assert torch.equal(state, ref_state)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = in_proj_conv(small_m_linear(x0, w_x, preload=True), w, None, state, cw, cb, slots, inner,
+                           preload=True)
+    state.copy_(start_state)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got) and torch.equal(state, ref_state)
+
+
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("inner,n_groups,hidden", [(3072, 1, 1536), (4096, 8, 2688), (8192, 8, 4096)])
 def test_gated_norm_linear_real_dims(m, inner, n_groups, hidden):
@@ -225,7 +297,8 @@ SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router
                "decode_fusions": {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"},
                "mamba_unfused": {"HYBRID_DECODE_IN_PROJ_CONV": "0", "HYBRID_DECODE_LINEAR": "cublas"},
                "route_in_gemm": {"HYBRID_MOE_ROUTE_IN_GEMM": "1"},
-               "moe_three_launches": {"HYBRID_NORM_ROUTER": "1", "HYBRID_MOE_ROUTE_IN_GEMM": "1"}}
+               "moe_three_launches": {"HYBRID_NORM_ROUTER": "1", "HYBRID_MOE_ROUTE_IN_GEMM": "1"},
+               "gemv_preload": {"HYBRID_GEMV_PRELOAD": "1"}, "gemv_preload_all": {"HYBRID_GEMV_PRELOAD": "all"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
