@@ -448,12 +448,12 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
                              "in_proj + conv in one launch only for steps of up to 4 tokens (HYBRID_IN_PROJ_CONV_MAX_ROWS=4)"),
     "greedy_ab": ("torch_argmax", {"HYBRID_TRITON_GREEDY": "0"},
                   "the greedy tokens by torch's argmax (HYBRID_TRITON_GREEDY=0; default: hybrid/ops/triton_greedy.py)"),
-    "gemv_preload_ab": ("gemv_preload", {"HYBRID_GEMV_PRELOAD": "1"},
-                        "in_proj_conv and the Triton out_proj on the preloading kernels for steps of up to 4 tokens "
-                        "(HYBRID_GEMV_PRELOAD=1: a program's whole weight slab asked for before its PDL wait)"),
-    "gemv_preload_all_ab": ("gemv_preload_all", {"HYBRID_GEMV_PRELOAD": "all"},
-                            "every 16-bit projection of steps of up to 4 tokens on the preloading kernels, each Mamba "
-                            "in_proj with its conv (HYBRID_GEMV_PRELOAD=all)"),
+    "gemv_preload_sites_ab": ("gemv_preload_sites", {"HYBRID_GEMV_PRELOAD": "1"},
+                              "the preloading kernels only where the Triton linear ran before them (in_proj_conv "
+                              "within its size limit, the Mamba out_proj) (HYBRID_GEMV_PRELOAD=1)"),
+    "gemv_preload_off_ab": ("gemv_preload_off", {"HYBRID_GEMV_PRELOAD": "0"},
+                            "no preloading kernels (HYBRID_GEMV_PRELOAD=0; default: every projection of a one-token "
+                            "step asks for its whole weight slab before its PDL wait)"),
 }
 
 

@@ -258,10 +258,39 @@ if [[ $what == preload ]]; then
   left=$(( ${PRELOAD_LIMIT:-550} - (SECONDS - start) ))
   if (( left > 60 )); then
     timeout $left python3 bench/bench_moe.py --shapes ${PRELOAD_SHAPES:-granite-tiny} --batches 1 8 --gen-batches 1 \
-        --no-peer --no-eager --gemv-preload-ab --gemv-preload-all-ab --out /tmp/moe_out --time-budget $((left - 10)) 2>&1 \
+        --no-peer --no-eager --gemv-preload-sites-ab --gemv-preload-off-ab --out /tmp/moe_out --time-budget $((left - 10)) 2>&1 \
         | tee "$OUT/bench_moe_preload.log" | grep -E "decode \{|tok_s|rror" | cut -c1-300 || rc=1
     cp /tmp/moe_out/moe_benchmark.md "$OUT/" 2>/dev/null || true
   fi
+fi
+# preload-default  the preloading linears as the default (one-token steps): their GPU tests, the FP8 GEMV's and the
+#           engine with each setting (<= 120 s); the two MoE shapes at batch 1, default against HYBRID_GEMV_PRELOAD=0,
+#           recaptured in one process; then the 8B shape at batch 1 in bf16, default and off, while
+#           ${PRELOAD_LIMIT:-560} s last
+if [[ $what == preload-default ]]; then
+  start=$SECONDS
+  gpu_pytest 120 gpu_tests_preload_default.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_fp8_gpu.py \
+      -k "preload or decode_sized or quantizing or captured or switches"
+  timeout 330 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 --gen-batches 1 --no-peer \
+      --no-eager --gemv-preload-off-ab --out /tmp/moe_out --time-budget 320 2>&1 \
+      | tee "$OUT/bench_moe_preload_default.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
+  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_preload_default.md" 2>/dev/null || true
+  for preload in all 0; do
+    left=$(( ${PRELOAD_LIMIT:-560} - (SECONDS - start) ))
+    if (( left > 40 )); then
+      HYBRID_GEMV_PRELOAD=$preload timeout $left python3 bench/bench_decode.py --no-eager --no-prefill --batches 1 \
+          --json "$OUT/decode_8b_preload_$preload.json" 2>&1 | grep -v Warn | grep -E "batch|tok/s|rror" | tail -4 || rc=1
+    fi
+  done
+fi
+# preload-fp8  the 8B shape in FP8 (pcpt), bf16 state, batch 1: the one-token FP8 GEMV with all of K in one tile (the
+#           default) against HYBRID_GEMV_PRELOAD=0, one process each
+if [[ $what == preload-fp8 ]]; then
+  for preload in all 0; do
+    HYBRID_GEMV_PRELOAD=$preload timeout ${FP8_LIMIT:-180} python3 bench/bench_decode.py --no-eager --no-prefill \
+        --ssm-dtype bfloat16 --fp8 pcpt --batches 1 --json "$OUT/decode_fp8_preload_$preload.json" 2>&1 \
+        | grep -v Warn | grep -E "batch|tok/s|rror" | tail -4 || rc=1
+  done
 fi
 # hit-check  a short call: the greedy launches' GPU tests (<= 60 s), bench_prefix_cache.py (the hit with varlen
 #            snapshots, <= 120 s), then the snapshot GPU tests in what is left of ${HIT_CHECK_LIMIT:-240} s

@@ -26,7 +26,7 @@ def test_matches_torch(m, n, k, block_n, block_k, bias):
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g) / k ** 0.5
     b = torch.randn(n, generator=g) if bias else None
-    got = small_m_linear(x, w, b, block_n=block_n, block_k=block_k)
+    got = small_m_linear(x, w, b, block_n=block_n, block_k=block_k, preload=False)
     want = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
     assert got.shape == (m, n) and got.dtype == x.dtype
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
@@ -61,7 +61,7 @@ def test_any_prefetched_slab(pre_k):
     g = torch.Generator().manual_seed(pre_k)
     x = torch.randn(5, 100, generator=g)
     w = torch.randn(48, 100, generator=g) / 10
-    got = small_m_linear(x, w, block_n=16, block_k=32, pre_k=pre_k)
+    got = small_m_linear(x, w, block_n=16, block_k=32, pre_k=pre_k, preload=False)
     torch.testing.assert_close(got.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-4)
 
 
@@ -125,7 +125,7 @@ def test_strided_rows_and_out_buffer():
     x = wide[:, :48]
     w = torch.randn(32, 48, generator=g)
     out = torch.full((4, 32), float("nan"))
-    assert small_m_linear(x, w, out=out, block_n=16, block_k=32) is out
+    assert small_m_linear(x, w, out=out, block_n=16, block_k=32, preload=False) is out
     torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-4)
 
 
@@ -420,9 +420,13 @@ def test_k_pieces_and_preload_tiles():
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("n,k,block_n", [(40, 96, 8), (17, 100, 4), (64, 64, 16), (9, 33, None)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_preloading_linear_matches_torch(m, n, k, block_n, bias):
-    """The preloading kernel: K in one, two and three pieces (the last masked past K), ragged N, up to its
-    4 rows; and a row's result does not depend on the others (each row alone gives its bits)."""
+def test_preloading_linear_matches_torch(m, n, k, block_n, bias, monkeypatch):
+    """The preloading kernel: K in one, two and three pieces (the last masked past K), ragged N, up to 4 rows
+    (the layers send it one; the kernel takes ROWS); and a row's result does not depend on the others (each
+    row alone gives its bits)."""
+    from hybrid.ops import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "PRELOAD_MAX_ROWS", 4)
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g) / k ** 0.5
@@ -436,36 +440,39 @@ def test_preloading_linear_matches_torch(m, n, k, block_n, bias):
 
 
 def test_preloading_switch_and_its_rows(monkeypatch):
-    """HYBRID_GEMV_PRELOAD=1 sends steps of up to PRELOAD_MAX_ROWS rows to the preloading kernel (more rows keep
-    the tiled one); =all also every projection role; unset, neither. A step past its rows is refused when asked
-    for it explicitly."""
+    """One-token steps take the preloading kernels by default, every projection (preload_everywhere);
+    HYBRID_GEMV_PRELOAD=1 keeps them to the Triton linear's own sites, =0 turns them off; a step of more rows
+    keeps the tiled kernel, and is refused when the preloading one is asked for."""
     from hybrid.ops import triton_guard
     from hybrid.ops.triton_gemv import PRELOAD_MAX_ROWS, preload_applies, preload_everywhere
 
-    for value, applies, everywhere in ((None, False, False), ("1", True, False), ("all", True, True)):
+    assert PRELOAD_MAX_ROWS == 1
+    for value, applies, everywhere in ((None, True, True), ("all", True, True), ("1", True, False),
+                                       ("0", False, False)):
         if value is None:
             monkeypatch.delenv("HYBRID_GEMV_PRELOAD", raising=False)
         else:
             monkeypatch.setenv("HYBRID_GEMV_PRELOAD", value)
         triton_guard.reset_switches()
-        assert (preload_applies(1), preload_applies(PRELOAD_MAX_ROWS)) == (applies, applies)
-        assert not preload_applies(PRELOAD_MAX_ROWS + 1) and not preload_everywhere(PRELOAD_MAX_ROWS + 1)
-        assert preload_everywhere(1) == everywhere
+        assert (preload_applies(1), preload_everywhere(1)) == (applies, everywhere)
+        assert not preload_applies(2) and not preload_everywhere(2)
     triton_guard.reset_switches()
     with pytest.raises(ValueError, match="preloading"):
-        small_m_linear(torch.zeros(PRELOAD_MAX_ROWS + 1, 8), torch.zeros(4, 8), preload=True)
+        small_m_linear(torch.zeros(2, 8), torch.zeros(4, 8), preload=True)
 
 
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
 @pytest.mark.parametrize("width,bias,conv_bias", [(4, False, True), (2, True, False), (3, True, True)])
-def test_preloading_in_proj_conv_equals_linear_then_conv_update(dtype, width, bias, conv_bias):
+def test_preloading_in_proj_conv_equals_linear_then_conv_update(dtype, width, bias, conv_bias, monkeypatch):
     """The preloading in_proj_conv = the preloading linear, then triton_mamba.conv_state_update on its conv
     columns: the other columns bit for bit, the conv's within fp32 summation order, each slot's history bit
     for bit (the padding row reads a zero history and stores nothing; slots of no row are untouched); and it
     equals the tiled in_proj_conv on those histories."""
+    from hybrid.ops import triton_gemv
     from hybrid.ops import triton_mamba as tm
     from hybrid.ops.triton_gemv import in_proj_conv
 
+    monkeypatch.setattr(triton_gemv, "PRELOAD_MAX_ROWS", 4)  # (4 rows: a padding row among them)
     g = torch.Generator().manual_seed(width * 10 + bias + 7)
     M, K, start, C, tail, S = 4, 80, 24, 40, 7, 6  # K = 64 + 16: two pieces; blocks straddle both conv edges
     x = torch.randn(M, K, generator=g).to(dtype)

@@ -163,6 +163,17 @@ for _mp in (1, 2, 4):
     CASES[f"fp8_gemv-m{_mp}"] = _fp8_gemv
 
 
+@case("fp8_gemv-preload")
+def _fp8_gemv_preload():
+    """A one-token step's preloading tile: all of K (the 8B's 4096 and 8192) in one step, 8 warps."""
+    for bn, bk in ((8, 4096), (4, 8192)):
+        for x_scale, quant in ((True, 0), (False, 0), (False, 2)):
+            compiles(triton_fp8._fp8_gemv_kernel,
+                     dict(HAS_X_SCALE=x_scale, QUANT=quant, FMA_QUOTIENT=True, HW_CAST=True, W_PER_ROW=True,
+                          HAS_BIAS=False, M_P=1, BLOCK_N=bn, BLOCK_K=bk, PDL=True),
+                     dict(FP8_PTRS, x_ptr="*fp8e4nv" if x_scale else "*bf16"), num_warps=8, num_stages=4)
+
+
 @case("router")
 def _router():
     compiles(triton_moe_route._router_partial_kernel, dict(BLOCK_E=16, BLOCK_K=64, PDL=True),

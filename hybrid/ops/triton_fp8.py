@@ -291,12 +291,16 @@ GEMV_MAX_ROWS = 4  # fp8_gemv reduces the weight tile against each row in turn
 # the Mamba in_proj) and lost on the MLP down_proj's K 21504 (38.5 against 26.3 us for the GEMM alone), so
 # Fp8Linear sends it the projections of K up to this many columns
 GEMV_MAX_K = 8192
+# A one-token step with the "gemv_preload" switch on (triton_gemv.preload_applies) takes all of K in one tile of
+# at most this many e4m3 weights a program, at 8 warps (at 4, the dynamic quantization's tile spills at 4 x 8192
+# and 8 x 4096): its whole weight slab then loads before the PDL wait, as triton_gemv's preloading kernels do.
+PRELOAD_ELEMENTS = 32768
 
 
 def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None, *, quantize: int = ACT_NONE, input_scale: torch.Tensor | None = None,
-             out_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None, block_k: int = 512,
-             num_warps: int = 4, num_stages: int = 4, fma_quotient: bool | None = None,
+             out_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None, block_k: int | None = None,
+             num_warps: int | None = None, num_stages: int = 4, fma_quotient: bool | None = None,
              hw_cast: bool | None = None) -> torch.Tensor:
     """y [M, N] = (x [M, K] * x_scale) @ (weight [N, K] e4m3 * weight_scale).T (+ bias), M <= GEMV_MAX_ROWS:
     x is e4m3 rows with their scales [M, 1] (quantize_rows' output: a quantized-activation scheme) or
@@ -305,11 +309,20 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
     in the same launch: the same bytes as quantize_rows then this, one launch fewer. `weight_scale`:
     fp32, 0-dim or [N]. The default tiling is the H200's best at one row over the 8B projections
     (bench/bench_fp8_gemv.py, 2026-12-02): 8 columns a program up to 8192 outputs, 16 up to 20480, 32
-    above, K steps of 512 (2.0-3.9 TB/s, against 1.0-2.6 for the 16 x 256 it replaced).
-    `fma_quotient` / `hw_cast` (tests): as quantize_rows'."""
+    above, K steps of 512 (2.0-3.9 TB/s, against 1.0-2.6 for the 16 x 256 it replaced), 4 warps; a one-token
+    step that preloads (triton_gemv.preload_applies, K <= GEMV_MAX_K) takes all of K in one step instead, as
+    many columns as PRELOAD_ELEMENTS allows, 8 warps. `fma_quotient` / `hw_cast` (tests): as quantize_rows'."""
+    from hybrid.ops import triton_gemv
+
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]
+    if block_k is None and K <= GEMV_MAX_K and triton_gemv.preload_applies(M):
+        block_k = triton.next_power_of_2(K)
+        block_n = block_n or max(1, PRELOAD_ELEMENTS // block_k)
+        num_warps = num_warps or 8
+    block_k = block_k or 512
+    num_warps = num_warps or 4
     if block_n is None:
         block_n = 8 if N <= 8192 else (16 if N <= 20480 else 32)
     if not 0 < M <= GEMV_MAX_ROWS or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:

@@ -51,23 +51,26 @@ def in_proj_conv_max_rows() -> int:
     --in-proj-conv-rows-ab times 4). Read at each call: a captured graph keeps what its capture read."""
     return int(os.environ.get("HYBRID_IN_PROJ_CONV_MAX_ROWS", MAX_ROWS))
 PREFETCH_ELEMENTS = 16384  # the slab's first BLOCK_N x PRE_K weights (32 KB in bf16) load before the wait
-# The preloading variant (steps of at most PRELOAD_MAX_ROWS tokens, "gemv_preload" switch): a program's whole
-# slab, about PRELOAD_ELEMENTS weights (32 KB in bf16, 64 registers a thread at 4 warps), is asked for before
-# the PDL wait and held in registers; the rows are dot products on CUDA cores (no tensor-core tile of 16 rows).
-PRELOAD_MAX_ROWS = 4
+# The preloading variant (one-token steps, the "gemv_preload" switch): a program's whole slab, about
+# PRELOAD_ELEMENTS weights (32 KB in bf16, 64 registers a thread at 4 warps), is asked for before the PDL wait
+# and held in registers; the row is a dot product on CUDA cores (no tensor-core tile of 16 rows). Measured on an
+# H100 (bench/bench_mamba_decode_layer.py, 2026-12-06): at one row Granite-4.0-H-Tiny's out_proj 7.1 -> 4.0 us,
+# in_proj_conv 12.0 -> 8.5, the 8B's 152 MB in_proj 56.2 (cuBLAS) -> 49.0 (the card's copy rate). The kernels
+# take up to ROWS rows, each x row read after the wait in turn; at 4 rows that lost (Granite's in_proj_conv
+# 16.8 against 12.5 us), so the layers send them one-token steps only.
+PRELOAD_MAX_ROWS = 1
 PRELOAD_ELEMENTS = 16384
 
 
 def preload_applies(rows: int) -> bool:
-    """Whether a decode projection of `rows` tokens on this module's kernels takes the preloading ones
-    (HYBRID_GEMV_PRELOAD=1 or all)."""
-    return rows <= PRELOAD_MAX_ROWS and (switch("gemv_preload") or switch("gemv_preload_all"))
+    """Whether a decode projection of `rows` tokens on the Triton linears takes the preloading kernels."""
+    return rows <= PRELOAD_MAX_ROWS and switch("gemv_preload")
 
 
 def preload_everywhere(rows: int) -> bool:
-    """Whether every 16-bit projection of a step of `rows` tokens (and each Mamba in_proj with its conv, of any
-    size) goes to the preloading kernels (HYBRID_GEMV_PRELOAD=all)."""
-    return rows <= PRELOAD_MAX_ROWS and switch("gemv_preload_all")
+    """Whether every projection of a step of `rows` tokens (and each Mamba in_proj with its conv, of any size)
+    goes to the preloading kernels (the default; HYBRID_GEMV_PRELOAD=1 keeps them to the Triton linear's sites)."""
+    return preload_applies(rows) and not switch("gemv_preload_sites")
 
 
 def k_pieces(K: int) -> tuple[int, int, int]:

@@ -94,13 +94,13 @@ def test_small_m_linear_real_shapes(m, n, k):
     x = torch.randn(m, k, generator=g, device=DEV).bfloat16()
     w1 = (torch.randn(n, k, generator=g, device=DEV) * k ** -0.5).bfloat16()
     w2 = (torch.randn(k, n, generator=g, device=DEV) * n ** -0.5).bfloat16()
-    y = small_m_linear(x, w1)
+    y = small_m_linear(x, w1, preload=False)
     ref = torch.nn.functional.linear(x, w1)
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
-    eager = small_m_linear(small_m_linear(x, w1), w2)
+    eager = small_m_linear(small_m_linear(x, w1, preload=False), w2, preload=False)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = small_m_linear(small_m_linear(x, w1), w2)
+        out = small_m_linear(small_m_linear(x, w1, preload=False), w2, preload=False)
     for _ in range(3):
         out.zero_()
         graph.replay()
@@ -111,11 +111,15 @@ def test_small_m_linear_real_shapes(m, n, k):
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("n,k", [(6448, 1536), (1536, 3072), (2688, 4096), (10304, 2688), (4096, 8192),
                                  (4096, 21504)])  # the MoE hybrids' projections, the 8B's out_proj and down_proj
-def test_preloading_linear_real_shapes(m, n, k):
+def test_preloading_linear_real_shapes(m, n, k, monkeypatch):
     """The preloading linear (whole slab before the PDL wait, rows on CUDA cores) against cuBLAS in bf16, each
     row alone bit for bit the rows together, and a chain of two replayed from a CUDA graph equal to eager, bit
-    for bit: the slab read before the wait must not let x be read early."""
+    for bit: the slab read before the wait must not let x be read early. (The layers send it one row; the
+    kernel takes up to ROWS.)"""
+    from hybrid.ops import triton_gemv
     from hybrid.ops.triton_gemv import small_m_linear
+
+    monkeypatch.setattr(triton_gemv, "PRELOAD_MAX_ROWS", 4)
 
     g = torch.Generator(device=DEV).manual_seed(m + n + k)
     x = torch.randn(m, k, generator=g, device=DEV).bfloat16()
@@ -142,14 +146,16 @@ def test_preloading_linear_real_shapes(m, n, k):
     (1536, 3072, 3328, 48, torch.bfloat16),  # Granite-4.0-H-Tiny's Mamba in_proj
     (2688, 4096, 6144, 64, torch.float32),  # Nemotron-3-Nano's, a conv state in fp32
     (4096, 8192, 10240, 128, torch.bfloat16)])  # the 8B's
-def test_preloading_in_proj_conv_real_dims(m, hidden, inner, conv_dim, nh, conv_dtype):
+def test_preloading_in_proj_conv_real_dims(m, hidden, inner, conv_dim, nh, conv_dtype, monkeypatch):
     """The preloading in_proj_conv (slab, histories and conv weights before the PDL wait) against the
     preloading linear then triton_mamba.conv_state_update in bf16: z and dt bit for bit, the conv columns
     within fp32 summation order, the histories bit for bit with a padding row storing nothing; a CUDA-graph
     replay after a kernel that writes x equal to eager (x must be read after the wait)."""
+    from hybrid.ops import triton_gemv
     from hybrid.ops import triton_mamba as tm
     from hybrid.ops.triton_gemv import in_proj_conv, small_m_linear
 
+    monkeypatch.setattr(triton_gemv, "PRELOAD_MAX_ROWS", 4)
     g = torch.Generator(device=DEV).manual_seed(m + hidden)
     n = inner + conv_dim + nh
     x0 = torch.randn(m, hidden, generator=g, device=DEV).bfloat16()
@@ -228,17 +234,17 @@ def test_in_proj_conv_real_dims(m, hidden, inner, conv_dim, nh, conv_dtype):
     slots = torch.randperm(m + 1, generator=g, device=DEV)[:m].int()
     slots[m // 2] = -1  # a padding row
     ref_state = state.clone()
-    ref = small_m_linear(x, w)
+    ref = small_m_linear(x, w, preload=False)
     ref_conv = tm.conv_state_update(ref[:, inner:inner + conv_dim], ref_state, cw, cb, slots)
     start_state = state.clone()
-    got = in_proj_conv(x, w, None, state, cw, cb, slots, inner)
+    got = in_proj_conv(x, w, None, state, cw, cb, slots, inner, preload=False)
     assert torch.equal(got[:, :inner], ref[:, :inner]) and torch.equal(got[:, inner + conv_dim:], ref[:, inner + conv_dim:])
     torch.testing.assert_close(got[:, inner:inner + conv_dim].float(), ref_conv.float(), atol=2e-2, rtol=1.6e-2)
     assert torch.equal(state, ref_state)
     graph = torch.cuda.CUDAGraph()
     state.copy_(start_state)
     with torch.cuda.graph(graph):
-        out = in_proj_conv(x, w, None, state, cw, cb, slots, inner)
+        out = in_proj_conv(x, w, None, state, cw, cb, slots, inner, preload=False)
     state.copy_(start_state)  # (capture runs nothing, but leave no doubt)
     out.zero_()
     graph.replay()
@@ -298,7 +304,7 @@ SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router
                "mamba_unfused": {"HYBRID_DECODE_IN_PROJ_CONV": "0", "HYBRID_DECODE_LINEAR": "cublas"},
                "route_in_gemm": {"HYBRID_MOE_ROUTE_IN_GEMM": "1"},
                "moe_three_launches": {"HYBRID_NORM_ROUTER": "1", "HYBRID_MOE_ROUTE_IN_GEMM": "1"},
-               "gemv_preload": {"HYBRID_GEMV_PRELOAD": "1"}, "gemv_preload_all": {"HYBRID_GEMV_PRELOAD": "all"}}
+               "gemv_preload_sites": {"HYBRID_GEMV_PRELOAD": "1"}, "gemv_preload_off": {"HYBRID_GEMV_PRELOAD": "0"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
@@ -310,7 +316,8 @@ def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switc
     HYBRID_DECODE_GATED_OUT_PROJ=1 (the gated norm in the SSM update and out_proj), the Mamba decode as before
     its fusions were the default (HYBRID_DECODE_IN_PROJ_CONV=0 HYBRID_DECODE_LINEAR=cublas) and
     HYBRID_MOE_ROUTE_IN_GEMM=1 (a one-token step routed inside the first expert GEMM), alone and with
-    HYBRID_NORM_ROUTER=1 (the router logits of the norm's launch routed in the GEMM), under CUDA graphs,
+    HYBRID_NORM_ROUTER=1 (the router logits of the norm's launch routed in the GEMM), the preloading linears kept
+    to the Triton linear's sites (HYBRID_GEMV_PRELOAD=1) and off (=0), under CUDA graphs,
     the prompts together and the first alone (batch-1 decode): every token the default engine's greedy
     choice given the same prefix (or a bf16 near-tie). NemotronH without group masking, so that its
     router is the Triton one."""
