@@ -266,3 +266,48 @@ def test_gemv_rows_by_setting(monkeypatch):
     for other in ("scaled_mm", "rowwise", "triton"):
         monkeypatch.setenv("HYBRID_FP8_DECODE_GEMM", other)
         assert gemv_max_rows() == 0
+
+
+class _KernelSpy:
+    """Stands in for a Triton kernel: records each launch's constexpr keywords, then launches the real one."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("activation", [None, STATIC, DYNAMIC])
+def test_gemv_full_k_tile_of_a_preloading_step(activation, monkeypatch):
+    """HYBRID_FP8_GEMV_FULL_K=1: a one-token step takes all of K in one tile (its whole slab before the PDL
+    wait), at 8 warps; the reference's dequantized GEMM up to summation order, the quantizing launch bit for
+    bit quantize_rows then the GEMV under the same tile; a two-row step keeps the K steps of 512."""
+    from hybrid.ops import triton_guard
+
+    K = 600
+    layer = _layer(24, K, activation, True, bias=True, seed=11)
+    x = (torch.randn(1, K, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
+    act = {None: triton_fp8.ACT_NONE, STATIC: triton_fp8.ACT_STATIC, DYNAMIC: triton_fp8.ACT_DYNAMIC}[activation]
+    spy = _KernelSpy(triton_fp8._fp8_gemv_kernel)
+    monkeypatch.setattr(triton_fp8, "_fp8_gemv_kernel", spy)
+    monkeypatch.setenv("HYBRID_FP8_GEMV_FULL_K", "1")
+    triton_guard.reset_switches()
+    try:
+        one = triton_fp8.fp8_gemv(x, None, layer.weight, layer.weight_scale, layer.bias, quantize=act,
+                                  input_scale=layer.input_scale if act == triton_fp8.ACT_STATIC else None,
+                                  out_dtype=torch.float32)
+        if act != triton_fp8.ACT_NONE:
+            xq, xs = triton_fp8.quantize_rows(x, layer.input_scale)
+            two = triton_fp8.fp8_gemv(xq, xs, layer.weight, layer.weight_scale, layer.bias, out_dtype=torch.float32)
+            torch.testing.assert_close(one, two, atol=0, rtol=0)
+        triton_fp8.fp8_gemv(x.repeat(2, 1), None, layer.weight, layer.weight_scale, out_dtype=torch.float32)
+    finally:
+        monkeypatch.delenv("HYBRID_FP8_GEMV_FULL_K")
+        triton_guard.reset_switches()
+    assert (spy.launches[0]["BLOCK_K"], spy.launches[0]["num_warps"]) == (1024, 8)
+    assert (spy.launches[-1]["BLOCK_K"], spy.launches[-1]["num_warps"]) == (512, 4)
+    torch.testing.assert_close(one, layer.forward_reference(x.float()), atol=2e-3, rtol=2e-3)

@@ -66,10 +66,12 @@ again: benchmarks comparing both):
   the preloading kernels (triton_gemv.preload_applies / preload_everywhere): each program asks for its whole
   weight slab before its PDL wait, so the stream starts while the previous kernel runs, and after the wait reads
   only x (in_proj_conv also reads the conv histories before it). 16-bit projections (attention, MLP, each Mamba
-  in_proj of any size with its conv, out_proj) on triton_gemv's; FP8 ones on triton_fp8.fp8_gemv with all of K
-  in one tile. Measured on an H100 (BENCHMARKS.md): Granite-4.0-H-Tiny's Mamba layer 24.1 -> 19.1 us alone, the
-  model +5.7% at batch 1. "gemv_preload_sites" (HYBRID_GEMV_PRELOAD=1): only where the Triton linear already
-  ran (in_proj_conv within its size limit, the Mamba out_proj): +4.4%, the A/B.
+  in_proj of any size with its conv, out_proj) on triton_gemv's. Measured on an H100 (BENCHMARKS.md): at batch 1
+  +5.7% on Granite-4.0-H-Tiny's shape, +4.7% on Nemotron-3-Nano's, +7.5% on the 8B's. "gemv_preload_sites"
+  (HYBRID_GEMV_PRELOAD=1): only where the Triton linear already ran (in_proj_conv within its size limit, the
+  Mamba out_proj): +4.4% on Granite-4.0-H-Tiny's, the A/B;
+- "fp8_gemv_full_k" (HYBRID_FP8_GEMV_FULL_K=1, off until measured): a preloading one-token step's FP8 projections
+  on triton_fp8.fp8_gemv with all of K in one tile, so that their weight slabs too load before the PDL wait.
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) "decode_linear" loses 37-45% at batch 1 and "norm_router" is neutral.
 """
@@ -101,7 +103,8 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "fp8_rowwise_decode": ("HYBRID_FP8_DECODE_GEMM", "rowwise"),
              "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1"),
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1"),
-             "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1")}
+             "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
+             "fp8_gemv_full_k": ("HYBRID_FP8_GEMV_FULL_K", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS
