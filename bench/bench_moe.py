@@ -451,6 +451,9 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "gemv_preload_sites_ab": ("gemv_preload_sites", {"HYBRID_GEMV_PRELOAD": "1"},
                               "the preloading kernels only where the Triton linear ran before them (in_proj_conv "
                               "within its size limit, the Mamba out_proj) (HYBRID_GEMV_PRELOAD=1)"),
+    "moe_preload_ab": ("moe_preload", {"HYBRID_MOE_PRELOAD": "1"},
+                       "a one-token step's two expert GEMMs on the one-token preloading kernel (HYBRID_MOE_PRELOAD=1: "
+                       "whole expert slabs at once, the second GEMM's before its PDL wait)"),
     "gemv_preload_off_ab": ("gemv_preload_off", {"HYBRID_GEMV_PRELOAD": "0"},
                             "no preloading kernels (HYBRID_GEMV_PRELOAD=0; default: every projection of a one-token "
                             "step asks for its whole weight slab before its PDL wait)"),

@@ -283,6 +283,19 @@ if [[ $what == preload-default ]]; then
     fi
   done
 fi
+# moe-preload  a one-token step's expert GEMMs on the one-token preloading kernel (HYBRID_MOE_PRELOAD=1): its GPU tests
+#           and the engine with it (<= 120 s), then the two MoE shapes at batch 1 against the default, recaptured in one
+#           process each (the rest of ${PRELOAD_LIMIT:-550} s)
+if [[ $what == moe-preload ]]; then
+  start=$SECONDS
+  gpu_pytest 120 gpu_tests_moe_preload.log tests/gpu/test_moe_gpu.py tests/gpu/test_triton_fused_ops_gpu.py \
+      -k "one_token_preloading or moe_preload"
+  left=$(( ${PRELOAD_LIMIT:-550} - (SECONDS - start) ))
+  timeout $left python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 --gen-batches 1 --no-peer \
+      --no-eager --moe-preload-ab --out /tmp/moe_out --time-budget $((left - 10)) 2>&1 \
+      | tee "$OUT/bench_moe_moe_preload.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
+  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_moe_preload.md" 2>/dev/null || true
+fi
 # preload-fp8  the 8B shape in FP8 (pcpt), bf16 state, batch 1: the one-token FP8 GEMV as it is (K steps of 512) and
 #           with all of K in one tile (HYBRID_FP8_GEMV_FULL_K=1), one process each, a first untimed one taking the
 #           fresh machine's compiles (at a6b28ac the first of two 170 s processes ran out of time on them)

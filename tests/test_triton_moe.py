@@ -276,3 +276,46 @@ def router_written(monkeypatch, x, w_up, w_down, gated, s_up, s_down, router):
     monkeypatch.setattr(triton_moe, "_grouped_gemm", real)
     assert len(seen) == 2 and seen[0] is not None and seen[1] is None
     return seen[0][1], seen[0][2]
+
+
+@pytest.mark.parametrize("kind", ["random", "one_expert"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("shared", [0, 2])
+def test_one_token_preloading_experts(monkeypatch, kind, gated, shared):
+    """HYBRID_MOE_PRELOAD=1: a one-token step's two GEMMs on the one-token kernel (whole expert slabs at once,
+    K in three pieces: 300 = 256 + 32 + 16 of 12) give the tiled kernels' output up to summation order, with and
+    without the shared expert's slices and the add; a two-token step keeps the tiled kernels (and so does an
+    explicit config)."""
+    from hybrid.ops import triton_guard
+
+    g = torch.Generator().manual_seed(shared * 10 + gated)
+    n_exp, top_k, Hd, inter = 12, 3, 300, 40
+    x = torch.randn(2, Hd, generator=g)
+    w_up = torch.randn(n_exp, (2 if gated else 1) * inter, Hd, generator=g) * Hd ** -0.5
+    w_down = torch.randn(n_exp, Hd, inter, generator=g) * inter ** -0.5
+    s_up = torch.randn((2 if gated else 1) * shared * inter, Hd, generator=g) * Hd ** -0.5 if shared else None
+    s_down = torch.randn(Hd, shared * inter, generator=g) * inter ** -0.5 if shared else None
+    add = torch.randn(2, Hd, generator=g)
+    idx, w = routing(kind, 2, n_exp, top_k, seed=shared + 3)
+    if shared:
+        idx = torch.cat([idx, torch.arange(n_exp, n_exp + shared).expand(2, shared)], 1)
+        w = torch.cat([w, torch.ones(2, shared)], 1)
+    kw = dict(shared_up=s_up, shared_down=s_down)
+    want = [triton_moe.fused_experts(x[:t], w_up, w_down, idx[:t], w[:t], gated, add[:t], **kw) for t in (1, 2)]
+    monkeypatch.setenv("HYBRID_MOE_PRELOAD", "1")
+    triton_guard.reset_switches()
+    calls = []
+    real = triton_moe._one_token_gemm
+    monkeypatch.setattr(triton_moe, "_one_token_gemm", lambda *a, **k: calls.append(k["early"]) or real(*a, **k))
+    try:
+        got = triton_moe.fused_experts(x[:1], w_up, w_down, idx[:1], w[:1], gated, add[:1], **kw)
+        assert calls == [False, True]
+        two = triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, add, **kw)
+        triton_moe.fused_experts(x[:1], w_up, w_down, idx[:1], w[:1], gated, add[:1], config=(16, 16, 16, 2, 1, 1),
+                                 **kw)
+        assert calls == [False, True]
+    finally:
+        monkeypatch.delenv("HYBRID_MOE_PRELOAD")
+        triton_guard.reset_switches()
+    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(two, want[1])

@@ -27,6 +27,7 @@ KERNELS = {
     # pair rows and row blocks of the step; N, K, a_div (top-k or 1), num_experts, strides: the model's
     ("hybrid.ops.triton_moe", "_moe_gemm_kernel"): ("num_pairs", "num_m_blocks"),
     ("hybrid.ops.triton_moe", "_sum_k_kernel"): (),  # H only (tokens are the grid)
+    ("hybrid.ops.triton_moe", "_one_token_experts_kernel"): (),  # one token: the pairs are the grid
     # tokens T, and T * E between the split-K partials' rows
     ("hybrid.ops.triton_moe_route", "_router_partial_kernel"): ("T",),
     ("hybrid.ops.triton_moe_route", "_route_kernel"): ("s_split",),
@@ -85,7 +86,7 @@ HELPERS = {
     "hybrid.ops.triton_moe_route": {"router_split", "route_token"},
     "hybrid.ops.triton_norm": {"_normalised_cols", "_normalised_row", "_plus_residual", "_added_row"},
     "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed",
-                               "_rows_times_slab", "_gated_normed_dot", "_slab_piece", "_preload_slab", "_piece_dot",
+                               "_rows_times_slab", "_gated_normed_dot", "_slab_piece", "_preload_slab", "_piece_dot", "slab_pieces", "slab_dot",
                                "_preloaded_rows"},
     "hybrid.ops.triton_act": set(),
     "hybrid.ops.triton_mamba": {"_softplus", "_ext_tile", "_conv_window_out"},

@@ -163,6 +163,19 @@ for _mp in (1, 2, 4):
     CASES[f"fp8_gemv-m{_mp}"] = _fp8_gemv
 
 
+@case("one_token_experts")
+def _one_token_experts():
+    """The one-token expert GEMMs at the released shapes' slabs: Granite-4.0-H-Tiny's first (SwiGLU, K 1536) and
+    second (K 512), Nemotron-3-Nano's first (relu2, K 2688) and second (K 1856 = 1024 + 512 + 512)."""
+    for act, mul_w, early, bn, k1, k2, k3 in ((triton_moe.ACT_SILU_MUL, False, False, 4, 1024, 512, 0),
+                                            (triton_moe.ACT_NONE, True, True, 32, 512, 0, 0),
+                                            (triton_moe.ACT_RELU2, False, False, 4, 2048, 512, 128),
+                                            (triton_moe.ACT_NONE, True, True, 8, 1024, 512, 512)):
+        compiles(triton_moe._one_token_experts_kernel,
+                 dict(ACT=act, MUL_W=mul_w, HAS_SHARED=True, EARLY=early, BLOCK_N=bn, K1=k1, K2=k2, K3=k3, PDL=True),
+                 dict(w_ptr="*fp32", block_expert_ptr="*i32"))
+
+
 @case("fp8_gemv-preload")
 def _fp8_gemv_preload():
     """A one-token step's preloading tile: all of K (the 8B's 4096 and 8192) in one step, 8 warps."""

@@ -209,13 +209,10 @@ if HAS_TRITON:
                        eviction_policy="evict_first")
 
     @triton.jit
-    def _preload_slab(w_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
-                      K3: tl.constexpr):
-        """This program's whole weight slab, [BLOCK_N, K] as up to three power-of-two pieces of K1, K2, K3
-        columns (K2, K3 may be 0: then the piece is K1's again, unused), loads issued at once."""
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
+    def slab_pieces(w_rows, K, mask_n, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr):
+        """The weight slab of rows w_rows [BLOCK_N, 1] (pointers), all of K as up to three power-of-two pieces
+        of K1, K2, K3 columns (K2, K3 may be 0: then the piece is K1's again, unused), loads issued at once
+        (also used by triton_moe's one-token experts)."""
         w1 = _slab_piece(w_rows, 0, K, mask_n, K1)
         w2 = w1
         w3 = w1
@@ -223,6 +220,26 @@ if HAS_TRITON:
             w2 = _slab_piece(w_rows, K1, K, mask_n, K2)
         if K3 > 0:
             w3 = _slab_piece(w_rows, K1 + K2, K, mask_n, K3)
+        return w1, w2, w3
+
+    @triton.jit
+    def slab_dot(x_row, w1, w2, w3, K, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr):
+        """fp32 [BLOCK_N]: one row of x (pointer x_row, K contiguous) against slab_pieces' slab, summed piece by
+        piece, each a tree over its columns (a fixed order)."""
+        r = _piece_dot(x_row, w1, 0, K, K1)
+        if K2 > 0:
+            r += _piece_dot(x_row, w2, K1, K, K2)
+        if K3 > 0:
+            r += _piece_dot(x_row, w3, K1 + K2, K, K3)
+        return r
+
+    @triton.jit
+    def _preload_slab(w_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
+                      K3: tl.constexpr):
+        """This program's BLOCK_N output columns and their whole weight slab (slab_pieces)."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        w1, w2, w3 = slab_pieces(w_ptr + offs_n.to(tl.int64)[:, None] * s_wn, K, mask_n, K1, K2, K3)
         return offs_n, mask_n, w1, w2, w3
 
     @triton.jit
@@ -241,12 +258,7 @@ if HAS_TRITON:
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for m in tl.static_range(ROWS):
             if m < M:
-                x_row = x_ptr + m * s_xm
-                r = _piece_dot(x_row, w1, 0, K, K1)
-                if K2 > 0:
-                    r += _piece_dot(x_row, w2, K1, K, K2)
-                if K3 > 0:
-                    r += _piece_dot(x_row, w3, K1 + K2, K, K3)
+                r = slab_dot(x_ptr + m * s_xm, w1, w2, w3, K, K1, K2, K3)
                 acc = tl.where(offs_m[:, None] == m, r[None, :], acc)
         return acc
 

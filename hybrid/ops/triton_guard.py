@@ -70,6 +70,9 @@ again: benchmarks comparing both):
   +5.7% on Granite-4.0-H-Tiny's shape, +4.7% on Nemotron-3-Nano's, +7.5% on the 8B's. "gemv_preload_sites"
   (HYBRID_GEMV_PRELOAD=1): only where the Triton linear already ran (in_proj_conv within its size limit, the
   Mamba out_proj): +4.4% on Granite-4.0-H-Tiny's, the A/B;
+- "moe_preload" (HYBRID_MOE_PRELOAD=1, off until measured): a one-token step's two expert GEMMs (16-bit experts,
+  the naive layout) on triton_moe._one_token_experts_kernel: each program's whole expert slab at once, the
+  second GEMM's before its PDL wait (the routing was written before the first), as the preloading linears do;
 - "fp8_gemv_full_k" (HYBRID_FP8_GEMV_FULL_K=1, off until measured): a preloading one-token step's FP8 projections
   on triton_fp8.fp8_gemv with all of K in one tile, so that their weight slabs too load before the PDL wait.
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
@@ -104,7 +107,7 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1"),
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1"),
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
-             "fp8_gemv_full_k": ("HYBRID_FP8_GEMV_FULL_K", "1")}
+             "fp8_gemv_full_k": ("HYBRID_FP8_GEMV_FULL_K", "1"), "moe_preload": ("HYBRID_MOE_PRELOAD", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS

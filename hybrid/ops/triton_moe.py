@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.ops import triton_moe_align, triton_moe_route
+from hybrid.ops import triton_gemv, triton_moe_align, triton_moe_route
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, switch, tl, triton
 from state_pool.util import cdiv, sm_count
 
@@ -42,6 +42,7 @@ def is_available() -> bool:
 
 
 if HAS_TRITON:
+    from hybrid.ops.triton_gemv import slab_dot, slab_pieces
     from hybrid.ops.triton_guard import pdl_wait
     from hybrid.ops.triton_moe_route import route_token
 
@@ -203,6 +204,54 @@ if HAS_TRITON:
                      ACT, MUL_W, W_SCALE)
 
     @triton.jit
+    def _one_token_experts_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, block_expert_ptr, N, K, a_div, num_experts,
+                                  s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr,
+                                  HAS_SHARED: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
+        # A one-token step's grouped GEMM in the naive layout (pair m alone in block m, its expert
+        # block_expert[m]): C[m, n] = act(A[m // a_div] @ W_e[n].T) (* w[m]) for BLOCK_N columns n, the
+        # whole [BLOCK_N, K] slab of W_e (and its up rows, SwiGLU) asked for at once, the rows reduced on CUDA
+        # cores as triton_gemv's preloading kernels do. EARLY (the second GEMM): the routing (block_expert,
+        # w) was written before the first GEMM, and nothing writes W, so the slab loads before the PDL wait;
+        # only A (the first GEMM's output) waits. Otherwise (the first GEMM: the routing is the kernel
+        # before) the wait comes first and the slab right after it.
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        m = tl.program_id(0) // n_tiles
+        offs_n = (tl.program_id(0) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        if not EARLY:
+            pdl_wait(PDL)
+        expert = tl.load(block_expert_ptr + m).to(tl.int64)
+        w_base = b_ptr + expert * s_be
+        row_stride = s_bn
+        up_off = N * s_bn
+        if HAS_SHARED:
+            if expert >= num_experts:
+                w_base = s_ptr + (expert - num_experts) * s_se
+                row_stride = s_sn
+                up_off = s_up
+        w_rows = w_base + offs_n.to(tl.int64)[:, None] * row_stride
+        g1, g2, g3 = slab_pieces(w_rows, K, mask_n, K1, K2, K3)
+        u1, u2, u3 = g1, g2, g3
+        if ACT == 2:
+            u1, u2, u3 = slab_pieces(w_rows + up_off, K, mask_n, K1, K2, K3)
+        route_w = 1.0
+        if MUL_W:
+            route_w = tl.load(w_ptr + m).to(tl.float32)
+        if EARLY:
+            pdl_wait(PDL)
+        a_row = a_ptr + (m // a_div).to(tl.int64) * s_am
+        acc = slab_dot(a_row, g1, g2, g3, K, K1, K2, K3)
+        if ACT == 1:
+            acc = tl.maximum(acc, 0.0)
+            acc = acc * acc
+        if ACT == 2:
+            acc = acc / (1.0 + tl.exp(-acc)) * slab_dot(a_row, u1, u2, u3, K, K1, K2, K3)
+        if MUL_W:
+            acc = acc * route_w
+        tl.store(c_ptr + m.to(tl.int64) * s_cm + offs_n, acc.to(c_ptr.dtype.element_ty), mask=mask_n)
+
+    @triton.jit
     def expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr):
         """Token t's sum over its TOP_K expert rows of y [T * TOP_K, H] (+ add [T, H]) at columns
         offs, in fp32 and in a fixed order (also inlined by triton_norm.sum_add_rms_norm)."""
@@ -327,6 +376,32 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
         IEEE=a.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EARLY_B=early_b and act == ACT_NONE, **consts,
         num_warps=warps, num_stages=stages, **pdl,
+    )
+
+
+# One-token steps' expert GEMMs on _one_token_experts_kernel (the "moe_preload" switch, HYBRID_MOE_PRELOAD=1; off
+# until measured in the model): this many weights a program, the gate and up slabs together (SwiGLU)
+ONE_TOKEN_ELEMENTS = 16384
+
+
+def one_token_preload(T: int, align_method: str, fp8: bool, routed: bool) -> bool:
+    """Whether fused_experts runs this step's two GEMMs on the one-token preloading kernel: one token, pairs in
+    the naive layout, 16-bit experts, routed by a routing launch (not inside the first GEMM), the switch on."""
+    return T == 1 and align_method == "naive" and not fp8 and not routed and switch("moe_preload")
+
+
+def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early: bool) -> None:
+    """One of a one-token step's grouped GEMMs on _one_token_experts_kernel (see one_token_preload):
+    _grouped_gemm's arguments, the naive layout's block_expert (the pairs' experts)."""
+    n_out, K = out.shape[1], a.shape[1]
+    k1, k2, k3 = triton_gemv.k_pieces(K)
+    block_n = triton_gemv.preload_block_n(K, ONE_TOKEN_ELEMENTS // (2 if act == ACT_SILU_MUL else 1))
+    s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
+    _one_token_experts_kernel[(block_expert.shape[0] * cdiv(n_out, block_n),)](
+        a, w, s_t, out, weights if weights is not None else out, block_expert, n_out, K, a_div, w.shape[0],
+        a.stride(0), w.stride(0), w.stride(1), s_sn, s_se, s_up, out.stride(0), ACT=act, MUL_W=weights is not None,
+        HAS_SHARED=shared is not None, EARLY=early, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=4,
+        **pdl_options(a.device),
     )
 
 
@@ -459,15 +534,25 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
         return torch.empty(T, H, dtype=x.dtype, device=x.device)
     n = T * top_k
     cfg_up, cfg_down, align_method, narrow = _gemm_choice(T, top_k, E, S, H, inter, gated, config, align_method)
-    # (routed: the naive layout, which reads no ids; the first GEMM writes them into block_expert = top_idx)
-    pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
-    h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
-                  ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale, routed=routed)
-    y = torch.empty(n, H, dtype=x.dtype, device=x.device)
-    # (routed: the blocks' experts and weights come from the first GEMM, so the second reads them after its wait)
-    _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,
-                  ACT_NONE, cfg_down, narrow, early_b=routed is None, w_scale=down_scale)
+    if config is None and one_token_preload(T, align_method or triton_moe_align.pick_method(n), fp8,
+                                            routed is not None):
+        h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+        block_expert = top_idx.reshape(-1)  # (the naive layout: pair p alone in block p)
+        _one_token_gemm(x, w_up, up_shared, h, None, block_expert, top_k, ACT_SILU_MUL if gated else ACT_RELU2,
+                        early=False)
+        y = torch.empty(n, H, dtype=x.dtype, device=x.device)
+        _one_token_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), block_expert, 1, ACT_NONE,
+                        early=True)
+    else:
+        # (routed: the naive layout, which reads no ids; the first GEMM writes them into block_expert = top_idx)
+        pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
+        h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+        _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
+                      ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale, routed=routed)
+        y = torch.empty(n, H, dtype=x.dtype, device=x.device)
+        # (routed: the blocks' experts and weights come from the first GEMM, so the second reads them after its wait)
+        _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,
+                      ACT_NONE, cfg_down, narrow, early_b=routed is None, w_scale=down_scale)
     if add is not None:
         assert add.shape == (T, H) and add.stride(1) == 1 and add.stride(0) == H
     rows = ExpertRows(y, add, top_k)

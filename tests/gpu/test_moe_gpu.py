@@ -259,3 +259,57 @@ def test_one_token_routed_inside_the_gemms(shape, monkeypatch):
         torch.testing.assert_close(out, launched(), rtol=1e-2, atol=1e-3)
     monkeypatch.delenv("HYBRID_MOE_ROUTE_IN_GEMM")
     triton_guard.reset_switches()
+
+
+@pytest.mark.parametrize("shape", ["nemotron-nano", "granite-tiny", "granite-small"])
+def test_one_token_preloading_experts(shape, monkeypatch):
+    """HYBRID_MOE_PRELOAD=1: a one-token step's two expert GEMMs on the one-token kernel (whole expert slabs
+    at once, the second GEMM's before its PDL wait) at the released expert shapes with the shared expert's
+    slices: the tiled kernels' output in bf16 up to summation order, and a captured graph replayed on new
+    tokens and new routings (written by a kernel before the GEMMs, as the routing launch writes them) equal
+    to eager, bit for bit."""
+    from hybrid.ops import triton_guard, triton_moe
+
+    E, H, inter, top_k, gated, shared = {
+        "nemotron-nano": (128, 2688, 1856, 6, False, 2), "granite-tiny": (64, 1536, 512, 6, True, 2),
+        "granite-small": (72, 4096, 768, 10, True, 1)}[shape]
+    g = torch.Generator(device="cuda").manual_seed(E + 1)
+    w_up, w_down = _layer(gated=gated, E=E, H=H, inter=inter)
+    s_up = (torch.randn((2 if gated else 1) * shared * inter, H, generator=g, device="cuda") * H ** -0.5).bfloat16()
+    s_down = (torch.randn(H, shared * inter, generator=g, device="cuda") * inter ** -0.5).bfloat16()
+    x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+    idx, w = routing("random", 1, E, top_k, seed=7, device="cuda")
+    idx = torch.cat([idx, torch.arange(E, E + shared, device="cuda")[None, :]], 1).int()
+    w = torch.cat([w, torch.ones(1, shared, device="cuda")], 1)
+    new_idx, new_w = idx.clone(), w.clone()
+
+    def step():
+        idx.copy_(new_idx)  # (a kernel before the GEMMs writes the routing, as the routing launch does)
+        w.copy_(new_w)
+        return triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, shared_up=s_up, shared_down=s_down)
+
+    tiled = step()
+    monkeypatch.setenv("HYBRID_MOE_PRELOAD", "1")
+    triton_guard.reset_switches()
+    try:
+        got = step()
+        rel = ((got.float() - tiled.float()).norm() / tiled.float().norm()).item()
+        assert rel < 1e-2, rel
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for seed in (8, 9, 10):
+            x.normal_()
+            r_idx, r_w = routing(["random", "one_expert", "few_experts"][seed - 8], 1, E, top_k, seed=seed,
+                                 device="cuda")
+            new_idx[:, :top_k] = r_idx
+            new_w[:, :top_k] = r_w
+            graph.replay()
+            eager = step()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
+    finally:
+        monkeypatch.delenv("HYBRID_MOE_PRELOAD")
+        triton_guard.reset_switches()
