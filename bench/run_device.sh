@@ -252,7 +252,7 @@ fi
 #           in one process (the rest of ${PRELOAD_LIMIT:-550} s)
 if [[ $what == preload ]]; then
   start=$SECONDS
-  gpu_pytest 150 gpu_tests_preload.log tests/gpu/test_triton_fused_ops_gpu.py -k "preload"
+  gpu_pytest 150 gpu_tests_preload.log tests/gpu/test_triton_fused_ops_gpu.py -k "preload or small_m_linear or in_proj_conv"
   timeout 120 python3 bench/bench_mamba_decode_layer.py --batches 1 4 --json "$OUT/mamba_decode_layer_preload.json" 2>&1 \
       | tee "$OUT/mamba_decode_layer_preload.log" | grep -E "batch|rror" | cut -c1-3000 || rc=1
   left=$(( ${PRELOAD_LIMIT:-550} - (SECONDS - start) ))
@@ -270,7 +270,7 @@ fi
 if [[ $what == preload-default ]]; then
   start=$SECONDS
   gpu_pytest 120 gpu_tests_preload_default.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_fp8_gpu.py \
-      -k "preload or decode_sized or quantizing or captured or switches"
+      -k "preload or small_m_linear or in_proj_conv or decode_sized or quantizing or captured or switches"
   timeout 330 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 --gen-batches 1 --no-peer \
       --no-eager --gemv-preload-off-ab --out /tmp/moe_out --time-budget 320 2>&1 \
       | tee "$OUT/bench_moe_preload_default.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1

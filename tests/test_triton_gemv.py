@@ -173,13 +173,18 @@ INTERPRETER_DTYPES = [torch.float32, torch.float16]
 
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
 @pytest.mark.parametrize("width,bias,conv_bias", [(4, False, True), (2, True, False), (3, True, True)])
-def test_in_proj_conv_equals_linear_then_conv_update(dtype, width, bias, conv_bias):
+@pytest.mark.parametrize("preload", [False, True])
+def test_in_proj_conv_equals_linear_then_conv_update(dtype, width, bias, conv_bias, preload, monkeypatch):
     """in_proj_conv = small_m_linear, then triton_mamba.conv_state_update on its conv columns: the other
     columns bit for bit, the conv's within fp32 summation order, every slot's history bit for bit (a
-    padding row reads a zero history and stores nothing; the other slots are untouched)."""
+    padding row reads a zero history and stores nothing; the other slots are untouched). Tiled and preloading
+    (slab, histories and conv weights before the wait; 4 rows, K = 64 + 16 in two pieces); the preloading one
+    also equals the tiled one on the same histories up to summation order."""
+    from hybrid.ops import triton_gemv
     from hybrid.ops import triton_mamba as tm
     from hybrid.ops.triton_gemv import in_proj_conv
 
+    monkeypatch.setattr(triton_gemv, "PRELOAD_MAX_ROWS", 4)
     g = torch.Generator().manual_seed(width * 10 + bias)
     M, K, start, C, tail, S = 4, 80, 24, 40, 7, 6  # conv columns [24, 64) of 71: blocks straddle both edges
     x = torch.randn(M, K, generator=g).to(dtype)
@@ -189,15 +194,20 @@ def test_in_proj_conv_equals_linear_then_conv_update(dtype, width, bias, conv_bi
     cb = torch.randn(C, generator=g).to(dtype) if conv_bias else None
     state = torch.randn(S, C, width - 1, generator=g).to(dtype)
     slots = torch.tensor([3, -1, 0, 5], dtype=torch.int32)
-    ref_state = state.clone()
-    ref = small_m_linear(x, w, b, block_n=16, block_k=32)
+    ref_state, tiled_state = state.clone(), state.clone()
+    tiles = dict(block_n=8) if preload else dict(block_n=16, block_k=32)
+    ref = small_m_linear(x, w, b, preload=preload, **tiles)
     ref_conv = tm.conv_state_update(ref[:, start:start + C], ref_state, cw, cb, slots)
-    got = in_proj_conv(x, w, b, state, cw, cb, slots, start, block_n=16, block_k=32)
+    got = in_proj_conv(x, w, b, state, cw, cb, slots, start, preload=preload, **tiles)
     assert torch.equal(got[:, :start], ref[:, :start]) and torch.equal(got[:, start + C:], ref[:, start + C:])
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(got[:, start:start + C].float(), ref_conv.float(), **tol)
     assert torch.equal(state, ref_state)
     assert torch.equal(state[[1, 2, 4]], ref_state[[1, 2, 4]])  # (no row's slot: untouched in both)
+    if preload:
+        tiled = in_proj_conv(x, w, b, tiled_state, cw, cb, slots, start, block_n=16, block_k=32, preload=False)
+        torch.testing.assert_close(got.float(), tiled.float(), **tol)
+        torch.testing.assert_close(state.float(), tiled_state.float(), **tol)
 
 
 def test_in_proj_conv_refuses_what_it_cannot_take():
@@ -459,38 +469,3 @@ def test_preloading_switch_and_its_rows(monkeypatch):
     triton_guard.reset_switches()
     with pytest.raises(ValueError, match="preloading"):
         small_m_linear(torch.zeros(2, 8), torch.zeros(4, 8), preload=True)
-
-
-@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
-@pytest.mark.parametrize("width,bias,conv_bias", [(4, False, True), (2, True, False), (3, True, True)])
-def test_preloading_in_proj_conv_equals_linear_then_conv_update(dtype, width, bias, conv_bias, monkeypatch):
-    """The preloading in_proj_conv = the preloading linear, then triton_mamba.conv_state_update on its conv
-    columns: the other columns bit for bit, the conv's within fp32 summation order, each slot's history bit
-    for bit (the padding row reads a zero history and stores nothing; slots of no row are untouched); and it
-    equals the tiled in_proj_conv on those histories."""
-    from hybrid.ops import triton_gemv
-    from hybrid.ops import triton_mamba as tm
-    from hybrid.ops.triton_gemv import in_proj_conv
-
-    monkeypatch.setattr(triton_gemv, "PRELOAD_MAX_ROWS", 4)  # (4 rows: a padding row among them)
-    g = torch.Generator().manual_seed(width * 10 + bias + 7)
-    M, K, start, C, tail, S = 4, 80, 24, 40, 7, 6  # K = 64 + 16: two pieces; blocks straddle both conv edges
-    x = torch.randn(M, K, generator=g).to(dtype)
-    w = (torch.randn(start + C + tail, K, generator=g) / K ** 0.5).to(dtype)
-    b = torch.randn(start + C + tail, generator=g).to(dtype) if bias else None
-    cw = torch.randn(C, width, generator=g).to(dtype)
-    cb = torch.randn(C, generator=g).to(dtype) if conv_bias else None
-    state = torch.randn(S, C, width - 1, generator=g).to(dtype)
-    slots = torch.tensor([3, -1, 0, 5], dtype=torch.int32)
-    ref_state, tiled_state = state.clone(), state.clone()
-    ref = small_m_linear(x, w, b, block_n=8, preload=True)
-    ref_conv = tm.conv_state_update(ref[:, start:start + C], ref_state, cw, cb, slots)
-    got = in_proj_conv(x, w, b, state, cw, cb, slots, start, block_n=8, preload=True)
-    assert torch.equal(got[:, :start], ref[:, :start]) and torch.equal(got[:, start + C:], ref[:, start + C:])
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(got[:, start:start + C].float(), ref_conv.float(), **tol)
-    assert torch.equal(state, ref_state)
-    assert torch.equal(state[[1, 2, 4]], ref_state[[1, 2, 4]])
-    tiled = in_proj_conv(x, w, b, tiled_state, cw, cb, slots, start, block_n=16, block_k=32, preload=False)
-    torch.testing.assert_close(got.float(), tiled.float(), **tol)
-    torch.testing.assert_close(state.float(), tiled_state.float(), **tol)

@@ -82,7 +82,7 @@ MAMBA_UNALIGNED = {
 HELPERS = {
     "hybrid.ops.triton_moe_align": {"_count_experts", "_store_block_experts", "_place_pairs"},
     "hybrid.ops.triton_moe": {"expert_sum", "_block_tile", "_block_operands", "_mma", "_k_steps", "_store_block",
-                              "_routed_pair"},
+                              "_routed_pair", "_expert_rows"},
     "hybrid.ops.triton_moe_route": {"router_split", "route_token"},
     "hybrid.ops.triton_norm": {"_normalised_cols", "_normalised_row", "_plus_residual", "_added_row"},
     "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed",

@@ -85,6 +85,16 @@ if HAS_TRITON:
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_row[:, None] * s_am + offs_k[None, :]
+        w_base, row_stride, up_off = _expert_rows(b_ptr, s_ptr, expert, N, num_experts, s_be, s_bn, s_sn, s_se, s_up,
+                                                  HAS_SHARED)
+        b_ptrs = w_base + offs_n[None, :].to(tl.int64) * row_stride + offs_k[:, None]
+        return pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off
+
+    @triton.jit
+    def _expert_rows(b_ptr, s_ptr, expert, N, num_experts, s_be, s_bn, s_sn, s_se, s_up, HAS_SHARED: tl.constexpr):
+        """(first row of W_e, row stride, up-row offset) of expert e: b + e*s_be (rows s_bn apart; gated: the up
+        rows N rows below the gate rows), or for e >= num_experts the shared pseudo-expert s = e - num_experts:
+        s_ptr + s*s_se (rows s_sn apart; up rows s_up further)."""
         w_base = b_ptr + expert * s_be
         row_stride = s_bn
         up_off = N * s_bn
@@ -93,8 +103,7 @@ if HAS_TRITON:
                 w_base = s_ptr + (expert - num_experts) * s_se
                 row_stride = s_sn
                 up_off = s_up
-        b_ptrs = w_base + offs_n[None, :].to(tl.int64) * row_stride + offs_k[:, None]
-        return pair, row_ok, offs_n, n_ok, a_ptrs, b_ptrs, up_off
+        return w_base, row_stride, up_off
 
     @triton.jit
     def _mma(a, b, acc, IEEE: tl.constexpr):
@@ -222,14 +231,8 @@ if HAS_TRITON:
         if not EARLY:
             pdl_wait(PDL)
         expert = tl.load(block_expert_ptr + m).to(tl.int64)
-        w_base = b_ptr + expert * s_be
-        row_stride = s_bn
-        up_off = N * s_bn
-        if HAS_SHARED:
-            if expert >= num_experts:
-                w_base = s_ptr + (expert - num_experts) * s_se
-                row_stride = s_sn
-                up_off = s_up
+        w_base, row_stride, up_off = _expert_rows(b_ptr, s_ptr, expert, N, num_experts, s_be, s_bn, s_sn, s_se, s_up,
+                                                  HAS_SHARED)
         w_rows = w_base + offs_n.to(tl.int64)[:, None] * row_stride
         g1, g2, g3 = slab_pieces(w_rows, K, mask_n, K1, K2, K3)
         u1, u2, u3 = g1, g2, g3

@@ -82,58 +82,32 @@ def test_engine_with_fused_ops(tiny_ckpt):
     assert_greedy_under_reference(LLM(path, fused_ops=False, **kw), prompts, got)
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("n,k", [(6448, 1536), (1536, 3072), (2688, 4096), (10304, 2688)])  # MoE hybrids' projections
-def test_small_m_linear_real_shapes(m, n, k):
-    """The decode-sized Triton linear (prefetched first slab, PDL) against cuBLAS in bf16, and a
-    chain of two (the second reads the first's output) replayed from a CUDA graph equal to eager, bit
-    for bit: the weight read before the wait must not let an input be read early."""
-    from hybrid.ops.triton_gemv import small_m_linear
-
-    g = torch.Generator(device=DEV).manual_seed(m + n)
-    x = torch.randn(m, k, generator=g, device=DEV).bfloat16()
-    w1 = (torch.randn(n, k, generator=g, device=DEV) * k ** -0.5).bfloat16()
-    w2 = (torch.randn(k, n, generator=g, device=DEV) * n ** -0.5).bfloat16()
-    y = small_m_linear(x, w1, preload=False)
-    ref = torch.nn.functional.linear(x, w1)
-    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
-    eager = small_m_linear(small_m_linear(x, w1, preload=False), w2, preload=False)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = small_m_linear(small_m_linear(x, w1, preload=False), w2, preload=False)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-
-
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m,preload", [(1, False), (3, False), (16, False), (1, True), (2, True), (4, True)])
 @pytest.mark.parametrize("n,k", [(6448, 1536), (1536, 3072), (2688, 4096), (10304, 2688), (4096, 8192),
                                  (4096, 21504)])  # the MoE hybrids' projections, the 8B's out_proj and down_proj
-def test_preloading_linear_real_shapes(m, n, k, monkeypatch):
-    """The preloading linear (whole slab before the PDL wait, rows on CUDA cores) against cuBLAS in bf16, each
-    row alone bit for bit the rows together, and a chain of two replayed from a CUDA graph equal to eager, bit
-    for bit: the slab read before the wait must not let x be read early. (The layers send it one row; the
-    kernel takes up to ROWS.)"""
+def test_small_m_linear_real_shapes(m, preload, n, k, monkeypatch):
+    """The decode-sized Triton linear, tiled (prefetched first slab, PDL) and preloading (whole slab before the
+    PDL wait, rows on CUDA cores; the layers send it one row, the kernel takes up to ROWS), against cuBLAS in
+    bf16, each row alone bit for bit the rows together, and a chain of two (the second reads the first's
+    output) replayed from a CUDA graph equal to eager, bit for bit: the weight read before the wait must not
+    let an input be read early."""
     from hybrid.ops import triton_gemv
     from hybrid.ops.triton_gemv import small_m_linear
 
     monkeypatch.setattr(triton_gemv, "PRELOAD_MAX_ROWS", 4)
-
     g = torch.Generator(device=DEV).manual_seed(m + n + k)
     x = torch.randn(m, k, generator=g, device=DEV).bfloat16()
     w1 = (torch.randn(n, k, generator=g, device=DEV) * k ** -0.5).bfloat16()
     w2 = (torch.randn(k, n, generator=g, device=DEV) * n ** -0.5).bfloat16()
-    y = small_m_linear(x, w1, preload=True)
+    y = small_m_linear(x, w1, preload=preload)
     ref = torch.nn.functional.linear(x, w1)
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
     for i in range(m):
-        assert torch.equal(small_m_linear(x[i:i + 1], w1, preload=True), y[i:i + 1])
-    eager = small_m_linear(small_m_linear(x, w1, preload=True), w2, preload=True)
+        assert torch.equal(small_m_linear(x[i:i + 1], w1, preload=preload), y[i:i + 1])
+    eager = small_m_linear(small_m_linear(x, w1, preload=preload), w2, preload=preload)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = small_m_linear(small_m_linear(x, w1, preload=True), w2, preload=True)
+        out = small_m_linear(small_m_linear(x, w1, preload=preload), w2, preload=preload)
     for _ in range(3):
         out.zero_()
         graph.replay()
@@ -141,16 +115,18 @@ def test_preloading_linear_real_shapes(m, n, k, monkeypatch):
         assert torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m,preload", [(1, False), (3, False), (16, False), (1, True), (4, True)])
 @pytest.mark.parametrize("hidden,inner,conv_dim,nh,conv_dtype", [
     (1536, 3072, 3328, 48, torch.bfloat16),  # Granite-4.0-H-Tiny's Mamba in_proj
-    (2688, 4096, 6144, 64, torch.float32),  # Nemotron-3-Nano's, a conv state in fp32
+    (2688, 4096, 6144, 64, torch.bfloat16),  # Nemotron-3-Nano's
+    (2688, 4096, 6144, 64, torch.float32),  # (a conv state in fp32)
     (4096, 8192, 10240, 128, torch.bfloat16)])  # the 8B's
-def test_preloading_in_proj_conv_real_dims(m, hidden, inner, conv_dim, nh, conv_dtype, monkeypatch):
-    """The preloading in_proj_conv (slab, histories and conv weights before the PDL wait) against the
-    preloading linear then triton_mamba.conv_state_update in bf16: z and dt bit for bit, the conv columns
-    within fp32 summation order, the histories bit for bit with a padding row storing nothing; a CUDA-graph
-    replay after a kernel that writes x equal to eager (x must be read after the wait)."""
+def test_in_proj_conv_real_dims(m, preload, hidden, inner, conv_dim, nh, conv_dtype, monkeypatch):
+    """in_proj and the decode conv in one launch (triton_gemv.in_proj_conv), tiled and preloading (slab,
+    histories and conv weights before the PDL wait), against small_m_linear then triton_mamba.conv_state_update
+    in bf16: z and dt columns bit for bit, the conv columns within fp32 summation order, the slots' histories bit
+    for bit, a padding row storing nothing; a CUDA-graph replay after a kernel that writes x equal to eager (x
+    must be read after the wait)."""
     from hybrid.ops import triton_gemv
     from hybrid.ops import triton_mamba as tm
     from hybrid.ops.triton_gemv import in_proj_conv, small_m_linear
@@ -166,19 +142,19 @@ def test_preloading_in_proj_conv_real_dims(m, hidden, inner, conv_dim, nh, conv_
     state = torch.randn(m + 2, conv_dim, 3, generator=g, device=DEV).to(conv_dtype)
     slots = torch.randperm(m + 1, generator=g, device=DEV)[:m].int()
     slots[m // 2] = -1  # a padding row
-    x = small_m_linear(x0, w_x, preload=True)
+    x = small_m_linear(x0, w_x, preload=preload)
     ref_state = state.clone()
-    ref = small_m_linear(x, w, preload=True)
+    ref = small_m_linear(x, w, preload=preload)
     ref_conv = tm.conv_state_update(ref[:, inner:inner + conv_dim], ref_state, cw, cb, slots)
     start_state = state.clone()
-    got = in_proj_conv(x, w, None, state, cw, cb, slots, inner, preload=True)
+    got = in_proj_conv(x, w, None, state, cw, cb, slots, inner, preload=preload)
     assert torch.equal(got[:, :inner], ref[:, :inner]) and torch.equal(got[:, inner + conv_dim:], ref[:, inner + conv_dim:])
     torch.testing.assert_close(got[:, inner:inner + conv_dim].float(), ref_conv.float(), atol=2e-2, rtol=1.6e-2)
     assert torch.equal(state, ref_state)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = in_proj_conv(small_m_linear(x0, w_x, preload=True), w, None, state, cw, cb, slots, inner,
-                           preload=True)
+        out = in_proj_conv(small_m_linear(x0, w_x, preload=preload), w, None, state, cw, cb, slots, inner,
+                           preload=preload)
     state.copy_(start_state)
     out.zero_()
     graph.replay()
@@ -209,47 +185,6 @@ def test_gated_norm_linear_real_dims(m, inner, n_groups, hidden):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
-
-
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("hidden,inner,conv_dim,nh,conv_dtype", [
-    (1536, 3072, 3328, 48, torch.bfloat16),  # Granite-4.0-H-Tiny's Mamba in_proj
-    (2688, 4096, 6144, 64, torch.bfloat16),  # Nemotron-3-Nano's
-    (2688, 4096, 6144, 64, torch.float32)])  # (a conv state in fp32)
-def test_in_proj_conv_real_dims(m, hidden, inner, conv_dim, nh, conv_dtype):
-    """in_proj and the decode conv in one launch (triton_gemv.in_proj_conv) against small_m_linear then
-    triton_mamba.conv_state_update in bf16: z and dt columns bit for bit, the conv columns within fp32
-    summation order, the slots' histories bit for bit, a padding row storing nothing; a CUDA-graph replay
-    equal to eager."""
-    from hybrid.ops import triton_mamba as tm
-    from hybrid.ops.triton_gemv import in_proj_conv, small_m_linear
-
-    g = torch.Generator(device=DEV).manual_seed(m + hidden)
-    n = inner + conv_dim + nh
-    x = torch.randn(m, hidden, generator=g, device=DEV).bfloat16()
-    w = (torch.randn(n, hidden, generator=g, device=DEV) * hidden ** -0.5).bfloat16()
-    cw = (torch.randn(conv_dim, 4, generator=g, device=DEV) * 0.5).bfloat16()
-    cb = torch.randn(conv_dim, generator=g, device=DEV).bfloat16()
-    state = torch.randn(m + 2, conv_dim, 3, generator=g, device=DEV).to(conv_dtype)
-    slots = torch.randperm(m + 1, generator=g, device=DEV)[:m].int()
-    slots[m // 2] = -1  # a padding row
-    ref_state = state.clone()
-    ref = small_m_linear(x, w, preload=False)
-    ref_conv = tm.conv_state_update(ref[:, inner:inner + conv_dim], ref_state, cw, cb, slots)
-    start_state = state.clone()
-    got = in_proj_conv(x, w, None, state, cw, cb, slots, inner, preload=False)
-    assert torch.equal(got[:, :inner], ref[:, :inner]) and torch.equal(got[:, inner + conv_dim:], ref[:, inner + conv_dim:])
-    torch.testing.assert_close(got[:, inner:inner + conv_dim].float(), ref_conv.float(), atol=2e-2, rtol=1.6e-2)
-    assert torch.equal(state, ref_state)
-    graph = torch.cuda.CUDAGraph()
-    state.copy_(start_state)
-    with torch.cuda.graph(graph):
-        out = in_proj_conv(x, w, None, state, cw, cb, slots, inner, preload=False)
-    state.copy_(start_state)  # (capture runs nothing, but leave no doubt)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, got) and torch.equal(state, ref_state)
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
