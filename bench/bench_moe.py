@@ -454,6 +454,9 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "moe_preload_ab": ("moe_preload", {"HYBRID_MOE_PRELOAD": "1"},
                        "a one-token step's two expert GEMMs on the one-token preloading kernel (HYBRID_MOE_PRELOAD=1: "
                        "whole expert slabs at once, the second GEMM's before its PDL wait)"),
+    "lm_head_preload_ab": ("lm_head_preload", {"HYBRID_LM_HEAD_PRELOAD": "1"},
+                           "a one-token step's LM head on the preloading linear, fp32 out (HYBRID_LM_HEAD_PRELOAD=1; "
+                           "default: cuBLAS)"),
     "gemv_preload_off_ab": ("gemv_preload_off", {"HYBRID_GEMV_PRELOAD": "0"},
                             "no preloading kernels (HYBRID_GEMV_PRELOAD=0; default: every projection of a one-token "
                             "step asks for its whole weight slab before its PDL wait)"),

@@ -449,6 +449,20 @@ def test_preloading_linear_matches_torch(m, n, k, block_n, bias, monkeypatch):
         assert torch.equal(small_m_linear(x[i:i + 1], w, b, block_n=block_n, preload=True), got[i:i + 1])
 
 
+def test_preloading_linear_writes_fp32_out():
+    """16-bit rows and weights, fp32 `out` (the LM head's logits, HYBRID_LM_HEAD_PRELOAD): the fp32 accumulator
+    stored as it is, not rounded to 16 bits first."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 200, generator=g).half()
+    w = (torch.randn(40, 200, generator=g) / 14).half()
+    out = torch.empty(1, 40, dtype=torch.float32)
+    got = small_m_linear(x, w, out=out, preload=True)
+    want = torch.nn.functional.linear(x.double(), w.double())
+    assert got is out
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, got.half().float())  # (fp16 rounding would lose bits)
+
+
 def test_preloading_switch_and_its_rows(monkeypatch):
     """One-token steps take the preloading kernels by default, every projection (preload_everywhere);
     HYBRID_GEMV_PRELOAD=1 keeps them to the Triton linear's own sites, =0 turns them off; a step of more rows

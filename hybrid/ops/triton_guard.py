@@ -73,6 +73,8 @@ again: benchmarks comparing both):
 - "moe_preload" (HYBRID_MOE_PRELOAD=1, off until measured): a one-token step's two expert GEMMs (16-bit experts,
   the naive layout) on triton_moe._one_token_experts_kernel: each program's whole expert slab at once, the
   second GEMM's before its PDL wait (the routing was written before the first), as the preloading linears do;
+- "lm_head_preload" (HYBRID_LM_HEAD_PRELOAD=1, off until measured): a one-token step's 16-bit LM head on the
+  preloading linear, its fp32 accumulator stored as the logits (hybrid/layers.logits_fp32; cuBLAS otherwise);
 - "fp8_gemv_full_k" (HYBRID_FP8_GEMV_FULL_K=1, off until measured): a preloading one-token step's FP8 projections
   on triton_fp8.fp8_gemv with all of K in one tile, so that their weight slabs too load before the PDL wait.
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
@@ -107,7 +109,8 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1"),
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1"),
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
-             "fp8_gemv_full_k": ("HYBRID_FP8_GEMV_FULL_K", "1"), "moe_preload": ("HYBRID_MOE_PRELOAD", "1")}
+             "fp8_gemv_full_k": ("HYBRID_FP8_GEMV_FULL_K", "1"), "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
+             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS
