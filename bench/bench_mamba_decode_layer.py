@@ -114,10 +114,10 @@ def chains(layer: Layer, h: torch.Tensor, slots: torch.Tensor) -> dict:
             return F.linear(normed_, L.w_out)
         return triton_gemv.small_m_linear(normed_, L.w_out, preload=preload)
 
-    # the preloading kernels (HYBRID_GEMV_PRELOAD), for steps of up to PRELOAD_MAX_ROWS tokens: the default tile
+    # the preloading kernels (HYBRID_GEMV_PRELOAD), for steps of up to preload_max_rows() tokens: the default tile
     # and half / twice its weights a program, at 4 and 8 warps
     preload = {}
-    if b <= triton_gemv.PRELOAD_MAX_ROWS:
+    if b <= triton_gemv.preload_max_rows():
         for elements in (8192, 16384, 32768):
             for warps in (4, 8):
                 tag = f"{elements // 1024}K weights {warps} warps"

@@ -457,6 +457,9 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "lm_head_preload_ab": ("lm_head_preload", {"HYBRID_LM_HEAD_PRELOAD": "1"},
                            "a one-token step's LM head on the preloading linear, fp32 out (HYBRID_LM_HEAD_PRELOAD=1; "
                            "default: cuBLAS)"),
+    "gemv_preload_rows_ab": ("gemv_preload_4_rows", {"HYBRID_GEMV_PRELOAD_ROWS": "4"},
+                             "the preloading kernels for steps of up to 4 tokens, a step's rows read together "
+                             "(HYBRID_GEMV_PRELOAD_ROWS=4; default: one-token steps)"),
     "gemv_preload_off_ab": ("gemv_preload_off", {"HYBRID_GEMV_PRELOAD": "0"},
                             "no preloading kernels (HYBRID_GEMV_PRELOAD=0; default: every projection of a one-token "
                             "step asks for its whole weight slab before its PDL wait)"),

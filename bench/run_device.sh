@@ -297,6 +297,21 @@ if [[ $what == moe-preload ]]; then
       | tee "$OUT/bench_moe_moe_preload.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
   cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_moe_preload.md" 2>/dev/null || true
 fi
+# preload-rows  the preloading kernels for steps of up to 4 tokens (HYBRID_GEMV_PRELOAD_ROWS=4): their GPU tests (<= 100
+#           s), one Mamba layer at batch 2 and 4 (bench_mamba_decode_layer.py), then Granite-Tiny decode at batch 1, 2, 4
+#           against the default, recaptured in one process
+if [[ $what == preload-rows ]]; then
+  start=$SECONDS
+  gpu_pytest 100 gpu_tests_preload_rows.log tests/gpu/test_triton_fused_ops_gpu.py -k "small_m_linear or in_proj_conv"
+  HYBRID_GEMV_PRELOAD_ROWS=4 timeout 120 python3 bench/bench_mamba_decode_layer.py --batches 2 4 \
+      --json "$OUT/mamba_decode_layer_rows.json" 2>&1 | tee "$OUT/mamba_decode_layer_rows.log" | grep -E "batch|rror" \
+      | cut -c1-3000 || rc=1
+  left=$(( ${PRELOAD_LIMIT:-550} - (SECONDS - start) ))
+  timeout $left python3 bench/bench_moe.py --shapes granite-tiny --batches 1 2 4 --gen-batches 1 --no-peer --no-eager \
+      --gemv-preload-rows-ab --out /tmp/moe_out --time-budget $((left - 10)) 2>&1 \
+      | tee "$OUT/bench_moe_preload_rows.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
+  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_preload_rows.md" 2>/dev/null || true
+fi
 # preload-fp8  the 8B shape in FP8 (pcpt), bf16 state, batch 1: the one-token FP8 GEMV as it is (K steps of 512) and
 #           with all of K in one tile (HYBRID_FP8_GEMV_FULL_K=1), one process each, a first untimed one taking the
 #           fresh machine's compiles (at a6b28ac the first of two 170 s processes ran out of time on them)

@@ -432,8 +432,8 @@ def test_k_pieces_and_preload_tiles():
 @pytest.mark.parametrize("bias", [False, True])
 def test_preloading_linear_matches_torch(m, n, k, block_n, bias, monkeypatch):
     """The preloading kernel: K in one, two and three pieces (the last masked past K), ragged N, up to 4 rows
-    (the layers send it one; the kernel takes ROWS); and a row's result does not depend on the others (each
-    row alone gives its bits)."""
+    (one by default; HYBRID_GEMV_PRELOAD_ROWS up to 4); and a row's result does not depend on the others'
+    values."""
     from hybrid.ops import triton_gemv
 
     monkeypatch.setattr(triton_gemv, "PRELOAD_MAX_ROWS", 4)
@@ -445,8 +445,10 @@ def test_preloading_linear_matches_torch(m, n, k, block_n, bias, monkeypatch):
     want = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
     assert got.shape == (m, n) and got.dtype == x.dtype
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
-    for i in range(m):
-        assert torch.equal(small_m_linear(x[i:i + 1], w, b, block_n=block_n, preload=True), got[i:i + 1])
+    if m > 1:  # other rows' values change no row's bits (ROWS > 1: the rows read together, reduced as one tile)
+        other = x.clone()
+        other[1:] = torch.randn(m - 1, k, generator=g)
+        assert torch.equal(small_m_linear(other, w, b, block_n=block_n, preload=True)[0], got[0])
 
 
 def test_preloading_linear_writes_fp32_out():
@@ -466,7 +468,8 @@ def test_preloading_linear_writes_fp32_out():
 def test_preloading_switch_and_its_rows(monkeypatch):
     """One-token steps take the preloading kernels by default, every projection (preload_everywhere);
     HYBRID_GEMV_PRELOAD=1 keeps them to the Triton linear's own sites, =0 turns them off; a step of more rows
-    keeps the tiled kernel, and is refused when the preloading one is asked for."""
+    keeps the tiled kernel, and is refused when the preloading one is asked for; HYBRID_GEMV_PRELOAD_ROWS takes
+    steps of up to 4 tokens."""
     from hybrid.ops import triton_guard
     from hybrid.ops.triton_gemv import PRELOAD_MAX_ROWS, preload_applies, preload_everywhere
 
@@ -480,6 +483,11 @@ def test_preloading_switch_and_its_rows(monkeypatch):
         triton_guard.reset_switches()
         assert (preload_applies(1), preload_everywhere(1)) == (applies, everywhere)
         assert not preload_applies(2) and not preload_everywhere(2)
+    monkeypatch.delenv("HYBRID_GEMV_PRELOAD")
     triton_guard.reset_switches()
     with pytest.raises(ValueError, match="preloading"):
         small_m_linear(torch.zeros(2, 8), torch.zeros(4, 8), preload=True)
+    monkeypatch.setenv("HYBRID_GEMV_PRELOAD_ROWS", "4")  # the A/B of steps of up to 4 tokens
+    assert preload_applies(4) and preload_everywhere(4) and not preload_applies(5)
+    monkeypatch.setenv("HYBRID_GEMV_PRELOAD_ROWS", "16")  # (the kernels take 4 at most)
+    assert preload_applies(4) and not preload_applies(5)

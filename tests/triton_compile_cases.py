@@ -239,11 +239,12 @@ for _pre_k in (256, 512, 2048):
 # (2048 + 1024), Nemotron-3-Nano's in_proj (2048 + 512 + 128), the 8B's out_proj (8192)
 for _bn, _k1, _k2, _k3 in ((8, 1024, 512, 0), (4, 2048, 1024, 0), (4, 2048, 512, 128), (2, 8192, 0, 0)):
     def _preload(bn=_bn, k1=_k1, k2=_k2, k3=_k3):
-        compiles(triton_gemv._preload_linear_kernel,
-                 dict(HAS_BIAS=False, ROWS=4, BLOCK_N=bn, K1=k1, K2=k2, K3=k3, PDL=True))
-        compiles(triton_gemv._preload_in_proj_conv_kernel,
-                 dict(HAS_BIAS=True, HAS_CONV_BIAS=True, KW=4, KWP=4, ROWS=4, BLOCK_N=bn, K1=k1, K2=k2, K3=k3,
-                      PDL=True), dict(idx_ptr="*i32", cs_ptr="*fp32"))
+        for rows in (1, 2, 4):  # one row (the default), and a step's rows read together
+            compiles(triton_gemv._preload_linear_kernel,
+                     dict(HAS_BIAS=False, ROWS=rows, BLOCK_N=bn, K1=k1, K2=k2, K3=k3, PDL=True))
+            compiles(triton_gemv._preload_in_proj_conv_kernel,
+                     dict(HAS_BIAS=True, HAS_CONV_BIAS=True, KW=4, KWP=4, ROWS=rows, BLOCK_N=bn, K1=k1, K2=k2,
+                          K3=k3, PDL=True), dict(idx_ptr="*i32", cs_ptr="*fp32"))
     CASES[f"preload_linears-k{_k1 + _k2 + _k3}"] = _preload
 
 

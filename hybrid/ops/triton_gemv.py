@@ -55,16 +55,25 @@ PREFETCH_ELEMENTS = 16384  # the slab's first BLOCK_N x PRE_K weights (32 KB in 
 # PRELOAD_ELEMENTS weights (32 KB in bf16, 64 registers a thread at 4 warps), is asked for before the PDL wait
 # and held in registers; the row is a dot product on CUDA cores (no tensor-core tile of 16 rows). Measured on an
 # H100 (bench/bench_mamba_decode_layer.py, 2026-12-06): at one row Granite-4.0-H-Tiny's out_proj 7.1 -> 4.0 us,
-# in_proj_conv 12.0 -> 8.5, the 8B's 152 MB in_proj 56.2 (cuBLAS) -> 49.0 (the card's copy rate). The kernels
-# take up to ROWS rows, each x row read after the wait in turn; at 4 rows that lost (Granite's in_proj_conv
-# 16.8 against 12.5 us), so the layers send them one-token steps only.
+# in_proj_conv 12.0 -> 8.5, the 8B's 152 MB in_proj 56.2 (cuBLAS) -> 49.0 (the card's copy rate). With each x row
+# read after the wait in turn, 4 rows lost (Granite's in_proj_conv 16.8 against 12.5 us), so the layers send them
+# one-token steps only; the kernels now read a step's rows together (ROWS > 1), which HYBRID_GEMV_PRELOAD_ROWS=4
+# takes for steps of up to 4 tokens (preload_max_rows: the A/B, not measured yet).
 PRELOAD_MAX_ROWS = 1
 PRELOAD_ELEMENTS = 16384
 
 
+def preload_max_rows() -> int:
+    """The most tokens a step may have for the preloading kernels: PRELOAD_MAX_ROWS, or HYBRID_GEMV_PRELOAD_ROWS
+    (2 or 4, at most 4: the A/B of steps of more rows, whose activation rows are read together after the wait).
+    Read at each call: a captured graph keeps what its capture read."""
+    value = os.environ.get("HYBRID_GEMV_PRELOAD_ROWS")
+    return min(4, max(1, int(value))) if value else PRELOAD_MAX_ROWS
+
+
 def preload_applies(rows: int) -> bool:
     """Whether a decode projection of `rows` tokens on the Triton linears takes the preloading kernels."""
-    return rows <= PRELOAD_MAX_ROWS and switch("gemv_preload")
+    return rows <= preload_max_rows() and switch("gemv_preload")
 
 
 def preload_everywhere(rows: int) -> bool:
@@ -250,16 +259,29 @@ if HAS_TRITON:
         return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
 
     @triton.jit
+    def _rows_piece(x_ptr, s_xm, M, w, k0, K, ROWS: tl.constexpr, KP: tl.constexpr):
+        """fp32 [ROWS, BLOCK_N]: rows m < M of x at columns [k0, k0 + KP) against a slab piece, the rows' loads
+        issued together (rows past M: no load, zero)."""
+        offs_m = tl.arange(0, ROWS)
+        offs_k = k0 + tl.arange(0, KP)
+        x = tl.load(x_ptr + offs_m[:, None] * s_xm + offs_k[None, :],
+                    mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+        return tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+
+    @triton.jit
     def _preloaded_rows(x_ptr, s_xm, M, K, w1, w2, w3, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                         K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr):
         """fp32 [ROWS, BLOCK_N]: rows m < M of x against the preloaded slab (each row's sum in a fixed order:
-        piece by piece, each a tree over its columns; rows past M are zero)."""
-        offs_m = tl.arange(0, ROWS)
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for m in tl.static_range(ROWS):
-            if m < M:
-                r = slab_dot(x_ptr + m * s_xm, w1, w2, w3, K, K1, K2, K3)
-                acc = tl.where(offs_m[:, None] == m, r[None, :], acc)
+        piece by piece, each a tree over its columns; rows past M are zero). ROWS > 1: every row's x is read at
+        once after the wait, and the pieces reduced as [ROWS, BLOCK_N, KP] products."""
+        if ROWS == 1:
+            acc = slab_dot(x_ptr, w1, w2, w3, K, K1, K2, K3)[None, :]
+        else:
+            acc = _rows_piece(x_ptr, s_xm, M, w1, 0, K, ROWS, K1)
+            if K2 > 0:
+                acc += _rows_piece(x_ptr, s_xm, M, w2, K1, K, ROWS, K2)
+            if K3 > 0:
+                acc += _rows_piece(x_ptr, s_xm, M, w3, K1 + K2, K, ROWS, K3)
         return acc
 
     @triton.jit(do_not_specialize=["M"])
@@ -423,9 +445,9 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     N = weight.shape[0]
     if preload is None:
         preload = preload_applies(M)
-    if M > (PRELOAD_MAX_ROWS if preload else MAX_ROWS):
-        raise ValueError(f"small_m_linear takes at most {PRELOAD_MAX_ROWS if preload else MAX_ROWS} rows "
-                         f"{'preloading' if preload else ''}, got {M}")
+    limit = preload_max_rows() if preload else MAX_ROWS
+    if M > limit:
+        raise ValueError(f"small_m_linear takes at most {limit} rows {'preloading' if preload else ''}, got {M}")
     if weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"shapes/strides: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} {weight.stride()}")
     if out is None:
@@ -435,7 +457,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         k1, k2, k3 = k_pieces(K)
         _preload_linear_kernel[(cdiv(N, block_n),)](
             x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
-            out.stride(0), HAS_BIAS=bias is not None, ROWS=PRELOAD_MAX_ROWS, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3,
+            out.stride(0), HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, K1=k1, K2=k2, K3=k3,
             num_warps=num_warps, **pdl_options(x.device),
         )
         return out
@@ -480,7 +502,7 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     C, W = conv_weight.shape
     if preload is None:
         preload = preload_applies(M)
-    if M > (PRELOAD_MAX_ROWS if preload else MAX_ROWS) or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
+    if M > (preload_max_rows() if preload else MAX_ROWS) or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"in_proj_conv: x {tuple(x.shape)} {x.stride()}, "
                          f"weight {tuple(weight.shape)} {weight.stride()}")
     if (W < 2 or conv_state.shape[1:] != (C, W - 1) or not 0 <= conv_start <= N - C or state_indices.shape != (M,)
@@ -496,7 +518,7 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             conv_bias if conv_bias is not None else conv_weight, state_indices, M, N, K, conv_start, C,
             x.stride(0), weight.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
             conv_state.stride(2), conv_weight.stride(0), HAS_BIAS=bias is not None,
-            HAS_CONV_BIAS=conv_bias is not None, KW=W, KWP=triton.next_power_of_2(W), ROWS=PRELOAD_MAX_ROWS,
+            HAS_CONV_BIAS=conv_bias is not None, KW=W, KWP=triton.next_power_of_2(W), ROWS=triton.next_power_of_2(M),
             BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=num_warps, **pdl_options(x.device),
         )
         return out

@@ -87,10 +87,11 @@ def test_engine_with_fused_ops(tiny_ckpt):
                                  (4096, 21504)])  # the MoE hybrids' projections, the 8B's out_proj and down_proj
 def test_small_m_linear_real_shapes(m, preload, n, k, monkeypatch):
     """The decode-sized Triton linear, tiled (prefetched first slab, PDL) and preloading (whole slab before the
-    PDL wait, rows on CUDA cores; the layers send it one row, the kernel takes up to ROWS), against cuBLAS in
-    bf16, each row alone bit for bit the rows together, and a chain of two (the second reads the first's
-    output) replayed from a CUDA graph equal to eager, bit for bit: the weight read before the wait must not
-    let an input be read early."""
+    PDL wait, rows on CUDA cores, a step's rows read together; one row by default, up to 4 with
+    HYBRID_GEMV_PRELOAD_ROWS), against cuBLAS in bf16, rows independent (the tiled kernel's row alone gives its
+    bits; the preloading one's other rows change no row's bits), and a chain of two (the second reads the
+    first's output) replayed from a CUDA graph equal to eager, bit for bit: the weight read before the wait must
+    not let an input be read early."""
     from hybrid.ops import triton_gemv
     from hybrid.ops.triton_gemv import small_m_linear
 
@@ -102,8 +103,13 @@ def test_small_m_linear_real_shapes(m, preload, n, k, monkeypatch):
     y = small_m_linear(x, w1, preload=preload)
     ref = torch.nn.functional.linear(x, w1)
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
-    for i in range(m):
-        assert torch.equal(small_m_linear(x[i:i + 1], w1, preload=preload), y[i:i + 1])
+    if not preload:  # the tiled kernel: a row alone gives its bits
+        for i in range(m):
+            assert torch.equal(small_m_linear(x[i:i + 1], w1, preload=preload), y[i:i + 1])
+    elif m > 1:  # the preloading one reads a step's rows together: other rows' values change no row's bits
+        other = x.clone()
+        other[1:] = torch.randn(m - 1, k, generator=g, device=DEV).bfloat16()
+        assert torch.equal(small_m_linear(other, w1, preload=True)[0], y[0])
     eager = small_m_linear(small_m_linear(x, w1, preload=preload), w2, preload=preload)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
