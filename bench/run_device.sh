@@ -312,6 +312,20 @@ if [[ $what == preload-rows ]]; then
       | tee "$OUT/bench_moe_preload_rows.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
   cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_preload_rows.md" 2>/dev/null || true
 fi
+# next-moe  everything written on 2026-12-06 for the MoE shapes in one call: the GPU tests of the preloading kernels
+#           (linears, in_proj_conv, one-token experts, LM head; the engine with each switch; <= 150 s), then Granite-Tiny
+#           and Nemotron-Nano at batch 1 and 4 with each A/B recaptured in its process: no preloading
+#           (HYBRID_GEMV_PRELOAD=0), the one-token expert kernel, the preloading LM head, steps of up to 4 tokens
+if [[ $what == next-moe ]]; then
+  start=$SECONDS
+  gpu_pytest 150 gpu_tests_next_moe.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_moe_gpu.py \
+      tests/gpu/test_lm_head_gpu.py -k "preload or small_m_linear or in_proj_conv or one_token_preloading"
+  left=$(( ${NEXT_LIMIT:-570} - (SECONDS - start) ))
+  timeout $left python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 4 --gen-batches 1 --no-peer \
+      --no-eager --gemv-preload-off-ab --moe-preload-ab --lm-head-preload-ab --gemv-preload-rows-ab --out /tmp/moe_out \
+      --time-budget $((left - 10)) 2>&1 | tee "$OUT/bench_moe_next.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
+  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_next.md" 2>/dev/null || true
+fi
 # preload-fp8  the 8B shape in FP8 (pcpt), bf16 state, batch 1: the one-token FP8 GEMV as it is (K steps of 512) and
 #           with all of K in one tile (HYBRID_FP8_GEMV_FULL_K=1), one process each, a first untimed one taking the
 #           fresh machine's compiles (at a6b28ac the first of two 170 s processes ran out of time on them)
