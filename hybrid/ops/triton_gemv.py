@@ -68,12 +68,16 @@ def preload_max_rows() -> int:
     (2 or 4, at most 4: the A/B of steps of more rows, whose activation rows are read together after the wait).
     Read at each call: a captured graph keeps what its capture read."""
     value = os.environ.get("HYBRID_GEMV_PRELOAD_ROWS")
-    return min(4, max(1, int(value))) if value else PRELOAD_MAX_ROWS
+    return min(PRELOAD_ROWS_CAP, max(1, int(value))) if value else PRELOAD_MAX_ROWS
+
+
+PRELOAD_ROWS_CAP = 4  # the kernels' most rows (a [rows, K] tile of x a piece)
 
 
 def preload_applies(rows: int) -> bool:
     """Whether a decode projection of `rows` tokens on the Triton linears takes the preloading kernels."""
-    return rows <= preload_max_rows() and switch("gemv_preload")
+    # (the cap first: every eager projection asks, and a prefill step's rows answer at once)
+    return rows <= PRELOAD_ROWS_CAP and rows <= preload_max_rows() and switch("gemv_preload")
 
 
 def preload_everywhere(rows: int) -> bool:
