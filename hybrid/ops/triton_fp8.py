@@ -35,6 +35,7 @@ import os
 
 import torch
 
+from hybrid.ops import triton_gemv
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, switch, tl, triton
 from hybrid.quantization import FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE
 from state_pool.util import cdiv
@@ -314,8 +315,6 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
     HYBRID_FP8_GEMV_FULL_K=1 a one-token step that preloads (triton_gemv.preload_applies, K <= GEMV_MAX_K) takes
     all of K in one step instead, as many columns as PRELOAD_ELEMENTS allows, 8 warps.
     `fma_quotient` / `hw_cast` (tests): as quantize_rows'."""
-    from hybrid.ops import triton_gemv
-
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]

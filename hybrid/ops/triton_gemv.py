@@ -60,6 +60,7 @@ PREFETCH_ELEMENTS = 16384  # the slab's first BLOCK_N x PRE_K weights (32 KB in 
 # one-token steps only; the kernels now read a step's rows together (ROWS > 1), which HYBRID_GEMV_PRELOAD_ROWS=4
 # takes for steps of up to 4 tokens (preload_max_rows: the A/B, not measured yet).
 PRELOAD_MAX_ROWS = 1
+PRELOAD_ROWS_CAP = 4  # the kernels' most rows (a [rows, K] tile of x a piece)
 PRELOAD_ELEMENTS = 16384
 
 
@@ -70,8 +71,6 @@ def preload_max_rows() -> int:
     value = os.environ.get("HYBRID_GEMV_PRELOAD_ROWS")
     return min(PRELOAD_ROWS_CAP, max(1, int(value))) if value else PRELOAD_MAX_ROWS
 
-
-PRELOAD_ROWS_CAP = 4  # the kernels' most rows (a [rows, K] tile of x a piece)
 
 
 def preload_applies(rows: int) -> bool:
