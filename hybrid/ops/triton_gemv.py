@@ -101,11 +101,18 @@ def k_pieces(K: int) -> tuple[int, int, int]:
 def preload_block_n(K: int, elements: int = PRELOAD_ELEMENTS) -> int:
     """Output columns a preloading program takes: the largest power of two (1 to 64) whose slab of
     k_pieces(K) columns holds at most `elements` weights (at least one column)."""
-    width = sum(k_pieces(K))
-    block_n = 1
-    while block_n < 64 and 2 * block_n * width <= elements:
-        block_n *= 2
-    return block_n
+    return preload_tiles(K, None, elements)[0]
+
+
+def preload_tiles(K: int, block_n: int | None = None, elements: int = PRELOAD_ELEMENTS) -> tuple[int, int, int, int]:
+    """(BLOCK_N, K1, K2, K3) of a preloading launch over K: `block_n` if given, else the widest that holds at
+    most `elements` weights a program (preload_block_n), and K's pieces (k_pieces)."""
+    pieces = k_pieces(K)
+    if block_n is None:
+        block_n = 1
+        while block_n < 64 and 2 * block_n * sum(pieces) <= elements:
+            block_n *= 2
+    return (block_n, *pieces)
 
 if HAS_TRITON:
     from hybrid.ops.triton_guard import pdl_wait
@@ -450,18 +457,17 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         preload = preload_applies(M)
     limit = preload_max_rows() if preload else MAX_ROWS
     if M > limit:
-        raise ValueError(f"small_m_linear takes at most {limit} rows {'preloading' if preload else ''}, got {M}")
+        raise ValueError(f"small_m_linear{' (preloading)' if preload else ''} takes at most {limit} rows, got {M}")
     if weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"shapes/strides: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} {weight.stride()}")
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if preload:
-        block_n = block_n or preload_block_n(K)
-        k1, k2, k3 = k_pieces(K)
+        block_n, k1, k2, k3 = preload_tiles(K, block_n)
         _preload_linear_kernel[(cdiv(N, block_n),)](
             x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
-            out.stride(0), HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, K1=k1, K2=k2, K3=k3,
-            num_warps=num_warps, **pdl_options(x.device),
+            out.stride(0), HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
+            K1=k1, K2=k2, K3=k3, num_warps=num_warps, **pdl_options(x.device),
         )
         return out
     if block_n is None:
@@ -505,7 +511,8 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     C, W = conv_weight.shape
     if preload is None:
         preload = preload_applies(M)
-    if M > (preload_max_rows() if preload else MAX_ROWS) or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:
+    if (M > (preload_max_rows() if preload else MAX_ROWS) or weight.shape[1] != K or x.stride(-1) != 1
+            or weight.stride(-1) != 1):
         raise ValueError(f"in_proj_conv: x {tuple(x.shape)} {x.stride()}, "
                          f"weight {tuple(weight.shape)} {weight.stride()}")
     if (W < 2 or conv_state.shape[1:] != (C, W - 1) or not 0 <= conv_start <= N - C or state_indices.shape != (M,)
@@ -514,15 +521,15 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                          f"conv_start {conv_start} of {N} columns, state_indices {tuple(state_indices.shape)}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if preload:
-        block_n = block_n or preload_block_n(K)
-        k1, k2, k3 = k_pieces(K)
+        block_n, k1, k2, k3 = preload_tiles(K, block_n)
         _preload_in_proj_conv_kernel[(cdiv(N, block_n),)](
             x, weight, bias if bias is not None else weight, out, conv_state, conv_weight,
             conv_bias if conv_bias is not None else conv_weight, state_indices, M, N, K, conv_start, C,
             x.stride(0), weight.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
             conv_state.stride(2), conv_weight.stride(0), HAS_BIAS=bias is not None,
-            HAS_CONV_BIAS=conv_bias is not None, KW=W, KWP=triton.next_power_of_2(W), ROWS=triton.next_power_of_2(M),
-            BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=num_warps, **pdl_options(x.device),
+            HAS_CONV_BIAS=conv_bias is not None, KW=W, KWP=triton.next_power_of_2(W),
+            ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=num_warps,
+            **pdl_options(x.device),
         )
         return out
     block_n = block_n or 32

@@ -397,8 +397,7 @@ def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early:
     """One of a one-token step's grouped GEMMs on _one_token_experts_kernel (see one_token_preload):
     _grouped_gemm's arguments, the naive layout's block_expert (the pairs' experts)."""
     n_out, K = out.shape[1], a.shape[1]
-    k1, k2, k3 = triton_gemv.k_pieces(K)
-    block_n = triton_gemv.preload_block_n(K, ONE_TOKEN_ELEMENTS // (2 if act == ACT_SILU_MUL else 1))
+    block_n, k1, k2, k3 = triton_gemv.preload_tiles(K, None, ONE_TOKEN_ELEMENTS // (2 if act == ACT_SILU_MUL else 1))
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
     _one_token_experts_kernel[(block_expert.shape[0] * cdiv(n_out, block_n),)](
         a, w, s_t, out, weights if weights is not None else out, block_expert, n_out, K, a_div, w.shape[0],
