@@ -453,12 +453,15 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "gemv_preload_sites_ab": ("gemv_preload_sites", {"HYBRID_GEMV_PRELOAD": "1"},
                               "the preloading kernels only where the Triton linear ran before them (in_proj_conv "
                               "within its size limit, the Mamba out_proj) (HYBRID_GEMV_PRELOAD=1)"),
-    "moe_preload_ab": ("moe_preload", {"HYBRID_MOE_PRELOAD": "1"},
-                       "a one-token step's two expert GEMMs on the one-token preloading kernel (HYBRID_MOE_PRELOAD=1: "
-                       "whole expert slabs at once, the second GEMM's before its PDL wait)"),
-    "lm_head_preload_ab": ("lm_head_preload", {"HYBRID_LM_HEAD_PRELOAD": "1"},
-                           "a one-token step's LM head on the preloading linear, fp32 out (HYBRID_LM_HEAD_PRELOAD=1; "
-                           "default: cuBLAS)"),
+    "moe_preload_off_ab": ("moe_preload_off", {"HYBRID_MOE_PRELOAD": "0"},
+                           "a one-token step's two expert GEMMs on the tiled grouped kernels (HYBRID_MOE_PRELOAD=0; "
+                           "default: the one-token preloading kernel, whole expert slabs at once)"),
+    "lm_head_preload_off_ab": ("lm_head_preload_off", {"HYBRID_LM_HEAD_PRELOAD": "0"},
+                               "a one-token step's LM head on cuBLAS (HYBRID_LM_HEAD_PRELOAD=0; default: the preloading "
+                               "linear, fp32 out)"),
+    "pdl_early_ab": ("pdl_early", {"HYBRID_PDL_EARLY": "1"},
+                     "each kernel lets the next start before its PDL wait, not after (HYBRID_PDL_EARLY=1: kernels "
+                     "launch two or more deep, their weight reads earlier)"),
     "gemv_preload_rows_ab": ("gemv_preload_4_rows", {"HYBRID_GEMV_PRELOAD_ROWS": "4"},
                              "the preloading kernels for steps of up to 4 tokens, a step's rows read together "
                              "(HYBRID_GEMV_PRELOAD_ROWS=4; default: one-token steps)"),

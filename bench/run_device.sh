@@ -283,57 +283,24 @@ if [[ $what == preload-default ]]; then
     fi
   done
 fi
-# moe-preload  a one-token step's expert GEMMs on the one-token preloading kernel (HYBRID_MOE_PRELOAD=1) and its LM
-#           head on the preloading linear (HYBRID_LM_HEAD_PRELOAD=1): their GPU tests and the engine with each (<= 120
-#           s), then the two MoE shapes at batch 1, each against the default, recaptured in one process a shape (the
-#           rest of ${PRELOAD_LIMIT:-550} s)
-if [[ $what == moe-preload ]]; then
+# pdl-early  each kernel letting the next start before its PDL wait (HYBRID_PDL_EARLY=1): the GPU tests of the engine
+#           with it (both expert paths) and of the preloading defaults (<= 150 s), the two MoE shapes at batch 1 and 8
+#           against the default, recaptured in one process a shape, then the 8B (bf16) at batch 1 and 8, a process each
+#           way, while ${PDL_LIMIT:-570} s last
+if [[ $what == pdl-early ]]; then
   start=$SECONDS
-  gpu_pytest 120 gpu_tests_moe_preload.log tests/gpu/test_moe_gpu.py tests/gpu/test_triton_fused_ops_gpu.py \
-      -k "one_token_preloading or moe_preload or lm_head"
-  left=$(( ${PRELOAD_LIMIT:-550} - (SECONDS - start) ))
-  timeout $left python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 --gen-batches 1 --no-peer \
-      --no-eager --moe-preload-ab --lm-head-preload-ab --out /tmp/moe_out --time-budget $((left - 10)) 2>&1 \
-      | tee "$OUT/bench_moe_moe_preload.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
-  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_moe_preload.md" 2>/dev/null || true
-fi
-# preload-rows  the preloading kernels for steps of up to 4 tokens (HYBRID_GEMV_PRELOAD_ROWS=4): their GPU tests (<= 100
-#           s), one Mamba layer at batch 2 and 4 (bench_mamba_decode_layer.py), then Granite-Tiny decode at batch 1, 2, 4
-#           against the default, recaptured in one process
-if [[ $what == preload-rows ]]; then
-  start=$SECONDS
-  gpu_pytest 100 gpu_tests_preload_rows.log tests/gpu/test_triton_fused_ops_gpu.py -k "small_m_linear or in_proj_conv"
-  HYBRID_GEMV_PRELOAD_ROWS=4 timeout 120 python3 bench/bench_mamba_decode_layer.py --batches 2 4 \
-      --json "$OUT/mamba_decode_layer_rows.json" 2>&1 | tee "$OUT/mamba_decode_layer_rows.log" | grep -E "batch|rror" \
-      | cut -c1-3000 || rc=1
-  left=$(( ${PRELOAD_LIMIT:-550} - (SECONDS - start) ))
-  timeout $left python3 bench/bench_moe.py --shapes granite-tiny --batches 1 2 4 --gen-batches 1 --no-peer --no-eager \
-      --gemv-preload-rows-ab --out /tmp/moe_out --time-budget $((left - 10)) 2>&1 \
-      | tee "$OUT/bench_moe_preload_rows.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
-  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_preload_rows.md" 2>/dev/null || true
-fi
-# next-moe  everything written on 2026-12-06 for the MoE shapes in one call: the GPU tests of the preloading kernels
-#           (linears, in_proj_conv, one-token experts, LM head; the engine with each switch; <= 150 s), then Granite-Tiny
-#           and Nemotron-Nano at batch 1 and 4 with each A/B recaptured in its process: no preloading
-#           (HYBRID_GEMV_PRELOAD=0), the one-token expert kernel, the preloading LM head, steps of up to 4 tokens
-if [[ $what == next-moe ]]; then
-  start=$SECONDS
-  gpu_pytest 150 gpu_tests_next_moe.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_moe_gpu.py \
-      tests/gpu/test_lm_head_gpu.py -k "preload or small_m_linear or in_proj_conv or one_token_preloading"
-  left=$(( ${NEXT_LIMIT:-570} - (SECONDS - start) ))
-  timeout $left python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 4 --gen-batches 1 --no-peer \
-      --no-eager --gemv-preload-off-ab --moe-preload-ab --lm-head-preload-ab --gemv-preload-rows-ab --out /tmp/moe_out \
-      --time-budget $((left - 10)) 2>&1 | tee "$OUT/bench_moe_next.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
-  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_next.md" 2>/dev/null || true
-fi
-# preload-fp8  the 8B shape in FP8 (pcpt), bf16 state, batch 1: the one-token FP8 GEMV as it is (K steps of 512) and
-#           with all of K in one tile (HYBRID_FP8_GEMV_FULL_K=1), one process each, a first untimed one taking the
-#           fresh machine's compiles (at a6b28ac the first of two 170 s processes ran out of time on them)
-if [[ $what == preload-fp8 ]]; then
-  for full_k in warm 0 1; do
-    HYBRID_FP8_GEMV_FULL_K=$full_k timeout ${FP8_LIMIT:-200} python3 bench/bench_decode.py --no-eager --no-prefill \
-        --ssm-dtype bfloat16 --fp8 pcpt --batches 1 --json "$OUT/decode_fp8_full_k_$full_k.json" 2>&1 \
-        | grep -v Warn | grep -E "batch|tok/s|rror" | tail -4 || rc=1
+  gpu_pytest 150 gpu_tests_pdl_early.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_moe_gpu.py \
+      tests/gpu/test_lm_head_gpu.py -k "pdl_early or preload_off or one_token_preloading or preloading_head"
+  timeout 330 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
+      --no-eager --pdl-early-ab --out /tmp/moe_out --time-budget 320 2>&1 \
+      | tee "$OUT/bench_moe_pdl_early.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
+  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_pdl_early.md" 2>/dev/null || true
+  for early in 1 0; do
+    left=$(( ${PDL_LIMIT:-570} - (SECONDS - start) ))
+    if (( left > 40 )); then
+      HYBRID_PDL_EARLY=$early timeout $left python3 bench/bench_decode.py --no-eager --no-prefill --batches 1 8 \
+          --json "$OUT/decode_8b_pdl_early_$early.json" 2>&1 | grep -v Warn | grep -E "batch|tok/s|rror" | tail -4 || rc=1
+    fi
   done
 fi
 # hit-check  a short call: the greedy launches' GPU tests (<= 60 s), bench_prefix_cache.py (the hit with varlen

@@ -51,8 +51,8 @@ def logits_fp32(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(h, weight)
     if switch("bf16_logits"):  # HYBRID_16BIT_LOGITS=1, on any device: 16-bit logits, widened after
         return F.linear(h, weight).float()
-    if (switch("lm_head_preload") and triton_gemv.preload_applies(h.shape[0]) and h.dim() == 2
-            and triton_gemv.eligible(h, weight)):  # HYBRID_LM_HEAD_PRELOAD=1: the preloading linear, fp32 out
+    if (switch("lm_head_preload") and triton_gemv.preload_everywhere(h.shape[0]) and h.dim() == 2
+            and triton_gemv.eligible(h, weight)):  # one-token steps (HYBRID_LM_HEAD_PRELOAD=0: cuBLAS): fp32 out
         out = torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32, device=h.device)
         return triton_gemv.small_m_linear(h, weight, out=out, preload=True)
     if h.is_cuda and _MM_OUT_DTYPE and h.dtype == weight.dtype and h.dtype in (torch.bfloat16, torch.float16):

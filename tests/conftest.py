@@ -36,6 +36,16 @@ def pytest_configure(config):
         pass
 
 
+@pytest.fixture(autouse=True)
+def kernel_switches_read_afresh():
+    """Each test reads the kernel switches from its own environment: one that set a variable and failed before
+    resetting them leaves no cached value to the tests after it."""
+    yield
+    from hybrid.ops import triton_guard
+
+    triton_guard.reset_switches()
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """tiny_ckpt(name) -> directory of the named checkpoint, built once per session."""

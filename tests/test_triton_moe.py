@@ -236,6 +236,7 @@ def test_one_token_routed_inside_the_gemms(monkeypatch, gated, shared, T):
     from hybrid.ops import triton_guard
 
     monkeypatch.setenv("HYBRID_MOE_ROUTE_IN_GEMM", "1")
+    monkeypatch.setenv("HYBRID_MOE_PRELOAD", "0")  # (the reference on the same tiled GEMMs, the same sums)
     triton_guard.reset_switches()
     launches = []
     real_route = troute.RouterLogits.route
@@ -282,10 +283,10 @@ def router_written(monkeypatch, x, w_up, w_down, gated, s_up, s_down, router):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("shared", [0, 2])
 def test_one_token_preloading_experts(monkeypatch, kind, gated, shared):
-    """HYBRID_MOE_PRELOAD=1: a one-token step's two GEMMs on the one-token kernel (whole expert slabs at once,
-    K in three pieces: 300 = 256 + 32 + 16 of 12) give the tiled kernels' output up to summation order, with and
-    without the shared expert's slices and the add; a two-token step keeps the tiled kernels (and so does an
-    explicit config)."""
+    """By default a one-token step's two GEMMs run on the one-token kernel (whole expert slabs at once, K in three
+    pieces: 300 = 256 + 32 + 16 of 12) and give the tiled kernels' output (HYBRID_MOE_PRELOAD=0) up to summation
+    order, with and without the shared expert's slices and the add; a two-token step keeps the tiled kernels
+    (and so does an explicit config)."""
     from hybrid.ops import triton_guard
 
     g = torch.Generator().manual_seed(shared * 10 + gated)
@@ -301,9 +302,13 @@ def test_one_token_preloading_experts(monkeypatch, kind, gated, shared):
         idx = torch.cat([idx, torch.arange(n_exp, n_exp + shared).expand(2, shared)], 1)
         w = torch.cat([w, torch.ones(2, shared)], 1)
     kw = dict(shared_up=s_up, shared_down=s_down)
-    want = [triton_moe.fused_experts(x[:t], w_up, w_down, idx[:t], w[:t], gated, add[:t], **kw) for t in (1, 2)]
-    monkeypatch.setenv("HYBRID_MOE_PRELOAD", "1")
+    monkeypatch.setenv("HYBRID_MOE_PRELOAD", "0")
     triton_guard.reset_switches()
+    try:
+        want = [triton_moe.fused_experts(x[:t], w_up, w_down, idx[:t], w[:t], gated, add[:t], **kw) for t in (1, 2)]
+    finally:
+        monkeypatch.delenv("HYBRID_MOE_PRELOAD")
+        triton_guard.reset_switches()
     calls = []
     real = triton_moe._one_token_gemm
     monkeypatch.setattr(triton_moe, "_one_token_gemm", lambda *a, **k: calls.append(k["early"]) or real(*a, **k))
@@ -315,7 +320,6 @@ def test_one_token_preloading_experts(monkeypatch, kind, gated, shared):
                                  **kw)
         assert calls == [False, True]
     finally:
-        monkeypatch.delenv("HYBRID_MOE_PRELOAD")
-        triton_guard.reset_switches()
+        monkeypatch.undo()
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(two, want[1])

@@ -19,7 +19,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from attention import triton_prefill  # noqa: E402
 from hybrid.ops import (  # noqa: E402
     triton_fp8, triton_gemv, triton_greedy, triton_mamba, triton_mamba_varlen, triton_moe, triton_moe_align,
-    triton_moe_route, triton_norm,
+    triton_guard, triton_moe_route, triton_norm,
 )
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -176,17 +176,6 @@ def _one_token_experts():
                  dict(w_ptr="*fp32", block_expert_ptr="*i32"))
 
 
-@case("fp8_gemv-preload")
-def _fp8_gemv_preload():
-    """A one-token step's preloading tile: all of K (the 8B's 4096 and 8192) in one step, 8 warps."""
-    for bn, bk in ((8, 4096), (4, 8192)):
-        for x_scale, quant in ((True, 0), (False, 0), (False, 2)):
-            compiles(triton_fp8._fp8_gemv_kernel,
-                     dict(HAS_X_SCALE=x_scale, QUANT=quant, FMA_QUOTIENT=True, HW_CAST=True, W_PER_ROW=True,
-                          HAS_BIAS=False, M_P=1, BLOCK_N=bn, BLOCK_K=bk, PDL=True),
-                     dict(FP8_PTRS, x_ptr="*fp8e4nv" if x_scale else "*bf16"), num_warps=8, num_stages=4)
-
-
 @case("router")
 def _router():
     compiles(triton_moe_route._router_partial_kernel, dict(BLOCK_E=16, BLOCK_K=64, PDL=True),
@@ -276,6 +265,24 @@ def _mamba_varlen():
     for state in ("*fp32", "*bf16"):
         compiles(tv._row_states_kernel, dict(BLOCK_T=32, BLOCK_P=32, BLOCK_N=128, IEEE=False, PDL=True),
                  dict(VARLEN_PTRS, dt_ptr="*fp32", a_ptr="*fp32", state_ptr=state))
+
+
+@case("pdl_early")
+def _pdl_early():
+    """HYBRID_PDL_EARLY=1's constexpr (PDL_EARLY): the next kernel let start before the wait, in the PTX of a
+    preloading linear (after its slab's loads are asked for) and of a norm; PDL=True lets it start after."""
+    for pdl, first in ((triton_guard.PDL_EARLY, "griddepcontrol.launch_dependents"), (True, "griddepcontrol.wait")):
+        for fn, constexprs in ((triton_gemv._preload_linear_kernel,
+                                dict(HAS_BIAS=False, ROWS=1, BLOCK_N=8, K1=1024, K2=512, K3=0, PDL=pdl)),
+                               (triton_norm._rms_norm_kernel, dict(BLOCK=4096, W_FP32=True, PDL=pdl))):
+            sig = signature(fn, constexprs, {})
+            ptx = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=SM90,
+                                 options=dict(num_warps=4, num_stages=3, launch_pdl=True)).asm["ptx"]
+            order = [line.strip().split(";")[0] for line in ptx.splitlines() if "griddepcontrol" in line]
+            assert order == [first, next(o for o in ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+                                         if o != first)], order
+            if fn is triton_gemv._preload_linear_kernel and pdl == triton_guard.PDL_EARLY:
+                assert ptx.index("ld.global") < ptx.index("griddepcontrol.launch_dependents")
 
 
 @case("greedy")

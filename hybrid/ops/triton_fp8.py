@@ -35,8 +35,7 @@ import os
 
 import torch
 
-from hybrid.ops import triton_gemv
-from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, switch, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 from hybrid.quantization import FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE
 from state_pool.util import cdiv
 
@@ -292,11 +291,6 @@ GEMV_MAX_ROWS = 4  # fp8_gemv reduces the weight tile against each row in turn
 # the Mamba in_proj) and lost on the MLP down_proj's K 21504 (38.5 against 26.3 us for the GEMM alone), so
 # Fp8Linear sends it the projections of K up to this many columns
 GEMV_MAX_K = 8192
-# With HYBRID_FP8_GEMV_FULL_K=1 (the "fp8_gemv_full_k" switch, off: not measured in the model yet) a one-token
-# step that preloads (triton_gemv.preload_applies) takes all of K in one tile of at most this many e4m3 weights a
-# program, at 8 warps (at 4, the dynamic quantization's tile spills at 4 x 8192 and 8 x 4096): its whole weight
-# slab then loads before the PDL wait, as triton_gemv's preloading kernels do (+7.5% on the bf16 8B at batch 1).
-PRELOAD_ELEMENTS = 32768
 
 
 def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -311,17 +305,13 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
     in the same launch: the same bytes as quantize_rows then this, one launch fewer. `weight_scale`:
     fp32, 0-dim or [N]. The default tiling is the H200's best at one row over the 8B projections
     (bench/bench_fp8_gemv.py, 2026-12-02): 8 columns a program up to 8192 outputs, 16 up to 20480, 32
-    above, K steps of 512 (2.0-3.9 TB/s, against 1.0-2.6 for the 16 x 256 it replaced), 4 warps; with
-    HYBRID_FP8_GEMV_FULL_K=1 a one-token step that preloads (triton_gemv.preload_applies, K <= GEMV_MAX_K) takes
-    all of K in one step instead, as many columns as PRELOAD_ELEMENTS allows, 8 warps.
+    above, K steps of 512 (2.0-3.9 TB/s, against 1.0-2.6 for the 16 x 256 it replaced), 4 warps (all of K
+    in one tile, 8 warps, so that a slab loads before the PDL wait as triton_gemv's preloading kernels do,
+    lost 21% on the FP8 8B at batch 1 on an H100: BENCHMARKS.md).
     `fma_quotient` / `hw_cast` (tests): as quantize_rows'."""
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]
-    if block_k is None and K <= GEMV_MAX_K and switch("fp8_gemv_full_k") and triton_gemv.preload_applies(M):
-        block_k = triton.next_power_of_2(K)
-        block_n = block_n or max(1, PRELOAD_ELEMENTS // block_k)
-        num_warps = num_warps or 8
     block_k = block_k or 512
     num_warps = num_warps or 4
     if block_n is None:

@@ -61,21 +61,25 @@ def test_the_16bit_switch_gives_the_rounded_logits(monkeypatch):
 
 @pytest.mark.parametrize("vocab,hidden", [(100352, 1536), (131072, 2688)])
 def test_the_preloading_head_of_a_one_token_step(vocab, hidden, monkeypatch):
-    """HYBRID_LM_HEAD_PRELOAD=1: a one-token step's logits from the preloading linear's fp32 accumulator, within
-    summation order of cuBLAS's (the same fp32 sums, another order), replayed from a graph equal to eager; a
-    step of two rows keeps cuBLAS's, bit for bit."""
+    """By default a one-token step's logits come from the preloading linear's fp32 accumulator, within summation
+    order of cuBLAS's (HYBRID_LM_HEAD_PRELOAD=0: the same fp32 sums, another order), replayed from a graph equal
+    to eager; a step of two rows keeps cuBLAS's, bit for bit."""
     from hybrid.ops import triton_guard
 
     g = torch.Generator(device="cuda").manual_seed(vocab)
     h = torch.randn(2, hidden, generator=g, device="cuda").bfloat16()
     w = (torch.randn(vocab, hidden, generator=g, device="cuda") * hidden ** -0.5).bfloat16()
+    monkeypatch.setenv("HYBRID_LM_HEAD_PRELOAD", "0")
+    triton_guard.reset_switches()
     want = logits_fp32(h, w)
-    monkeypatch.setenv("HYBRID_LM_HEAD_PRELOAD", "1")
+    want_one = logits_fp32(h[:1], w)
+    monkeypatch.delenv("HYBRID_LM_HEAD_PRELOAD")
     triton_guard.reset_switches()
     try:
         one = logits_fp32(h[:1], w)
         assert one.dtype == torch.float32 and one.shape == (1, vocab)
-        torch.testing.assert_close(one, want[:1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(one, want_one, rtol=1e-4, atol=1e-4)
+        assert not torch.equal(one, want_one)  # (another kernel: another summation order)
         assert torch.equal(logits_fp32(h, w), want)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -84,5 +88,4 @@ def test_the_preloading_head_of_a_one_token_step(vocab, hidden, monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(out, one)
     finally:
-        monkeypatch.delenv("HYBRID_LM_HEAD_PRELOAD")
         triton_guard.reset_switches()

@@ -263,9 +263,9 @@ def test_one_token_routed_inside_the_gemms(shape, monkeypatch):
 
 @pytest.mark.parametrize("shape", ["nemotron-nano", "granite-tiny", "granite-small"])
 def test_one_token_preloading_experts(shape, monkeypatch):
-    """HYBRID_MOE_PRELOAD=1: a one-token step's two expert GEMMs on the one-token kernel (whole expert slabs
-    at once, the second GEMM's before its PDL wait) at the released expert shapes with the shared expert's
-    slices: the tiled kernels' output in bf16 up to summation order, and a captured graph replayed on new
+    """A one-token step's two expert GEMMs on the one-token kernel (the default: whole expert slabs at once, the
+    second GEMM's before its PDL wait) at the released expert shapes with the shared expert's slices: the tiled
+    kernels' output (HYBRID_MOE_PRELOAD=0) in bf16 up to summation order, and a captured graph replayed on new
     tokens and new routings (written by a kernel before the GEMMs, as the routing launch writes them) equal
     to eager, bit for bit."""
     from hybrid.ops import triton_guard, triton_moe
@@ -288,8 +288,10 @@ def test_one_token_preloading_experts(shape, monkeypatch):
         w.copy_(new_w)
         return triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, shared_up=s_up, shared_down=s_down)
 
+    monkeypatch.setenv("HYBRID_MOE_PRELOAD", "0")
+    triton_guard.reset_switches()
     tiled = step()
-    monkeypatch.setenv("HYBRID_MOE_PRELOAD", "1")
+    monkeypatch.delenv("HYBRID_MOE_PRELOAD")
     triton_guard.reset_switches()
     try:
         got = step()
@@ -311,5 +313,4 @@ def test_one_token_preloading_experts(shape, monkeypatch):
             torch.cuda.synchronize()
             assert torch.equal(out, eager)
     finally:
-        monkeypatch.delenv("HYBRID_MOE_PRELOAD")
         triton_guard.reset_switches()
