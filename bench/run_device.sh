@@ -303,6 +303,25 @@ if [[ $what == pdl-early ]]; then
     fi
   done
 fi
+# gated-preload  a one-token step's gated norm inside its preloading out_proj (HYBRID_GATED_PRELOAD=1): its GPU tests
+#           (the kernel at the released shapes, the engine with it; <= 120 s), the two MoE shapes at batch 1 and 8
+#           against the default, recaptured in one process a shape, then the 8B (bf16) at batch 1, a process each way,
+#           while ${GATED_LIMIT:-570} s last
+if [[ $what == gated-preload ]]; then
+  start=$SECONDS
+  gpu_pytest 120 gpu_tests_gated_preload.log tests/gpu/test_triton_fused_ops_gpu.py -k "gated_out_proj or gated_preload"
+  timeout 300 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
+      --no-eager --gated-preload-ab --out /tmp/moe_out --time-budget 290 2>&1 \
+      | tee "$OUT/bench_moe_gated_preload.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
+  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_gated_preload.md" 2>/dev/null || true
+  for gated in 1 0; do
+    left=$(( ${GATED_LIMIT:-570} - (SECONDS - start) ))
+    if (( left > 40 )); then
+      HYBRID_GATED_PRELOAD=$gated timeout $left python3 bench/bench_decode.py --no-eager --no-prefill --batches 1 \
+          --json "$OUT/decode_8b_gated_preload_$gated.json" 2>&1 | grep -v Warn | grep -E "batch|tok/s|rror" | tail -4 || rc=1
+    fi
+  done
+fi
 # hit-check  a short call: the greedy launches' GPU tests (<= 60 s), bench_prefix_cache.py (the hit with varlen
 #            snapshots, <= 200 s), then the snapshot GPU tests in what is left of ${HIT_CHECK_LIMIT:-320} s
 if [[ $what == hit-check ]]; then

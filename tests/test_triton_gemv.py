@@ -491,3 +491,46 @@ def test_preloading_switch_and_its_rows(monkeypatch):
     assert preload_applies(4) and preload_everywhere(4) and not preload_applies(5)
     monkeypatch.setenv("HYBRID_GEMV_PRELOAD_ROWS", "16")  # (the kernels take 4 at most)
     assert preload_applies(4) and not preload_applies(5)
+
+
+@pytest.mark.parametrize("k,groups", [(3072, 1), (1600, 1), (768, 3), (1024, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_preloading_gated_out_proj(k, groups, bias):
+    """preload_gated_linear (HYBRID_GATED_PRELOAD): a one-token step's out_proj of the gated norm in one launch
+    equals the norm's launch (triton_norm.gated_rms_norm, which rounds where this does) then the projection, up
+    to the order of the sums: one group over K's pieces (3072 = 2048 + 1024; 1600 with a masked tail) and groups
+    of a power-of-two width within the pieces (768 = 512 + 256 in groups of 256; 1024 in 8)."""
+    from hybrid.ops import triton_norm
+    from hybrid.ops.triton_gemv import preload_gated_group, preload_gated_linear
+
+    g = torch.Generator().manual_seed(k + groups)
+    n = 24
+    y = torch.randn(1, k, generator=g).half()
+    z = (torch.randn(1, k, generator=g) * 2).half()
+    y[0, : k // groups] *= 8  # (groups of other scales: a norm over the wrong group would show)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).half()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+    b = torch.randn(n, generator=g).half() if bias else None
+    assert preload_gated_group(k, groups) == (0 if groups == 1 else k // groups)
+    got = preload_gated_linear(y, z, nw, 1e-5, groups, w, b, block_n=8)
+    normed = triton_norm.gated_rms_norm(y, z, nw, 1e-5, groups)
+    want = torch.nn.functional.linear(normed.double(), w.double(), b.double() if bias else None)
+    assert got.shape == (1, n) and got.dtype == torch.float16
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3)
+    one_group = torch.nn.functional.linear(triton_norm.gated_rms_norm(y, z, nw, 1e-5, 1).double(), w.double())
+    if groups > 1:
+        assert not torch.allclose(got.double() - (b.double() if bias else 0), one_group, rtol=2e-2, atol=2e-2)
+
+
+def test_preloading_gated_out_proj_refuses_what_it_cannot_group():
+    """Groups whose width is not a power of two, or that straddle K's pieces, and more than one row: a clear
+    error (the layers check preload_gated_group first and keep the two launches)."""
+    from hybrid.ops.triton_gemv import preload_gated_group, preload_gated_linear
+
+    assert preload_gated_group(1536, 2) is None  # groups of 768
+    assert preload_gated_group(3072, 2) is None  # 1536-wide groups across the 2048 + 1024 pieces
+    y = torch.randn(2, 1024).half()
+    with pytest.raises(ValueError, match="one row"):
+        preload_gated_linear(y, y, torch.ones(1024).half(), 1e-5, 1, torch.randn(8, 1024).half())
+    with pytest.raises(ValueError, match="groups"):
+        preload_gated_linear(y[:1], y[:1], torch.ones(1024).half(), 1e-5, 3, torch.randn(8, 1024).half())

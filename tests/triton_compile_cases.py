@@ -267,6 +267,17 @@ def _mamba_varlen():
                  dict(VARLEN_PTRS, dt_ptr="*fp32", a_ptr="*fp32", state_ptr=state))
 
 
+@case("preload_gated")
+def _preload_gated():
+    """The one-token gated out_proj at the released shapes' tiles: Granite-4.0-H-Tiny's (K 3072 = 2048 + 1024,
+    one group), Nemotron-3-Nano's (K 4096 in 8 groups of 512) and the 8B's (K 8192 in 8 groups of 1024)."""
+    for k, groups in ((3072, 1), (4096, 8), (8192, 8)):
+        bn, k1, k2, k3 = triton_gemv.preload_tiles(k)
+        compiles(triton_gemv._preload_gated_linear_kernel,
+                 dict(HAS_BIAS=False, GP=triton_gemv.preload_gated_group(k, groups), BLOCK_N=bn, K1=k1, K2=k2, K3=k3,
+                      PDL=True))
+
+
 @case("pdl_early")
 def _pdl_early():
     """HYBRID_PDL_EARLY=1's constexpr (PDL_EARLY): the next kernel let start before the wait, in the PTX of a

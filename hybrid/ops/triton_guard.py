@@ -12,7 +12,7 @@ kernel of the step writes (weights, a layer's own Mamba state, which only that l
 writes) may be read before the wait, so that its latency overlaps the previous kernel's tail.
 HYBRID_PDL=0 turns it off.
 
-HYBRID_PDL_EARLY=1 (off until measured) lets the next kernel start before the wait rather than after it
+HYBRID_PDL_EARLY=1 (off: measured neutral) lets the next kernel start before the wait rather than after it
 (PDL_EARLY): a kernel then launches while the kernels before it still run, two or more deep, and starts its
 weight reads earlier. What it reads before its wait must then be written by no earlier kernel of the step
 at all: weights and a layer's own state are; a grouped expert GEMM's routing, which the second GEMM reads
@@ -84,7 +84,12 @@ again: benchmarks comparing both):
   Nemotron-3-Nano's;
 - "lm_head_preload" (on by default; HYBRID_LM_HEAD_PRELOAD=0 turns it off): a one-token step's 16-bit LM head on
   the preloading linear, its fp32 accumulator stored as the logits (hybrid/layers.logits_fp32; cuBLAS
-  otherwise): +1.1% / +0.8% at batch 1 on the same two shapes.
+  otherwise): +1.1% / +0.8% at batch 1 on the same two shapes;
+- "gated_preload" (HYBRID_GATED_PRELOAD=1, off until measured): a one-token step's Mamba gated norm inside its
+  preloading out_proj (triton_gemv.preload_gated_linear: every program takes the groups' mean squares itself
+  after the wait), one launch fewer a Mamba layer;
+- "pdl_early" (HYBRID_PDL_EARLY=1): see above; measured neutral (H100, batch 1: Granite-4.0-H-Tiny -1.0%,
+  Nemotron-3-Nano -0.6%, the 8B +0.4%), so off.
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) "decode_linear" loses 37-45% at batch 1 and "norm_router" is neutral.
 """
@@ -118,7 +123,8 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1"),
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
-             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "pdl_early": ("HYBRID_PDL_EARLY", "1")}
+             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "pdl_early": ("HYBRID_PDL_EARLY", "1"),
+             "gated_preload": ("HYBRID_GATED_PRELOAD", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
                   "moe_preload", "lm_head_preload"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
