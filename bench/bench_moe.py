@@ -459,12 +459,6 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "lm_head_preload_off_ab": ("lm_head_preload_off", {"HYBRID_LM_HEAD_PRELOAD": "0"},
                                "a one-token step's LM head on cuBLAS (HYBRID_LM_HEAD_PRELOAD=0; default: the preloading "
                                "linear, fp32 out)"),
-    "pdl_early_ab": ("pdl_early", {"HYBRID_PDL_EARLY": "1"},
-                     "each kernel lets the next start before its PDL wait, not after (HYBRID_PDL_EARLY=1: kernels "
-                     "launch two or more deep, their weight reads earlier)"),
-    "gated_preload_ab": ("gated_preload", {"HYBRID_GATED_PRELOAD": "1"},
-                         "a one-token step's Mamba gated norm inside its preloading out_proj (HYBRID_GATED_PRELOAD=1: "
-                         "one launch fewer a Mamba layer)"),
     "gemv_preload_rows_ab": ("gemv_preload_4_rows", {"HYBRID_GEMV_PRELOAD_ROWS": "4"},
                              "the preloading kernels for steps of up to 4 tokens, a step's rows read together "
                              "(HYBRID_GEMV_PRELOAD_ROWS=4; default: one-token steps)"),

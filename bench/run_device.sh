@@ -283,45 +283,6 @@ if [[ $what == preload-default ]]; then
     fi
   done
 fi
-# pdl-early  each kernel letting the next start before its PDL wait (HYBRID_PDL_EARLY=1): the GPU tests of the engine
-#           with it (both expert paths) and of the preloading defaults (<= 150 s), the two MoE shapes at batch 1 and 8
-#           against the default, recaptured in one process a shape, then the 8B (bf16) at batch 1 and 8, a process each
-#           way, while ${PDL_LIMIT:-570} s last
-if [[ $what == pdl-early ]]; then
-  start=$SECONDS
-  gpu_pytest 150 gpu_tests_pdl_early.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_moe_gpu.py \
-      tests/gpu/test_lm_head_gpu.py -k "pdl_early or preload_off or one_token_preloading or preloading_head"
-  timeout 330 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
-      --no-eager --pdl-early-ab --out /tmp/moe_out --time-budget 320 2>&1 \
-      | tee "$OUT/bench_moe_pdl_early.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
-  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_pdl_early.md" 2>/dev/null || true
-  for early in 1 0; do
-    left=$(( ${PDL_LIMIT:-570} - (SECONDS - start) ))
-    if (( left > 40 )); then
-      HYBRID_PDL_EARLY=$early timeout $left python3 bench/bench_decode.py --no-eager --no-prefill --batches 1 8 \
-          --json "$OUT/decode_8b_pdl_early_$early.json" 2>&1 | grep -v Warn | grep -E "batch|tok/s|rror" | tail -4 || rc=1
-    fi
-  done
-fi
-# gated-preload  a one-token step's gated norm inside its preloading out_proj (HYBRID_GATED_PRELOAD=1): its GPU tests
-#           (the kernel at the released shapes, the engine with it; <= 120 s), the two MoE shapes at batch 1 and 8
-#           against the default, recaptured in one process a shape, then the 8B (bf16) at batch 1, a process each way,
-#           while ${GATED_LIMIT:-570} s last
-if [[ $what == gated-preload ]]; then
-  start=$SECONDS
-  gpu_pytest 120 gpu_tests_gated_preload.log tests/gpu/test_triton_fused_ops_gpu.py -k "gated_out_proj or gated_preload"
-  timeout 300 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
-      --no-eager --gated-preload-ab --out /tmp/moe_out --time-budget 290 2>&1 \
-      | tee "$OUT/bench_moe_gated_preload.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
-  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_gated_preload.md" 2>/dev/null || true
-  for gated in 1 0; do
-    left=$(( ${GATED_LIMIT:-570} - (SECONDS - start) ))
-    if (( left > 40 )); then
-      HYBRID_GATED_PRELOAD=$gated timeout $left python3 bench/bench_decode.py --no-eager --no-prefill --batches 1 \
-          --json "$OUT/decode_8b_gated_preload_$gated.json" 2>&1 | grep -v Warn | grep -E "batch|tok/s|rror" | tail -4 || rc=1
-    fi
-  done
-fi
 # hit-check  a short call: the greedy launches' GPU tests (<= 60 s), bench_prefix_cache.py (the hit with varlen
 #            snapshots, <= 200 s), then the snapshot GPU tests in what is left of ${HIT_CHECK_LIMIT:-320} s
 if [[ $what == hit-check ]]; then

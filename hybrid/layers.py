@@ -178,16 +178,8 @@ class Mamba2Mixer(nn.Module):
     def project_out(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """out_proj(gated_norm(y, z)) in `dtype`. A decode-sized step on the Triton linear
         (HYBRID_DECODE_LINEAR=triton) with the norm-then-weight gate takes both in one launch
-        (triton_gemv.gated_norm_linear), and so does a one-token step under HYBRID_GATED_PRELOAD=1 on the preloading
-        kernel (triton_gemv.preload_gated_linear), unless tensor parallelism splits the groups or the projection."""
+        (triton_gemv.gated_norm_linear), unless tensor parallelism splits the groups or the projection."""
         cfg, proj = self.cfg, self.out_proj
-        if (self.fused and type(proj) is Linear and proj.fused and self.norm_stats is None and cfg.gate == GATE_THEN_NORM
-                and z.shape[0] == 1 and switch("gated_preload") and triton_gemv.preload_everywhere(1)
-                and triton_gemv.eligible(z, proj.weight) and self.norm_weight.dtype == dtype == proj.weight.dtype
-                and y.stride(-1) == 1 and triton_gemv.preload_gated_group(y.shape[1], cfg.n_groups) is not None):
-            # a one-token step: the gated norm inside the preloading out_proj (HYBRID_GATED_PRELOAD=1)
-            return triton_gemv.preload_gated_linear(y, z, self.norm_weight, cfg.norm_eps, cfg.n_groups, proj.weight,
-                                                    proj.bias)
         if (self.fused and type(proj) is Linear and proj.fused and self.norm_stats is None
                 and cfg.gate == GATE_THEN_NORM and switch("decode_linear") and triton_gemv.eligible(z, proj.weight)
                 and self.norm_weight.dtype == dtype == proj.weight.dtype and y.stride(-1) == 1

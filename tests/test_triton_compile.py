@@ -44,7 +44,7 @@ NAMES = ["moe_gemm-decode-act0-early0", "moe_gemm-decode-act0-early1", "moe_gemm
          "moe_gemm-decode-act0-early1-fp8", "moe_gemm-decode-act1-early0-fp8", "moe_gemm-decode-act2-early0-fp8",
          "moe_gemm-prefill_gated-act0-early1-fp8", "moe_gemm-prefill_gated-act1-early0-fp8",
          "moe_gemm-prefill_gated-act2-early0-fp8", "moe_gemm-routed-nemotron", "moe_gemm-routed-granite",
-         "moe_gemm-tuned0", "router", "counting_alignment", "greedy", "pdl_early", "preload_gated",
+         "moe_gemm-tuned0", "router", "counting_alignment", "greedy",
          "norm_router-fp32",
          "norm_router-bf16", "norms", "decode_linears-pre256", "decode_linears-pre512", "decode_linears-pre2048",
          "preload_linears-k1536", "preload_linears-k3072", "preload_linears-k2688", "preload_linears-k8192",

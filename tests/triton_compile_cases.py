@@ -19,7 +19,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from attention import triton_prefill  # noqa: E402
 from hybrid.ops import (  # noqa: E402
     triton_fp8, triton_gemv, triton_greedy, triton_mamba, triton_mamba_varlen, triton_moe, triton_moe_align,
-    triton_guard, triton_moe_route, triton_norm,
+    triton_moe_route, triton_norm,
 )
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -265,35 +265,6 @@ def _mamba_varlen():
     for state in ("*fp32", "*bf16"):
         compiles(tv._row_states_kernel, dict(BLOCK_T=32, BLOCK_P=32, BLOCK_N=128, IEEE=False, PDL=True),
                  dict(VARLEN_PTRS, dt_ptr="*fp32", a_ptr="*fp32", state_ptr=state))
-
-
-@case("preload_gated")
-def _preload_gated():
-    """The one-token gated out_proj at the released shapes' tiles: Granite-4.0-H-Tiny's (K 3072 = 2048 + 1024,
-    one group), Nemotron-3-Nano's (K 4096 in 8 groups of 512) and the 8B's (K 8192 in 8 groups of 1024)."""
-    for k, groups in ((3072, 1), (4096, 8), (8192, 8)):
-        bn, k1, k2, k3 = triton_gemv.preload_tiles(k)
-        compiles(triton_gemv._preload_gated_linear_kernel,
-                 dict(HAS_BIAS=False, GP=triton_gemv.preload_gated_group(k, groups), BLOCK_N=bn, K1=k1, K2=k2, K3=k3,
-                      PDL=True))
-
-
-@case("pdl_early")
-def _pdl_early():
-    """HYBRID_PDL_EARLY=1's constexpr (PDL_EARLY): the next kernel let start before the wait, in the PTX of a
-    preloading linear (after its slab's loads are asked for) and of a norm; PDL=True lets it start after."""
-    for pdl, first in ((triton_guard.PDL_EARLY, "griddepcontrol.launch_dependents"), (True, "griddepcontrol.wait")):
-        for fn, constexprs in ((triton_gemv._preload_linear_kernel,
-                                dict(HAS_BIAS=False, ROWS=1, BLOCK_N=8, K1=1024, K2=512, K3=0, PDL=pdl)),
-                               (triton_norm._rms_norm_kernel, dict(BLOCK=4096, W_FP32=True, PDL=pdl))):
-            sig = signature(fn, constexprs, {})
-            ptx = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=SM90,
-                                 options=dict(num_warps=4, num_stages=3, launch_pdl=True)).asm["ptx"]
-            order = [line.strip().split(";")[0] for line in ptx.splitlines() if "griddepcontrol" in line]
-            assert order == [first, next(o for o in ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
-                                         if o != first)], order
-            if fn is triton_gemv._preload_linear_kernel and pdl == triton_guard.PDL_EARLY:
-                assert ptx.index("ld.global") < ptx.index("griddepcontrol.launch_dependents")
 
 
 @case("greedy")

@@ -58,7 +58,8 @@ PREFETCH_ELEMENTS = 16384  # the slab's first BLOCK_N x PRE_K weights (32 KB in 
 # in_proj_conv 12.0 -> 8.5, the 8B's 152 MB in_proj 56.2 (cuBLAS) -> 49.0 (the card's copy rate). With each x row
 # read after the wait in turn, 4 rows lost (Granite's in_proj_conv 16.8 against 12.5 us), so the layers send them
 # one-token steps only; the kernels now read a step's rows together (ROWS > 1), which HYBRID_GEMV_PRELOAD_ROWS=4
-# takes for steps of up to 4 tokens (preload_max_rows: the A/B, not measured yet).
+# takes for steps of up to 4 tokens (preload_max_rows: the A/B; in the model at batch 4 it lost 5.6% on
+# Granite-4.0-H-Tiny and 7.2% on Nemotron-3-Nano on an H100, so it stays off).
 PRELOAD_MAX_ROWS = 1
 PRELOAD_ROWS_CAP = 4  # the kernels' most rows (a [rows, K] tile of x a piece)
 PRELOAD_ELEMENTS = 16384
@@ -306,76 +307,6 @@ if HAS_TRITON:
         offs_m = tl.arange(0, ROWS)
         _store_rows(acc, bias_ptr, y_ptr, offs_m, offs_n, offs_m < M, mask_n, s_ym, HAS_BIAS)
 
-    @triton.jit
-    def _gated_piece(y_row, z_row, k0, K, KP: tl.constexpr):
-        """h = y * silu(z) in fp32 at columns [k0, k0 + KP) of one row (triton_norm's gated norm's h; zero past K)."""
-        offs_k = k0 + tl.arange(0, KP)
-        y = tl.load(y_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        z = tl.load(z_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        return y * (z / (1.0 + tl.exp(-z)))
-
-    @triton.jit
-    def _group_sq(h, KP: tl.constexpr, GP: tl.constexpr):
-        """The sums of h's squares: one (GP 0, the row one group) or one a group of GP columns [KP // GP]."""
-        if GP == 0:
-            sq = tl.sum(h * h, axis=0)
-        else:
-            sq = tl.sum(tl.reshape(h * h, [KP // GP, GP]), axis=1)
-        return sq
-
-    @triton.jit
-    def _normed_piece_dot(h, sq, nw_ptr, w, k0, K, group, eps, KP: tl.constexpr, GP: tl.constexpr):
-        """fp32 [BLOCK_N]: the gated norm's output at columns [k0, k0 + KP) (h over the root of its group's mean
-        square plus eps, r rounded to the norm weight's dtype, the product stored in it, as
-        triton_norm.gated_rms_norm does) against a slab piece; sq: _group_sq's sums (the whole row's if GP 0)."""
-        offs_k = k0 + tl.arange(0, KP)
-        if GP == 0:
-            r = h / tl.sqrt(sq / group + eps)
-        else:
-            r = tl.reshape(tl.reshape(h, [KP // GP, GP]) / tl.sqrt(sq / group + eps)[:, None], [KP])
-        nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0)
-        x = (nw.to(tl.float32) * r.to(nw.dtype).to(tl.float32)).to(nw.dtype).to(tl.float32)
-        return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-
-    @triton.jit
-    def _preload_gated_linear_kernel(y_ptr, z_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, N, K, group, eps, s_wn,
-                                     HAS_BIAS: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
-                                     K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
-        # out = gated_rms_norm(y, z) @ w.T (+ bias) for one row: the slab before the wait, as in
-        # _preload_linear_kernel; after it every program reads the row's y and z (K each, from L2), takes the
-        # groups' sums of squares itself and normalises its columns: the gated norm's own launch gone
-        offs_n, mask_n, w1, w2, w3 = _preload_slab(w_ptr, N, K, s_wn, BLOCK_N, K1, K2, K3)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        pdl_wait(PDL)
-        h1 = _gated_piece(y_ptr, z_ptr, 0, K, K1)
-        sq1 = _group_sq(h1, K1, GP)
-        h2 = h1
-        h3 = h1
-        sq2 = sq1
-        sq3 = sq1
-        if K2 > 0:
-            h2 = _gated_piece(y_ptr, z_ptr, K1, K, K2)
-            sq2 = _group_sq(h2, K2, GP)
-        if K3 > 0:
-            h3 = _gated_piece(y_ptr, z_ptr, K1 + K2, K, K3)
-            sq3 = _group_sq(h3, K3, GP)
-        if GP == 0:  # one group: the row's sum, piece by piece
-            if K2 > 0:
-                sq1 += sq2
-            if K3 > 0:
-                sq1 += sq3
-            sq2 = sq1
-            sq3 = sq1
-        acc = _normed_piece_dot(h1, sq1, nw_ptr, w1, 0, K, group, eps, K1, GP)
-        if K2 > 0:
-            acc += _normed_piece_dot(h2, sq2, nw_ptr, w2, K1, K, group, eps, K2, GP)
-        if K3 > 0:
-            acc += _normed_piece_dot(h3, sq3, nw_ptr, w3, K1 + K2, K, group, eps, K3, GP)
-        if HAS_BIAS:
-            acc += bias
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-
     @triton.jit(do_not_specialize=["M"])
     def _preload_in_proj_conv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cs_ptr, cw_ptr, cb_ptr, idx_ptr, M, N, K, C0,
                                      CD, s_xm, s_wn, s_ym, s_cs_slot, s_cs_c, s_cs_k, s_cw_c,
@@ -548,47 +479,6 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
-    )
-    return out
-
-
-def preload_gated_group(K: int, n_groups: int) -> int | None:
-    """preload_gated_linear's GP for a row of K channels in n_groups groups: 0 for one group, the group's width
-    where it is a power of two that divides each of K's pieces (k_pieces), else None (not served)."""
-    if n_groups == 1:
-        return 0
-    group = K // n_groups
-    if K % n_groups or group & (group - 1) or any(p % group for p in k_pieces(K) if p):
-        return None
-    return group
-
-
-def preload_gated_linear(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, n_groups: int,
-                         weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                         block_n: int | None = None) -> torch.Tensor:
-    """A one-token step's Mamba out_proj(gated_rms_norm(y, z)) in one preloading launch: y, z [1, K] (the SSM
-    output and the gate), norm_weight [K] in weight's dtype, n_groups groups of K / n_groups channels
-    (preload_gated_group must serve them), weight [N, K] (+ bias). Every program loads its weight slab before
-    the PDL wait, then reads the row's y and z and computes the groups' mean squares itself. The gated norm's
-    output is rounded where triton_norm.gated_rms_norm rounds it; its sums of squares are taken in another
-    order (piece by piece), so equal to the two launches up to that."""
-    require(__name__)
-    M, K = y.shape
-    N = weight.shape[0]
-    gp = preload_gated_group(K, n_groups)
-    if (M != 1 or z.shape != (M, K) or norm_weight.shape != (K,) or weight.shape[1] != K or gp is None
-            or norm_weight.dtype != weight.dtype
-            or any(t.stride(-1) != 1 for t in (y, z, norm_weight, weight))):
-        raise ValueError(f"preload_gated_linear: y {tuple(y.shape)}, z {tuple(z.shape)}, norm_weight "
-                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
-                         f"{n_groups} groups (one row, last dims contiguous, groups of a power-of-two width within "
-                         f"K's pieces {k_pieces(K)} or one group)")
-    out = torch.empty(M, N, dtype=weight.dtype, device=y.device)
-    block_n, k1, k2, k3 = preload_tiles(K, block_n)
-    _preload_gated_linear_kernel[(cdiv(N, block_n),)](
-        y, z, norm_weight, weight, bias if bias is not None else weight, out, N, K, K // n_groups, eps,
-        weight.stride(0), HAS_BIAS=bias is not None, GP=gp, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=4,
-        **pdl_options(y.device),
     )
     return out
 

@@ -12,13 +12,6 @@ kernel of the step writes (weights, a layer's own Mamba state, which only that l
 writes) may be read before the wait, so that its latency overlaps the previous kernel's tail.
 HYBRID_PDL=0 turns it off.
 
-HYBRID_PDL_EARLY=1 (off: measured neutral) lets the next kernel start before the wait rather than after it
-(PDL_EARLY): a kernel then launches while the kernels before it still run, two or more deep, and starts its
-weight reads earlier. What it reads before its wait must then be written by no earlier kernel of the step
-at all: weights and a layer's own state are; a grouped expert GEMM's routing, which the second GEMM reads
-before its wait, is written by the kernel before the first, so the first launches with
-pdl_options(device, late=True) and lets the second start only after its own wait (the router done).
-
 Kernel switches (`switch(name)`), read from the environment once (`reset_switches()` reads them
 again: benchmarks comparing both):
 - "decode_linear" (HYBRID_DECODE_LINEAR=triton): decode-sized projections on the Triton linear
@@ -84,12 +77,7 @@ again: benchmarks comparing both):
   Nemotron-3-Nano's;
 - "lm_head_preload" (on by default; HYBRID_LM_HEAD_PRELOAD=0 turns it off): a one-token step's 16-bit LM head on
   the preloading linear, its fp32 accumulator stored as the logits (hybrid/layers.logits_fp32; cuBLAS
-  otherwise): +1.1% / +0.8% at batch 1 on the same two shapes;
-- "gated_preload" (HYBRID_GATED_PRELOAD=1, off until measured): a one-token step's Mamba gated norm inside its
-  preloading out_proj (triton_gemv.preload_gated_linear: every program takes the groups' mean squares itself
-  after the wait), one launch fewer a Mamba layer;
-- "pdl_early" (HYBRID_PDL_EARLY=1): see above; measured neutral (H100, batch 1: Granite-4.0-H-Tiny -1.0%,
-  Nemotron-3-Nano -0.6%, the 8B +0.4%), so off.
+  otherwise): +1.1% / +0.8% at batch 1 on the same two shapes.
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) "decode_linear" loses 37-45% at batch 1 and "norm_router" is neutral.
 """
@@ -123,8 +111,7 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1"),
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
-             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "pdl_early": ("HYBRID_PDL_EARLY", "1"),
-             "gated_preload": ("HYBRID_GATED_PRELOAD", "1")}
+             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
                   "moe_preload", "lm_head_preload"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
@@ -173,14 +160,12 @@ def reset_switches() -> None:
 
 
 _pdl_by_device: dict = {}
-PDL_EARLY = 2  # the PDL constexpr of HYBRID_PDL_EARLY=1: the next kernel may start before this one's wait
 
 
-def pdl_options(device, late: bool = False) -> dict:
+def pdl_options(device) -> dict:
     """Launch keyword arguments for a kernel with a `PDL: tl.constexpr` parameter that begins with
     pdl_wait(PDL): PDL on CUDA devices of compute capability 9.0 or newer, off elsewhere (the CPU
-    interpreter, older GPUs, HYBRID_PDL=0). `late`: the next kernel starts only after this one's wait
-    even under HYBRID_PDL_EARLY=1 (it reads before its own wait what the kernel before this one writes)."""
+    interpreter, older GPUs, HYBRID_PDL=0)."""
     key = (device.type, device.index)
     if key not in _pdl_by_device:
         import torch
@@ -188,22 +173,17 @@ def pdl_options(device, late: bool = False) -> dict:
         on = (device.type == "cuda" and os.environ.get("HYBRID_PDL", "1") != "0"
               and os.environ.get("TRITON_INTERPRET", "0") != "1"
               and torch.cuda.get_device_capability(device)[0] >= 9)
-        after_wait = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
-        early = {"PDL": PDL_EARLY, "launch_pdl": True} if on and switch("pdl_early") else after_wait
-        _pdl_by_device[key] = (early, after_wait)
-    return _pdl_by_device[key][1 if late else 0]
+        _pdl_by_device[key] = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return _pdl_by_device[key]
 
 
 if HAS_TRITON:
 
     @triton.jit
     def pdl_wait(PDL: tl.constexpr):
-        """Wait for the previous kernel to complete (and its writes to be visible), and let the next
-        kernel start: after the wait, or before it with PDL == PDL_EARLY (see the module docstring).
-        A no-op when PDL is off."""
+        """Wait for the previous kernel to complete (and its writes to be visible), then let the
+        next kernel start: see the module docstring. A no-op when PDL is off. (Letting it start before
+        the wait, kernels launching two or more deep, was measured neutral: BENCHMARKS.md.)"""
         if PDL:
-            if PDL == 2:  # PDL_EARLY
-                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            if PDL != 2:
-                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_launch_dependents()

@@ -351,15 +351,14 @@ _NOT_ROUTED = dict(ROUTED=False, R_TOP_K=1, R_KP=1, R_EP=1, R_SIGMOID=False, R_H
 
 def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div, act, cfg, narrow: bool,
                   early_b: bool = False, w_scale: torch.Tensor | None = None,
-                  routed: tuple | None = None, before_early: bool = False) -> None:
+                  routed: tuple | None = None) -> None:
     """One grouped GEMM launch. `shared`: (tensor, row stride, pseudo-expert stride, up-row offset)
     or None. `narrow`: halve BLOCK_N (down to 16) while the launch has under two programs per SM,
     so that a decode step with few pairs still streams the weights from every SM. `early_b`: the
     blocks were aligned before the previous launch (the second GEMM): see _moe_gemm_kernel.
     `w_scale` [E, rows of w] fp32: w is FP8 (e4m3) with these per-row scales. `routed` (a first GEMM only):
     (RouterLogits, top_idx, top_w) of a one-token step routed inside the kernel (ROUTED), which writes
-    top_idx / top_w for the second. `before_early`: the next launch is an early_b one, which reads the
-    blocks before its wait, so this one lets it start only after its own wait (pdl_options' `late`)."""
+    top_idx / top_w for the second."""
     n_out = out.shape[1]
     nb = block_expert.shape[0]
     bm, bn, bk, gm, warps, stages = launch_config(cfg, act, a.element_size(), nb, n_out, narrow, sm_count(a.device))
@@ -370,7 +369,7 @@ def _grouped_gemm(a, w, shared, out, weights, pairs, block_expert, total, a_div,
         r_args, consts = (*r_args, top_idx, top_w), dict(consts, ROUTED=True)
     else:
         r_args, consts = (out, out, 0, 0, 1.0, block_expert, out), _NOT_ROUTED
-    pdl = pdl_options(a.device, late=before_early)
+    pdl = pdl_options(a.device)
     _moe_gemm_kernel[(nb * cdiv(n_out, bn),)](
         a, w, s_t, out, weights if weights is not None else out, pairs, block_expert, total,
         w_scale if w_scale is not None else out, n_out, a.shape[1], out.shape[0], a_div, nb, w.shape[0],
@@ -404,7 +403,7 @@ def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early:
         a, w, s_t, out, weights if weights is not None else out, block_expert, n_out, K, a_div, w.shape[0],
         a.stride(0), w.stride(0), w.stride(1), s_sn, s_se, s_up, out.stride(0), ACT=act, MUL_W=weights is not None,
         HAS_SHARED=shared is not None, EARLY=early, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=4,
-        **pdl_options(a.device, late=not early),  # (the first lets the second start after its wait: see EARLY)
+        **pdl_options(a.device),
     )
 
 
@@ -551,8 +550,7 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
         pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
         h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
         _grouped_gemm(x, w_up, up_shared, h, None, pairs, block_expert, total, top_k,
-                      ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale, routed=routed,
-                      before_early=routed is None)
+                      ACT_SILU_MUL if gated else ACT_RELU2, cfg_up, narrow, w_scale=up_scale, routed=routed)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)
         # (routed: the blocks' experts and weights come from the first GEMM, so the second reads them after its wait)
         _grouped_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), pairs, block_expert, total, 1,

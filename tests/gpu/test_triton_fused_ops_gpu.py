@@ -121,40 +121,6 @@ def test_small_m_linear_real_shapes(m, preload, n, k, monkeypatch):
         assert torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("n,k,groups", [(1536, 3072, 1), (2688, 4096, 8), (4096, 8192, 8)])
-def test_preloading_gated_out_proj_real_shapes(n, k, groups):
-    """The one-token gated out_proj (HYBRID_GATED_PRELOAD) at Granite-4.0-H-Tiny's, Nemotron-3-Nano's and the 8B's
-    Mamba out_proj: the gated norm's launch then the preloading linear, in bf16, up to the order of the sums of
-    squares; and after a kernel that writes y and z (as the SSM update and in_proj do), replayed from a CUDA graph
-    equal to eager, bit for bit: the slab read before the wait must not let y or z be read early."""
-    from hybrid.ops import triton_gemv
-
-    g = torch.Generator(device=DEV).manual_seed(n + k)
-    y = torch.randn(1, k, generator=g, device=DEV).bfloat16()
-    z = (torch.randn(1, k, generator=g, device=DEV) * 2).bfloat16()
-    nw = (1 + 0.1 * torch.randn(k, generator=g, device=DEV)).bfloat16()
-    w = (torch.randn(n, k, generator=g, device=DEV) * k ** -0.5).bfloat16()
-    two = triton_gemv.small_m_linear(tn.gated_rms_norm(y, z, nw, 1e-5, groups), w, preload=True)
-    got = triton_gemv.preload_gated_linear(y, z, nw, 1e-5, groups, w)
-    assert ((got.float() - two.float()).norm() / two.float().norm()).item() < 1e-2
-    src_y, src_z = y.clone(), z.clone()
-
-    def step():
-        y.copy_(src_y * 1.5)  # (a kernel before writes y and z)
-        z.copy_(tn.rms_norm(src_z, nw, 1e-5, False))
-        return triton_gemv.preload_gated_linear(y, z, nw, 1e-5, groups, w)
-
-    eager = step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-
-
 @pytest.mark.parametrize("m,preload", [(1, False), (3, False), (16, False), (1, True), (4, True)])
 @pytest.mark.parametrize("hidden,inner,conv_dim,nh,conv_dtype", [
     (1536, 3072, 3328, 48, torch.bfloat16),  # Granite-4.0-H-Tiny's Mamba in_proj
@@ -280,9 +246,7 @@ SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router
                "route_in_gemm": {"HYBRID_MOE_ROUTE_IN_GEMM": "1"},
                "moe_three_launches": {"HYBRID_NORM_ROUTER": "1", "HYBRID_MOE_ROUTE_IN_GEMM": "1"},
                "gemv_preload_sites": {"HYBRID_GEMV_PRELOAD": "1"}, "gemv_preload_off": {"HYBRID_GEMV_PRELOAD": "0"},
-               "moe_preload_off": {"HYBRID_MOE_PRELOAD": "0"}, "lm_head_preload_off": {"HYBRID_LM_HEAD_PRELOAD": "0"},
-               "pdl_early": {"HYBRID_PDL_EARLY": "1"}, "gated_preload": {"HYBRID_GATED_PRELOAD": "1"},
-               "pdl_early_tiled_experts": {"HYBRID_PDL_EARLY": "1", "HYBRID_MOE_PRELOAD": "0"}}
+               "moe_preload_off": {"HYBRID_MOE_PRELOAD": "0"}, "lm_head_preload_off": {"HYBRID_LM_HEAD_PRELOAD": "0"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
@@ -297,9 +261,7 @@ def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switc
     HYBRID_NORM_ROUTER=1 (the router logits of the norm's launch routed in the GEMM), the preloading linears kept
     to the Triton linear's sites (HYBRID_GEMV_PRELOAD=1) and off (=0), a one-token step's expert GEMMs on
     the tiled kernels rather than the one-token preloading kernel (HYBRID_MOE_PRELOAD=0), its LM head on cuBLAS
-    rather than the preloading linear (HYBRID_LM_HEAD_PRELOAD=0), each kernel letting the next start before its
-    PDL wait (HYBRID_PDL_EARLY=1; with the tiled expert GEMMs too, whose second reads the routing before its
-    wait), the gated norm inside a one-token step's preloading out_proj (HYBRID_GATED_PRELOAD=1), under CUDA graphs,
+    rather than the preloading linear (HYBRID_LM_HEAD_PRELOAD=0), under CUDA graphs,
     the prompts together and the first alone (batch-1 decode): every token the default engine's greedy
     choice given the same prefix (or a bf16 near-tie). NemotronH without group masking, so that its
     router is the Triton one."""
