@@ -82,7 +82,7 @@ class Experts(nn.Module):
         first: dict[tuple, int] = {}
         for T in range(1, max_tokens + 1):
             plan = triton_moe.launch_plan(T, self.top_k, E, self.shared_slices(shared, T), hidden, inter,
-                                          self.gated, element_size, sms)
+                                          self.gated, element_size, sms, self.fp8)
             first.setdefault(plan, T)
         return sorted(first.values())
 

@@ -17,15 +17,20 @@ from hybrid.ops import triton_moe_align as talign  # noqa: E402
 
 
 class LaunchSpy:
-    """Stands in for _moe_gemm_kernel: records each launch's tile options, runs nothing."""
+    """Stands in for _moe_gemm_kernel (or, one_token, for _one_token_experts_kernel): records each launch's tile
+    options, runs nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, one_token: bool = False) -> None:
         self.launches: list[tuple] = []
+        self.one_token = one_token
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            self.launches.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["GROUP_M"], kw["num_warps"],
-                                  kw["num_stages"]))
+            if self.one_token:
+                self.launches.append(("one_token", kw["BLOCK_N"], kw["K1"], kw["K2"], kw["K3"]))
+            else:
+                self.launches.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["GROUP_M"], kw["num_warps"],
+                                      kw["num_stages"]))
         return launch
 
 
@@ -38,6 +43,7 @@ def _moe_cfg(E: int, top_k: int, inter: int, shared: int) -> MoEConfig:
 def test_launch_plan_is_what_fused_experts_launches(monkeypatch, gated, dtype):
     E, top_k, H, inter, S = 8, 2, 32, 16, 2
     spy = LaunchSpy()
+    one_token_spy = LaunchSpy(one_token=True)
     methods = []
     real_align = talign.align
 
@@ -46,6 +52,7 @@ def test_launch_plan_is_what_fused_experts_launches(monkeypatch, gated, dtype):
         return real_align(ids, num_experts, block_m, "torch")  # (the layout only: torch ops on CPU)
 
     monkeypatch.setattr(triton_moe, "_moe_gemm_kernel", spy)
+    monkeypatch.setattr(triton_moe, "_one_token_experts_kernel", one_token_spy)
     monkeypatch.setattr(talign, "align", align)
     w_up = torch.zeros(E, (2 if gated else 1) * inter, H, dtype=dtype)
     w_down = torch.zeros(E, H, inter, dtype=dtype)
@@ -57,13 +64,17 @@ def test_launch_plan_is_what_fused_experts_launches(monkeypatch, gated, dtype):
             top_idx = torch.arange(T * k).reshape(T, k) % (E + shared)
             top_w = torch.ones(T, k)
             spy.launches.clear()
+            one_token_spy.launches.clear()
             methods.clear()
             triton_moe.fused_experts(torch.zeros(T, H, dtype=dtype), w_up, w_down, top_idx, top_w, gated,
                                      shared_up=s_up if shared else None, shared_down=s_down if shared else None,
                                      defer_sum=True)
             method, up, down, has_shared = triton_moe.launch_plan(T, top_k, E, shared, H, inter, gated,
                                                                   dtype.itemsize, 132)
-            assert (methods, spy.launches, has_shared) == ([method], [up, down], bool(shared)), T
+            launches = spy.launches + one_token_spy.launches
+            # (the one-token kernel, the default for a 16-bit step of one token, aligns nothing)
+            assert (methods or [method], launches, has_shared) == ([method], [up, down], bool(shared)), T
+            assert (up[0] == "one_token") == (T == 1 and not methods), T
 
 
 def _plans(experts: Experts, shared, max_tokens: int) -> dict:

@@ -458,15 +458,20 @@ def _gemm_choice(T: int, top_k: int, E: int, S: int, H: int, inter: int, gated: 
 
 
 def launch_plan(T: int, top_k: int, num_experts: int, num_shared: int, hidden: int, inter: int, gated: bool,
-                element_size: int, sms: int) -> tuple:
+                element_size: int, sms: int, fp8: bool = False) -> tuple:
     """What a fused_experts call of T tokens compiles for (without `config` / `align_method`): the
-    alignment method and both GEMMs' launch configurations, and whether the shared expert joins.
+    alignment method and both GEMMs' launch configurations (the one-token kernel's tiles, marked
+    "one_token", where one_token_preload takes the step), and whether the shared expert joins.
     `top_k` counts the routed experts only; num_shared: the slices the shared expert joins as at this T
     (Experts.shared_slices). Steps with the same plan meet the same Triton specialisations."""
     k = top_k + num_shared
     n = T * k
     cfg_up, cfg_down, method, narrow = _gemm_choice(T, k, num_experts, num_shared, hidden, inter, gated)
     method = method or triton_moe_align.pick_method(n)
+    if one_token_preload(T, method, fp8, routed=switch("moe_route_in_gemm")):
+        up = triton_gemv.preload_tiles(hidden, None, ONE_TOKEN_ELEMENTS // (2 if gated else 1))
+        return method, ("one_token", *up), ("one_token", *triton_gemv.preload_tiles(inter, None, ONE_TOKEN_ELEMENTS)), \
+            num_shared > 0
     nb = triton_moe_align.max_blocks(n, num_experts + num_shared, cfg_up[0])
     up = launch_config(cfg_up, ACT_SILU_MUL if gated else ACT_RELU2, element_size, nb, inter, narrow, sms)
     down = launch_config(cfg_down, ACT_NONE, element_size, nb, hidden, narrow, sms)
