@@ -283,6 +283,15 @@ if [[ $what == preload-default ]]; then
     fi
   done
 fi
+# moe-targets  the MoE targets' shapes at the batch sizes still short of them (Granite-Tiny and Nemotron-Nano, batch 1
+#           and 8, graphs, the default kernels, generate at batch 1): one short call (~3-4 minutes on a fresh machine)
+#           for an H200 figure when one is lent
+if [[ $what == moe-targets ]]; then
+  timeout 330 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
+      --no-eager --out /tmp/moe_out --time-budget 320 2>&1 | tee "$OUT/bench_moe_targets.log" \
+      | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
+  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_targets.md" 2>/dev/null || true
+fi
 # hit-check  a short call: the greedy launches' GPU tests (<= 60 s), bench_prefix_cache.py (the hit with varlen
 #            snapshots, <= 200 s), then the snapshot GPU tests in what is left of ${HIT_CHECK_LIMIT:-320} s
 if [[ $what == hit-check ]]; then
