@@ -393,11 +393,17 @@ def one_token_preload(T: int, align_method: str, fp8: bool, routed: bool) -> boo
     return T == 1 and align_method == "naive" and not fp8 and not routed and switch("moe_preload")
 
 
+def one_token_tiles(K: int, swiglu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, K1, K2, K3) of a one-token expert GEMM over K (SwiGLU: the gate and up slabs share a program's
+    ONE_TOKEN_ELEMENTS)."""
+    return triton_gemv.preload_tiles(K, None, ONE_TOKEN_ELEMENTS // (2 if swiglu else 1))
+
+
 def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early: bool) -> None:
     """One of a one-token step's grouped GEMMs on _one_token_experts_kernel (see one_token_preload):
     _grouped_gemm's arguments, the naive layout's block_expert (the pairs' experts)."""
     n_out, K = out.shape[1], a.shape[1]
-    block_n, k1, k2, k3 = triton_gemv.preload_tiles(K, None, ONE_TOKEN_ELEMENTS // (2 if act == ACT_SILU_MUL else 1))
+    block_n, k1, k2, k3 = one_token_tiles(K, act == ACT_SILU_MUL)
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
     _one_token_experts_kernel[(block_expert.shape[0] * cdiv(n_out, block_n),)](
         a, w, s_t, out, weights if weights is not None else out, block_expert, n_out, K, a_div, w.shape[0],
@@ -469,9 +475,8 @@ def launch_plan(T: int, top_k: int, num_experts: int, num_shared: int, hidden: i
     cfg_up, cfg_down, method, narrow = _gemm_choice(T, k, num_experts, num_shared, hidden, inter, gated)
     method = method or triton_moe_align.pick_method(n)
     if one_token_preload(T, method, fp8, routed=switch("moe_route_in_gemm")):
-        up = triton_gemv.preload_tiles(hidden, None, ONE_TOKEN_ELEMENTS // (2 if gated else 1))
-        return method, ("one_token", *up), ("one_token", *triton_gemv.preload_tiles(inter, None, ONE_TOKEN_ELEMENTS)), \
-            num_shared > 0
+        up, down = one_token_tiles(hidden, gated), one_token_tiles(inter, False)
+        return method, ("one_token", *up), ("one_token", *down), num_shared > 0
     nb = triton_moe_align.max_blocks(n, num_experts + num_shared, cfg_up[0])
     up = launch_config(cfg_up, ACT_SILU_MUL if gated else ACT_RELU2, element_size, nb, inter, narrow, sms)
     down = launch_config(cfg_down, ACT_NONE, element_size, nb, hidden, narrow, sms)
