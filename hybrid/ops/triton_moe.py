@@ -389,7 +389,8 @@ ONE_TOKEN_ELEMENTS = 16384
 
 def one_token_preload(T: int, align_method: str, fp8: bool, routed: bool) -> bool:
     """Whether fused_experts runs this step's two GEMMs on the one-token preloading kernel: one token, pairs in
-    the naive layout, 16-bit experts, routed by a routing launch (not inside the first GEMM), the switch on."""
+    the naive layout, experts that are not FP8 (16-bit ones in the models; fp32 ones too, e.g. on the CPU
+    interpreter), routed by a routing launch (not inside the first GEMM), the switch on."""
     return T == 1 and align_method == "naive" and not fp8 and not routed and switch("moe_preload")
 
 
