@@ -295,8 +295,8 @@ GEMV_MAX_K = 8192
 
 def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None, *, quantize: int = ACT_NONE, input_scale: torch.Tensor | None = None,
-             out_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None, block_k: int | None = None,
-             num_warps: int | None = None, num_stages: int = 4, fma_quotient: bool | None = None,
+             out_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None, block_k: int = 512,
+             num_warps: int = 4, num_stages: int = 4, fma_quotient: bool | None = None,
              hw_cast: bool | None = None) -> torch.Tensor:
     """y [M, N] = (x [M, K] * x_scale) @ (weight [N, K] e4m3 * weight_scale).T (+ bias), M <= GEMV_MAX_ROWS:
     x is e4m3 rows with their scales [M, 1] (quantize_rows' output: a quantized-activation scheme) or
@@ -312,8 +312,6 @@ def fp8_gemv(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor
     require(__name__)
     M, K = x.shape
     N = weight.shape[0]
-    block_k = block_k or 512
-    num_warps = num_warps or 4
     if block_n is None:
         block_n = 8 if N <= 8192 else (16 if N <= 20480 else 32)
     if not 0 < M <= GEMV_MAX_ROWS or weight.shape[1] != K or x.stride(-1) != 1 or weight.stride(-1) != 1:

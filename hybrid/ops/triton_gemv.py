@@ -73,7 +73,6 @@ def preload_max_rows() -> int:
     return min(PRELOAD_ROWS_CAP, max(1, int(value))) if value else PRELOAD_MAX_ROWS
 
 
-
 def preload_applies(rows: int) -> bool:
     """Whether a decode projection of `rows` tokens on the Triton linears takes the preloading kernels."""
     # (the cap first: every eager projection asks, and a prefill step's rows answer at once)
@@ -114,6 +113,7 @@ def preload_tiles(K: int, block_n: int | None = None, elements: int = PRELOAD_EL
         while block_n < 64 and 2 * block_n * sum(pieces) <= elements:
             block_n *= 2
     return (block_n, *pieces)
+
 
 if HAS_TRITON:
     from hybrid.ops.triton_guard import pdl_wait
