@@ -491,3 +491,73 @@ def test_preloading_switch_and_its_rows(monkeypatch):
     assert preload_applies(4) and preload_everywhere(4) and not preload_applies(5)
     monkeypatch.setenv("HYBRID_GEMV_PRELOAD_ROWS", "16")  # (the kernels take 4 at most)
     assert preload_applies(4) and not preload_applies(5)
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's keyword arguments, then launches the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("k", [96, 100, 34])  # K in one, two and three pieces (the last masked past K)
+def test_packed_bf16_slab(k, monkeypatch):
+    """A one-row bf16 projection holds its slab as bf16 pairs in int32 (PACKED, the default): the preloading
+    linear (fp32 `out`, as the LM head writes it, and bf16) and in_proj_conv give the double-precision product up
+    to fp32 summation order, and the unpacked kernels' (HYBRID_GEMV_PACKED=0) output up to that order's rounding."""
+    from hybrid.ops import triton_gemv, triton_guard
+    from hybrid.ops.triton_gemv import in_proj_conv
+
+    g = torch.Generator().manual_seed(k)
+    n, start, C, S = 40, 8, 24, 3
+    x = torch.randn(1, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    cw = torch.randn(C, 4, generator=g).bfloat16()
+    state0 = torch.randn(S, C, 3, generator=g).bfloat16()
+    slots = torch.tensor([2], dtype=torch.int32)
+    want = torch.nn.functional.linear(x.double(), w.double())
+    runs = {}
+    for packed in (True, False):
+        monkeypatch.setenv("HYBRID_GEMV_PACKED", "1" if packed else "0")
+        triton_guard.reset_switches()
+        linear_spy = _LaunchSpy(triton_gemv._preload_linear_kernel)
+        conv_spy = _LaunchSpy(triton_gemv._preload_in_proj_conv_kernel)
+        monkeypatch.setattr(triton_gemv, "_preload_linear_kernel", linear_spy)
+        monkeypatch.setattr(triton_gemv, "_preload_in_proj_conv_kernel", conv_spy)
+        out32 = small_m_linear(x, w, out=torch.empty(1, n), preload=True)
+        out16 = small_m_linear(x, w, preload=True)
+        state = state0.clone()
+        conv = in_proj_conv(x, w, None, state, cw, None, slots, start, preload=True)
+        assert [launch["PACKED"] for launch in linear_spy.launches + conv_spy.launches] == [packed] * 3
+        torch.testing.assert_close(out32.double(), want, rtol=1e-5, atol=1e-5)
+        runs[packed] = (out16, conv, state)
+    triton_guard.reset_switches()
+    for got, unpacked in zip(runs[True], runs[False]):
+        torch.testing.assert_close(got.float(), unpacked.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_packed_applies_only_to_aligned_bf16_rows(monkeypatch):
+    """Packing needs one bf16 row against bf16 weights, K even and every pair 4-byte aligned; the switch turns it
+    off."""
+    from hybrid.ops import triton_guard
+    from hybrid.ops.triton_gemv import packed_applies
+
+    x, w = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.bfloat16)
+    assert packed_applies(x[:1], w)
+    assert not packed_applies(x, w)  # two rows
+    assert not packed_applies(x[:1].half(), w.half())  # fp16
+    assert not packed_applies(x[:1, :63], w[:, :63])  # K odd
+    assert not packed_applies(x[:1, 1:33], w[:, :32])  # x starts mid-pair
+    assert not packed_applies(x[:1, :32], w[:, 1:33])  # rows start mid-pair
+    wide = torch.zeros(16, 65, dtype=torch.bfloat16)[:, :64]
+    assert not packed_applies(x[:1], wide)  # odd row stride
+    monkeypatch.setenv("HYBRID_GEMV_PACKED", "0")
+    triton_guard.reset_switches()
+    assert not packed_applies(x[:1], w)
+    triton_guard.reset_switches()

@@ -323,3 +323,47 @@ def test_one_token_preloading_experts(monkeypatch, kind, gated, shared):
         monkeypatch.undo()
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(two, want[1])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_one_token_experts_packed_bf16(monkeypatch, gated):
+    """bf16 experts at one token hold their slabs as bf16 pairs in int32 (PACKED, the default, with the shared
+    expert's slices): the torch loop's output up to bf16 rounding, and the unpacked kernel's
+    (HYBRID_GEMV_PACKED=0) up to summation order."""
+    from hybrid.ops import triton_guard
+    from tests.test_triton_gemv import _LaunchSpy
+
+    g = torch.Generator().manual_seed(7 + gated)
+    n_exp, top_k, Hd, inter, shared = 12, 3, 300, 40, 2
+    x = torch.randn(1, Hd, generator=g).bfloat16()
+    w_up = (torch.randn(n_exp, (2 if gated else 1) * inter, Hd, generator=g) * Hd ** -0.5).bfloat16()
+    w_down = (torch.randn(n_exp, Hd, inter, generator=g) * inter ** -0.5).bfloat16()
+    s_up = (torch.randn((2 if gated else 1) * shared * inter, Hd, generator=g) * Hd ** -0.5).bfloat16()
+    s_down = (torch.randn(Hd, shared * inter, generator=g) * inter ** -0.5).bfloat16()
+    idx, w = routing("random", 1, n_exp, top_k, seed=5)
+    idx = torch.cat([idx, torch.arange(n_exp, n_exp + shared).expand(1, shared)], 1)
+    w = torch.cat([w, torch.ones(1, shared)], 1)
+    runs = {}
+    for packed in (True, False):
+        monkeypatch.setenv("HYBRID_GEMV_PACKED", "1" if packed else "0")
+        triton_guard.reset_switches()
+        spy = _LaunchSpy(triton_moe._one_token_experts_kernel)
+        monkeypatch.setattr(triton_moe, "_one_token_experts_kernel", spy)
+        runs[packed] = triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, shared_up=s_up, shared_down=s_down)
+        assert [launch["PACKED"] for launch in spy.launches] == [packed, packed]
+    triton_guard.reset_switches()
+    # the reference: the routed experts' loop plus the shared MLP, in fp32 from the same bf16 weights
+    h = x.float()
+    ref = torch.zeros(1, Hd)
+    for j, e in enumerate(idx[0, :top_k].tolist()):
+        a = h @ w_up[e].float().T
+        a = torch.nn.functional.silu(a[:, :inter]) * a[:, inter:] if gated else torch.relu(a) ** 2
+        ref += w[0, j] * (a @ w_down[e].float().T)
+    s = h @ s_up.float().T
+    if gated:  # the shared slices: [gate of each slice | up of each slice] as the loader stacks them
+        s = torch.nn.functional.silu(s[:, :shared * inter]) * s[:, shared * inter:]
+    else:
+        s = torch.relu(s) ** 2
+    ref += s @ s_down.float().T
+    torch.testing.assert_close(runs[True].float(), ref, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(runs[True].float(), runs[False].float(), rtol=2e-2, atol=2e-2)
