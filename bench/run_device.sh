@@ -292,25 +292,6 @@ if [[ $what == moe-targets ]]; then
       | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
   cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_targets.md" 2>/dev/null || true
 fi
-# packed  the preloading kernels' bf16 slabs as pairs in int32 (the default) against unpacked (HYBRID_GEMV_PACKED=0):
-#           their GPU tests (<= 150 s), the two MoE shapes at batch 1 and 8 recaptured in one process a shape, then the
-#           8B (bf16) at batch 1, a process each way, while ${PACKED_LIMIT:-570} s last
-if [[ $what == packed ]]; then
-  start=$SECONDS
-  gpu_pytest 150 gpu_tests_packed.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_moe_gpu.py \
-      tests/gpu/test_lm_head_gpu.py -k "packed or one_token_preloading or preloading_head or (real and True)"
-  timeout 300 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
-      --no-eager --gemv-packed-off-ab --out /tmp/moe_out --time-budget 290 2>&1 \
-      | tee "$OUT/bench_moe_packed.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
-  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_packed.md" 2>/dev/null || true
-  for packed in 1 0; do
-    left=$(( ${PACKED_LIMIT:-570} - (SECONDS - start) ))
-    if (( left > 40 )); then
-      HYBRID_GEMV_PACKED=$packed timeout $left python3 bench/bench_decode.py --no-eager --no-prefill --batches 1 \
-          --json "$OUT/decode_8b_packed_$packed.json" 2>&1 | grep -v Warn | grep -E "batch|tok/s|rror" | tail -4 || rc=1
-    fi
-  done
-fi
 # hit-check  a short call: the greedy launches' GPU tests (<= 60 s), bench_prefix_cache.py (the hit with varlen
 #            snapshots, <= 200 s), then the snapshot GPU tests in what is left of ${HIT_CHECK_LIMIT:-320} s
 if [[ $what == hit-check ]]; then

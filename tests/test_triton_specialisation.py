@@ -87,7 +87,7 @@ HELPERS = {
     "hybrid.ops.triton_norm": {"_normalised_cols", "_normalised_row", "_plus_residual", "_added_row"},
     "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed",
                                "_rows_times_slab", "_gated_normed_dot", "_slab_piece", "_preload_slab", "_piece_dot", "slab_pieces", "slab_dot", "_rows_piece",
-                               "_preloaded_rows", "_bf16_halves"},
+                               "_preloaded_rows"},
     "hybrid.ops.triton_act": set(),
     "hybrid.ops.triton_mamba": {"_softplus", "_ext_tile", "_conv_window_out"},
     "hybrid.ops.triton_mamba_varlen": {"_history_columns"},

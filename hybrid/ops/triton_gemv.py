@@ -85,17 +85,6 @@ def preload_everywhere(rows: int) -> bool:
     return preload_applies(rows) and not switch("gemv_preload_sites")
 
 
-def packed_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a preloading launch holds its slab as bf16 pairs in int32 registers (PACKED; the "gemv_packed"
-    switch, on by default): one bf16 row of x against bf16 weights, every pair 4-byte aligned. Why: held as
-    16-bit values, each weight took a 32-bit register of its own once unpacked (118 registers a thread for
-    Granite-4.0-H-Tiny's in_proj slab of 8 x 1536, 4 programs an SM); packed, the same slab takes 64 (8 an SM),
-    so twice the bytes are in flight before the PDL wait."""
-    K = x.shape[1]
-    return (switch("gemv_packed") and x.shape[0] == 1 and x.dtype == weight.dtype == torch.bfloat16 and K % 2 == 0
-            and weight.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and weight.data_ptr() % 4 == 0)
-
-
 def k_pieces(K: int) -> tuple[int, int, int]:
     """K as the preloading kernels hold it: two powers of two (the largest that fit) and a third rounded up
     (masked past K), e.g. 3072 = 2048 + 1024, 2688 = 2048 + 512 + 128, 1600 -> 1024 + 512 + 64 (of which 64)."""
@@ -233,74 +222,52 @@ if HAS_TRITON:
     # ---- the preloading variant (decode steps of at most PRELOAD_MAX_ROWS tokens: see preload_applies) ----
 
     @triton.jit
-    def _slab_piece(w_rows, k0, K, mask_n, KP: tl.constexpr, PACKED: tl.constexpr):
-        """[BLOCK_N, KP] of the weight slab from column k0 (evict-first: streamed once); PACKED: as
-        [BLOCK_N, KP // 2] int32, two bf16 weights a register (see packed_applies)."""
-        if PACKED:
-            offs_p = k0 // 2 + tl.arange(0, KP // 2)
-            return tl.load(w_rows.to(tl.pointer_type(tl.int32)) + offs_p[None, :],
-                           mask=mask_n[:, None] & (offs_p < K // 2)[None, :], other=0, eviction_policy="evict_first")
-        else:
-            offs_k = k0 + tl.arange(0, KP)
-            return tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0,
-                           eviction_policy="evict_first")
+    def _slab_piece(w_rows, k0, K, mask_n, KP: tl.constexpr):
+        """[BLOCK_N, KP] of the weight slab from column k0 (evict-first: streamed once)."""
+        offs_k = k0 + tl.arange(0, KP)
+        return tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0,
+                       eviction_policy="evict_first")
 
     @triton.jit
-    def slab_pieces(w_rows, K, mask_n, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
-                    PACKED: tl.constexpr = False):
+    def slab_pieces(w_rows, K, mask_n, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr):
         """The weight slab of rows w_rows [BLOCK_N, 1] (pointers), all of K as up to three power-of-two pieces
         of K1, K2, K3 columns (K2, K3 may be 0: then the piece is K1's again, unused), loads issued at once
-        (also used by triton_moe's one-token experts). PACKED: bf16 pairs in int32 (slab_dot unpacks them)."""
-        w1 = _slab_piece(w_rows, 0, K, mask_n, K1, PACKED)
+        (also used by triton_moe's one-token experts)."""
+        w1 = _slab_piece(w_rows, 0, K, mask_n, K1)
         w2 = w1
         w3 = w1
         if K2 > 0:
-            w2 = _slab_piece(w_rows, K1, K, mask_n, K2, PACKED)
+            w2 = _slab_piece(w_rows, K1, K, mask_n, K2)
         if K3 > 0:
-            w3 = _slab_piece(w_rows, K1 + K2, K, mask_n, K3, PACKED)
+            w3 = _slab_piece(w_rows, K1 + K2, K, mask_n, K3)
         return w1, w2, w3
 
     @triton.jit
-    def slab_dot(x_row, w1, w2, w3, K, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr,
-                 PACKED: tl.constexpr = False):
+    def slab_dot(x_row, w1, w2, w3, K, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr):
         """fp32 [BLOCK_N]: one row of x (pointer x_row, K contiguous) against slab_pieces' slab, summed piece by
-        piece, each a tree over its columns (PACKED: over its column pairs, each pair's two products summed
-        first; a fixed order either way)."""
-        r = _piece_dot(x_row, w1, 0, K, K1, PACKED)
+        piece, each a tree over its columns (a fixed order)."""
+        r = _piece_dot(x_row, w1, 0, K, K1)
         if K2 > 0:
-            r += _piece_dot(x_row, w2, K1, K, K2, PACKED)
+            r += _piece_dot(x_row, w2, K1, K, K2)
         if K3 > 0:
-            r += _piece_dot(x_row, w3, K1 + K2, K, K3, PACKED)
+            r += _piece_dot(x_row, w3, K1 + K2, K, K3)
         return r
 
     @triton.jit
     def _preload_slab(w_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
-                      K3: tl.constexpr, PACKED: tl.constexpr):
+                      K3: tl.constexpr):
         """This program's BLOCK_N output columns and their whole weight slab (slab_pieces)."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        w1, w2, w3 = slab_pieces(w_ptr + offs_n.to(tl.int64)[:, None] * s_wn, K, mask_n, K1, K2, K3, PACKED)
+        w1, w2, w3 = slab_pieces(w_ptr + offs_n.to(tl.int64)[:, None] * s_wn, K, mask_n, K1, K2, K3)
         return offs_n, mask_n, w1, w2, w3
 
     @triton.jit
-    def _bf16_halves(pairs):
-        """The two bf16 values of each int32 of `pairs` (low half first in memory), widened to fp32 exactly (a
-        bf16 is the top half of its fp32)."""
-        return (pairs << 16).to(tl.float32, bitcast=True), (pairs & -65536).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _piece_dot(x_row, w, k0, K, KP: tl.constexpr, PACKED: tl.constexpr):
-        """fp32 [BLOCK_N]: one row of x at columns [k0, k0 + KP) against a slab piece (PACKED: bf16 pairs)."""
-        if PACKED:
-            offs_p = k0 // 2 + tl.arange(0, KP // 2)
-            x_lo, x_hi = _bf16_halves(tl.load(x_row.to(tl.pointer_type(tl.int32)) + offs_p, mask=offs_p < K // 2,
-                                              other=0))
-            w_lo, w_hi = _bf16_halves(w)
-            return tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], axis=1)
-        else:
-            offs_k = k0 + tl.arange(0, KP)
-            x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    def _piece_dot(x_row, w, k0, K, KP: tl.constexpr):
+        """fp32 [BLOCK_N]: one row of x at columns [k0, k0 + KP) against a slab piece."""
+        offs_k = k0 + tl.arange(0, KP)
+        x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
 
     @triton.jit
     def _rows_piece(x_ptr, s_xm, M, w, k0, K, ROWS: tl.constexpr, KP: tl.constexpr):
@@ -314,12 +281,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _preloaded_rows(x_ptr, s_xm, M, K, w1, w2, w3, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PACKED: tl.constexpr):
+                        K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr):
         """fp32 [ROWS, BLOCK_N]: rows m < M of x against the preloaded slab (each row's sum in a fixed order:
         piece by piece, each a tree over its columns; rows past M are zero). ROWS > 1: every row's x is read at
-        once after the wait, and the pieces reduced as [ROWS, BLOCK_N, KP] products (not PACKED: one row only)."""
+        once after the wait, and the pieces reduced as [ROWS, BLOCK_N, KP] products."""
         if ROWS == 1:
-            acc = slab_dot(x_ptr, w1, w2, w3, K, K1, K2, K3, PACKED)[None, :]
+            acc = slab_dot(x_ptr, w1, w2, w3, K, K1, K2, K3)[None, :]
         else:
             acc = _rows_piece(x_ptr, s_xm, M, w1, 0, K, ROWS, K1)
             if K2 > 0:
@@ -331,12 +298,12 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["M"])
     def _preload_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.constexpr,
                                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
-                               K3: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
+                               K3: tl.constexpr, PDL: tl.constexpr):
         # the whole weight slab is asked for before the PDL wait (no kernel writes weights): the stream
         # starts while the previous kernel runs, and after the wait only x (a few KB, from L2) is read
-        offs_n, mask_n, w1, w2, w3 = _preload_slab(w_ptr, N, K, s_wn, BLOCK_N, K1, K2, K3, PACKED)
+        offs_n, mask_n, w1, w2, w3 = _preload_slab(w_ptr, N, K, s_wn, BLOCK_N, K1, K2, K3)
         pdl_wait(PDL)
-        acc = _preloaded_rows(x_ptr, s_xm, M, K, w1, w2, w3, ROWS, BLOCK_N, K1, K2, K3, PACKED)
+        acc = _preloaded_rows(x_ptr, s_xm, M, K, w1, w2, w3, ROWS, BLOCK_N, K1, K2, K3)
         offs_m = tl.arange(0, ROWS)
         _store_rows(acc, bias_ptr, y_ptr, offs_m, offs_n, offs_m < M, mask_n, s_ym, HAS_BIAS)
 
@@ -345,12 +312,11 @@ if HAS_TRITON:
                                      CD, s_xm, s_wn, s_ym, s_cs_slot, s_cs_c, s_cs_k, s_cw_c,
                                      HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KW: tl.constexpr,
                                      KWP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                                     K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PACKED: tl.constexpr,
-                                     PDL: tl.constexpr):
+                                     K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
         # _in_proj_conv_kernel's work with _preload_linear_kernel's slab: before the wait also the slots'
         # histories (a layer's conv state is written only by this layer's own kernels: not by the kernel
         # before), the conv weights and the biases; after it, x, then the stores
-        offs_n, mask_n, w1, w2, w3 = _preload_slab(w_ptr, N, K, s_wn, BLOCK_N, K1, K2, K3, PACKED)
+        offs_n, mask_n, w1, w2, w3 = _preload_slab(w_ptr, N, K, s_wn, BLOCK_N, K1, K2, K3)
         offs_m = tl.arange(0, ROWS)
         mask_m = offs_m < M
         is_conv = mask_n & (offs_n >= C0) & (offs_n < C0 + CD)
@@ -368,7 +334,7 @@ if HAS_TRITON:
         if HAS_CONV_BIAS:
             conv_bias = tl.load(cb_ptr + c, mask=is_conv, other=0.0).to(tl.float32)
         pdl_wait(PDL)
-        acc = _preloaded_rows(x_ptr, s_xm, M, K, w1, w2, w3, ROWS, BLOCK_N, K1, K2, K3, PACKED)
+        acc = _preloaded_rows(x_ptr, s_xm, M, K, w1, w2, w3, ROWS, BLOCK_N, K1, K2, K3)
         if HAS_BIAS:
             acc += bias[None, :]
         v = acc.to(y_ptr.dtype.element_ty)  # the in_proj output, as the unfused projection stores it
@@ -502,7 +468,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         _preload_linear_kernel[(cdiv(N, block_n),)](
             x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
             out.stride(0), HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
-            K1=k1, K2=k2, K3=k3, PACKED=packed_applies(x, weight), num_warps=num_warps, **pdl_options(x.device),
+            K1=k1, K2=k2, K3=k3, num_warps=num_warps, **pdl_options(x.device),
         )
         return out
     if block_n is None:
@@ -563,8 +529,8 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             x.stride(0), weight.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
             conv_state.stride(2), conv_weight.stride(0), HAS_BIAS=bias is not None,
             HAS_CONV_BIAS=conv_bias is not None, KW=W, KWP=triton.next_power_of_2(W),
-            ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, PACKED=packed_applies(x, weight),
-            num_warps=num_warps, **pdl_options(x.device),
+            ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=num_warps,
+            **pdl_options(x.device),
         )
         return out
     block_n = block_n or 32

@@ -78,10 +78,6 @@ again: benchmarks comparing both):
 - "lm_head_preload" (on by default; HYBRID_LM_HEAD_PRELOAD=0 turns it off): a one-token step's 16-bit LM head on
   the preloading linear, its fp32 accumulator stored as the logits (hybrid/layers.logits_fp32; cuBLAS
   otherwise): +1.1% / +0.8% at batch 1 on the same two shapes.
-- "gemv_packed" (on by default; HYBRID_GEMV_PACKED=0 turns it off): the preloading kernels (triton_gemv's and the
-  one-token expert GEMMs) hold a bf16 slab as pairs in int32 registers, unpacked after the PDL wait
-  (triton_gemv.packed_applies): half the registers a thread, twice the programs resident, so more of the slab is
-  in flight before the wait.
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) "decode_linear" loses 37-45% at batch 1 and "norm_router" is neutral.
 """
@@ -115,9 +111,9 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1"),
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
-             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "gemv_packed": ("HYBRID_GEMV_PACKED", "1")}
+             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
-                  "moe_preload", "lm_head_preload", "gemv_packed"}  # these read as on unless their variable says "0"
+                  "moe_preload", "lm_head_preload"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS
 DECODE_LINEAR_DEFAULT = "plain:mamba.out_proj"

@@ -216,8 +216,7 @@ if HAS_TRITON:
     def _one_token_experts_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, block_expert_ptr, N, K, a_div, num_experts,
                                   s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr,
                                   HAS_SHARED: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PACKED: tl.constexpr,
-                                  PDL: tl.constexpr):
+                                  K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
         # A one-token step's grouped GEMM in the naive layout (pair m alone in block m, its expert
         # block_expert[m]): C[m, n] = act(A[m // a_div] @ W_e[n].T) (* w[m]) for BLOCK_N columns n, the
         # whole [BLOCK_N, K] slab of W_e (and its up rows, SwiGLU) asked for at once, the rows reduced on CUDA
@@ -235,22 +234,22 @@ if HAS_TRITON:
         w_base, row_stride, up_off = _expert_rows(b_ptr, s_ptr, expert, N, num_experts, s_be, s_bn, s_sn, s_se, s_up,
                                                   HAS_SHARED)
         w_rows = w_base + offs_n.to(tl.int64)[:, None] * row_stride
-        g1, g2, g3 = slab_pieces(w_rows, K, mask_n, K1, K2, K3, PACKED)
+        g1, g2, g3 = slab_pieces(w_rows, K, mask_n, K1, K2, K3)
         u1, u2, u3 = g1, g2, g3
         if ACT == 2:
-            u1, u2, u3 = slab_pieces(w_rows + up_off, K, mask_n, K1, K2, K3, PACKED)
+            u1, u2, u3 = slab_pieces(w_rows + up_off, K, mask_n, K1, K2, K3)
         route_w = 1.0
         if MUL_W:
             route_w = tl.load(w_ptr + m).to(tl.float32)
         if EARLY:
             pdl_wait(PDL)
         a_row = a_ptr + (m // a_div).to(tl.int64) * s_am
-        acc = slab_dot(a_row, g1, g2, g3, K, K1, K2, K3, PACKED)
+        acc = slab_dot(a_row, g1, g2, g3, K, K1, K2, K3)
         if ACT == 1:
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
         if ACT == 2:
-            acc = acc / (1.0 + tl.exp(-acc)) * slab_dot(a_row, u1, u2, u3, K, K1, K2, K3, PACKED)
+            acc = acc / (1.0 + tl.exp(-acc)) * slab_dot(a_row, u1, u2, u3, K, K1, K2, K3)
         if MUL_W:
             acc = acc * route_w
         tl.store(c_ptr + m.to(tl.int64) * s_cm + offs_n, acc.to(c_ptr.dtype.element_ty), mask=mask_n)
@@ -407,13 +406,10 @@ def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early:
     n_out, K = out.shape[1], a.shape[1]
     block_n, k1, k2, k3 = one_token_tiles(K, act == ACT_SILU_MUL)
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
-    # (PACKED: every row the kernel reads starts 4-byte aligned: the base pointers and all strides even)
-    packed = (triton_gemv.packed_applies(a[:1], w[0]) and s_t.data_ptr() % 4 == 0
-              and all(v % 2 == 0 for v in (a.stride(0), w.stride(0), s_sn, s_se, s_up)))
     _one_token_experts_kernel[(block_expert.shape[0] * cdiv(n_out, block_n),)](
         a, w, s_t, out, weights if weights is not None else out, block_expert, n_out, K, a_div, w.shape[0],
         a.stride(0), w.stride(0), w.stride(1), s_sn, s_se, s_up, out.stride(0), ACT=act, MUL_W=weights is not None,
-        HAS_SHARED=shared is not None, EARLY=early, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, PACKED=packed, num_warps=4,
+        HAS_SHARED=shared is not None, EARLY=early, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=4,
         **pdl_options(a.device),
     )
 

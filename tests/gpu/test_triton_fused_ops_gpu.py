@@ -121,30 +121,6 @@ def test_small_m_linear_real_shapes(m, preload, n, k, monkeypatch):
         assert torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("n,k", [(6448, 1536), (1536, 3072), (10304, 2688), (4096, 8192), (131072, 2688)])
-def test_packed_slab_real_shapes(n, k, monkeypatch):
-    """A one-row bf16 projection's slab held as bf16 pairs in int32 (PACKED, the default) against the unpacked
-    kernel (HYBRID_GEMV_PACKED=0) and a double-precision product, fp32 out (as the LM head writes it), at the MoE
-    hybrids' projections, the 8B's out_proj and Nemotron-3-Nano's LM head: equal up to fp32 summation order."""
-    from hybrid.ops import triton_gemv, triton_guard
-    from hybrid.ops.triton_gemv import small_m_linear
-
-    g = torch.Generator(device=DEV).manual_seed(n + k)
-    x = torch.randn(1, k, generator=g, device=DEV).bfloat16()
-    w = (torch.randn(n, k, generator=g, device=DEV) * k ** -0.5).bfloat16()
-    want = torch.nn.functional.linear(x.double(), w.double())
-    got = {}
-    for packed in (True, False):
-        monkeypatch.setenv("HYBRID_GEMV_PACKED", "1" if packed else "0")
-        triton_guard.reset_switches()
-        assert triton_gemv.packed_applies(x, w) == packed
-        got[packed] = small_m_linear(x, w, out=torch.empty(1, n, device=DEV), preload=True)
-    triton_guard.reset_switches()
-    for packed in (True, False):
-        torch.testing.assert_close(got[packed].double(), want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got[True], got[False], rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("m,preload", [(1, False), (3, False), (16, False), (1, True), (4, True)])
 @pytest.mark.parametrize("hidden,inner,conv_dim,nh,conv_dtype", [
     (1536, 3072, 3328, 48, torch.bfloat16),  # Granite-4.0-H-Tiny's Mamba in_proj
@@ -270,8 +246,7 @@ SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router
                "route_in_gemm": {"HYBRID_MOE_ROUTE_IN_GEMM": "1"},
                "moe_three_launches": {"HYBRID_NORM_ROUTER": "1", "HYBRID_MOE_ROUTE_IN_GEMM": "1"},
                "gemv_preload_sites": {"HYBRID_GEMV_PRELOAD": "1"}, "gemv_preload_off": {"HYBRID_GEMV_PRELOAD": "0"},
-               "moe_preload_off": {"HYBRID_MOE_PRELOAD": "0"}, "lm_head_preload_off": {"HYBRID_LM_HEAD_PRELOAD": "0"},
-               "gemv_packed_off": {"HYBRID_GEMV_PACKED": "0"}}
+               "moe_preload_off": {"HYBRID_MOE_PRELOAD": "0"}, "lm_head_preload_off": {"HYBRID_LM_HEAD_PRELOAD": "0"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
@@ -286,8 +261,7 @@ def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switc
     HYBRID_NORM_ROUTER=1 (the router logits of the norm's launch routed in the GEMM), the preloading linears kept
     to the Triton linear's sites (HYBRID_GEMV_PRELOAD=1) and off (=0), a one-token step's expert GEMMs on
     the tiled kernels rather than the one-token preloading kernel (HYBRID_MOE_PRELOAD=0), its LM head on cuBLAS
-    rather than the preloading linear (HYBRID_LM_HEAD_PRELOAD=0), the preloading kernels' bf16 slabs unpacked
-    (HYBRID_GEMV_PACKED=0), under CUDA graphs,
+    rather than the preloading linear (HYBRID_LM_HEAD_PRELOAD=0), under CUDA graphs,
     the prompts together and the first alone (batch-1 decode): every token the default engine's greedy
     choice given the same prefix (or a bf16 near-tie). NemotronH without group masking, so that its
     router is the Triton one."""
