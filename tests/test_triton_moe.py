@@ -323,3 +323,46 @@ def test_one_token_preloading_experts(monkeypatch, kind, gated, shared):
         monkeypatch.undo()
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(two, want[1])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_one_token_shared_slabs_first(monkeypatch, gated):
+    """HYBRID_MOE_SHARED_PRELOAD=1: the one-token first GEMM runs the shared expert's slices as its first
+    programs (their slabs asked for before the PDL wait); every block's output is the default's bit for bit, and
+    steps without the shared expert in the launches keep the plain order."""
+    from hybrid.ops import triton_guard
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel, self.launches = kernel, []
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                self.launches.append(kwargs["SHARED_FIRST"])
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    g = torch.Generator().manual_seed(11 + gated)
+    n_exp, top_k, Hd, inter, shared = 12, 3, 300, 40, 2
+    x = torch.randn(1, Hd, generator=g)
+    w_up = torch.randn(n_exp, (2 if gated else 1) * inter, Hd, generator=g) * Hd ** -0.5
+    w_down = torch.randn(n_exp, Hd, inter, generator=g) * inter ** -0.5
+    s_up = torch.randn((2 if gated else 1) * shared * inter, Hd, generator=g) * Hd ** -0.5
+    s_down = torch.randn(Hd, shared * inter, generator=g) * inter ** -0.5
+    idx, w = routing("random", 1, n_exp, top_k, seed=9)
+    idx_s = torch.cat([idx, torch.arange(n_exp, n_exp + shared).expand(1, shared)], 1)
+    w_s = torch.cat([w, torch.ones(1, shared)], 1)
+    out = {}
+    for on in (False, True):
+        monkeypatch.setenv("HYBRID_MOE_SHARED_PRELOAD", "1" if on else "0")
+        triton_guard.reset_switches()
+        spy = Spy(triton_moe._one_token_experts_kernel)
+        monkeypatch.setattr(triton_moe, "_one_token_experts_kernel", spy)
+        rows = triton_moe.fused_experts(x, w_up, w_down, idx_s, w_s, gated, shared_up=s_up, shared_down=s_down,
+                                        defer_sum=True)
+        plain = triton_moe.fused_experts(x, w_up, w_down, idx, w, gated)  # no shared slices: the plain order
+        assert spy.launches == [on, False, False, False]
+        out[on] = (rows.y, plain)
+        monkeypatch.setattr(triton_moe, "_one_token_experts_kernel", spy.kernel)
+    triton_guard.reset_switches()
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
