@@ -462,12 +462,6 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "gemv_preload_rows_ab": ("gemv_preload_4_rows", {"HYBRID_GEMV_PRELOAD_ROWS": "4"},
                              "the preloading kernels for steps of up to 4 tokens, a step's rows read together "
                              "(HYBRID_GEMV_PRELOAD_ROWS=4; default: one-token steps)"),
-    "moe_shared_preload_ab": ("moe_shared_preload", {"HYBRID_MOE_SHARED_PRELOAD": "1"},
-                              "the one-token first expert GEMM's shared-expert slabs asked for before its PDL wait "
-                              "(HYBRID_MOE_SHARED_PRELOAD=1)"),
-    "moe_shared_early_ab": ("moe_shared_early", {"HYBRID_MOE_SHARED_PRELOAD": "1", "HYBRID_ROUTE_EARLY_NEXT": "1"},
-                            "those slabs, and the routing launch letting the first expert GEMM start before its own "
-                            "wait (HYBRID_MOE_SHARED_PRELOAD=1 HYBRID_ROUTE_EARLY_NEXT=1)"),
     "gemv_preload_off_ab": ("gemv_preload_off", {"HYBRID_GEMV_PRELOAD": "0"},
                             "no preloading kernels (HYBRID_GEMV_PRELOAD=0; default: every projection of a one-token "
                             "step asks for its whole weight slab before its PDL wait)"),

@@ -292,24 +292,6 @@ if [[ $what == moe-targets ]]; then
       | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
   cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_targets.md" 2>/dev/null || true
 fi
-# small-kernels  the MoE shapes at batch 1 and 8 (graphs) with the small kernels' parameters read before their PDL
-#           wait and the expert rows summed from one tile, with the one-token first GEMM's shared slabs before its wait
-#           (--moe-shared-preload-ab) and the routing launch letting it start early (--moe-shared-early-ab), recaptured
-#           in one process a shape; then, if .baseline/ holds an earlier tree (git archive <commit>, carried), the
-#           same shapes at batch 1 from it, for the change that has no switch; within ${SMALL_LIMIT:-570} s
-if [[ $what == small-kernels ]]; then
-  start=$SECONDS
-  timeout 330 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
-      --no-eager --moe-shared-preload-ab --moe-shared-early-ab --out /tmp/moe_out --time-budget 320 2>&1 \
-      | tee "$OUT/bench_moe_small_kernels.log" | grep -E "decode \{|rror" | cut -c1-300 || rc=1
-  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_small_kernels.md" 2>/dev/null || true
-  left=$(( ${SMALL_LIMIT:-570} - (SECONDS - start) ))
-  if [[ -d .baseline ]] && (( left > 60 )); then
-    (cd .baseline && timeout $left python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 \
-        --gen-batches 1 --no-peer --no-eager --out /tmp/moe_base --time-budget $((left - 10)) 2>&1 \
-        | tee "$OUT/bench_moe_baseline.log" | grep -E "decode \{|rror" | cut -c1-300) || rc=1
-  fi
-fi
 # hit-check  a short call: the greedy launches' GPU tests (<= 60 s), bench_prefix_cache.py (the hit with varlen
 #            snapshots, <= 200 s), then the snapshot GPU tests in what is left of ${HIT_CHECK_LIMIT:-320} s
 if [[ $what == hit-check ]]; then

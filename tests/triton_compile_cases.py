@@ -171,21 +171,19 @@ def _one_token_experts():
                                             (triton_moe.ACT_NONE, True, True, 32, 512, 0, 0),
                                             (triton_moe.ACT_RELU2, False, False, 4, 2048, 512, 128),
                                             (triton_moe.ACT_NONE, True, True, 8, 1024, 512, 512)):
-        for shared_first in ((False, True) if not early else (False,)):  # (the first GEMM: shared slabs first)
-            compiles(triton_moe._one_token_experts_kernel,
-                     dict(ACT=act, MUL_W=mul_w, HAS_SHARED=True, EARLY=early, SHARED_FIRST=shared_first, BLOCK_N=bn,
-                          K1=k1, K2=k2, K3=k3, PDL=True), dict(w_ptr="*fp32", block_expert_ptr="*i32"))
+        compiles(triton_moe._one_token_experts_kernel,
+                 dict(ACT=act, MUL_W=mul_w, HAS_SHARED=True, EARLY=early, BLOCK_N=bn, K1=k1, K2=k2, K3=k3, PDL=True),
+                 dict(w_ptr="*fp32", block_expert_ptr="*i32"))
 
 
 @case("router")
 def _router():
     compiles(triton_moe_route._router_partial_kernel, dict(BLOCK_E=16, BLOCK_K=64, PDL=True),
              dict(w_ptr="*fp32", out_ptr="*fp32"))
-    for early_next in (False, True):
-        compiles(triton_moe_route._route_kernel,
-                 dict(TOP_K=6, KP=8, EP=128, SIGMOID=True, HAS_BIAS=True, NORMALIZE=True, NUM_SHARED=2, SP=2,
-                      NUM_SPLITS=42, ROUND=0, EARLY_NEXT=early_next, PDL=True),
-                 dict(logits_ptr="*fp32", bias_ptr="*fp32", idx_ptr="*i32", w_ptr="*fp32"), num_warps=1)
+    compiles(triton_moe_route._route_kernel,
+             dict(TOP_K=6, KP=8, EP=128, SIGMOID=True, HAS_BIAS=True, NORMALIZE=True, NUM_SHARED=2, SP=2,
+                  NUM_SPLITS=42, ROUND=0, PDL=True),
+             dict(logits_ptr="*fp32", bias_ptr="*fp32", idx_ptr="*i32", w_ptr="*fp32"), num_warps=1)
     compiles(triton_moe_align._align_kernel, dict(BLOCK_M=16, EP=64, CHUNK=128, PDL=True),
              dict(ids_ptr="*i32", pairs_ptr="*i32", block_expert_ptr="*i32", total_ptr="*i32"), num_warps=8)
 
@@ -213,7 +211,7 @@ def _norms():
     compiles(triton_norm._rms_norm_kernel, dict(BLOCK=4096, W_FP32=True, PDL=True), num_warps=8)
     compiles(triton_norm._add_rms_norm_kernel, dict(BLOCK=2048, W_FP32=False, SCALED=True, PDL=True))
     compiles(triton_norm._sum_add_rms_norm_kernel,
-             dict(TOP_K=7, TOP_KP=8, HAS_ADD=True, BLOCK=4096, W_FP32=True, SCALED=False, PDL=True), num_warps=8)
+             dict(TOP_K=8, HAS_ADD=False, BLOCK=4096, W_FP32=True, SCALED=False, PDL=True), num_warps=8)
     compiles(triton_norm._gated_rms_norm_kernel, dict(BLOCK=4096, PDL=True), num_warps=8)
 
 

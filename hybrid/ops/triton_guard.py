@@ -78,11 +78,6 @@ again: benchmarks comparing both):
 - "lm_head_preload" (on by default; HYBRID_LM_HEAD_PRELOAD=0 turns it off): a one-token step's 16-bit LM head on
   the preloading linear, its fp32 accumulator stored as the logits (hybrid/layers.logits_fp32; cuBLAS
   otherwise): +1.1% / +0.8% at batch 1 on the same two shapes.
-- "moe_shared_preload" (HYBRID_MOE_SHARED_PRELOAD=1): in the one-token first expert GEMM, the shared expert's
-  slices (which need no routing) are the first programs and ask for their slabs before the PDL wait, so that
-  their stream overlaps the routing launch;
-- "route_early_next" (HYBRID_ROUTE_EARLY_NEXT=1): the routing launch lets the first expert GEMM start before its
-  own PDL wait (pdl_start_next_then_wait), so that those slabs stream during the router's launches too.
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) "decode_linear" loses 37-45% at batch 1 and "norm_router" is neutral.
 """
@@ -116,8 +111,7 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1"),
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
-             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"),
-             "moe_shared_preload": ("HYBRID_MOE_SHARED_PRELOAD", "1"), "route_early_next": ("HYBRID_ROUTE_EARLY_NEXT", "1")}
+             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
                   "moe_preload", "lm_head_preload"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
@@ -193,12 +187,3 @@ if HAS_TRITON:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def pdl_start_next_then_wait(PDL: tl.constexpr):
-        """pdl_wait, but the next kernel may start before this one's wait: for a small kernel whose successor
-        has work that depends on nothing of the step (the first expert GEMM's shared-expert slabs after the
-        routing launch). The successor's own wait still waits for this kernel to complete."""
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()

@@ -214,37 +214,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _one_token_experts_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, block_expert_ptr, N, K, a_div, num_experts,
-                                  num_routed, s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr,
-                                  MUL_W: tl.constexpr, HAS_SHARED: tl.constexpr, EARLY: tl.constexpr,
-                                  SHARED_FIRST: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr,
-                                  K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
+                                  s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr,
+                                  HAS_SHARED: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
         # A one-token step's grouped GEMM in the naive layout (pair m alone in block m, its expert
         # block_expert[m]): C[m, n] = act(A[m // a_div] @ W_e[n].T) (* w[m]) for BLOCK_N columns n, the
         # whole [BLOCK_N, K] slab of W_e (and its up rows, SwiGLU) asked for at once, the rows reduced on CUDA
         # cores as triton_gemv's preloading kernels do. EARLY (the second GEMM): the routing (block_expert,
         # w) was written before the first GEMM, and nothing writes W, so the slab loads before the PDL wait;
         # only A (the first GEMM's output) waits. Otherwise (the first GEMM: the routing is the kernel
-        # before) the wait comes first and the slab right after it; but with SHARED_FIRST the blocks past
-        # num_routed (the shared expert's slices, pseudo-experts num_experts.. in order, which need no routing)
-        # are the first programs, and theirs load before the wait.
+        # before) the wait comes first and the slab right after it.
         n_tiles = tl.cdiv(N, BLOCK_N)
         m = tl.program_id(0) // n_tiles
         offs_n = (tl.program_id(0) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        early = EARLY
-        if SHARED_FIRST:
-            num_shared = tl.num_programs(0) // n_tiles - num_routed
-            m = tl.where(m < num_shared, num_routed + m, m - num_shared)
-            early = m >= num_routed
-            if early:
-                expert = (num_experts + m - num_routed).to(tl.int64)
-            else:
-                pdl_wait(PDL)
-                expert = tl.load(block_expert_ptr + m).to(tl.int64)
-        else:
-            if not EARLY:
-                pdl_wait(PDL)
-            expert = tl.load(block_expert_ptr + m).to(tl.int64)
+        if not EARLY:
+            pdl_wait(PDL)
+        expert = tl.load(block_expert_ptr + m).to(tl.int64)
         w_base, row_stride, up_off = _expert_rows(b_ptr, s_ptr, expert, N, num_experts, s_be, s_bn, s_sn, s_se, s_up,
                                                   HAS_SHARED)
         w_rows = w_base + offs_n.to(tl.int64)[:, None] * row_stride
@@ -255,7 +241,7 @@ if HAS_TRITON:
         route_w = 1.0
         if MUL_W:
             route_w = tl.load(w_ptr + m).to(tl.float32)
-        if early:
+        if EARLY:
             pdl_wait(PDL)
         a_row = a_ptr + (m // a_div).to(tl.int64) * s_am
         acc = slab_dot(a_row, g1, g2, g3, K, K1, K2, K3)
@@ -269,31 +255,24 @@ if HAS_TRITON:
         tl.store(c_ptr + m.to(tl.int64) * s_cm + offs_n, acc.to(c_ptr.dtype.element_ty), mask=mask_n)
 
     @triton.jit
-    def expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K: tl.constexpr, TOP_KP: tl.constexpr,
-                   HAS_ADD: tl.constexpr):
+    def expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr):
         """Token t's sum over its TOP_K expert rows of y [T * TOP_K, H] (+ add [T, H]) at columns
-        offs, in fp32 and in a fixed order (also inlined by triton_norm.sum_add_rms_norm). The rows are read
-        as one [TOP_KP, len(offs)] tile (TOP_KP: TOP_K padded to a power of two), so that their loads issue
-        together: row by row, the compiled code waited for each load before the next (several L2 round trips
-        after the PDL wait)."""
-        ks = tl.arange(0, TOP_KP)
-        rows = tl.load(y_ptr + (t * TOP_K + ks)[:, None] * H + offs[None, :], mask=(ks < TOP_K)[:, None] & mask[None, :],
-                       other=0.0)
+        offs, in fp32 and in a fixed order (also inlined by triton_norm.sum_add_rms_norm)."""
+        acc = tl.zeros(offs.shape, dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_ADD:
-            extra = tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
-        acc = tl.sum(rows.to(tl.float32), axis=0)
-        if HAS_ADD:
-            acc += extra
+            acc += tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
         return acc
 
     @triton.jit
-    def _sum_k_kernel(y_ptr, add_ptr, out_ptr, H, TOP_K: tl.constexpr, TOP_KP: tl.constexpr, HAS_ADD: tl.constexpr,
+    def _sum_k_kernel(y_ptr, add_ptr, out_ptr, H, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
                       BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < H
-        acc = expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K, TOP_KP, HAS_ADD)
+        acc = expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K, HAS_ADD)
         tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -421,19 +400,17 @@ def one_token_tiles(K: int, swiglu: bool) -> tuple[int, int, int, int]:
     return triton_gemv.preload_tiles(K, None, ONE_TOKEN_ELEMENTS // (2 if swiglu else 1))
 
 
-def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early: bool, num_routed: int) -> None:
+def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early: bool) -> None:
     """One of a one-token step's grouped GEMMs on _one_token_experts_kernel (see one_token_preload):
-    _grouped_gemm's arguments, the naive layout's block_expert (the pairs' experts: num_routed routed, then the
-    shared expert's slices)."""
+    _grouped_gemm's arguments, the naive layout's block_expert (the pairs' experts)."""
     n_out, K = out.shape[1], a.shape[1]
     block_n, k1, k2, k3 = one_token_tiles(K, act == ACT_SILU_MUL)
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
-    shared_first = not early and shared is not None and switch("moe_shared_preload")
     _one_token_experts_kernel[(block_expert.shape[0] * cdiv(n_out, block_n),)](
-        a, w, s_t, out, weights if weights is not None else out, block_expert, n_out, K, a_div, w.shape[0], num_routed,
+        a, w, s_t, out, weights if weights is not None else out, block_expert, n_out, K, a_div, w.shape[0],
         a.stride(0), w.stride(0), w.stride(1), s_sn, s_se, s_up, out.stride(0), ACT=act, MUL_W=weights is not None,
-        HAS_SHARED=shared is not None, EARLY=early, SHARED_FIRST=shared_first, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3,
-        num_warps=4, **pdl_options(a.device),
+        HAS_SHARED=shared is not None, EARLY=early, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=4,
+        **pdl_options(a.device),
     )
 
 
@@ -470,8 +447,7 @@ class ExpertRows:
         if T:
             block = min(1024, triton.next_power_of_2(H))
             _sum_k_kernel[(T, cdiv(H, block))](self.y, self.add if self.add is not None else self.y, out, H,
-                                                  TOP_K=self.top_k, TOP_KP=triton.next_power_of_2(self.top_k),
-                                                  HAS_ADD=self.add is not None, BLOCK=block,
+                                                  TOP_K=self.top_k, HAS_ADD=self.add is not None, BLOCK=block,
                                                   num_warps=4, **pdl_options(self.y.device))
         return out
 
@@ -576,10 +552,10 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
         h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
         block_expert = top_idx.reshape(-1)  # (the naive layout: pair p alone in block p)
         _one_token_gemm(x, w_up, up_shared, h, None, block_expert, top_k, ACT_SILU_MUL if gated else ACT_RELU2,
-                        early=False, num_routed=top_k - S)
+                        early=False)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)
         _one_token_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), block_expert, 1, ACT_NONE,
-                        early=True, num_routed=top_k - S)
+                        early=True)
     else:
         # (routed: the naive layout, which reads no ids; the first GEMM writes them into block_expert = top_idx)
         pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)

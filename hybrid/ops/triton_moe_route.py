@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, switch, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 from state_pool.util import cdiv
 
 
 if HAS_TRITON:
-    from hybrid.ops.triton_guard import pdl_start_next_then_wait, pdl_wait
+    from hybrid.ops.triton_guard import pdl_wait
 
     @triton.jit
     def router_split(w_ptr, s_w, E, K, k_per_split, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -113,13 +113,10 @@ if HAS_TRITON:
     def _route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, s_l, s_split, scale, TOP_K: tl.constexpr,
                       KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                       NORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, SP: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr, EARLY_NEXT: tl.constexpr, PDL: tl.constexpr):
+                      NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
         # One token per program (route_token). Output row: the k routed (id, weight), then the shared
-        # pseudo-experts (E + s, 1.0). EARLY_NEXT: the next kernel may start before this one's wait.
-        if EARLY_NEXT:
-            pdl_start_next_then_wait(PDL)
-        else:
-            pdl_wait(PDL)
+        # pseudo-experts (E + s, 1.0).
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         top_idx, w = route_token(logits_ptr, bias_ptr, t, E, s_l, s_split, scale, TOP_K, KP, EP, SIGMOID, HAS_BIAS,
                                  NORMALIZE, NUM_SPLITS, ROUND)
@@ -178,8 +175,7 @@ class RouterLogits:
                 EP=triton.next_power_of_2(self.E), SIGMOID=self.sigmoid, HAS_BIAS=bias is not None,
                 NORMALIZE=self.normalize, NUM_SHARED=self.num_shared,
                 SP=triton.next_power_of_2(max(self.num_shared, 1)), NUM_SPLITS=self.num_splits,
-                ROUND=self.round_to, EARLY_NEXT=switch("route_early_next"), num_warps=1 if self.E <= 256 else 4,
-                **pdl_options(dev))
+                ROUND=self.round_to, num_warps=1 if self.E <= 256 else 4, **pdl_options(dev))
         return idx, w
 
     def kernel_args(self) -> tuple[tuple, dict]:

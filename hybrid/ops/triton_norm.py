@@ -37,16 +37,11 @@ if HAS_TRITON:
     from hybrid.ops.triton_moe_route import router_split
 
     @triton.jit
-    def _norm_weight(w_ptr, offs, mask):
-        """The norm weight at columns offs, fp32. A parameter no kernel writes: the kernels load it before
-        their PDL wait, so that its latency overlaps the previous kernel rather than following the row's sum."""
-        return tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _normalised_cols(hf, like, w, rms, W_FP32: tl.constexpr):
-        """weight * hf / rms (w: the weight at hf's columns, _norm_weight; rms: the row's, a scalar); without
-        W_FP32 the normalised values are rounded to like's dtype first."""
+    def _normalised_cols(hf, like, w_ptr, offs, mask, rms, W_FP32: tl.constexpr):
+        """weight * hf / rms at columns offs (rms: the row's, a scalar); without W_FP32 the normalised
+        values are rounded to like's dtype first."""
         r = hf / rms
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if W_FP32:
             y = w * r
         else:
@@ -54,31 +49,26 @@ if HAS_TRITON:
         return y
 
     @triton.jit
-    def _normalised_row(hf, like, w, H, eps, W_FP32: tl.constexpr):
-        """weight * RMS-normalised fp32 row hf (w: _norm_weight's); without W_FP32 the row is rounded to like's
-        dtype first."""
-        return _normalised_cols(hf, like, w, tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps), W_FP32)
+    def _normalised_row(hf, like, w_ptr, offs, mask, H, eps, W_FP32: tl.constexpr):
+        """weight * RMS-normalised fp32 row hf; without W_FP32 the row is rounded to like's dtype first."""
+        return _normalised_cols(hf, like, w_ptr, offs, mask, tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps), W_FP32)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, H, eps,
                          BLOCK: tl.constexpr, W_FP32: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
-        w = _norm_weight(w_ptr, offs, mask)
-        pdl_wait(PDL)
         x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
-        y = _normalised_row(x.to(tl.float32), x, w, H, eps, W_FP32)
+        y = _normalised_row(x.to(tl.float32), x, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED: tl.constexpr):
-        """residual + x * scale at columns offs of a row, in the residual's dtype (_with_residual)."""
-        return _with_residual(x, tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0), scale, SCALED)
-
-    @triton.jit
-    def _with_residual(x, res, scale, SCALED: tl.constexpr):
-        """res + x * scale in res's dtype (torch rounds x * scale to x's dtype before the add)."""
+        """residual + x * scale at columns offs of a row, in the residual's dtype (torch rounds x * scale
+        to x's dtype before the add)."""
+        res = tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)
         xf = x.to(tl.float32)
         if SCALED:
             xf = (xf * scale).to(x.dtype).to(tl.float32)
@@ -93,31 +83,29 @@ if HAS_TRITON:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_x, s_r, s_o, H, eps, scale,
                              BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
-        w = _norm_weight(w_ptr, offs, mask)
-        pdl_wait(PDL)
         h = _added_row(x_ptr, res_ptr, row, offs, mask, s_x, s_r, scale, SCALED)
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
-        y = _normalised_row(h.to(tl.float32), h, w, H, eps, W_FP32)
+        y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _sum_add_rms_norm_kernel(y_ptr, add_ptr, res_ptr, w_ptr, out_ptr, s_r, s_o, H, eps, scale,
-                                 TOP_K: tl.constexpr, TOP_KP: tl.constexpr, HAS_ADD: tl.constexpr,
-                                 BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+                                 TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr,
+                                 W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         # _sum_k_kernel (hybrid/ops/triton_moe.py) then _add_rms_norm_kernel, in one program a row,
         # rounding where they round: the sum over k in fp32, stored in y's dtype; then the add
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
-        w = _norm_weight(w_ptr, offs, mask)
-        pdl_wait(PDL)
-        x = expert_sum(y_ptr, add_ptr, row, offs, mask, H, TOP_K, TOP_KP, HAS_ADD).to(y_ptr.dtype.element_ty)
+        x = expert_sum(y_ptr, add_ptr, row, offs, mask, H, TOP_K, HAS_ADD).to(y_ptr.dtype.element_ty)
         h = _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED)
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
-        y = _normalised_row(h.to(tl.float32), h, w, H, eps, W_FP32)
+        y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["T"])  # the step's token count: a new compile per value class otherwise
@@ -133,17 +121,15 @@ if HAS_TRITON:
         t = tl.program_id(0).to(tl.int64)
         split = tl.program_id(2)
         offs_e, e_ok, k_begin, k_end, w_rows, wv = router_split(rw_ptr, s_rw, E, H, k_per_split, BLOCK_E, BLOCK_K)
+        pdl_wait(PDL)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
-        first = (tl.program_id(1) == 0) & (split == 0)
-        nw = _norm_weight(nw_ptr, offs, mask & first)  # (the program that stores the normed row)
-        pdl_wait(PDL)
         h = _added_row(x_ptr, res_ptr, t, offs, mask, s_x, s_r, scale, SCALED)
         hf = h.to(tl.float32)
         rms = tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps)
-        if first:
+        if (tl.program_id(1) == 0) & (split == 0):
             tl.store(new_res_ptr + t * H + offs, h, mask=mask)
-            y = _normalised_row(hf, h, nw, H, eps, W_FP32)
+            y = _normalised_row(hf, h, nw_ptr, offs, mask, H, eps, W_FP32)
             tl.store(normed_ptr + t * H + offs, y.to(normed_ptr.dtype.element_ty), mask=mask)
         acc = tl.zeros([BLOCK_E], dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
@@ -152,7 +138,7 @@ if HAS_TRITON:
             if k0 > k_begin:
                 wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             hk = _added_row(x_ptr, res_ptr, t, offs_k, k_ok, s_x, s_r, scale, SCALED)
-            xv = _normalised_cols(hk.to(tl.float32), hk, _norm_weight(nw_ptr, offs_k, k_ok), rms, W_FP32)
+            xv = _normalised_cols(hk.to(tl.float32), hk, nw_ptr, offs_k, k_ok, rms, W_FP32)
             xv = xv.to(normed_ptr.dtype.element_ty).to(tl.float32)  # the router reads the stored row
             acc += tl.sum(wv * xv[None, :], axis=1)
         tl.store(partial_ptr + (split * T + t) * E + offs_e, acc, mask=e_ok)
@@ -160,17 +146,17 @@ if HAS_TRITON:
     @triton.jit
     def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, eps,
                                BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         mask = offs < GROUP
         col = g * GROUP + offs
-        w = tl.load(w_ptr + col, mask=mask, other=0.0)  # a parameter: before the wait (_norm_weight)
-        pdl_wait(PDL)
         y = tl.load(y_ptr + row * s_y + col, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + row * s_z + col, mask=mask, other=0.0).to(tl.float32)
         h = y * (z / (1.0 + tl.exp(-z)))
         r = h / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
+        w = tl.load(w_ptr + col, mask=mask, other=0.0)
         out = w.to(tl.float32) * r.to(w.dtype).to(tl.float32)
         tl.store(out_ptr + row * s_o + col, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -219,8 +205,7 @@ def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: fl
     if T:
         block = triton.next_power_of_2(H)
         _sum_add_rms_norm_kernel[(T,)](y, add if add is not None else y, residual, weight, out, residual.stride(0),
-                                       out.stride(0), H, eps, float(scale), TOP_K=rows.top_k,
-                                       TOP_KP=triton.next_power_of_2(rows.top_k), HAS_ADD=add is not None,
+                                       out.stride(0), H, eps, float(scale), TOP_K=rows.top_k, HAS_ADD=add is not None,
                                        BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block),
                                        **pdl_options(y.device))
     return out
