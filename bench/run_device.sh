@@ -292,6 +292,14 @@ if [[ $what == moe-targets ]]; then
       | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
   cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_targets.md" 2>/dev/null || true
 fi
+# sampled  the throughput target's sampled-against-greedy part alone: the 8B shape from disk, 256 x (1024, 257), one
+#           greedy run, then the same batch under each sampler setting (--sampled-ab), in ${SAMPLED_LIMIT:-540} s
+if [[ $what == sampled ]]; then
+  timeout ${SAMPLED_LIMIT:-540} python3 bench/bench_throughput.py --shape nemotron-h-8b --num-prompts 256 --input-len 1024 \
+      --output-len 257 --max-num-seqs 256 --max-num-batched-tokens 8192 --mamba-ssm-dtype bfloat16 --repeat 1 \
+      --sampled-ab --json "$OUT/throughput_sampled.json" 2>&1 | tee "$OUT/throughput_sampled.log" \
+      | grep -v -E "^Loading|^Capturing" | tail -40 || rc=1
+fi
 # hit-check  a short call: the greedy launches' GPU tests (<= 60 s), bench_prefix_cache.py (the hit with varlen
 #            snapshots, <= 200 s), then the snapshot GPU tests in what is left of ${HIT_CHECK_LIMIT:-320} s
 if [[ $what == hit-check ]]; then
