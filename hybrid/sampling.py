@@ -403,8 +403,7 @@ def _fallback_kernel_launch(scaled: torch.Tensor, probs: torch.Tensor, covered: 
     try:
         triton_sampling.fallback_kernel[(S,)](
             scaled, probs, covered.to(torch.int32), top_k, kth, top_p, floor, u.contiguous(), tokens,
-            V, TOP_K=cuts.kth is not None, TOP_P=True, MIN_P=True, BLOCK=512, DRAW_BLOCK=4096, PIVOTS=8, PASSES=12,
-            num_warps=8)
+            V, TOP_K=cuts.kth is not None, TOP_P=True, MIN_P=True, BLOCK=1024, PIVOTS=8, PASSES=12, num_warps=8)
     except Exception as e:  # a compile failure (raised before anything runs): the torch redo from now on
         _kernel_failed.append(repr(e))
         logger.warning("sampler fallback kernel unavailable (%r): uncovered rows are found with a host sync", e)

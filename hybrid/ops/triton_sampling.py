@@ -25,29 +25,14 @@ if HAS_TRITON:
         return tl.where(keep, _fixed(p), 0)
 
     @triton.jit
-    def _top_k_masses(p_row, v_row, idx, m, kth, TOP_K: tl.constexpr):
-        """(keys, fixed-point masses) of the block idx of a row: each probability's bits as an int32 and its mass,
-        0 past V and, with TOP_K, below the k-th value."""
-        p = tl.load(p_row + idx, mask=m, other=0.0)
-        w = tl.where(m, _fixed(p), 0)
-        if TOP_K:
-            v = tl.load(v_row + idx, mask=m, other=float("-inf"))
-            w = tl.where(v >= kth, w, 0)
-        return p.to(tl.int32, bitcast=True), w
-
-    @triton.jit
     def fallback_kernel(v_ptr, p_ptr, covered_ptr, top_k_ptr, kth_ptr, top_p_ptr, floor_ptr, u_ptr, out_ptr, V,
                          TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
-                         BLOCK: tl.constexpr, DRAW_BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
-                         PASSES: tl.constexpr):
+                         BLOCK: tl.constexpr, PIVOTS: tl.constexpr, PASSES: tl.constexpr):
         """One program per row. A covered row returns at once. Otherwise: the top-k mass (top-p's
         total) over the full row, the top-p cut as the smallest probability bit pattern K whose mass
         strictly above is below top_p * total (a PIVOTS-ary search over the bits of the non-negative
         fp32 probabilities, ordered as integers), then the inverse-CDF draw over the kept tokens in
-        vocabulary order, with the same fixed-point masses as the torch path. The passes over the row keep
-        each thread's own sums (exact: integers) and reduce them across the program once a pass, not once a
-        block: a reduction across warps per block of BLOCK tokens cost most of a pass. The draw scans blocks
-        of DRAW_BLOCK tokens."""
+        vocabulary order, with the same fixed-point masses as the torch path."""
         row = tl.program_id(0).to(tl.int64)
         cov = tl.load(covered_ptr + row)
         if cov == 0:
@@ -69,12 +54,14 @@ if HAS_TRITON:
                     total = zero64 + 4503599627370496  # without top-k: all of the mass (FIXED_ONE)
                     if TOP_K:
                         if tl.load(top_k_ptr + row) > 0:  # (kth may be -inf: fewer finite logits than k)
-                            acc = tl.zeros([BLOCK], dtype=tl.int64)
+                            acc = zero64
                             for start in range(0, V, BLOCK):
                                 idx = start + offs
-                                _, w = _top_k_masses(p_row, v_row, idx, idx < V, kth, TOP_K)
-                                acc += w
-                            total = tl.sum(acc, axis=0)
+                                m = idx < V
+                                p = tl.load(p_row + idx, mask=m, other=0.0)
+                                v = tl.load(v_row + idx, mask=m, other=float("-inf"))
+                                acc += tl.sum(tl.where(m & (v >= kth), _fixed(p), 0), axis=0)
+                            total = acc
                     target = total.to(tl.float64) * top_p
                     # invariant: mass strictly above lo >= target > mass strictly above hi
                     lo = zero64 - 1
@@ -84,33 +71,36 @@ if HAS_TRITON:
                         step = (hi - lo + PIVOTS - 1) // PIVOTS
                         piv = tl.minimum(lo + j * step, hi)  # piv[0] = lo
                         piv32 = piv.to(tl.int32)  # (-1 .. 0x7F800000: int32 compares)
-                        acc2 = tl.zeros([BLOCK, PIVOTS], dtype=tl.int64)
+                        acc = tl.zeros([PIVOTS], dtype=tl.int64)
                         for start in range(0, V, BLOCK):
                             idx = start + offs
-                            key, w = _top_k_masses(p_row, v_row, idx, idx < V, kth, TOP_K)
-                            acc2 += tl.where(key[:, None] > piv32[None, :], w[:, None], 0)
-                        big = tl.sum(acc2, axis=0).to(tl.float64) >= target  # a prefix of the pivots
+                            m = idx < V
+                            p = tl.load(p_row + idx, mask=m, other=0.0)
+                            key = p.to(tl.int32, bitcast=True)
+                            w = tl.where(m, _fixed(p), 0)
+                            if TOP_K:
+                                v = tl.load(v_row + idx, mask=m, other=float("-inf"))
+                                w = tl.where(v >= kth, w, 0)
+                            acc += tl.sum(tl.where(key[:, None] > piv32[None, :], w[:, None], 0), axis=0)
+                        big = acc.to(tl.float64) >= target  # a prefix of the pivots (mass falls with the key)
                         lo = tl.max(tl.where(big, piv, lo), axis=0)
                         hi = tl.min(tl.where(big, hi, piv), axis=0)
                     cut_key = hi.to(tl.int32)  # kept: mass strictly above < target, i.e. key >= hi
             # the draw: inverse CDF over the kept tokens' masses in vocabulary order
-            kept = tl.zeros([BLOCK], dtype=tl.int64)
+            kept_total = zero64
             for start in range(0, V, BLOCK):
                 idx = start + offs
-                kept += _kept_masses(p_row, v_row, idx, idx < V, cut_key, floor, kth, TOP_K)
-            kept_total = tl.sum(kept, axis=0)
+                kept_total += tl.sum(_kept_masses(p_row, v_row, idx, idx < V, cut_key, floor, kth, TOP_K), axis=0)
             u = tl.load(u_ptr + row)
             t = tl.minimum((u * kept_total.to(tl.float64)).to(tl.int64), kept_total - 1)
             t = tl.maximum(t, 0)
             running = zero64
             found = zero64 + V
-            offs_d = tl.arange(0, DRAW_BLOCK)
-            for start in range(0, V, DRAW_BLOCK):
-                if running <= t:  # (the token lies in this block or a later one)
-                    idx = start + offs_d
-                    m = idx < V
-                    w = _kept_masses(p_row, v_row, idx, m, cut_key, floor, kth, TOP_K)
-                    cum = tl.cumsum(w, axis=0) + running
-                    found = tl.minimum(found, tl.min(tl.where(m & (cum > t), idx.to(tl.int64), V), axis=0))
-                    running += tl.sum(w, axis=0)
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                m = idx < V
+                w = _kept_masses(p_row, v_row, idx, m, cut_key, floor, kth, TOP_K)
+                cum = tl.cumsum(w, axis=0) + running
+                found = tl.minimum(found, tl.min(tl.where(m & (cum > t), idx.to(tl.int64), V), axis=0))
+                running += tl.sum(w, axis=0)
             tl.store(out_ptr + row, tl.minimum(found, V - 1))
