@@ -377,6 +377,8 @@ def _redo_sorted(scaled: torch.Tensor, probs: torch.Tensor, covered: torch.Tenso
 # "kernel": the redo of uncovered rows in one Triton launch, no sync (CUDA with triton);
 # "sync": find them on the host (the CPU path; a host sync on CUDA). HYBRID_SAMPLER_FALLBACK sets it.
 FALLBACK = os.environ.get("HYBRID_SAMPLER_FALLBACK", "kernel")
+# The kernel's tile: ROWS x EPT consecutive tokens (4096: 16 tokens, four 16-byte loads, a thread of its 8 warps)
+FALLBACK_TILE = (256, 16)
 _kernel_failed: list[str] = []
 
 
@@ -403,7 +405,8 @@ def _fallback_kernel_launch(scaled: torch.Tensor, probs: torch.Tensor, covered: 
     try:
         triton_sampling.fallback_kernel[(S,)](
             scaled, probs, covered.to(torch.int32), top_k, kth, top_p, floor, u.contiguous(), tokens,
-            V, TOP_K=cuts.kth is not None, TOP_P=True, MIN_P=True, BLOCK=1024, PIVOTS=8, PASSES=12, num_warps=8)
+            V, TOP_K=cuts.kth is not None, TOP_P=True, MIN_P=True, ROWS=FALLBACK_TILE[0], EPT=FALLBACK_TILE[1],
+            PIVOTS=8, PASSES=12, num_warps=8)
     except Exception as e:  # a compile failure (raised before anything runs): the torch redo from now on
         _kernel_failed.append(repr(e))
         logger.warning("sampler fallback kernel unavailable (%r): uncovered rows are found with a host sync", e)

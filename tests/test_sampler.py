@@ -315,13 +315,17 @@ def test_the_default_candidate_count():
 
 
 # ---------------------------------------------------------------- the CUDA fallback kernel
-def test_the_fallback_kernel_draws_the_tokens_of_the_torch_redo(monkeypatch):
+@pytest.mark.parametrize("tile", [(256, 16), (32, 16)])
+def test_the_fallback_kernel_draws_the_tokens_of_the_torch_redo(monkeypatch, tile):
     """The Triton redo of uncovered rows (CUDA's path, no host sync) against the torch redo (CPU's),
     through Triton's interpreter: the same token for every row, covered rows left alone. Vocabularies
-    of several blocks and not a multiple of one; top-k with ties past the candidates; flat rows."""
+    of one tile and (with a 512-token tile) of several and not a multiple of one; top-k with ties past the
+    candidates; flat rows."""
     import os
 
     import hybrid.sampling as sampling
+
+    monkeypatch.setattr(sampling, "FALLBACK_TILE", tile)
 
     if not sampling.HAS_TRITON:
         pytest.skip("triton is not installed")
