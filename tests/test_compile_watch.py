@@ -63,3 +63,27 @@ def test_install_chains_to_an_earlier_hook_and_lets_triton_compile(fresh, monkey
     assert not runtime.jit_cache_hook(**kwargs)  # falsy: Triton goes on to compile
     runtime.jit_post_compile_hook(**kwargs)
     assert seen == ["k"] and len(compile_watch.events()) == 1
+
+
+def test_a_compile_is_described_by_its_arguments_specialisations():
+    """The description names each argument as Triton specialised it (type, divisible by 16, a constant) from the
+    hook's `compile` keyword; Triton's own repr where that keyword has another shape."""
+    compile = {"signature": {"x_ptr": "*bf16", "n": "i32", "m": "i32", "one": "constexpr", "BLOCK": "constexpr"},
+               "constants": {(3,): 1, (4,): 128}, "configs": [{(0,): [["tt.divisibility", 16]],
+                                                               (2,): [["tt.divisibility", 16]]}]}
+    fallback = "demo_kernel[num_warps=4, num_stages=3](x_ptr: ()"
+    assert compile_watch.describe(compile, fallback) == (
+        "demo_kernel[num_warps=4, num_stages=3](x_ptr: *bf16 %16, n: i32, m: i32 %16, one=1, BLOCK=128)")
+    assert compile_watch.describe(None, fallback) == fallback
+    assert compile_watch.describe({"signature": 3}, fallback) == fallback
+
+
+def test_the_warning_carries_the_description(fresh, caplog):
+    caplog.set_level(logging.WARNING, logger="hybrid")
+    compile_watch.startup_begins()
+    compile_watch.startup_ends()
+    compile = {"signature": {"x_ptr": "*fp32", "n": "i32"}, "constants": {}, "configs": [{}]}
+    compile_watch._on_cache_miss(key="k", repr="demo_kernel[num_warps=4](x_ptr: ()", fn=_Fn(), compile=compile)
+    compile_watch._on_compiled(key="k", repr="demo_kernel[num_warps=4](x_ptr: ()", fn=_Fn(), compile=compile)
+    assert "demo_kernel[num_warps=4](x_ptr: *fp32, n: i32)" in caplog.text
+    assert compile_watch.events()[-1].signature == "demo_kernel[num_warps=4](x_ptr: *fp32, n: i32)"

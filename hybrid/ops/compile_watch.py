@@ -22,7 +22,7 @@ logger = logging.getLogger("hybrid")
 @dataclass(frozen=True)
 class CompileEvent:
     kernel: str  # the kernel function's qualified name
-    signature: str  # Triton's description: launch options and each argument's type and value class
+    signature: str  # launch options and each argument's type and value class (describe)
     seconds: float  # from the cache miss to the compiled kernel (a disk-cache hit is milliseconds)
     after_startup: bool
 
@@ -72,16 +72,39 @@ def _on_cache_miss(*, key, fn, **_) -> None:
         _started[(threading.get_ident(), _name(fn) + str(key))] = time.perf_counter()
 
 
-def _on_compiled(*, key, repr: str, fn, **_) -> None:  # noqa: A002 - Triton's keyword
+def describe(compile: dict | None, fallback: str) -> str:
+    """Each argument of a compile as Triton specialised it, from the hook's `compile` keyword: `name: type`,
+    ` %16` where the value is known divisible by 16, `name=value` for a constant (a constexpr, or an integer
+    specialised to 1). Why: Triton's own description (`repr`) pairs the arguments with a key whose layout changed
+    in Triton 3.5+ and came out as `(states_ptr: ()`, which names no specialisation. `fallback` where the keyword
+    does not have that shape."""
+    try:
+        signature = compile["signature"]
+        constants = compile.get("constants") or {}
+        attrs = (compile.get("configs") or [{}])[0] or {}
+        parts = []
+        for i, (arg, ty) in enumerate(signature.items()):
+            if ty == "constexpr" or (i,) in constants:
+                parts.append(f"{arg}={constants.get((i,), '?')}")
+            else:
+                divisible = any(a[0] == "tt.divisibility" and a[1] % 16 == 0 for a in attrs.get((i,), []))
+                parts.append(f"{arg}: {ty}{' %16' if divisible else ''}")
+        return f"{fallback.split('(', 1)[0]}({', '.join(parts)})"
+    except Exception:  # another Triton's shape
+        return fallback
+
+
+def _on_compiled(*, key, repr: str, fn, compile=None, **_) -> None:  # noqa: A002 - Triton's keywords
     now = time.perf_counter()
     name = _name(fn)
+    signature = describe(compile, repr)
     with _lock:
         start = _started.pop((threading.get_ident(), name + str(key)), now)
-        event = CompileEvent(name, repr, now - start, _served and _startups_running == 0)
+        event = CompileEvent(name, signature, now - start, _served and _startups_running == 0)
         _events.append(event)
     if event.after_startup:
         logger.warning("Triton compiled %s after startup (%.2f s; a specialisation the warm-up did not meet): %s",
-                       name, event.seconds, repr)
+                       name, event.seconds, signature)
 
 
 def startup_begins() -> None:
