@@ -377,7 +377,8 @@ def _redo_sorted(scaled: torch.Tensor, probs: torch.Tensor, covered: torch.Tenso
 # "kernel": the redo of uncovered rows in one Triton launch, no sync (CUDA with triton);
 # "sync": find them on the host (the CPU path; a host sync on CUDA). HYBRID_SAMPLER_FALLBACK sets it.
 FALLBACK = os.environ.get("HYBRID_SAMPLER_FALLBACK", "kernel")
-# The kernel's tile: ROWS x EPT consecutive tokens (4096: 16 tokens, four 16-byte loads, a thread of its 8 warps)
+# The kernel's tile, ROWS x EPT consecutive tokens: 256 x 16 = 4096, each thread of its 8 warps reading 16 of
+# them in four 16-byte loads (triton_sampling.fallback_kernel's docstring says why)
 FALLBACK_TILE = (256, 16)
 _kernel_failed: list[str] = []
 
