@@ -14,26 +14,22 @@ if HAS_TRITON:
         return (p * 4503599627370496.0).to(tl.int64)  # fixed_point: p * 2**52, truncated
 
     @triton.jit
-    def _kept_masses(p_row, v_row, idx, m, cut_key, floor, kth, TOP_K: tl.constexpr):
-        """Fixed-point masses of the tile idx of a row, 0 where a token is cut (top-p key, min-p floor,
-        top-k value)."""
-        p = tl.load(p_row + idx, mask=m, other=0.0)
-        keep = m & (p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor)
-        if TOP_K:
-            v = tl.load(v_row + idx, mask=m, other=float("-inf"))
-            keep = keep & (v >= kth)
-        return tl.where(keep, _fixed(p), 0)
-
-    @triton.jit
     def _top_k_masses(p_row, v_row, idx, m, kth, TOP_K: tl.constexpr):
-        """(keys, fixed-point masses) of the tile idx of a row: each probability's bits as an int32 and its
-        mass, 0 past V and, with TOP_K, below the k-th value."""
+        """(probabilities, fixed-point masses) of the tile idx of a row: the mass 0 past V and, with TOP_K, below
+        the k-th value."""
         p = tl.load(p_row + idx, mask=m, other=0.0)
         w = tl.where(m, _fixed(p), 0)
         if TOP_K:
             v = tl.load(v_row + idx, mask=m, other=float("-inf"))
             w = tl.where(v >= kth, w, 0)
-        return p.to(tl.int32, bitcast=True), w
+        return p, w
+
+    @triton.jit
+    def _kept_masses(p_row, v_row, idx, m, cut_key, floor, kth, TOP_K: tl.constexpr):
+        """Fixed-point masses of the tile idx of a row, 0 where a token is cut (top-p key, min-p floor,
+        top-k value)."""
+        p, w = _top_k_masses(p_row, v_row, idx, m, kth, TOP_K)
+        return tl.where((p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor), w, 0)
 
     @triton.jit
     def fallback_kernel(v_ptr, p_ptr, covered_ptr, top_k_ptr, kth_ptr, top_p_ptr, floor_ptr, u_ptr, out_ptr, V,
@@ -91,7 +87,8 @@ if HAS_TRITON:
                         acc2 = tl.zeros([ROWS, PIVOTS], dtype=tl.int64)
                         for start in range(0, V, BLOCK):
                             idx = start + tile
-                            key, w = _top_k_masses(p_row, v_row, idx, idx < V, kth, TOP_K)
+                            p, w = _top_k_masses(p_row, v_row, idx, idx < V, kth, TOP_K)
+                            key = p.to(tl.int32, bitcast=True)
                             for q in tl.static_range(PIVOTS):
                                 piv_q = tl.sum(tl.where(jj == q, piv32, 0), axis=0)  # (loop-invariant)
                                 above = tl.sum(tl.where(key > piv_q, w, 0), axis=1)
