@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="profile one more hit (host and device): op tables printed, chrome trace into DIR")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="one more hit under cProfile: the Python functions by own and by cumulative host time")
     args = ap.parse_args()
     from hybrid.sampling import SamplingParams
 
@@ -87,6 +89,8 @@ def main() -> None:
           f"after a prefix-cache hit {result['cache_hit_ttft_ms']:.1f} ms", flush=True)
     if args.profile:
         profile_hit(llm, [(t + 211) % 100000 + 4 for t in first], extra, sp, args.profile)
+    if args.cprofile:
+        cprofile_hit(llm, [(t + 307) % 100000 + 4 for t in first], extra, sp)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -106,6 +110,25 @@ def profile_hit(llm, turn1, extra, sp, out_dir: str) -> None:
     ka = prof.key_averages()
     print(ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70), flush=True)
     print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
+
+
+def cprofile_hit(llm, turn1, extra, sp) -> None:
+    """One more hit under cProfile: which Python functions its host time goes to (the step is bound by
+    its host: Triton's launch path, torch dispatch, our own per-layer code), by own and cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    llm.generate([turn1], sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    ttft(llm, turn1 + extra, sp)
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+        print(buf.getvalue(), flush=True)
 
 
 if __name__ == "__main__":

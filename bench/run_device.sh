@@ -319,6 +319,16 @@ if [[ $what == prefix-profile ]]; then
       | tee "$OUT/prefix_cache.log" || rc=1
   gzip -f "$OUT/prefix_hit_trace.json" 2>/dev/null || true
 fi
+# h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
+# prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
+if [[ $what == prefix-cprofile || $what == h200-targets ]]; then
+  # (the MoE targets are H200 figures: only where this machine is one)
+  if [[ $what == h200-targets ]] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    bash "$0" moe-targets
+  fi
+  timeout ${PREFIX_LIMIT:-400} python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache.json" --cprofile 2>&1 \
+      | tee "$OUT/prefix_cache_cprofile.log" || rc=1
+fi
 if [[ $what == gemm ]]; then
   timeout 200 python3 bench/bench_gemm.py --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" || rc=1
 fi
