@@ -319,6 +319,16 @@ if [[ $what == prefix-profile ]]; then
       | tee "$OUT/prefix_cache.log" || rc=1
   gzip -f "$OUT/prefix_hit_trace.json" 2>/dev/null || true
 fi
+# scan-plans  the GPU tests of the chunked scan (planned launches: tests/gpu/test_mamba_scan_gpu.py) and of the varlen
+#            prefill's snapshots, then bench_prefix_cache.py with the planned launches (default) and without
+#            (HYBRID_SCAN_PLANS=0), each its own process on this machine
+if [[ $what == scan-plans ]]; then
+  gpu_pytest 200 gpu_tests_scan_plans.log tests/gpu/test_mamba_scan_gpu.py tests/gpu/test_kernels.py -k "scan or snapshots"
+  timeout 170 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache_plans.json" 2>&1 | grep -v Warn \
+      | tee "$OUT/prefix_cache_plans.log" || rc=1
+  HYBRID_SCAN_PLANS=0 timeout 170 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache_no_plans.json" 2>&1 \
+      | grep -v Warn | tee "$OUT/prefix_cache_no_plans.log" || rc=1
+fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
 if [[ $what == prefix-cprofile || $what == h200-targets ]]; then

@@ -154,9 +154,13 @@ def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len:
         raise InvalidRequestError(f"a prompt must be a list of token ids, got {type(prompt_token_ids).__name__}")
     if not prompt_token_ids:
         raise InvalidRequestError("empty prompt: at least one token is needed")
-    for t in prompt_token_ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise InvalidRequestError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    # plain ints in range, checked at C speed (a long prompt is validated on the path to its first token);
+    # anything else is found, and named, by the loop
+    if not (set(map(type, prompt_token_ids)) == {int}
+            and 0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab_size):
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise InvalidRequestError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
     if len(prompt_token_ids) >= max_model_len:
         raise InvalidRequestError(
             f"prompt of {len(prompt_token_ids)} tokens is longer than the context: max_model_len is "

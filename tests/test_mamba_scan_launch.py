@@ -100,6 +100,7 @@ SCAN_ARGS = (None, None, None, None, None, 128, None, None, None, (0.0, float("i
 
 def test_chunk_scan_takes_the_lean_path_after_its_check(monkeypatch):
     monkeypatch.setattr(mamba_scan, "_autotuner_class", lambda: FakeAutotuner)
+    monkeypatch.setattr(mamba_scan, "_new_plans", lambda modules: None)  # (the planned launches: tests below)
     out, final = torch.arange(6.0), torch.ones(2)
     combined, modules, calls = _fake_library((out.clone(), final.clone()), (out, final))
     scan = ChunkScan(combined, modules)
@@ -115,6 +116,7 @@ def test_chunk_scan_takes_the_lean_path_after_its_check(monkeypatch):
 @pytest.mark.parametrize("broken", ["differs", "raises", "no_forward"])
 def test_chunk_scan_falls_back_to_the_public_function(monkeypatch, broken):
     monkeypatch.setattr(mamba_scan, "_autotuner_class", lambda: FakeAutotuner)
+    monkeypatch.setattr(mamba_scan, "_new_plans", lambda modules: None)
     out, final = torch.arange(6.0), torch.ones(2)
     lean = (out + 1, final) if broken == "differs" else (out.clone(), final.clone())
     combined, modules, calls = _fake_library(lean, (out, final))

@@ -59,6 +59,20 @@ class CachedConfigKernel:
         dtypes = tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args)
         return values, dtypes, tuple(sorted((k, v.dtype) for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
 
+    def run_recorded(self, args: tuple, grid, consts: dict):
+        """run(*args, grid=grid, warmup=False, **consts), returning (what Triton's launch returned: the
+        compiled kernel, the config's kwargs it launched with, or None where the config is not kept)."""
+        key = self._key(args, consts)
+        config = self.configs.get(key)
+        if config is not None:
+            return self.fn.run(*args, grid=grid, warmup=False, **consts, **config), config
+        kernel = self.autotuner.run(*args, grid=grid, warmup=False, **consts)
+        best = self.autotuner.best_config
+        if best.pre_hook is not None:
+            return kernel, None
+        self.configs[key] = best.all_kwargs()
+        return kernel, self.configs[key]
+
     def run(self, *args, **kwargs):
         key = self._key(args, kwargs)
         config = self.configs.get(key)
@@ -69,6 +83,20 @@ class CachedConfigKernel:
         if best.pre_hook is None:  # a config with a pre-hook keeps going through the autotuner
             self.configs[key] = best.all_kwargs()
         return out
+
+
+def _new_plans(modules: dict):
+    """A ScanPlans over the installed CachedConfigKernels, or None (switch off, or the kernels not installed)."""
+    from hybrid.ops.triton_guard import switch
+
+    if not switch("scan_plans"):
+        return None
+    from hybrid.ops.mamba_scan_plans import KERNEL_NAMES, ScanPlans
+
+    kernels = {name: getattr(modules[m], name, None) for m, name in SCAN_KERNELS}
+    if tuple(kernels) != KERNEL_NAMES or not all(isinstance(k, CachedConfigKernel) for k in kernels.values()):
+        return None
+    return ScanPlans(kernels, bool(getattr(modules["ssd_chunk_scan"], "TRITON_22", True)))
 
 
 def _autotuner_class():
@@ -109,11 +137,19 @@ class ChunkScan:
             m: importlib.import_module(prefix + m) for m, _ in SCAN_KERNELS}
         self.swapped: list = []
         self.lean: bool | None = None if self.forward is not None else False  # None: not checked yet
+        self.plans = None  # ScanPlans once checked (see _check_plans)
 
     def __call__(self, x, dt, A, B, C, chunk_size: int, D, dt_bias, initial_states, dt_limit: tuple[float, float]):
         if self.lean is None:
             return self._check(x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_limit)
         if self.lean:
+            if self.plans is not None:
+                try:
+                    out, _, final = self.plans.forward(x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, None,
+                                                       dt_limit)
+                    return out, final
+                except Exception as e:  # noqa: BLE001 - keep serving on the library's forward
+                    self._drop_plans(e)
             out = self.forward(x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias, initial_states=initial_states,
                                dt_softplus=True, dt_limit=dt_limit)
             return out[0], out[5]
@@ -125,6 +161,12 @@ class ChunkScan:
         public function runs (it does not return dt)."""
         if not self.lean:
             return None
+        if self.plans is not None:
+            try:
+                y, dt_out, _ = self.plans.forward(x, dt, A, B, C, chunk_size, D, dt_bias, None, seq_idx, dt_limit)
+                return y, dt_out[0].reshape(dt_out.shape[1], -1)
+            except Exception as e:  # noqa: BLE001 - keep serving on the library's forward
+                self._drop_plans(e)
         out = self.forward(x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias, initial_states=None,
                            seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit)
         return out[0], out[2][0].reshape(out[2].shape[1], -1)
@@ -140,8 +182,11 @@ class ChunkScan:
         try:
             self.swapped = _install(self.modules)
             self.lean = True
+            self.plans = None
             out, final = self(*args)
             same = torch.equal(out, ref_out) and torch.equal(final, ref_final)
+            if same:
+                self._check_plans(args, ref_out, ref_final)
         except Exception as e:  # noqa: BLE001 - another mamba-ssm or Triton: keep the public function
             log.warning("the lean chunked-scan path failed (%s: %s); using mamba_chunk_scan_combined",
                         type(e).__name__, e)
@@ -151,6 +196,25 @@ class ChunkScan:
             self.uninstall()
             self.lean = False
         return ref_out, ref_final
+
+    def _check_plans(self, args: tuple, ref_out: torch.Tensor, ref_final: torch.Tensor) -> None:
+        """With the lean path checked: the planned launches (hybrid/ops/mamba_scan_plans.py) from now on if a
+        recording call and a direct one on the same inputs give its bits too (the "scan_plans" switch)."""
+        plans = _new_plans(self.modules)
+        if plans is None:
+            return
+        self.plans = plans
+        for _ in range(2):  # the layout's first call records its launches, the second launches them directly
+            out, final = self(*args)
+            if self.plans is None or not (torch.equal(out, ref_out) and torch.equal(final, ref_final)):
+                if self.plans is not None:
+                    log.warning("the chunked scan's planned launches differ from its lean path; not using them")
+                self.plans = None
+                return
+
+    def _drop_plans(self, e: Exception) -> None:
+        log.warning("the chunked scan's planned launches failed (%s: %s); using the lean path", type(e).__name__, e)
+        self.plans = None
 
     def uninstall(self) -> None:
         for mod, name, autotuner in self.swapped:

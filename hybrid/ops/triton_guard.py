@@ -111,9 +111,9 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1"),
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
-             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1")}
+             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "scan_plans": ("HYBRID_SCAN_PLANS", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
-                  "moe_preload", "lm_head_preload"}  # these read as on unless their variable says "0"
+                  "moe_preload", "lm_head_preload", "scan_plans"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS
 DECODE_LINEAR_DEFAULT = "plain:mamba.out_proj"
