@@ -25,6 +25,7 @@ import torch
 
 from hybrid.ops import triton_moe_route
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
+from hybrid.ops.triton_launch import launch
 
 
 def is_available() -> bool:
@@ -172,8 +173,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     out = torch.empty_like(x)
     if T:
         block = triton.next_power_of_2(H)
-        _rms_norm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), H, eps,
-                               BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block), **pdl_options(x.device))
+        launch(_rms_norm_kernel, (T,), x, weight, out, x.stride(0), out.stride(0), H, eps,
+               BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block), **pdl_options(x.device))
     return out
 
 
@@ -186,8 +187,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     out = torch.empty_like(residual)
     if T:
         block = triton.next_power_of_2(H)
-        _add_rms_norm_kernel[(T,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), H, eps,
-                                   float(scale), BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
+        launch(_add_rms_norm_kernel, (T,), x, residual, weight, out, x.stride(0), residual.stride(0),
+               out.stride(0), H, eps, float(scale), BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
                                    num_warps=_warps(block), **pdl_options(x.device))
     return out
 
@@ -204,8 +205,8 @@ def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: fl
     out = torch.empty_like(residual)
     if T:
         block = triton.next_power_of_2(H)
-        _sum_add_rms_norm_kernel[(T,)](y, add if add is not None else y, residual, weight, out, residual.stride(0),
-                                       out.stride(0), H, eps, float(scale), TOP_K=rows.top_k, HAS_ADD=add is not None,
+        launch(_sum_add_rms_norm_kernel, (T,), y, add if add is not None else y, residual, weight, out,
+               residual.stride(0), out.stride(0), H, eps, float(scale), TOP_K=rows.top_k, HAS_ADD=add is not None,
                                        BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block),
                                        **pdl_options(y.device))
     return out
@@ -230,7 +231,7 @@ def add_rms_norm_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     block = triton.next_power_of_2(H)
     bk, be, splits, k_per_split = triton_moe_route.router_tiling(H, E)
     partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
-    _add_rms_norm_router_kernel[(T, triton.cdiv(E, be), splits)](
+    launch(_add_rms_norm_router_kernel, (T, triton.cdiv(E, be), splits),
         x, residual, weight, normed, new_res, router_weight, partial, T, E, H, x.stride(0), residual.stride(0),
         router_weight.stride(0), eps, float(scale), k_per_split, BLOCK=block, BLOCK_E=be, BLOCK_K=bk,
         W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block), **pdl_options(x.device))
@@ -262,6 +263,6 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if T:
         group = inner // n_groups
         block = triton.next_power_of_2(group)
-        _gated_rms_norm_kernel[(T, n_groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), group, eps,
-                                              BLOCK=block, num_warps=_warps(block), **pdl_options(y.device))
+        launch(_gated_rms_norm_kernel, (T, n_groups), y, z, weight, out, y.stride(0), z.stride(0), out.stride(0),
+               group, eps, BLOCK=block, num_warps=_warps(block), **pdl_options(y.device))
     return out
