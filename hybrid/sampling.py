@@ -380,6 +380,8 @@ FALLBACK = os.environ.get("HYBRID_SAMPLER_FALLBACK", "kernel")
 # The kernel's tile, ROWS x EPT consecutive tokens: 256 x 16 = 4096, each thread of its 8 warps reading 16 of
 # them in four 16-byte loads (triton_sampling.fallback_kernel's docstring says why)
 FALLBACK_TILE = (256, 16)
+# The pivots of each pass of its top-p search: a pass divides the interval by this many (a power of 2)
+FALLBACK_PIVOTS = 8
 _kernel_failed: list[str] = []
 
 
@@ -402,12 +404,14 @@ def _fallback_kernel_launch(scaled: torch.Tensor, probs: torch.Tensor, covered: 
     top_k = knobs.top_k.contiguous() if knobs.top_k is not None else torch.zeros(1, dtype=torch.long, device=dev)
     kth = cuts.kth.contiguous() if cuts.kth is not None else torch.full((1,), -math.inf, dtype=scaled.dtype, device=dev)
     top_p = knobs.top_p.contiguous() if knobs.top_p is not None else torch.ones(S, dtype=torch.float64, device=dev)
+    # the prefilter's top-p cut: where top-p is on, the search's upper end (fallback_kernel's docstring says why)
+    cut = cuts.cut.contiguous() if cuts.cut is not None else torch.zeros(S, dtype=probs.dtype, device=dev)
     floor = cuts.floor.contiguous() if cuts.floor is not None else torch.zeros(S, dtype=probs.dtype, device=dev)
     try:
         triton_sampling.fallback_kernel[(S,)](
-            scaled, probs, covered.to(torch.int32), top_k, kth, top_p, floor, u.contiguous(), tokens,
+            scaled, probs, covered.to(torch.int32), top_k, kth, top_p, cut, floor, u.contiguous(), tokens,
             V, TOP_K=cuts.kth is not None, TOP_P=True, MIN_P=True, ROWS=FALLBACK_TILE[0], EPT=FALLBACK_TILE[1],
-            PIVOTS=8, PASSES=12, num_warps=8)
+            PIVOTS=FALLBACK_PIVOTS, num_warps=8)
     except Exception as e:  # a compile failure (raised before anything runs): the torch redo from now on
         _kernel_failed.append(repr(e))
         logger.warning("sampler fallback kernel unavailable (%r): uncovered rows are found with a host sync", e)

@@ -373,3 +373,142 @@ def test_warm_up_fallback_kernel_meets_both_variants(monkeypatch):
     monkeypatch.setattr(sampling, "_fallback_kernel_launch", record)
     sampling.warm_up_fallback_kernel(dev, 3000)
     assert sorted(calls) == [False, True] and not sampling._kernel_failed
+
+
+def _every_row_through_the_kernel(monkeypatch, logits: torch.Tensor, params: list[SamplingParams], seed: int,
+                                  candidates: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the kernel's tokens, the torch redo's) with every row taken as uncovered by its candidates, the
+    covered ones too: their top-p cut is then the candidates' cut, the search's upper end itself."""
+    import hybrid.sampling as sampling
+
+    real_cuts = sampling._cuts
+    monkeypatch.setattr(sampling, "_cuts", lambda vals, probs, knobs: (
+        real_cuts(vals, probs, knobs)[0], torch.zeros(vals.shape[0], dtype=torch.bool, device=vals.device)))
+    streams = lambda: [SampleStream(seed + i) for i in range(logits.shape[0])]  # noqa: E731
+    monkeypatch.setattr(sampling, "_use_kernel", lambda t: False)
+    want = sample_tokens(logits, params, streams(), candidates=candidates)[0]
+    monkeypatch.setattr(sampling, "_use_kernel", lambda t: True)
+    got = sample_tokens(logits, params, streams(), candidates=candidates)[0]
+    assert not sampling._kernel_failed, sampling._kernel_failed
+    return got, want
+
+
+def _search_rows(V: int, seed: int) -> torch.Tensor:
+    """Rows that put the top-p search at its edges: one token of probability ~1 (the others weigh 0 in
+    fixed point), every token tied, two tied halves, bf16 ties, flat and peaked random rows, most of the
+    row masked, only 5 finite logits."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(8, V, generator=g)
+    rows[0] = 0.0
+    rows[0, V // 3] = 40.0
+    rows[1] = 0.0
+    rows[2] = 0.0
+    rows[2, ::2] = 1.0
+    rows[3] = (rows[3] * 0.5).bfloat16().float()
+    rows[4] *= 0.3
+    rows[5] *= 4.0
+    rows[6, : 2 * V // 3] = float("-inf")
+    rows[7, 5:] = float("-inf")
+    return rows
+
+
+def test_the_fallback_kernel_search_at_its_edges(monkeypatch):
+    """The kernel's top-p search and draw (every row forced through it) against the torch redo, through
+    Triton's interpreter: rows of _search_rows, top-p from keeping one token to just below 1 (the target
+    above the row's whole fixed-point mass: the search ends below every token), with and without top-k
+    (a top-k above the 5 finite logits: kth -inf) and min-p (looser than the cut: the kept mass comes from
+    the search; tighter: its own pass); two tiles, the second partial."""
+    import os
+
+    import hybrid.sampling as sampling
+
+    if not sampling.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton's interpreter must be on before triton is imported (tests/conftest.py)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    V = sampling.FALLBACK_TILE[0] * sampling.FALLBACK_TILE[1] + 900
+    logits = _search_rows(V, 5).to(dev)
+    combos = [SamplingParams(top_p=1e-6), SamplingParams(top_p=0.5), SamplingParams(top_p=0.95),
+              SamplingParams(top_p=1 - 1e-12), SamplingParams(top_p=0.999999, temperature=0.5),
+              SamplingParams(top_p=0.9, top_k=10), SamplingParams(top_p=0.95, top_k=300),
+              SamplingParams(top_p=0.9, min_p=1e-4), SamplingParams(top_p=0.99, min_p=0.3),
+              SamplingParams(top_p=0.8, top_k=40, min_p=0.05, temperature=1.5)]
+    for j, sp in enumerate(combos):
+        got, want = _every_row_through_the_kernel(monkeypatch, logits, [sp] * logits.shape[0], 100 * j)
+        assert torch.equal(got, want), f"{sp}: {got.tolist()} != {want.tolist()}"
+    assert int(want[0]) == V // 3  # (the token of probability ~1)
+
+
+def test_the_fallback_kernel_mixes_rows(monkeypatch):
+    """One launch, rows of different filters (top-k on some rows only: the others read no logits), some
+    covered by the prefilter and left alone, the others redone: the torch redo's tokens."""
+    import os
+
+    import hybrid.sampling as sampling
+
+    if not sampling.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton's interpreter must be on before triton is imported (tests/conftest.py)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    V = 2000
+    logits = torch.cat([_search_rows(V, 6), _random_rows(7, 8, V, flat=True)]).to(dev)
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=20, top_p=0.7), SamplingParams(min_p=0.01),
+              SamplingParams(top_p=0.95, min_p=0.2), SamplingParams(top_k=3), SamplingParams(top_p=0.6, top_k=500),
+              SamplingParams(temperature=0.9), SamplingParams(top_p=0.99)] * 2
+    for seed in (0, 50):
+        streams = lambda: [SampleStream(seed + i) for i in range(len(params))]  # noqa: E731
+        monkeypatch.setattr(sampling, "_use_kernel", lambda t: False)
+        want = sample_tokens(logits, params, streams(), candidates=16)[0]
+        monkeypatch.setattr(sampling, "_use_kernel", lambda t: True)
+        got = sample_tokens(logits, params, streams(), candidates=16)[0]
+        assert not sampling._kernel_failed, sampling._kernel_failed
+        assert torch.equal(got, want), f"{got.tolist()} != {want.tolist()}"
+
+
+@pytest.mark.parametrize("pivots", [8, 16])
+def test_the_fallback_kernel_cut_to_the_bit(monkeypatch, pivots):
+    """Probabilities made by hand, every row forced through the kernel, against the torch redo: rows of
+    distinct adjacent fp32 values (a cut one bit off keeps one token more or less; cuts far below the
+    search's upper end, at it, at the top token), a token of probability 1, the mass above a token exactly
+    top_p times the total (dropped: the mass above must be below it), a target above the row's whole mass
+    (keeps every token); draws at 0, in the middle and at the top (which lands on the last kept token, so
+    the kept mass must be exact). With the search's 8 pivots a pass and with 16."""
+    import os
+
+    import hybrid.sampling as sampling
+
+    if not sampling.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton's interpreter must be on before triton is imported (tests/conftest.py)")
+    monkeypatch.setattr(sampling, "FALLBACK_PIVOTS", pivots)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    V = 2048
+    g = torch.Generator().manual_seed(9)
+    adjacent = (torch.tensor(2.0**-11).view(torch.int32) - torch.arange(V, dtype=torch.int32)).view(torch.float32)
+    dyadic = torch.full((V,), 0.25 / (V - 2))
+    dyadic[:2] = torch.tensor([0.5, 0.25])
+    one = torch.zeros(V)
+    one[0] = 1.0
+    base = [adjacent, adjacent, adjacent, one, dyadic, adjacent, adjacent, adjacent, dyadic]
+    # (7.5 / 2048: the cut is the 8th largest probability, the last of the 8 candidates: the search's upper end)
+    params = [SamplingParams(top_p=0.5), SamplingParams(top_p=7.5 / 2048), SamplingParams(top_p=1e-6),
+              SamplingParams(top_p=0.5), SamplingParams(top_p=0.5), SamplingParams(top_p=0.99999),
+              SamplingParams(top_p=0.5, top_k=1000), SamplingParams(top_p=0.9, min_p=0.9999),
+              SamplingParams(top_p=0.75, top_k=2)]
+    assert float((adjacent * sampling.FIXED_ONE).to(torch.int64).sum()) < 0.99999 * sampling.FIXED_ONE
+    probs = torch.stack([b[torch.randperm(V, generator=g)] for b in base]).to(dev)
+    real_cuts = sampling._cuts
+    monkeypatch.setattr(sampling, "_cuts", lambda vals, p, knobs: (
+        real_cuts(vals, p, knobs)[0], torch.zeros(vals.shape[0], dtype=torch.bool, device=vals.device)))
+    for u in (0.0, 0.5, 1 - 2.0**-53, None):
+        draws = (torch.rand(len(base), generator=g, dtype=torch.float64) if u is None
+                 else torch.full((len(base),), u, dtype=torch.float64)).to(dev)
+        monkeypatch.setattr(sampling, "_use_kernel", lambda t: False)
+        want = sampling._sample_filtered(probs, probs, params, draws, 8)  # (the probabilities as logits: same order)
+        monkeypatch.setattr(sampling, "_use_kernel", lambda t: True)
+        got = sampling._sample_filtered(probs, probs, params, draws, 8)
+        assert not sampling._kernel_failed, sampling._kernel_failed
+        assert torch.equal(got, want), f"u={u}: {got.tolist()} != {want.tolist()}"

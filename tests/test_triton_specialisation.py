@@ -91,7 +91,7 @@ HELPERS = {
     "hybrid.ops.triton_act": set(),
     "hybrid.ops.triton_mamba": {"_softplus", "_ext_tile", "_conv_window_out"},
     "hybrid.ops.triton_mamba_varlen": {"_history_columns"},
-    "hybrid.ops.triton_sampling": {"_fixed", "_kept_masses", "_top_k_masses"},
+    "hybrid.ops.triton_sampling": {"_fixed", "_kept_masses", "_top_k_probs", "_signed_masses"},
     "hybrid.ops.triton_greedy": {"_better", "_tile_best"},
     "attention.triton_prefill": {"_attend_tile"},
     "attention.trtllm": set(),

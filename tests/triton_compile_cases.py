@@ -277,17 +277,20 @@ def _greedy():
              dict(val_ptr="*fp32", idx_ptr="*i32", token_ptr="*i64", finite_ptr="*i8"), num_warps=1)
 
 
+SAMPLER_PTRS = dict(v_ptr="*fp32", p_ptr="*fp32", covered_ptr="*i32", top_k_ptr="*i64", kth_ptr="*fp32",
+                    top_p_ptr="*fp64", cut_ptr="*fp32", floor_ptr="*fp32", u_ptr="*fp64", out_ptr="*i64")
+
+
 @case("sampler_fallback")
 def _sampler_fallback():
     """The sampler's fallback kernel as hybrid/sampling.py launches it, with and without top-k."""
-    from hybrid.sampling import FALLBACK_TILE
+    from hybrid.sampling import FALLBACK_PIVOTS, FALLBACK_TILE
 
     for top_k in (False, True):
         compiles(triton_sampling.fallback_kernel,
-                 dict(TOP_K=top_k, TOP_P=True, MIN_P=True, ROWS=FALLBACK_TILE[0], EPT=FALLBACK_TILE[1], PIVOTS=8,
-                      PASSES=12),
-                 dict(v_ptr="*fp32", p_ptr="*fp32", covered_ptr="*i32", top_k_ptr="*i64", kth_ptr="*fp32",
-                      top_p_ptr="*fp64", floor_ptr="*fp32", u_ptr="*fp64", out_ptr="*i64"), num_warps=8)
+                 dict(TOP_K=top_k, TOP_P=True, MIN_P=True, ROWS=FALLBACK_TILE[0], EPT=FALLBACK_TILE[1],
+                      PIVOTS=FALLBACK_PIVOTS),
+                 SAMPLER_PTRS, num_warps=8)
 
 
 SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one block may have on sm_90

@@ -60,6 +60,32 @@ def test_the_kernel_redo_equals_the_torch_redo_at_full_vocabulary(monkeypatch):
         assert torch.equal(got, want), sp
 
 
+def test_the_kernel_on_every_row_at_full_vocabulary(monkeypatch):
+    """Every row forced through the kernel (the prefilter's covered rows too: their top-p cut is the
+    search's upper end itself) against the torch redo, at the real vocabulary: flat and peaked rows, a token
+    of probability ~1, every token tied, bf16 ties, most of the row masked; top-p from keeping one token to
+    just below 1 (the target above the row's mass), with top-k and min-p (looser and tighter than the cut)."""
+    V, n = 131072, 16
+    logits = _logits(n, V, 11)
+    logits[0] = 0.0
+    logits[1] = 0.0
+    logits[1, 12345] = 40.0
+    logits[2] = (logits[2] * 0.3).bfloat16().float()
+    logits[3, : 2 * V // 3] = float("-inf")
+    logits = logits.cuda()
+    real_cuts = sampling._cuts
+    monkeypatch.setattr(sampling, "_cuts", lambda vals, probs, knobs: (
+        real_cuts(vals, probs, knobs)[0], torch.zeros(vals.shape[0], dtype=torch.bool, device=vals.device)))
+    for sp in COMBOS[1:] + [SamplingParams(top_p=1e-6), SamplingParams(top_p=1 - 1e-12),
+                            SamplingParams(top_p=0.9, min_p=1e-6), SamplingParams(top_p=0.99, min_p=0.2)]:
+        monkeypatch.setattr(sampling, "FALLBACK", "sync")
+        want = sample_tokens(logits, [sp] * n, [SampleStream(i) for i in range(n)])[0]
+        monkeypatch.setattr(sampling, "FALLBACK", "kernel")
+        got = sample_tokens(logits, [sp] * n, [SampleStream(i) for i in range(n)])[0]
+        assert not sampling._kernel_failed, sampling._kernel_failed
+        assert torch.equal(got, want), sp
+
+
 @pytest.mark.parametrize("V", [100352, 131072, 256000])
 @pytest.mark.parametrize("rows", [1, 8, 256])
 def test_greedy_kernels_give_torchs_argmax(V, rows):
