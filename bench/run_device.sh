@@ -329,6 +329,15 @@ if [[ $what == scan-plans ]]; then
   HYBRID_SCAN_PLANS=0 timeout 170 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache_no_plans.json" 2>&1 \
       | grep -v Warn | tee "$OUT/prefix_cache_no_plans.log" || rc=1
 fi
+# launch-sampler  the GPU tests of the direct launches and of the sampler, the sampler's fallback kernel alone (old
+#            against new, bench_sampler_kernel.py --device), bench_prefix_cache.py, then `sampled` (SAMPLED_LIMIT)
+if [[ $what == launch-sampler ]]; then
+  gpu_pytest 150 gpu_tests_launch_sampler.log tests/gpu/test_triton_launch_gpu.py tests/gpu/test_sampler_gpu.py
+  timeout 90 python3 bench/bench_sampler_kernel.py --device 2>&1 | tee "$OUT/sampler_kernel.log" || rc=1
+  timeout 150 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache_launch.json" 2>&1 | grep -v Warn \
+      | tee "$OUT/prefix_cache_launch.log" || rc=1
+  bash "$0" sampled
+fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
 if [[ $what == prefix-cprofile || $what == h200-targets ]]; then
