@@ -71,8 +71,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybrid.ops.triton_launch import launch
-
 from state_pool.util import cdiv, sm_count
 
 try:
@@ -349,7 +347,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: "Ste
         part_ml = torch.empty(T * num_heads * splits * 2, dtype=torch.float32, device=q.device)
     else:
         part = part_ml = out  # not read
-    launch(_paged_prefill_kernel, (programs, num_kv_heads, splits),
+    _paged_prefill_kernel[(programs, num_kv_heads, splits)](
         q, kv_layer, out, batch.query_start_loc, batch.seq_lens, batch.page_table, part, part_ml,
         B, group, num_heads, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -360,7 +358,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: "Ste
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )
     if split:
-        launch(_combine_splits_kernel, (T, num_heads),
+        _combine_splits_kernel[(T, num_heads)](
             part, part_ml, out, num_heads, splits, out.stride(0), out.stride(1), v_scale,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(splits)), num_warps=4,
         )

@@ -44,7 +44,6 @@ import triton.language as tl
 
 from attention.reference import FP8_KV_DTYPE, TorchAttentionBackend
 from attention.triton_prefill import paged_prefill_attention
-from hybrid.ops.triton_launch import launch
 from state_pool.util import cdiv
 
 log = logging.getLogger(__name__)
@@ -113,7 +112,7 @@ def write_kv_fused(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     if v.stride(-1) != 1:
         v = v.contiguous()
     assert kv_layer.stride(-1) == 1
-    launch(_write_kv_kernel, (T, kvh),
+    _write_kv_kernel[(T, kvh)](
         k, v, kv_layer, kv_write_loc, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), kv_layer.shape[3],
         1.0 / kv_scales[0], 1.0 / kv_scales[1],

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
-from hybrid.ops.triton_launch import launch
 
 BLOCK = 1024
 
@@ -52,8 +51,8 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     assert x.stride(-1) == 1
     out = torch.empty_like(x)
     if T:
-        launch(_relu2_kernel, (T, triton.cdiv(width, BLOCK)), x, out, x.stride(0), out.stride(0), width, BLOCK=BLOCK,
-               num_warps=4, **pdl_options(x.device))
+        _relu2_kernel[(T, triton.cdiv(width, BLOCK))](x, out, x.stride(0), out.stride(0), width, BLOCK=BLOCK,
+                                                      num_warps=4, **pdl_options(x.device))
     return out
 
 
@@ -64,6 +63,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     width = two_width // 2
     out = torch.empty(T, width, dtype=gate_up.dtype, device=gate_up.device)
     if T:
-        launch(_silu_and_mul_kernel, (T, triton.cdiv(width, BLOCK)), gate_up, out, gate_up.stride(0),
-               out.stride(0), width, BLOCK=BLOCK, num_warps=4, **pdl_options(gate_up.device))
+        _silu_and_mul_kernel[(T, triton.cdiv(width, BLOCK))](gate_up, out, gate_up.stride(0), out.stride(0), width,
+                                                             BLOCK=BLOCK, num_warps=4, **pdl_options(gate_up.device))
     return out

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
-from hybrid.ops.triton_launch import launch
 from state_pool.util import cdiv
 
 
@@ -270,12 +269,12 @@ def conv_prefill_varlen(x: torch.Tensor, conv_state: torch.Tensor, rows: VarlenR
         return out
     pdl = pdl_options(x.device)
     cs = conv_state
-    launch(_conv_varlen_kernel, (cdiv(T, block_l), cdiv(CD, block_c)),
+    _conv_varlen_kernel[(cdiv(T, block_l), cdiv(CD, block_c))](
         x, cs, weight, bias if bias is not None else weight, out, rows.cu_seqlens, rows.seq_of_token, rows.slots,
         rows.has_init, T, CD, x.stride(0), out.stride(0), cs.stride(0), cs.stride(1), cs.stride(2), weight.stride(0),
         K=K, BLOCK_L=block_l, BLOCK_C=block_c, HAS_BIAS=bias is not None, num_warps=4, **pdl)
     # (after the conv, which read the old histories: stream order)
-    launch(_conv_history_kernel, (rows.num_rows, cdiv(CD, block_c)),
+    _conv_history_kernel[(rows.num_rows, cdiv(CD, block_c))](
         x, cs, rows.cu_seqlens, rows.slots, rows.has_init, rows.snap_cu, rows.snap_pos, rows.snap_slots, CD,
         x.stride(0), cs.stride(0), cs.stride(1), cs.stride(2),
         W=W, WP=triton.next_power_of_2(W), BLOCK_C=block_c, num_warps=4, **pdl)
@@ -300,7 +299,7 @@ def finish_rows(y: torch.Tensor, x: torch.Tensor, B: torch.Tensor, C: torch.Tens
     bn = max(16, triton.next_power_of_2(N))
     bp = max(16, min(block_p, triton.next_power_of_2(P)))
     st = ssm_state
-    launch(_row_states_kernel, (R, H, cdiv(P, bp)),
+    _row_states_kernel[(R, H, cdiv(P, bp))](
         y, x, B, C, dt, A, st, rows.cu_seqlens, rows.slots, rows.has_init, rows.snap_cu, rows.snap_pos,
         rows.snap_slots, P, N, H // G,
         y.stride(0), y.stride(1), x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),

@@ -25,7 +25,6 @@ import torch
 
 from hybrid.ops import triton_moe_route
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
-from hybrid.ops.triton_launch import launch
 
 
 def is_available() -> bool:
@@ -173,8 +172,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     out = torch.empty_like(x)
     if T:
         block = triton.next_power_of_2(H)
-        launch(_rms_norm_kernel, (T,), x, weight, out, x.stride(0), out.stride(0), H, eps,
-               BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block), **pdl_options(x.device))
+        _rms_norm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), H, eps,
+                               BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block), **pdl_options(x.device))
     return out
 
 
@@ -187,8 +186,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     out = torch.empty_like(residual)
     if T:
         block = triton.next_power_of_2(H)
-        launch(_add_rms_norm_kernel, (T,), x, residual, weight, out, x.stride(0), residual.stride(0),
-               out.stride(0), H, eps, float(scale), BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
+        _add_rms_norm_kernel[(T,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), H, eps,
+                                   float(scale), BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
                                    num_warps=_warps(block), **pdl_options(x.device))
     return out
 
@@ -205,8 +204,8 @@ def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: fl
     out = torch.empty_like(residual)
     if T:
         block = triton.next_power_of_2(H)
-        launch(_sum_add_rms_norm_kernel, (T,), y, add if add is not None else y, residual, weight, out,
-               residual.stride(0), out.stride(0), H, eps, float(scale), TOP_K=rows.top_k, HAS_ADD=add is not None,
+        _sum_add_rms_norm_kernel[(T,)](y, add if add is not None else y, residual, weight, out, residual.stride(0),
+                                       out.stride(0), H, eps, float(scale), TOP_K=rows.top_k, HAS_ADD=add is not None,
                                        BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block),
                                        **pdl_options(y.device))
     return out
@@ -231,7 +230,7 @@ def add_rms_norm_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     block = triton.next_power_of_2(H)
     bk, be, splits, k_per_split = triton_moe_route.router_tiling(H, E)
     partial = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
-    launch(_add_rms_norm_router_kernel, (T, triton.cdiv(E, be), splits),
+    _add_rms_norm_router_kernel[(T, triton.cdiv(E, be), splits)](
         x, residual, weight, normed, new_res, router_weight, partial, T, E, H, x.stride(0), residual.stride(0),
         router_weight.stride(0), eps, float(scale), k_per_split, BLOCK=block, BLOCK_E=be, BLOCK_K=bk,
         W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block), **pdl_options(x.device))
@@ -263,6 +262,6 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if T:
         group = inner // n_groups
         block = triton.next_power_of_2(group)
-        launch(_gated_rms_norm_kernel, (T, n_groups), y, z, weight, out, y.stride(0), z.stride(0), out.stride(0),
-               group, eps, BLOCK=block, num_warps=_warps(block), **pdl_options(y.device))
+        _gated_rms_norm_kernel[(T, n_groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), group, eps,
+                                              BLOCK=block, num_warps=_warps(block), **pdl_options(y.device))
     return out
