@@ -329,10 +329,10 @@ if [[ $what == scan-plans ]]; then
   HYBRID_SCAN_PLANS=0 timeout 170 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache_no_plans.json" 2>&1 \
       | grep -v Warn | tee "$OUT/prefix_cache_no_plans.log" || rc=1
 fi
-# launch-sampler  the GPU tests of the direct launches and of the sampler, the sampler's fallback kernel alone (old
+# launch-sampler  the GPU tests of the sampler, the sampler's fallback kernel alone (old
 #            against new, bench_sampler_kernel.py --device), bench_prefix_cache.py, then `sampled` (SAMPLED_LIMIT)
 if [[ $what == launch-sampler ]]; then
-  gpu_pytest 150 gpu_tests_launch_sampler.log tests/gpu/test_triton_launch_gpu.py tests/gpu/test_sampler_gpu.py
+  gpu_pytest 150 gpu_tests_launch_sampler.log tests/gpu/test_sampler_gpu.py
   timeout 90 python3 bench/bench_sampler_kernel.py --device 2>&1 | tee "$OUT/sampler_kernel.log" || rc=1
   timeout 150 python3 bench/bench_prefix_cache.py --json "$OUT/prefix_cache_launch.json" 2>&1 | grep -v Warn \
       | tee "$OUT/prefix_cache_launch.log" || rc=1

@@ -153,11 +153,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up
     @torch.inference_mode()
-    def warm_up_prefill_kernels(self, max_tokens: int) -> int:
+    def warm_up_prefill_kernels(self, max_tokens: int, varlen_tokens: int | None = None) -> int:
         """Compile the Mamba prefill kernels' specialisations now (MambaCudaKernels.warm_up_prefill):
         once per distinct layer shape and state dtype, on that layer's own pool tensors (their
-        scratch row). Returns the prefill launches run (0 without the CUDA kernels). Under tensor
-        parallelism this runs on the driver's rank only; the workers meet them on first use."""
+        scratch row). `max_tokens`: the longest row (a prefill chunk); `varlen_tokens`: the most tokens a
+        step's rows total (default max_tokens). Returns the prefill launches run (0 without the CUDA kernels).
+        Under tensor parallelism this runs on the driver's rank only; the workers meet them on first use."""
         seen = set()
         runs = 0
         for mixer in self.model.mamba_mixers():
@@ -168,7 +169,8 @@ class ModelRunner:
             if key in seen:
                 continue
             seen.add(key)
-            runs += mixer.kernels.warm_up_prefill(mixer, conv_state, ssm_state, max_tokens, self.model.embed.dtype)
+            runs += mixer.kernels.warm_up_prefill(mixer, conv_state, ssm_state, max_tokens, self.model.embed.dtype,
+                                                  varlen_tokens)
         return runs
 
     def warm_up_moe_kernels(self, max_tokens: int) -> int:

@@ -69,7 +69,9 @@ def warm_up(engine: Engine, *, vocab_size: int, max_num_batched_tokens: int, max
     engine as it was: returns the steps run."""
     prefill_kernels = getattr(engine.runner, "warm_up_prefill_kernels", None)  # absent on test doubles
     if prefill_kernels is not None:
-        launches = prefill_kernels(min(max_num_batched_tokens, max_model_len))
+        # one row is at most max_model_len tokens; a step's rows together up to max_num_batched_tokens (the varlen
+        # scan's totals: a throughput run at max_model_len 1281 compiled two of its variants mid-run, on an H100)
+        launches = prefill_kernels(min(max_num_batched_tokens, max_model_len), max_num_batched_tokens)
         logger.debug("warm-up: %d Mamba prefill launches", launches)
     moe_kernels = getattr(engine.runner, "warm_up_moe_kernels", None)
     if moe_kernels is not None:

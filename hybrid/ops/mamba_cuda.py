@@ -259,7 +259,7 @@ class MambaCudaKernels:
 
     @torch.inference_mode()
     def warm_up_prefill(self, mixer, conv_state: torch.Tensor, ssm_state: torch.Tensor, max_tokens: int,
-                        dtype: torch.dtype) -> int:
+                        dtype: torch.dtype, varlen_tokens: int | None = None) -> int:
         """Run the prefill path once per length of prefill_warmup_lengths (and pointer alignment class),
         from a zero and from a given state, on the pool's scratch row (the last, which no request
         owns; left zero), so that the Triton specialisations a prefill chunk can meet are compiled (or
@@ -294,7 +294,8 @@ class MambaCudaKernels:
                         rows = tv.varlen_rows([length - 1, 1], [scratch, scratch], [has_init, True], conv_state.device)
                         runs += self._prefill_varlen(mixer, p, xBC, dt, conv_state, ssm_state, rows) is not None
         if varlen:  # the varlen scan's further integer classes (see varlen_warmup_lengths), as two rows
-            for length in sorted(set(varlen_warmup_lengths(cfg.chunk_size, max_tokens)) - set(done)):
+            # (a step's rows total up to varlen_tokens, the step's token budget, which may exceed max_model_len)
+            for length in sorted(set(varlen_warmup_lengths(cfg.chunk_size, varlen_tokens or max_tokens)) - set(done)):
                 xBC, dt = in_proj_rows(0, length)
                 rows = tv.varlen_rows([length - 1, 1], [scratch, scratch], [False, True], conv_state.device)
                 runs += self._prefill_varlen(mixer, p, xBC, dt, conv_state, ssm_state, rows) is not None
