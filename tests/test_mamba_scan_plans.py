@@ -163,16 +163,23 @@ def _fake_library(value_out, value_final):
     return combined, modules, calls
 
 
-@pytest.mark.parametrize("same", [True, False])
-def test_chunk_scan_keeps_the_plans_only_where_they_give_the_lean_bits(monkeypatch, same):
-    combined, modules, calls = _fake_library(1.0 if same else 5.0, 2.0)
+def _checked_scan(monkeypatch, lean_out: float):
+    """A ChunkScan over the fake library (lean outputs lean_out, final states 2) and fake plans, after its
+    first call (the check: public, lean, then the plans twice): (scan, plans, log, calls, the call's args)."""
+    combined, modules, calls = _fake_library(lean_out, 2.0)
     plans, log = _plans()
     monkeypatch.setattr(mamba_scan, "_install", lambda modules: [])
     monkeypatch.setattr(mamba_scan, "_new_plans", lambda modules: plans)
     scan = ChunkScan(combined, modules)
     x, dt, A, B, C, D, dt_bias = _inputs()
     args = (x, dt, A, B, C, 16, D, dt_bias, None, (0.0, float("inf")))
-    scan(*args)  # the check: public, lean, then the plans twice
+    scan(*args)
+    return scan, plans, log, calls, args
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_chunk_scan_keeps_the_plans_only_where_they_give_the_lean_bits(monkeypatch, same):
+    scan, plans, log, calls, args = _checked_scan(monkeypatch, 1.0 if same else 5.0)
     assert scan.lean is True and (scan.plans is plans) == same
     before = dict(calls)
     log.clear()
@@ -185,14 +192,7 @@ def test_chunk_scan_keeps_the_plans_only_where_they_give_the_lean_bits(monkeypat
 
 
 def test_chunk_scan_drops_plans_that_fail_and_keeps_serving(monkeypatch):
-    combined, modules, calls = _fake_library(1.0, 2.0)
-    plans, log = _plans()
-    monkeypatch.setattr(mamba_scan, "_install", lambda modules: [])
-    monkeypatch.setattr(mamba_scan, "_new_plans", lambda modules: plans)
-    scan = ChunkScan(combined, modules)
-    x, dt, A, B, C, D, dt_bias = _inputs()
-    args = (x, dt, A, B, C, 16, D, dt_bias, None, (0.0, float("inf")))
-    scan(*args)
+    scan, plans, log, calls, args = _checked_scan(monkeypatch, 1.0)
     assert scan.plans is plans
     plans.forward = lambda *a: (_ for _ in ()).throw(RuntimeError("launch failed"))
     out, final = scan(*args)

@@ -52,12 +52,17 @@ def test_the_kernel_redo_equals_the_torch_redo_at_full_vocabulary(monkeypatch):
     logits = _logits(n, V, 3).cuda()
     logits[0] = 0.0  # every token tied
     for sp in COMBOS[1:]:
-        monkeypatch.setattr(sampling, "FALLBACK", "sync")
-        want = sample_tokens(logits, [sp] * n, [SampleStream(i) for i in range(n)])[0]
-        monkeypatch.setattr(sampling, "FALLBACK", "kernel")
-        got = sample_tokens(logits, [sp] * n, [SampleStream(i) for i in range(n)])[0]
-        assert not sampling._kernel_failed, sampling._kernel_failed
-        assert torch.equal(got, want), sp
+        _assert_kernel_gives_the_torch_redo(monkeypatch, logits, sp, n)
+
+
+def _assert_kernel_gives_the_torch_redo(monkeypatch, logits, sp, n):
+    """n rows of `logits` sampled with `sp`: the fallback kernel's tokens equal the torch redo's (the sync path)."""
+    monkeypatch.setattr(sampling, "FALLBACK", "sync")
+    want = sample_tokens(logits, [sp] * n, [SampleStream(i) for i in range(n)])[0]
+    monkeypatch.setattr(sampling, "FALLBACK", "kernel")
+    got = sample_tokens(logits, [sp] * n, [SampleStream(i) for i in range(n)])[0]
+    assert not sampling._kernel_failed, sampling._kernel_failed
+    assert torch.equal(got, want), sp
 
 
 def test_the_kernel_on_every_row_at_full_vocabulary(monkeypatch):
@@ -78,12 +83,7 @@ def test_the_kernel_on_every_row_at_full_vocabulary(monkeypatch):
         real_cuts(vals, probs, knobs)[0], torch.zeros(vals.shape[0], dtype=torch.bool, device=vals.device)))
     for sp in COMBOS[1:] + [SamplingParams(top_p=1e-6), SamplingParams(top_p=1 - 1e-12),
                             SamplingParams(top_p=0.9, min_p=1e-6), SamplingParams(top_p=0.99, min_p=0.2)]:
-        monkeypatch.setattr(sampling, "FALLBACK", "sync")
-        want = sample_tokens(logits, [sp] * n, [SampleStream(i) for i in range(n)])[0]
-        monkeypatch.setattr(sampling, "FALLBACK", "kernel")
-        got = sample_tokens(logits, [sp] * n, [SampleStream(i) for i in range(n)])[0]
-        assert not sampling._kernel_failed, sampling._kernel_failed
-        assert torch.equal(got, want), sp
+        _assert_kernel_gives_the_torch_redo(monkeypatch, logits, sp, n)
 
 
 @pytest.mark.parametrize("V", [100352, 131072, 256000])
