@@ -338,6 +338,11 @@ if [[ $what == launch-sampler ]]; then
       | tee "$OUT/prefix_cache_launch.log" || rc=1
   bash "$0" sampled
 fi
+# sync-cost  bench_sync_cost.py: a phase boundary as two launches (graph, with and without PDL) against a grid-wide
+#            barrier inside one persistent kernel (whether a persistent kernel per layer could shorten the MoE step)
+if [[ $what == sync-cost ]]; then
+  timeout 120 python3 bench/bench_sync_cost.py 2>&1 | tee "$OUT/sync_cost.log" || rc=1
+fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
 if [[ $what == prefix-cprofile || $what == h200-targets ]]; then
