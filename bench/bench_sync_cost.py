@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.cuda_timing import graph_us_per_call  # noqa: E402
 from hybrid.ops.triton_guard import pdl_options, tl, triton  # noqa: E402
 
 if triton is not None:
@@ -48,39 +49,17 @@ if triton is not None:
                 seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
 
 
-def _time(fn, reps: int = 20) -> float:
-    """Milliseconds per call (CUDA events, after a warm-up)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def boundaries(n: int, phases: int, pdl: bool) -> float:
-    """us per phase: `phases` launches of _phase_kernel replayed from one CUDA graph."""
+    """us per phase: `phases` launches of _phase_kernel, replayed from one CUDA graph."""
     buf = torch.zeros(2 * n, device="cuda")
     opts = pdl_options(buf.device) if pdl else {"PDL": False}
-
-    def issue():
-        for p in range(phases):
-            _phase_kernel[(n,)](buf, n, p, num_warps=1, **opts)
-
-    issue()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        issue()
-    return _time(graph.replay) * 1e3 / phases
+    calls = [lambda p=p: _phase_kernel[(n,)](buf, n, p, num_warps=1, **opts) for p in range(phases)]
+    return graph_us_per_call(calls, iters=20)
 
 
 def barriers(n: int, phases: int) -> float:
-    """us per phase: one launch of _persistent_kernel (n programs: at most one an SM, so all are resident)."""
+    """us per phase: one launch of _persistent_kernel (n programs: at most one an SM, so all are resident),
+    replayed from a CUDA graph with its counter's reset."""
     buf = torch.zeros(2 * n, device="cuda")
     count = torch.zeros(1, dtype=torch.int32, device="cuda")
 
@@ -88,9 +67,9 @@ def barriers(n: int, phases: int) -> float:
         count.zero_()
         _persistent_kernel[(n,)](buf, count, n, phases, num_warps=1)
 
-    ms = _time(run)
+    us = graph_us_per_call([run], iters=20)
     assert int(count.item()) == n * phases
-    return ms * 1e3 / phases
+    return us / phases
 
 
 def main() -> None:
