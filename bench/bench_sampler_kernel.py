@@ -1,5 +1,6 @@
-"""The sampler's fallback kernel alone (hybrid/ops/triton_sampling.py fallback_kernel): the kernel before the
-float64 search (kept below as `old_fallback_kernel`, for the A/B) against today's, in one process.
+"""The sampler's fallback kernel alone (hybrid/ops/triton_sampling.py fallback_kernel), in variants of its search,
+in one process. (The previous kernel, int64 masses and 12 passes, was measured against it on 2026-12-06:
+bench/results/sampler_kernel_9873ac0_h100.log, BENCHMARKS.md.)
 
     python3 bench/bench_sampler_kernel.py --sass      # no GPU needed: compiled for sm_90, SASS of the search loop
     python3 bench/bench_sampler_kernel.py --device    # CUDA: each variant timed alone, tokens checked
@@ -12,14 +13,13 @@ iteration) with its instruction mix.
 which all fall back), top-p 0.95 without and with top-k 50 (every row forced through the kernel, as rows
 not covered by the prefilter are, the top-k ones too); each variant's tokens checked against the torch redo
 (hybrid/sampling.py `_redo_sorted`), then CUDA-event timing of --reps launches. Columns: us per launch, full-
-row passes (search passes, worst case from each row's start interval, + the draw's ~0.5; the old kernel's
-12 + the top-k total + the kept mass + 0.5), us per pass, GB/s per pass (the probabilities, and the logits with
+row passes (search passes, worst case from each row's start interval, + the draw's ~0.5), us per pass, GB/s per pass (the probabilities, and the logits with
 top-k, of every row), and `ref` (tokens equal to the torch redo's). The first line times torch's read of the
 probabilities (a row sum) for the device's read rate.
 
-Variants (--variants, comma-separated): old (the previous kernel: int64 masses, 8 pivots, 12 passes),
-p8 (today's, as hybrid/sampling.py launches it), p16 (16 pivots a pass), p8-full (8 pivots, the search started
-at the whole range instead of the prefilter's cut: the start bound's share).
+Variants (--variants, comma-separated): p8 (today's, as hybrid/sampling.py launches it), p16 (16 pivots a
+pass), p8-full (8 pivots, the search started at the whole range instead of the prefilter's cut: the start
+bound's share).
 """
 from __future__ import annotations
 
@@ -41,113 +41,11 @@ import hybrid.sampling as sampling  # noqa: E402
 from hybrid.ops import triton_sampling  # noqa: E402
 from hybrid.ops.triton_guard import HAS_TRITON, tl, triton  # noqa: E402
 
-if HAS_TRITON:
-    # ------------------------------------------------ the previous kernel (commit 582c623), for the A/B
-
-    @triton.jit
-    def _old_fixed(p):
-        return (p * 4503599627370496.0).to(tl.int64)
-
-    @triton.jit
-    def _old_top_k_masses(p_row, v_row, idx, m, kth, TOP_K: tl.constexpr):
-        p = tl.load(p_row + idx, mask=m, other=0.0)
-        w = tl.where(m, _old_fixed(p), 0)
-        if TOP_K:
-            v = tl.load(v_row + idx, mask=m, other=float("-inf"))
-            w = tl.where(v >= kth, w, 0)
-        return p, w
-
-    @triton.jit
-    def _old_kept_masses(p_row, v_row, idx, m, cut_key, floor, kth, TOP_K: tl.constexpr):
-        p, w = _old_top_k_masses(p_row, v_row, idx, m, kth, TOP_K)
-        return tl.where((p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor), w, 0)
-
-    @triton.jit
-    def old_fallback_kernel(v_ptr, p_ptr, covered_ptr, top_k_ptr, kth_ptr, top_p_ptr, floor_ptr, u_ptr, out_ptr, V,
-                            TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
-                            ROWS: tl.constexpr, EPT: tl.constexpr, PIVOTS: tl.constexpr, PASSES: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cov = tl.load(covered_ptr + row)
-        if cov == 0:
-            v_row = v_ptr + row * V
-            p_row = p_ptr + row * V
-            BLOCK: tl.constexpr = ROWS * EPT
-            tile = tl.arange(0, ROWS)[:, None] * EPT + tl.arange(0, EPT)[None, :]
-            kth = float("-inf")
-            if TOP_K:
-                kth = tl.load(kth_ptr + row)
-            floor = 0.0
-            if MIN_P:
-                floor = tl.load(floor_ptr + row)
-            zero64 = cov.to(tl.int64) * 0
-            cut_key = cov * 0
-            if TOP_P:
-                top_p = tl.load(top_p_ptr + row)
-                if top_p < 1.0:
-                    total = zero64 + 4503599627370496
-                    if TOP_K:
-                        if tl.load(top_k_ptr + row) > 0:
-                            acc = tl.zeros([ROWS], dtype=tl.int64)
-                            for start in range(0, V, BLOCK):
-                                idx = start + tile
-                                _, w = _old_top_k_masses(p_row, v_row, idx, idx < V, kth, TOP_K)
-                                acc += tl.sum(w, axis=1)
-                            total = tl.sum(acc, axis=0)
-                    target = total.to(tl.float64) * top_p
-                    lo = zero64 - 1
-                    hi = zero64 + 0x7F800000
-                    jj = tl.arange(0, PIVOTS)
-                    j = jj.to(tl.int64)
-                    for _ in range(0, PASSES):
-                        step = (hi - lo + PIVOTS - 1) // PIVOTS
-                        piv = tl.minimum(lo + j * step, hi)
-                        piv32 = piv.to(tl.int32)
-                        acc2 = tl.zeros([ROWS, PIVOTS], dtype=tl.int64)
-                        for start in range(0, V, BLOCK):
-                            idx = start + tile
-                            p, w = _old_top_k_masses(p_row, v_row, idx, idx < V, kth, TOP_K)
-                            key = p.to(tl.int32, bitcast=True)
-                            for q in tl.static_range(PIVOTS):
-                                piv_q = tl.sum(tl.where(jj == q, piv32, 0), axis=0)
-                                above = tl.sum(tl.where(key > piv_q, w, 0), axis=1)  # SEARCH LOOP (old)
-                                acc2 += tl.where(jj[None, :] == q, above[:, None], 0)
-                        mass = tl.sum(acc2, axis=0)
-                        big = mass.to(tl.float64) >= target
-                        lo = tl.max(tl.where(big, piv, lo), axis=0)
-                        hi = tl.min(tl.where(big, hi, piv), axis=0)
-                    cut_key = hi.to(tl.int32)
-            kept = tl.zeros([ROWS], dtype=tl.int64)
-            for start in range(0, V, BLOCK):
-                idx = start + tile
-                kept += tl.sum(_old_kept_masses(p_row, v_row, idx, idx < V, cut_key, floor, kth, TOP_K), axis=1)
-            kept_total = tl.sum(kept, axis=0)
-            u = tl.load(u_ptr + row)
-            t = tl.minimum((u * kept_total.to(tl.float64)).to(tl.int64), kept_total - 1)
-            t = tl.maximum(t, 0)
-            running = zero64
-            found = zero64 + V
-            for start in range(0, V, BLOCK):
-                if running <= t:
-                    idx = start + tile
-                    m = idx < V
-                    w = _old_kept_masses(p_row, v_row, idx, m, cut_key, floor, kth, TOP_K)
-                    row_mass = tl.sum(w, axis=1)
-                    tile_mass = tl.sum(row_mass, axis=0)
-                    if running + tile_mass > t:
-                        before = tl.cumsum(row_mass, axis=0) - row_mass
-                        cum = tl.cumsum(w, axis=1) + before[:, None] + running
-                        first = tl.min(tl.where(m & (cum > t), idx, V), axis=1)
-                        found = tl.minimum(found, tl.min(first, axis=0).to(tl.int64))
-                    running += tile_mass
-            tl.store(out_ptr + row, tl.minimum(found, V - 1))
-
-
 TILE = sampling.FALLBACK_TILE
 NUM_WARPS = 8
 DEV = "cuda"
 # variant -> (kernel, constexprs but TOP_K, whether the search starts at the prefilter's cut)
 VARIANTS = {
-    "old": ("old", dict(PIVOTS=8, PASSES=12), False),
     "p8": ("new", dict(PIVOTS=8), True),
     "p16": ("new", dict(PIVOTS=16), True),
     "p8-full": ("new", dict(PIVOTS=8), False),
@@ -155,11 +53,11 @@ VARIANTS = {
 PTRS = dict(v_ptr="*fp32", p_ptr="*fp32", covered_ptr="*i32", top_k_ptr="*i64", kth_ptr="*fp32",
             top_p_ptr="*fp64", cut_ptr="*fp32", floor_ptr="*fp32", u_ptr="*fp64", out_ptr="*i64")
 # a line of each kernel's search loop body: the loop --sass counts is the innermost one holding it
-MARKERS = {"old": "# SEARCH LOOP (old)", "new": "acc += tl.sum(_signed_masses("}
+MARKERS = {"new": "acc += tl.sum(_signed_masses("}
 
 
 def _kernel(kind: str):
-    return old_fallback_kernel if kind == "old" else triton_sampling.fallback_kernel
+    return triton_sampling.fallback_kernel
 
 
 def _constexprs(name: str, top_k: bool) -> dict:
@@ -189,7 +87,7 @@ def _compile_sm90(name: str, top_k: bool):
 
 
 def _marker_line(kind: str) -> tuple[str, int]:
-    path = Path(sys.modules[__name__].__file__ if kind == "old" else triton_sampling.__file__).resolve()
+    path = Path(triton_sampling.__file__).resolve()
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if MARKERS[kind] in line:
             return path.name, n
@@ -287,9 +185,6 @@ def _launcher(name: str, scaled, probs, covered, cuts, knobs, u, out):
     cov = covered.to(torch.int32)
     meta = dict(TOP_K=cuts.kth is not None, TOP_P=True, MIN_P=True, ROWS=TILE[0], EPT=TILE[1], num_warps=NUM_WARPS,
                 **consts)
-    if kind == "old":
-        return lambda: old_fallback_kernel[(rows,)](scaled, probs, cov, top_k, kth, knobs.top_p, floor, u, out, V,
-                                                    **meta)
     cut = cuts.cut if start_at_cut else torch.full_like(cuts.cut, math.inf)  # inf: the whole range
     return lambda: triton_sampling.fallback_kernel[(rows,)](scaled, probs, cov, top_k, kth, knobs.top_p, cut, floor, u,
                                                            out, V, **meta)
@@ -297,10 +192,8 @@ def _launcher(name: str, scaled, probs, covered, cuts, knobs, u, out):
 
 def _passes(name: str, cuts, top_k: bool) -> float:
     """Full-row passes of a launch: the search's worst case from each row's start interval, plus the draw
-    (about half a row on average); the old kernel's fixed count."""
+    (about half a row on average)."""
     kind, consts, start_at_cut = VARIANTS[name]
-    if kind == "old":
-        return consts["PASSES"] + top_k + 1 + 0.5
     P = consts["PIVOTS"]
     his = cuts.cut.view(torch.int32).tolist() if start_at_cut else [0x7F800000] * cuts.cut.numel()
     counts = []
