@@ -14,8 +14,8 @@ which all fall back), top-p 0.95 without and with top-k 50 (every row forced thr
 not covered by the prefilter are, the top-k ones too); each variant's tokens checked against the torch redo
 (hybrid/sampling.py `_redo_sorted`), then CUDA-event timing of --reps launches. Columns: us per launch, full-
 row passes (search passes, worst case from each row's start interval, + the draw's ~0.5), us per pass, GB/s
-per pass (the probabilities, and the logits with top-k, of every row), and `ref` (tokens equal to the torch redo's). The first line times torch's read of the
-probabilities (a row sum) for the device's read rate.
+per pass (the probabilities, and the logits with top-k, of every row), and `ref` (tokens equal to the torch
+redo's). The first line times torch's read of the probabilities (a row sum) for the device's read rate.
 
 Variants (--variants, comma-separated): p8 (today's, as hybrid/sampling.py launches it), p16 (16 pivots a
 pass), p8-full (8 pivots, the search started at the whole range instead of the prefilter's cut: the start
