@@ -343,6 +343,17 @@ fi
 if [[ $what == sync-cost ]]; then
   timeout 120 python3 bench/bench_sync_cost.py 2>&1 | tee "$OUT/sync_cost.log" || rc=1
 fi
+# cold-load  the cold load alone (bench_throughput --load-only --cold-load: the disk measured first) without and with
+#            the prefetch thread (HYBRID_LOAD_PREFETCH=1), twice each, alternating (the 8B shape saved first if needed)
+if [[ $what == cold-load ]]; then
+  for i in 1 2; do
+    for pf in 0 1; do
+      HYBRID_LOAD_PREFETCH=$pf timeout 120 python3 bench/bench_throughput.py --shape nemotron-h-8b --load-only \
+          --cold-load --json "$OUT/cold_load_prefetch${pf}_$i.json" 2>&1 | grep -E "disk|cold|load alone" \
+          | sed "s/^/prefetch=$pf: /" | tee -a "$OUT/cold_load.log" || rc=1
+    done
+  done
+fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
 if [[ $what == prefix-cprofile || $what == h200-targets ]]; then

@@ -8,6 +8,7 @@ hybrid/fp8_linear.py).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -15,6 +16,7 @@ import re
 import torch
 from safetensors import safe_open
 
+from hybrid import load_prefetch
 from hybrid.config import GATE_ONLY, ModelConfig
 from hybrid.config_fields import read_json
 from hybrid.errors import CheckpointError
@@ -167,7 +169,13 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
             handles[path] = _open(path, str(device))
         return handles[path]
 
+    prefetch = None  # (set below, for the parameters' loop)
+
     def read(name: str) -> torch.Tensor:
+        if prefetch is not None:
+            tensor = prefetch.take(name)
+            if tensor is not None:
+                return tensor
         try:
             return handle(name).get_tensor(name)
         except CheckpointError:
@@ -226,81 +234,85 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         from tqdm import tqdm
 
         items = tqdm(items, desc="Loading weights", unit="tensor")
-    fp8_parts = []  # (param, source, fp8 parts) of the projections that become Fp8Linear
-    keep_experts = qplan is not None and shard is None and keep_fp8_experts(device)
-    for pname, src in items:
-        target = params[pname]
-        full = target.shape if shard is None else shard.full_shape(pname)
-        cut = None if shard is None else shard.cut(pname)
-        shapes = _disk_shapes(src.how, full, len(src.disk_names), src.rows)
-        parts = []
-        # FP8 routed experts kept as stored (hybrid/moe.py): each part's row scales. plan_quantized
-        # refuses a parameter whose parts mix FP8 and float, so its parts are all kept or none
-        keep_fp8 = keep_experts and pname.endswith(FP8_EXPERT_PARAMS) and src.row_scale is None
-        fp8_scales = []
-        offset = 0  # "concat": the first row of this part in the assembled tensor
-        for disk_name, shape in zip(src.disk_names, shapes):
-            where = os.path.basename(files[disk_name])
-            try:
-                info = handle(disk_name).get_slice(disk_name)
-                found, stored = tuple(info.get_shape()), info.get_dtype()
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise CheckpointError(f"{files[disk_name]}: cannot read tensor '{disk_name}': {e}") from None
-            if found != shape:
-                raise CheckpointError(f"shape mismatch for tensor '{disk_name}' in {where}: expected {list(shape)}, "
-                                      f"found {list(found)}")
-            fp8 = stored == FP8_STORED and qplan is not None and (pname in qplan.linear or disk_name in qplan.dequant)
-            if stored not in _FLOAT_DTYPES and not fp8:
-                raise CheckpointError(f"tensor '{disk_name}' in {where} is stored as {stored}: weights must be "
-                                      f"floating point ({', '.join(_FLOAT_DTYPES)})"
-                                      + ("" if not stored.startswith("F8") else
-                                         " or FP8 with their scales in a quantized checkpoint (no quantization_config "
-                                         "in config.json, no hf_quant_config.json)" if qplan is None else
-                                         "; FP8 weights must be float8_e4m3fn (F8_E4M3)"))
-            if cut is None:
-                part = read(disk_name)
-            else:
-                part = _read_cut(info, src.how, cut, offset, shape[0]).to(device)
-            offset += shape[0]
-            if check_finite and not bool(torch.isfinite(part.float() if fp8 else part).all()):
-                raise CheckpointError(f"tensor '{disk_name}' in {where} holds non-finite values (NaN or Inf)")
-            if fp8 and disk_name in qplan.dequant:  # experts, routers, adapters, LM head: dequantized at load
-                q = qplan.dequant[disk_name]
-                experts = part.shape[0] if part.dim() == 3 else None
-                scale = check_scale(read(q.scale), q.scale, stored_dtype(q.scale), rows=part.shape[-2], experts=experts)
-                if keep_fp8:
-                    fp8_scales.append(row_scales(part, scale))
+    # (prefetch: each tensor's bytes read on a thread ahead of this loop, in its order; hybrid/load_prefetch.py)
+    prefetch = (load_prefetch.Prefetcher(files, [d for _, src in plan.items() for d in src.disk_names], device)
+                if shard is None and load_prefetch.enabled() else None)
+    with prefetch if prefetch is not None else contextlib.nullcontext():
+        fp8_parts = []  # (param, source, fp8 parts) of the projections that become Fp8Linear
+        keep_experts = qplan is not None and shard is None and keep_fp8_experts(device)
+        for pname, src in items:
+            target = params[pname]
+            full = target.shape if shard is None else shard.full_shape(pname)
+            cut = None if shard is None else shard.cut(pname)
+            shapes = _disk_shapes(src.how, full, len(src.disk_names), src.rows)
+            parts = []
+            # FP8 routed experts kept as stored (hybrid/moe.py): each part's row scales. plan_quantized
+            # refuses a parameter whose parts mix FP8 and float, so its parts are all kept or none
+            keep_fp8 = keep_experts and pname.endswith(FP8_EXPERT_PARAMS) and src.row_scale is None
+            fp8_scales = []
+            offset = 0  # "concat": the first row of this part in the assembled tensor
+            for disk_name, shape in zip(src.disk_names, shapes):
+                where = os.path.basename(files[disk_name])
+                try:
+                    info = handle(disk_name).get_slice(disk_name)
+                    found, stored = tuple(info.get_shape()), info.get_dtype()
+                except CheckpointError:
+                    raise
+                except Exception as e:
+                    raise CheckpointError(f"{files[disk_name]}: cannot read tensor '{disk_name}': {e}") from None
+                if found != shape:
+                    raise CheckpointError(f"shape mismatch for tensor '{disk_name}' in {where}: expected {list(shape)}, "
+                                          f"found {list(found)}")
+                fp8 = stored == FP8_STORED and qplan is not None and (pname in qplan.linear or disk_name in qplan.dequant)
+                if stored not in _FLOAT_DTYPES and not fp8:
+                    raise CheckpointError(f"tensor '{disk_name}' in {where} is stored as {stored}: weights must be "
+                                          f"floating point ({', '.join(_FLOAT_DTYPES)})"
+                                          + ("" if not stored.startswith("F8") else
+                                             " or FP8 with their scales in a quantized checkpoint (no quantization_config "
+                                             "in config.json, no hf_quant_config.json)" if qplan is None else
+                                             "; FP8 weights must be float8_e4m3fn (F8_E4M3)"))
+                if cut is None:
+                    part = read(disk_name)
                 else:
-                    part = dequantize(part, scale)
-            parts.append(part)
-        if qplan is not None and pname in qplan.linear:
-            fp8_parts.append((pname, src, parts))
-            continue
-        if src.how == "whole":
-            tensor = parts[0]
-        elif src.how == "conv":
-            tensor = parts[0].squeeze(1)
-        elif src.how == "stack":
-            tensor = torch.stack(parts)
-        else:
-            tensor = torch.cat(parts, dim=0)
-        del parts
-        if src.row_scale is not None:
-            tensor = _apply_row_scale(tensor, src.row_scale, cut)
-        if cut is not None and tensor.shape[cut.dim] < cut.rows:  # vocab rows past the end: zeros
-            pad = list(tensor.shape)
-            pad[cut.dim] = cut.rows - tensor.shape[cut.dim]
-            tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=cut.dim)
-        want_dtype = torch.float32 if _FP32_PARAMS.search(pname) else dtype
-        if tensor.dtype == FP8_DTYPE:  # FP8 experts, kept as stored with one scale per row (hybrid/moe.py)
-            want_dtype = FP8_DTYPE
-            scales = fp8_scales[0] if src.how == "whole" else torch.stack(fp8_scales) if src.how == "stack" \
-                else torch.cat(fp8_scales)
-            _set_param(model, f"{pname}_scale", scales.to(device).contiguous(), buffer=True)
-        tensor = tensor.to(device=device, dtype=want_dtype).contiguous()
-        _set_param(model, pname, tensor)
+                    part = _read_cut(info, src.how, cut, offset, shape[0]).to(device)
+                offset += shape[0]
+                if check_finite and not bool(torch.isfinite(part.float() if fp8 else part).all()):
+                    raise CheckpointError(f"tensor '{disk_name}' in {where} holds non-finite values (NaN or Inf)")
+                if fp8 and disk_name in qplan.dequant:  # experts, routers, adapters, LM head: dequantized at load
+                    q = qplan.dequant[disk_name]
+                    experts = part.shape[0] if part.dim() == 3 else None
+                    scale = check_scale(read(q.scale), q.scale, stored_dtype(q.scale), rows=part.shape[-2], experts=experts)
+                    if keep_fp8:
+                        fp8_scales.append(row_scales(part, scale))
+                    else:
+                        part = dequantize(part, scale)
+                parts.append(part)
+            if qplan is not None and pname in qplan.linear:
+                fp8_parts.append((pname, src, parts))
+                continue
+            if src.how == "whole":
+                tensor = parts[0]
+            elif src.how == "conv":
+                tensor = parts[0].squeeze(1)
+            elif src.how == "stack":
+                tensor = torch.stack(parts)
+            else:
+                tensor = torch.cat(parts, dim=0)
+            del parts
+            if src.row_scale is not None:
+                tensor = _apply_row_scale(tensor, src.row_scale, cut)
+            if cut is not None and tensor.shape[cut.dim] < cut.rows:  # vocab rows past the end: zeros
+                pad = list(tensor.shape)
+                pad[cut.dim] = cut.rows - tensor.shape[cut.dim]
+                tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=cut.dim)
+            want_dtype = torch.float32 if _FP32_PARAMS.search(pname) else dtype
+            if tensor.dtype == FP8_DTYPE:  # FP8 experts, kept as stored with one scale per row (hybrid/moe.py)
+                want_dtype = FP8_DTYPE
+                scales = fp8_scales[0] if src.how == "whole" else torch.stack(fp8_scales) if src.how == "stack" \
+                    else torch.cat(fp8_scales)
+                _set_param(model, f"{pname}_scale", scales.to(device).contiguous(), buffer=True)
+            tensor = tensor.to(device=device, dtype=want_dtype).contiguous()
+            _set_param(model, pname, tensor)
     for pname, src, parts in fp8_parts:  # after the loop: their biases are loaded by now
         _set_fp8_linear(model, qplan.linear[pname], src, parts, read, stored_dtype)
     if cfg.tie_word_embeddings and "lm_head.weight" in files:
