@@ -139,6 +139,16 @@ def test_a_new_layout_records_again(change):
         assert all(e[3][5] is seq_idx for e in log if e[1] == KERNEL_NAMES[PASSING])
 
 
+def test_the_kept_layouts_are_bounded(monkeypatch):
+    from hybrid.ops import mamba_scan_plans
+
+    monkeypatch.setattr(mamba_scan_plans, "MAX_PLANS", 3)
+    plans, log = _plans()
+    for T in range(30, 36):
+        _scan(plans, _inputs(T=T))
+    assert 1 <= len(plans.plans) <= 3
+
+
 def test_a_config_with_a_pre_hook_is_never_launched_directly():
     plans, log = _plans(pre_hook=True)
     for _ in range(3):

@@ -32,6 +32,9 @@ KERNEL_NAMES = ("_chunk_cumsum_fwd_kernel", "_chunk_state_fwd_kernel", "_state_p
                 "_bmm_chunk_fwd_kernel", "_chunk_scan_fwd_kernel")
 
 
+MAX_PLANS = 4096  # layouts kept at most (each new prefill length is a new layout)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -111,6 +114,8 @@ class ScanPlans:
         launcher = _Direct(kept) if kept else _Recorder(self.kernels)
         result = self._run(launcher, x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, seq_idx, dt_limit)
         if isinstance(launcher, _Recorder):
+            if len(self.plans) >= MAX_PLANS:  # (a serving process meets many chunk lengths: keep it bounded)
+                self.plans.clear()
             self.plans[key] = launcher.kept if launcher.kept and len(launcher.kept) == 5 else None
         return result
 
