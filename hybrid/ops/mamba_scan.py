@@ -51,7 +51,7 @@ class CachedConfigKernel:
         self.configs: dict[tuple, dict] = {}
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+        return lambda *args, **kwargs: self.run_recorded(args, grid, kwargs)[0]
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
         n = len(args)
@@ -60,8 +60,9 @@ class CachedConfigKernel:
         return values, dtypes, tuple(sorted((k, v.dtype) for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
 
     def run_recorded(self, args: tuple, grid, consts: dict):
-        """run(*args, grid=grid, warmup=False, **consts), returning (what Triton's launch returned: the
-        compiled kernel, the config's kwargs it launched with, or None where the config is not kept)."""
+        """Launch with the config the autotuner chose for this key (tuning or finding its cached choice first if the
+        key is new): (what Triton's launch returned, the compiled kernel; the config's kwargs, or None for a config
+        with a pre-hook, which is not kept and goes through the autotuner every time)."""
         key = self._key(args, consts)
         config = self.configs.get(key)
         if config is not None:
@@ -73,16 +74,6 @@ class CachedConfigKernel:
         self.configs[key] = best.all_kwargs()
         return kernel, self.configs[key]
 
-    def run(self, *args, **kwargs):
-        key = self._key(args, kwargs)
-        config = self.configs.get(key)
-        if config is not None:
-            return self.fn.run(*args, **kwargs, **config)
-        out = self.autotuner.run(*args, **kwargs)
-        best = self.autotuner.best_config
-        if best.pre_hook is None:  # a config with a pre-hook keeps going through the autotuner
-            self.configs[key] = best.all_kwargs()
-        return out
 
 
 def _new_plans(modules: dict):
