@@ -30,7 +30,7 @@ BUDGET = 1 << 30  # bytes read ahead of the loader at most (one tensor larger th
 CHUNK = 64 << 20  # bytes a readinto call asks for
 
 
-def enabled() -> bool:
+def prefetch_enabled() -> bool:
     return os.environ.get("HYBRID_LOAD_PREFETCH", "0") == "1"
 
 

@@ -16,11 +16,11 @@ import re
 import torch
 from safetensors import safe_open
 
-from hybrid import load_prefetch
 from hybrid.config import GATE_ONLY, ModelConfig
 from hybrid.config_fields import read_json
 from hybrid.errors import CheckpointError
 from hybrid.layers import Linear
+from hybrid.load_prefetch import Prefetcher, prefetch_enabled
 from hybrid.model import HybridModel
 from hybrid.fp8_linear import (
     FP8_EXPERT_PARAMS, build_fp8_linear, check_scale, dequantize, keep_fp8_experts, row_scales, settle_fp8_experts,
@@ -235,8 +235,8 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
 
         items = tqdm(items, desc="Loading weights", unit="tensor")
     # (prefetch: each tensor's bytes read on a thread ahead of this loop, in its order; hybrid/load_prefetch.py)
-    prefetch = (load_prefetch.Prefetcher(files, [d for _, src in plan.items() for d in src.disk_names], device)
-                if shard is None and load_prefetch.enabled() else None)
+    prefetch = (Prefetcher(files, [d for _, src in plan.items() for d in src.disk_names], device)
+                if shard is None and prefetch_enabled() else None)
     with prefetch if prefetch is not None else contextlib.nullcontext():
         fp8_parts = []  # (param, source, fp8 parts) of the projections that become Fp8Linear
         keep_experts = qplan is not None and shard is None and keep_fp8_experts(device)
