@@ -354,6 +354,13 @@ if [[ $what == cold-load ]]; then
     done
   done
 fi
+# next     what this project's next session measures first: sync-cost, cold-load, then moe-targets where the
+#          machine is an H200
+if [[ $what == next ]]; then
+  bash "$0" sync-cost || rc=1
+  bash "$0" cold-load || rc=1
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" moe-targets || rc=1; fi
+fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
 if [[ $what == prefix-cprofile || $what == h200-targets ]]; then
