@@ -17,8 +17,9 @@ row passes (search passes, worst case from each row's start interval, + the draw
 per pass (the probabilities, and the logits with top-k, of every row), and `ref` (tokens equal to the torch
 redo's). The first line times torch's read of the probabilities (a row sum) for the device's read rate.
 
-Variants (--variants, comma-separated): p8 (today's, as hybrid/sampling.py launches it), p16 (16 pivots a
-pass), p8-full (8 pivots, the search started at the whole range instead of the prefilter's cut: the start
+Variants (--variants, comma-separated): p8 (today's, as hybrid/sampling.py launches it on GPUs with fast
+float64), p8-int (int64 masses, as on the others), p16 (16 pivots a pass), p8-full (8 pivots, the search
+started at the whole range instead of the prefilter's cut: the start
 bound's share).
 """
 from __future__ import annotations
@@ -46,9 +47,10 @@ NUM_WARPS = 8
 DEV = "cuda"
 # variant -> (kernel, constexprs but TOP_K, whether the search starts at the prefilter's cut)
 VARIANTS = {
-    "p8": ("new", dict(PIVOTS=8), True),
-    "p16": ("new", dict(PIVOTS=16), True),
-    "p8-full": ("new", dict(PIVOTS=8), False),
+    "p8": ("new", dict(PIVOTS=8, INT_MASSES=False), True),
+    "p8-int": ("new", dict(PIVOTS=8, INT_MASSES=True), True),
+    "p16": ("new", dict(PIVOTS=16, INT_MASSES=False), True),
+    "p8-full": ("new", dict(PIVOTS=8, INT_MASSES=False), False),
 }
 PTRS = dict(v_ptr="*fp32", p_ptr="*fp32", covered_ptr="*i32", top_k_ptr="*i64", kth_ptr="*fp32",
             top_p_ptr="*fp64", cut_ptr="*fp32", floor_ptr="*fp32", u_ptr="*fp64", out_ptr="*i64")

@@ -383,6 +383,17 @@ FALLBACK_TILE = (256, 16)
 # The pivots of each pass of its top-p search: a pass divides the interval by this many (a power of 2)
 FALLBACK_PIVOTS = 8
 _kernel_failed: list[str] = []
+# compute capabilities whose float64 runs at half the fp32 rate (P100, V100, A100, H100 / H200, B200): the
+# fallback kernel's masses are float64 there, int64 elsewhere (1/64 rate: L4, L40S, RTX); None: by the device
+FALLBACK_INT_MASSES: bool | None = None
+_FAST_FP64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
+
+
+def int_masses(device: torch.device) -> bool:
+    """Whether the fallback kernel sums its fixed-point masses as int64 on this device (see FALLBACK_INT_MASSES)."""
+    if FALLBACK_INT_MASSES is not None:
+        return FALLBACK_INT_MASSES
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) not in _FAST_FP64
 
 
 def _use_kernel(t: torch.Tensor) -> bool:
@@ -411,7 +422,7 @@ def _fallback_kernel_launch(scaled: torch.Tensor, probs: torch.Tensor, covered: 
         triton_sampling.fallback_kernel[(S,)](
             scaled, probs, covered.to(torch.int32), top_k, kth, top_p, cut, floor, u.contiguous(), tokens,
             V, TOP_K=cuts.kth is not None, TOP_P=True, MIN_P=True, ROWS=FALLBACK_TILE[0], EPT=FALLBACK_TILE[1],
-            PIVOTS=FALLBACK_PIVOTS, num_warps=8)
+            PIVOTS=FALLBACK_PIVOTS, INT_MASSES=int_masses(probs.device), num_warps=8)
     except Exception as e:  # a compile failure (raised before anything runs): the torch redo from now on
         _kernel_failed.append(repr(e))
         logger.warning("sampler fallback kernel unavailable (%r): uncovered rows are found with a host sync", e)

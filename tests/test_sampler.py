@@ -315,8 +315,17 @@ def test_the_default_candidate_count():
 
 
 # ---------------------------------------------------------------- the CUDA fallback kernel
+@pytest.fixture(params=[False, True], ids=["float64_masses", "int64_masses"])
+def masses(request, monkeypatch):
+    """Both of the fallback kernel's mass types (hybrid/sampling.py int_masses: by the GPU's float64 rate)."""
+    import hybrid.sampling as sampling
+
+    monkeypatch.setattr(sampling, "FALLBACK_INT_MASSES", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("tile", [(256, 16), (32, 16)])
-def test_the_fallback_kernel_draws_the_tokens_of_the_torch_redo(monkeypatch, tile):
+def test_the_fallback_kernel_draws_the_tokens_of_the_torch_redo(monkeypatch, masses, tile):
     """The Triton redo of uncovered rows (CUDA's path, no host sync) against the torch redo (CPU's),
     through Triton's interpreter: the same token for every row, covered rows left alone. Vocabularies
     of one tile and (with a 512-token tile) of several and not a multiple of one; top-k with ties past the
@@ -412,7 +421,7 @@ def _search_rows(V: int, seed: int) -> torch.Tensor:
     return rows
 
 
-def test_the_fallback_kernel_search_at_its_edges(monkeypatch):
+def test_the_fallback_kernel_search_at_its_edges(monkeypatch, masses):
     """The kernel's top-p search and draw (every row forced through it) against the torch redo, through
     Triton's interpreter: rows of _search_rows, top-p from keeping one token to just below 1 (the target
     above the row's whole fixed-point mass: the search ends below every token), with and without top-k
@@ -440,7 +449,7 @@ def test_the_fallback_kernel_search_at_its_edges(monkeypatch):
     assert int(want[0]) == V // 3  # (the token of probability ~1)
 
 
-def test_the_fallback_kernel_mixes_rows(monkeypatch):
+def test_the_fallback_kernel_mixes_rows(monkeypatch, masses):
     """One launch, rows of different filters (top-k on some rows only: the others read no logits), some
     covered by the prefilter and left alone, the others redone: the torch redo's tokens."""
     import os
@@ -468,7 +477,7 @@ def test_the_fallback_kernel_mixes_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("pivots", [8, 16])
-def test_the_fallback_kernel_cut_to_the_bit(monkeypatch, pivots):
+def test_the_fallback_kernel_cut_to_the_bit(monkeypatch, masses, pivots):
     """Probabilities made by hand, every row forced through the kernel, against the torch redo: rows of
     distinct adjacent fp32 values (a cut one bit off keeps one token more or less; cuts far below the
     search's upper end, at it, at the top token), a token of probability 1, the mass above a token exactly

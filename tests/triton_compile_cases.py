@@ -287,10 +287,11 @@ def _sampler_fallback():
     from hybrid.sampling import FALLBACK_PIVOTS, FALLBACK_TILE
 
     for top_k in (False, True):
-        compiles(triton_sampling.fallback_kernel,
-                 dict(TOP_K=top_k, TOP_P=True, MIN_P=True, ROWS=FALLBACK_TILE[0], EPT=FALLBACK_TILE[1],
-                      PIVOTS=FALLBACK_PIVOTS),
-                 SAMPLER_PTRS, num_warps=8)
+        for int_masses in (False, True):  # (float64 masses on GPUs with fast float64, int64 elsewhere)
+            compiles(triton_sampling.fallback_kernel,
+                     dict(TOP_K=top_k, TOP_P=True, MIN_P=True, ROWS=FALLBACK_TILE[0], EPT=FALLBACK_TILE[1],
+                          PIVOTS=FALLBACK_PIVOTS, INT_MASSES=int_masses),
+                     SAMPLER_PTRS, num_warps=8)
 
 
 SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one block may have on sm_90

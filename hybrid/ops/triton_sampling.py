@@ -10,7 +10,8 @@ total, below 2**53, so float64 adds them exactly, in any order. Why: an int64 ad
 instructions with a carry, a float64 add one (on its own pipe). The bound: the fp32 softmax
 p_i = e_i / s, s the rounded sum of the same e_i in any order (at least sum(e_i) * (1 - V * 2**-24)),
 sums to at most (1 + 2**-23) / (1 - V * 2**-24): below 1.01 at V = 131072, below 1.5 for any V under
-2**22; the truncated masses sum to at most 2**52 times that."""
+2**22; the truncated masses sum to at most 2**52 times that. GPUs whose float64 runs at a small fraction of
+their fp32 rate (INT_MASSES, hybrid/sampling.py `int_masses`) sum int64s instead: the same integers, exact too."""
 from __future__ import annotations
 
 from hybrid.ops.triton_guard import HAS_TRITON, tl, triton
@@ -18,9 +19,13 @@ from hybrid.ops.triton_guard import HAS_TRITON, tl, triton
 if HAS_TRITON:
 
     @triton.jit
-    def _fixed(p):
-        """fixed_point(p) (hybrid/sampling.py, p * 2**52 truncated) as a float64: exact (below 2**53)."""
-        return (p * 4503599627370496.0).to(tl.int64).to(tl.float64)
+    def _fixed(p, INT: tl.constexpr):
+        """fixed_point(p) (hybrid/sampling.py, p * 2**52 truncated): an int64 with INT, else a float64 (exact:
+        below 2**53)."""
+        w = (p * 4503599627370496.0).to(tl.int64)
+        if not INT:
+            w = w.to(tl.float64)
+        return w
 
     @triton.jit
     def _top_k_probs(p_row, v_row, idx, V, kth, TOP_K: tl.constexpr):
@@ -35,25 +40,29 @@ if HAS_TRITON:
         return p
 
     @triton.jit
-    def _kept_masses(p, cut_key, floor):
+    def _kept_masses(p, cut_key, floor, INT: tl.constexpr):
         """Fixed-point masses of probabilities p (top-k applied), 0 where the top-p key or the min-p floor
         cuts a token."""
-        return tl.where((p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor), _fixed(p), 0.0)
+        return tl.where((p.to(tl.int32, bitcast=True) >= cut_key) & (p >= floor), _fixed(p, INT), 0)
 
     @triton.jit
-    def _signed_masses(w, key, piv):
+    def _signed_masses(w, key, piv, INT: tl.constexpr):
         """+w where key > piv, -w elsewhere: summed over a row, (mass above piv) - (mass at or below piv),
         exact. The sign is that of piv - key (negative iff key > piv; both lie in [-1, 2**31), so the
         difference does not overflow) put into w's sign bit: an integer subtraction and a bitwise op per
         pivot, where a compare and a float64 select take a compare and two selects (the select is what
         bounded the pass)."""
-        flip = (~(piv - key) & -2147483648).to(tl.int64) << 32  # 1 << 63 where key <= piv
-        return (w.to(tl.int64, bitcast=True) ^ flip).to(tl.float64, bitcast=True)
+        if INT:  # (int64 masses: a compare and a select)
+            signed = tl.where(key > piv, w, -w)
+        else:
+            flip = (~(piv - key) & -2147483648).to(tl.int64) << 32  # 1 << 63 where key <= piv
+            signed = (w.to(tl.int64, bitcast=True) ^ flip).to(tl.float64, bitcast=True)
+        return signed
 
     @triton.jit
     def fallback_kernel(v_ptr, p_ptr, covered_ptr, top_k_ptr, kth_ptr, top_p_ptr, cut_ptr, floor_ptr, u_ptr, out_ptr,
                          V, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
-                         ROWS: tl.constexpr, EPT: tl.constexpr, PIVOTS: tl.constexpr):
+                         ROWS: tl.constexpr, EPT: tl.constexpr, PIVOTS: tl.constexpr, INT_MASSES: tl.constexpr):
         """One program per row. A covered row returns at once. Otherwise: the top-p cut as the smallest
         probability bit pattern K whose mass strictly above is below top_p * total (top-p's total: the
         top-k mass, or all of it), by a PIVOTS-ary search over the bits of the non-negative fp32
@@ -110,12 +119,16 @@ if HAS_TRITON:
                         step = (hi - lo + PIVOTS - 1) // PIVOTS
                         piv = tl.where(jj == 0, -1, tl.minimum(lo + jj * step, hi))
                         piv3 = piv[:, None, None]
-                        acc = tl.zeros([PIVOTS, ROWS], dtype=tl.float64)
+                        if INT_MASSES:
+                            acc = tl.zeros([PIVOTS, ROWS], dtype=tl.int64)
+                        else:
+                            acc = tl.zeros([PIVOTS, ROWS], dtype=tl.float64)
                         for start in range(0, V, BLOCK):
                             for s in tl.static_range(SUB):
                                 p = _top_k_probs(p_row, v_row, start + s * (ROWS * 4) + tile3, V, kth, TOP_K)
-                                acc += tl.sum(_signed_masses(_fixed(p), p.to(tl.int32, bitcast=True), piv3), axis=2)
-                        sums = tl.sum(acc, axis=1)
+                                acc += tl.sum(_signed_masses(_fixed(p, INT_MASSES), p.to(tl.int32, bitcast=True),
+                                                             piv3, INT_MASSES), axis=2)
+                        sums = tl.sum(acc, axis=1).to(tl.float64)  # (|sum| <= the total < 2**53: exact)
                         row_mass = tl.sum(tl.where(jj == 0, sums, 0.0), axis=0)  # pivot -1: all above
                         total = tl.where(has_k, row_mass, 4503599627370496.0)  # without top-k: FIXED_ONE
                         target2 = 2.0 * (total * top_p)  # (as the torch path's target, doubled: exact)
@@ -130,12 +143,15 @@ if HAS_TRITON:
                         if floor <= hi.to(tl.float32, bitcast=True):  # the floor keeps all that the cut keeps
                             kept_total = 0.5 * lo_mass2
             if kept_total < 0.0:
-                acc1 = tl.zeros([1, ROWS, 4], dtype=tl.float64)
+                if INT_MASSES:
+                    acc1 = tl.zeros([1, ROWS, 4], dtype=tl.int64)
+                else:
+                    acc1 = tl.zeros([1, ROWS, 4], dtype=tl.float64)
                 for start in range(0, V, BLOCK):
                     for s in tl.static_range(SUB):
                         p = _top_k_probs(p_row, v_row, start + s * (ROWS * 4) + tile3, V, kth, TOP_K)
-                        acc1 += _kept_masses(p, cut_key, floor)
-                kept_total = tl.sum(tl.sum(tl.sum(acc1, axis=2), axis=1), axis=0)
+                        acc1 += _kept_masses(p, cut_key, floor, INT_MASSES)
+                kept_total = tl.sum(tl.sum(tl.sum(acc1, axis=2), axis=1), axis=0).to(tl.float64)
             # the draw: inverse CDF over the kept tokens' masses in vocabulary order
             u = tl.load(u_ptr + row)
             t = tl.minimum((u * kept_total).to(tl.int64), kept_total.to(tl.int64) - 1)
@@ -146,7 +162,8 @@ if HAS_TRITON:
             for start in range(0, V, BLOCK):
                 if running <= t:  # the token lies in this tile or a later one
                     idx = start + tile
-                    w = _kept_masses(_top_k_probs(p_row, v_row, idx, V, kth, TOP_K), cut_key, floor)
+                    w = _kept_masses(_top_k_probs(p_row, v_row, idx, V, kth, TOP_K), cut_key, floor,
+                                     INT_MASSES).to(tl.float64)
                     row_mass = tl.sum(w, axis=1)
                     tile_mass = tl.sum(row_mass, axis=0)
                     if running + tile_mass > t:  # the tile holding it: scan in vocabulary order
