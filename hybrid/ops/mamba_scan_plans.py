@@ -26,6 +26,9 @@ import math
 
 import torch
 
+from hybrid.ops.triton_guard import tl, triton
+from state_pool.util import cdiv
+
 # the launch order, and each kernel's name in SCAN_KERNELS (hybrid.ops.mamba_scan)
 CUMSUM, STATE, PASSING, BMM, SCAN = range(5)
 KERNEL_NAMES = ("_chunk_cumsum_fwd_kernel", "_chunk_state_fwd_kernel", "_state_passing_fwd_kernel",
@@ -33,14 +36,6 @@ KERNEL_NAMES = ("_chunk_cumsum_fwd_kernel", "_chunk_state_fwd_kernel", "_state_p
 
 
 MAX_PLANS = 4096  # layouts kept at most (each new prefill length is a new layout)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
@@ -141,15 +136,15 @@ class ScanPlans:
         dA = torch.empty(batch, nheads, nchunks, chunk_size, device=dev, dtype=torch.float32)
         dt_s = (dt_out.stride(0), dt_out.stride(2), dt_out.stride(1), dt_out.stride(3))
         dA_s = (dA.stride(0), dA.stride(2), dA.stride(1), dA.stride(3))
-        launcher.launch(CUMSUM, lambda m: (batch, nchunks, _cdiv(nheads, m["BLOCK_SIZE_H"])),
+        launcher.launch(CUMSUM, lambda m: (batch, nchunks, cdiv(nheads, m["BLOCK_SIZE_H"])),
                         (dt, A, dt_bias, dt_out, dA, batch, seqlen, nheads, chunk_size, dt_limit[0], dt_limit[1],
                          dt.stride(0), dt.stride(1), dt.stride(2), A.stride(0),
                          dt_bias.stride(0) if dt_bias is not None else 0, *dt_s, *dA_s, True),
-                        {"HAS_DT_BIAS": dt_bias is not None, "BLOCK_SIZE_CHUNK": _next_pow2(chunk_size)})
+                        {"HAS_DT_BIAS": dt_bias is not None, "BLOCK_SIZE_CHUNK": triton.next_power_of_2(chunk_size)})
 
         # each chunk's state from zero (_chunk_state_fwd, states in fp32)
         states = torch.empty(batch, nchunks, nheads, headdim, dstate, device=dev, dtype=torch.float32)
-        launcher.launch(STATE, lambda m: (_cdiv(headdim, m["BLOCK_SIZE_M"]) * _cdiv(dstate, m["BLOCK_SIZE_N"]),
+        launcher.launch(STATE, lambda m: (cdiv(headdim, m["BLOCK_SIZE_M"]) * cdiv(dstate, m["BLOCK_SIZE_N"]),
                                           batch * nchunks, nheads),
                         (x, B, states, dt_out, dA, seq_idx, headdim, dstate, chunk_size, batch, seqlen,
                          nheads // ngroups, *x.stride(), B.stride(0), B.stride(1), B.stride(2), B.stride(-1),
@@ -163,7 +158,7 @@ class ScanPlans:
         init = initial_states.reshape(batch, nheads, dim) if initial_states is not None else None
         passed = torch.empty(batch, nchunks, nheads, dim, device=dev, dtype=C.dtype)
         final = torch.empty(batch, nheads, dim, device=dev, dtype=torch.float32)
-        launcher.launch(PASSING, lambda m: (_cdiv(dim, m["BLOCK_SIZE"]), batch, nheads),
+        launcher.launch(PASSING, lambda m: (cdiv(dim, m["BLOCK_SIZE"]), batch, nheads),
                         (flat, passed, final, dA_last, init, seq_idx, dim, nchunks, seqlen if has_seq else 0,
                          chunk_size if has_seq else 0, *flat.stride(), *passed.stride(), *final.stride(),
                          dA_last.stride(0), dA_last.stride(2), dA_last.stride(1),
@@ -173,7 +168,7 @@ class ScanPlans:
 
         # C^T B within each chunk (_bmm_chunk_fwd, fp32 out, not causal)
         cb = torch.empty(batch, nchunks, ngroups, chunk_size, chunk_size, device=dev, dtype=torch.float32)
-        launcher.launch(BMM, lambda m: (_cdiv(chunk_size, m["BLOCK_SIZE_M"]) * _cdiv(chunk_size, m["BLOCK_SIZE_N"]),
+        launcher.launch(BMM, lambda m: (cdiv(chunk_size, m["BLOCK_SIZE_M"]) * cdiv(chunk_size, m["BLOCK_SIZE_N"]),
                                         batch, nchunks * ngroups),
                         (C, B, cb, seq_idx, seqlen, chunk_size, dstate, ngroups,
                          C.stride(0), C.stride(1), C.stride(2), C.stride(-1),
@@ -184,22 +179,20 @@ class ScanPlans:
 
         # the outputs (_chunk_scan_fwd, no z)
         out = torch.empty(batch, seqlen, nheads, headdim, device=dev, dtype=x.dtype)
-        launcher.launch(SCAN, lambda m: (_cdiv(chunk_size, m["BLOCK_SIZE_M"]) * _cdiv(headdim, m["BLOCK_SIZE_N"]),
+        launcher.launch(SCAN, lambda m: (cdiv(chunk_size, m["BLOCK_SIZE_M"]) * cdiv(headdim, m["BLOCK_SIZE_N"]),
                                          batch * nchunks, nheads),
                         (cb, x, None, out, None, dt_out, dA, seq_idx, C, states, D, chunk_size, headdim, dstate,
                          batch, seqlen, nheads // ngroups, *cb.stride(), *x.stride(), 0, 0, 0, 0, *out.stride(),
                          *dt_s, *dA_s, *seq_strides, *C.stride(), *states.stride(),
                          D.stride(0) if D is not None else 0, True, D is not None,
                          D.dim() == 2 if D is not None else True),
-                        {"BLOCK_SIZE_DSTATE": max(_next_pow2(dstate), 16), "HAS_Z": False, "HAS_SEQ_IDX": has_seq,
-                         "IS_TRITON_22": self.triton_22})
+                        {"BLOCK_SIZE_DSTATE": max(triton.next_power_of_2(dstate), 16), "HAS_Z": False,
+                         "HAS_SEQ_IDX": has_seq, "IS_TRITON_22": self.triton_22})
         return out, dt_out, final.view(batch, nheads, headdim, dstate)
 
 
 def _dot_dtype(a: torch.dtype, b: torch.dtype):
     """_bmm_chunk_fwd's dot_dtype constexpr for operands of these dtypes."""
-    import triton.language as tl
-
     if torch.bfloat16 in (a, b):
         return tl.bfloat16
     return tl.float16 if torch.float16 in (a, b) else tl.float32
