@@ -387,13 +387,18 @@ _kernel_failed: list[str] = []
 # fallback kernel's masses are float64 there, int64 elsewhere (1/64 rate: L4, L40S, RTX); None: by the device
 FALLBACK_INT_MASSES: bool | None = None
 _FAST_FP64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
+_int_masses_by_device: dict[tuple, bool] = {}
 
 
 def int_masses(device: torch.device) -> bool:
     """Whether the fallback kernel sums its fixed-point masses as int64 on this device (see FALLBACK_INT_MASSES)."""
     if FALLBACK_INT_MASSES is not None:
         return FALLBACK_INT_MASSES
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) not in _FAST_FP64
+    key = (device.type, device.index)
+    if key not in _int_masses_by_device:  # (asked at each sampled step: the capability once a device)
+        _int_masses_by_device[key] = (device.type == "cuda"
+                                      and torch.cuda.get_device_capability(device) not in _FAST_FP64)
+    return _int_masses_by_device[key]
 
 
 def _use_kernel(t: torch.Tensor) -> bool:
