@@ -100,5 +100,5 @@ def test_pieces_cover_the_target(monkeypatch):
         args = l2_prefetch.launch_args(key, programs)
         piece = args["pf_piece"]
         assert args["PF"] is True and args["pf_bytes"] == size and args["pf_ptr"].data_ptr() == target.data_ptr()
-        assert piece % 16 == 0 and 0 < piece <= l2_prefetch.MAX_PIECE
+        assert piece % 16 == 0 and l2_prefetch.MIN_PIECE <= piece <= l2_prefetch.MAX_PIECE
         assert programs * l2_prefetch.LANES * piece >= size or piece == l2_prefetch.MAX_PIECE

@@ -29,6 +29,7 @@ from state_pool.util import cdiv
 LANES = 128  # prefetches a program issues (one a thread at 4 warps)
 MAX_BYTES = 24 << 20  # of one target
 MAX_PIECE = 1 << 16  # bytes one prefetch asks for, at most
+MIN_PIECE = 32 << 10  # and at least (but a target's last piece)
 _ALIGN = 16  # the bulk prefetch's address and size granularity
 
 # weight data_ptr -> (the next stream's bytes as a uint8 view, its size): built by recording()
@@ -86,7 +87,8 @@ def launch_args(weight: torch.Tensor, programs: int) -> dict:
         return {"pf_ptr": weight, "pf_bytes": 0, "pf_piece": 0, "PF": False}
     flat, size = target
     # (the instruction takes at most 64K 16-byte units: a target past programs * LANES * 1 MB is cut there)
-    piece = min(cdiv(cdiv(size, programs * LANES), _ALIGN) * _ALIGN, MAX_PIECE)
+    # pieces of at least MIN_PIECE: few bulk prefetches (each lane's is a turn of a loop over the warp's lanes)
+    piece = min(max(cdiv(cdiv(size, programs * LANES), _ALIGN) * _ALIGN, MIN_PIECE), MAX_PIECE)
     return {"pf_ptr": flat, "pf_bytes": size, "pf_piece": piece, "PF": True}
 
 
