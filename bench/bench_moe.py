@@ -462,9 +462,6 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "gemv_preload_rows_ab": ("gemv_preload_4_rows", {"HYBRID_GEMV_PRELOAD_ROWS": "4"},
                              "the preloading kernels for steps of up to 4 tokens, a step's rows read together "
                              "(HYBRID_GEMV_PRELOAD_ROWS=4; default: one-token steps)"),
-    "l2_prefetch_ab": ("l2_prefetch", {"HYBRID_L2_PREFETCH": "1"},
-                       "each weight-streaming launch of a one-token step asking L2 for the next launch's weights "
-                       "(HYBRID_L2_PREFETCH=1)"),
     "gemv_preload_off_ab": ("gemv_preload_off", {"HYBRID_GEMV_PRELOAD": "0"},
                             "no preloading kernels (HYBRID_GEMV_PRELOAD=0; default: every projection of a one-token "
                             "step asks for its whole weight slab before its PDL wait)"),

@@ -354,29 +354,14 @@ if [[ $what == cold-load ]]; then
     done
   done
 fi
-# next     what this project's next session measures first: on an H200 moe-targets then sync-cost (both fit one
-#          call); elsewhere sync-cost then cold-load
+# next     what this project's next session measures first: the MoE targets where the machine is an H200, else
+#          cold-load
 if [[ $what == next ]]; then
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     bash "$0" moe-targets || rc=1
-    bash "$0" sync-cost || rc=1
   else
-    bash "$0" sync-cost || rc=1
     bash "$0" cold-load || rc=1
   fi
-fi
-# l2-prefetch  the GPU tests of the L2 prefetch (HYBRID_L2_PREFETCH=1: tokens equal to the default engine's, <= 150 s),
-#            then Granite-Tiny and Nemotron-Nano decode at batch 1 and 8 with its A/B (--l2-prefetch-ab; on an H200
-#            the MoE targets too), then sync-cost in what is left of ${L2_LIMIT:-570} s
-if [[ $what == l2-prefetch ]]; then
-  start=$SECONDS
-  [[ ${L2_TESTS:-1} == 1 ]] && gpu_pytest 150 gpu_tests_l2_prefetch.log tests/gpu/test_triton_fused_ops_gpu.py -k "l2_prefetch"
-  left=$(( ${L2_LIMIT:-570} - 80 - (SECONDS - start) ))
-  timeout $left python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 \
-      --no-peer --no-eager --l2-prefetch-ab --out /tmp/moe_out --time-budget $((left - 10)) 2>&1 \
-      | tee "$OUT/bench_moe_l2_prefetch.log" | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
-  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_l2_prefetch.md" 2>/dev/null || true
-  [[ ${L2_SYNC:-1} == 1 ]] && { bash "$0" sync-cost || rc=1; }
 fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)

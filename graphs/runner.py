@@ -194,7 +194,6 @@ class ModelRunner:
             it = tqdm(sizes, desc="Capturing CUDA graphs", unit="graph")
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(device)[0]
-        self._record_weight_streams(device)
         for size in it:
             # all padding rows: writes no live slot, only the dummy page; the widest table first
             self.graphs[size] = {w: self._capture_graph(self.buffers.batch(size, w))
@@ -207,17 +206,6 @@ class ModelRunner:
              + ", ".join(str(w * self.page_size) for w in self.context_widths[:-1]) + " tokens")
         logger.info("captured %d CUDA graphs (batch sizes %s%s) in %.1f s, %.0f MiB", count,
                     self.capture_sizes, buckets, time.perf_counter() - start, used / 2**20)
-
-    def _record_weight_streams(self, device: torch.device) -> None:
-        """With HYBRID_L2_PREFETCH=1: one eager one-token step on padding rows, so that each weight-streaming
-        launch learns which weights the launch after it streams (hybrid/ops/l2_prefetch.py); the graphs
-        captured after it prefetch them."""
-        from hybrid.ops import l2_prefetch
-
-        if not l2_prefetch.enabled(device):
-            return
-        with torch.inference_mode(), l2_prefetch.recording():
-            self.model(self.buffers.batch(1, self.widths_of(1)[-1]), self.ctx)
 
     def widths_of(self, size: int) -> list[int]:
         """The page-table widths bucket `size` has graphs for (ascending)."""

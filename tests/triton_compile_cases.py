@@ -171,10 +171,9 @@ def _one_token_experts():
                                             (triton_moe.ACT_NONE, True, True, 32, 512, 0, 0),
                                             (triton_moe.ACT_RELU2, False, False, 4, 2048, 512, 128),
                                             (triton_moe.ACT_NONE, True, True, 8, 1024, 512, 512)):
-        for pf in (False, True):  # (True: the L2 prefetch of the next launch's weights, l2_prefetch)
-            compiles(triton_moe._one_token_experts_kernel,
-                     dict(ACT=act, MUL_W=mul_w, HAS_SHARED=True, EARLY=early, BLOCK_N=bn, K1=k1, K2=k2, K3=k3,
-                          PF=pf, PDL=True), dict(w_ptr="*fp32", block_expert_ptr="*i32", pf_ptr="*u8"))
+        compiles(triton_moe._one_token_experts_kernel,
+                 dict(ACT=act, MUL_W=mul_w, HAS_SHARED=True, EARLY=early, BLOCK_N=bn, K1=k1, K2=k2, K3=k3, PDL=True),
+                 dict(w_ptr="*fp32", block_expert_ptr="*i32"))
 
 
 @case("router")
@@ -229,14 +228,12 @@ for _pre_k in (256, 512, 2048):
 # (2048 + 1024), Nemotron-3-Nano's in_proj (2048 + 512 + 128), the 8B's out_proj (8192)
 for _bn, _k1, _k2, _k3 in ((8, 1024, 512, 0), (4, 2048, 1024, 0), (4, 2048, 512, 128), (2, 8192, 0, 0)):
     def _preload(bn=_bn, k1=_k1, k2=_k2, k3=_k3):
-        for rows, pf in ((1, False), (1, True), (2, False), (4, False)):  # one row (the default, with and
-            # without the L2 prefetch of the next launch's weights), and a step's rows read together
+        for rows in (1, 2, 4):  # one row (the default), and a step's rows read together
             compiles(triton_gemv._preload_linear_kernel,
-                     dict(HAS_BIAS=False, ROWS=rows, BLOCK_N=bn, K1=k1, K2=k2, K3=k3, PF=pf, PDL=True),
-                     dict(pf_ptr="*u8"))
+                     dict(HAS_BIAS=False, ROWS=rows, BLOCK_N=bn, K1=k1, K2=k2, K3=k3, PDL=True))
             compiles(triton_gemv._preload_in_proj_conv_kernel,
                      dict(HAS_BIAS=True, HAS_CONV_BIAS=True, KW=4, KWP=4, ROWS=rows, BLOCK_N=bn, K1=k1, K2=k2,
-                          K3=k3, PF=pf, PDL=True), dict(idx_ptr="*i32", cs_ptr="*fp32", pf_ptr="*u8"))
+                          K3=k3, PDL=True), dict(idx_ptr="*i32", cs_ptr="*fp32"))
     CASES[f"preload_linears-k{_k1 + _k2 + _k3}"] = _preload
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.ops import l2_prefetch, triton_gemv, triton_moe_align, triton_moe_route
+from hybrid.ops import triton_gemv, triton_moe_align, triton_moe_route
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, switch, tl, triton
 from state_pool.util import cdiv, sm_count
 
@@ -42,7 +42,6 @@ def is_available() -> bool:
 
 
 if HAS_TRITON:
-    from hybrid.ops.l2_prefetch import prefetch_l2
     from hybrid.ops.triton_gemv import slab_dot, slab_pieces
     from hybrid.ops.triton_guard import pdl_wait
     from hybrid.ops.triton_moe_route import route_token
@@ -217,8 +216,7 @@ if HAS_TRITON:
     def _one_token_experts_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, block_expert_ptr, N, K, a_div, num_experts,
                                   s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr,
                                   HAS_SHARED: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, pf_ptr, pf_bytes, pf_piece,
-                                  PF: tl.constexpr, PDL: tl.constexpr):
+                                  K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
         # A one-token step's grouped GEMM in the naive layout (pair m alone in block m, its expert
         # block_expert[m]): C[m, n] = act(A[m // a_div] @ W_e[n].T) (* w[m]) for BLOCK_N columns n, the
         # whole [BLOCK_N, K] slab of W_e (and its up rows, SwiGLU) asked for at once, the rows reduced on CUDA
@@ -230,7 +228,6 @@ if HAS_TRITON:
         m = tl.program_id(0) // n_tiles
         offs_n = (tl.program_id(0) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        prefetch_l2(pf_ptr, pf_bytes, pf_piece, PF)  # PF: the next launch's weights into L2 (l2_prefetch)
         if not EARLY:
             pdl_wait(PDL)
         expert = tl.load(block_expert_ptr + m).to(tl.int64)
@@ -409,13 +406,11 @@ def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early:
     n_out, K = out.shape[1], a.shape[1]
     block_n, k1, k2, k3 = one_token_tiles(K, act == ACT_SILU_MUL)
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
-    programs = block_expert.shape[0] * cdiv(n_out, block_n)
-    l2_prefetch.note(w, s_t if shared is not None else None)  # (the routed experts are not known before)
-    _one_token_experts_kernel[(programs,)](
+    _one_token_experts_kernel[(block_expert.shape[0] * cdiv(n_out, block_n),)](
         a, w, s_t, out, weights if weights is not None else out, block_expert, n_out, K, a_div, w.shape[0],
         a.stride(0), w.stride(0), w.stride(1), s_sn, s_se, s_up, out.stride(0), ACT=act, MUL_W=weights is not None,
         HAS_SHARED=shared is not None, EARLY=early, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=4,
-        **l2_prefetch.launch_args(w, programs), **pdl_options(a.device),
+        **pdl_options(a.device),
     )
 
 

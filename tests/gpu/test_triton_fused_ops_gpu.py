@@ -249,39 +249,6 @@ SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router
                "moe_preload_off": {"HYBRID_MOE_PRELOAD": "0"}, "lm_head_preload_off": {"HYBRID_LM_HEAD_PRELOAD": "0"}}
 
 
-@pytest.mark.parametrize("name", ["granite_moe", "nemotron_h"])
-def test_l2_prefetch_changes_no_token(tiny_ckpt, monkeypatch, name):
-    """HYBRID_L2_PREFETCH=1: the capture records the one-token step's weight streams (every preloading launch then
-    prefetches the next one's weights, the last the first's), and the engine's greedy tokens, batched and at
-    batch 1 under graphs, are exactly the default engine's (a prefetch is only a hint: the same kernels)."""
-    from hybrid import LLM, SamplingParams
-    from hybrid.ops import l2_prefetch, triton_guard
-
-    path = tiny_ckpt(name)
-    sp = SamplingParams(max_tokens=16, **GREEDY)
-    prompts = [[5, 6, 7, 8, 9], [11], list(range(20, 50))]
-    kw = dict(device="cuda", max_num_seqs=4, max_model_len=128, gpu_memory_utilization=0.3)
-    reference = LLM(str(path), **kw)
-    want = [o.outputs[0].token_ids for o in reference.generate(prompts, sp, use_tqdm=False)]
-    want_alone = [o.outputs[0].token_ids for o in reference.generate(prompts[:1], sp, use_tqdm=False)]
-    del reference
-    monkeypatch.setenv("HYBRID_L2_PREFETCH", "1")
-    triton_guard.reset_switches()
-    try:
-        llm = LLM(str(path), **kw)
-        weights = {p.data_ptr() for p in llm.model.parameters()}
-        assert l2_prefetch._next and set(l2_prefetch._next) <= weights
-        assert all(size > 0 and size % 16 == 0 for _, size in l2_prefetch._next.values())
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-        alone = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], sp, use_tqdm=False)]
-        assert llm.runner.stats["graph_replays"] > 0
-    finally:
-        monkeypatch.delenv("HYBRID_L2_PREFETCH")
-        triton_guard.reset_switches()
-        l2_prefetch.clear()
-    assert got == want and alone == want_alone
-
-
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
 @pytest.mark.parametrize("name", ["granite_moe", "nemotron_h"])
 def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switches, name):
