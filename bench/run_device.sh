@@ -363,6 +363,20 @@ if [[ $what == next ]]; then
     bash "$0" cold-load || rc=1
   fi
 fi
+# fp8-preload  the 8B shape in FP8 (pcpt, bf16 state) decode at batch 1 by default and with HYBRID_FP8_PRELOAD=1 (each
+#            its own process), the GPU tests of fp8_preload_gemv, then =1 with every row rounded before the kernel
+#            (HYBRID_FP8_PRELOAD_ROUND_MAX_K=0)
+if [[ $what == fp8-preload ]]; then
+  fp8_b1() {  # $1: the run's name; the environment: its switches
+    timeout 130 python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 --fp8 pcpt --batches 1 \
+        --json "$OUT/decode_fp8_$1.json" 2>&1 | tee "$OUT/decode_fp8_$1.log" | grep -v Warn \
+        | grep -E "batch|tok/s|Error|error" | tail -3 | sed "s/^/$1: /" || rc=1
+  }
+  fp8_b1 default
+  HYBRID_FP8_PRELOAD=1 fp8_b1 preload
+  gpu_pytest 120 gpu_tests_fp8_preload.log tests/gpu/test_fp8_gpu.py -k "preload_gemv"
+  HYBRID_FP8_PRELOAD=1 HYBRID_FP8_PRELOAD_ROUND_MAX_K=0 fp8_b1 preload_round_before
+fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
 if [[ $what == prefix-cprofile || $what == h200-targets ]]; then

@@ -295,9 +295,20 @@ class Fp8Linear(nn.Module):
                                   quantize=_ACT_CODES[self.activation], input_scale=self.input_scale, out_dtype=x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
+    def forward_preload(self, x: torch.Tensor) -> torch.Tensor:
+        """One token [..., in] on triton_fp8.fp8_preload_gemv: one launch, each program's weight slab asked for
+        before its PDL wait, the row rounded to e4m3 inside it (unless weight-only) (HYBRID_FP8_PRELOAD=1)."""
+        shape = x.shape
+        out = triton_fp8.fp8_preload_gemv(x.reshape(1, self.in_features), self.weight, self.weight_scale, self.bias,
+                                          quantize=_ACT_CODES[self.activation], input_scale=self.input_scale,
+                                          out_dtype=x.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and HAS_TRITON:
             rows = x.reshape(-1, self.in_features)
+            if rows.shape[0] == 1 and switch("fp8_preload") and triton_fp8.preload_eligible(rows, self.weight):
+                return self.forward_preload(x)
             if rows.shape[0] <= gemv_max_rows() and triton_fp8.gemv_eligible(rows, self.weight):
                 return self.forward_gemv(x)
             if (self.activation is None or switch("fp8_triton_decode")) and triton_fp8.eligible(rows, self.weight):

@@ -165,6 +165,67 @@ def test_gemv_quantizing_its_rows_equals_quantize_rows_then_gemv(activation, m, 
     torch.testing.assert_close(one, layer.forward_reference(x.float()), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("activation", [None, STATIC, DYNAMIC])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("n,k,block_n", [(40, 96, None), (17, 100, 4), (24, 1600, None), (9, 3000, 2)])
+def test_preload_gemv_matches_gemv_and_the_reference(activation, per_row, n, k, block_n):
+    """fp8_preload_gemv (one token, the slab before the wait, K as up to three pieces: 96 = 64 + 32, 100 = 64 +
+    32 + 4, 1600 = 1024 + 512 + 64, 3000 = 2048 + 512 + 512 of which 440) rounds the row as fp8_gemv does (the
+    same e4m3 values and products: equal up to the order of the fp32 sums) and matches the reference's
+    dequantized GEMM; ragged N, a bias, both weight scales, every activation scheme."""
+    layer = _layer(n, k, activation, per_row, bias=True, seed=n + k)
+    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(k)) * 3).to(torch.bfloat16)
+    x[0, k - 1] = -35.0  # the absmax in the last piece
+    act = ACTS[activation]
+    got = triton_fp8.fp8_preload_gemv(x, layer.weight, layer.weight_scale, layer.bias, quantize=act,
+                                      input_scale=layer.input_scale, out_dtype=torch.float32, block_n=block_n,
+                                      fma_quotient=False, hw_cast=False)
+    gemv = triton_fp8.fp8_gemv(x, None, layer.weight, layer.weight_scale, layer.bias, quantize=act,
+                               input_scale=layer.input_scale, out_dtype=torch.float32, block_n=16, block_k=64,
+                               fma_quotient=False, hw_cast=False)
+    assert got.shape == (1, n)
+    torch.testing.assert_close(got, gemv, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got, layer.forward_reference(x.float()), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("activation", [STATIC, DYNAMIC])
+def test_preload_gemv_rounds_wide_rows_once_before(activation, monkeypatch):
+    """Rows wider than HYBRID_FP8_PRELOAD_ROUND_MAX_K are rounded by quantize_rows before the launch (the kernel
+    then reads e4m3 values and the row's scale): the same result as rounding inside, bit for bit (the same
+    values, products and order of sums)."""
+    layer = _layer(24, 1600, activation, True, bias=True, seed=5)
+    x = (torch.randn(1, 1600, generator=torch.Generator().manual_seed(8)) * 3).to(torch.bfloat16)
+    kw = dict(quantize=ACTS[activation], input_scale=layer.input_scale, out_dtype=torch.float32,
+              fma_quotient=False, hw_cast=False)
+    inside = triton_fp8.fp8_preload_gemv(x, layer.weight, layer.weight_scale, layer.bias, **kw)
+    monkeypatch.setenv("HYBRID_FP8_PRELOAD_ROUND_MAX_K", "1024")
+    before = triton_fp8.fp8_preload_gemv(x, layer.weight, layer.weight_scale, layer.bias, **kw)
+    torch.testing.assert_close(before, inside, atol=0, rtol=0)
+    torch.testing.assert_close(before, layer.forward_reference(x.float()), atol=2e-3, rtol=2e-3)
+
+
+def test_preload_gemv_argument_checks():
+    w = torch.zeros(16, 32, dtype=FP8_DTYPE)
+    with pytest.raises(ValueError, match="one row"):
+        triton_fp8.fp8_preload_gemv(torch.zeros(2, 32, dtype=torch.bfloat16), w, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="input_scale exactly when static"):
+        triton_fp8.fp8_preload_gemv(torch.zeros(1, 32, dtype=torch.bfloat16), w, torch.tensor(1.0),
+                                    quantize=triton_fp8.ACT_STATIC)
+    big = torch.zeros(1, triton_fp8.PRELOAD_MAX_K + 1, dtype=FP8_DTYPE)
+    with pytest.raises(ValueError, match="K <="):
+        triton_fp8.fp8_preload_gemv(torch.zeros(1, big.shape[1], dtype=torch.bfloat16), big, torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("activation", [None, DYNAMIC])
+def test_layer_preload_path(activation):
+    """Fp8Linear.forward_preload (HYBRID_FP8_PRELOAD=1 on CUDA) on a [1, 1, in] token."""
+    layer = _layer(48, 64, activation, True, bias=True, seed=11)
+    x = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(3))
+    got = layer.forward_preload(x)
+    assert got.shape == (1, 1, 48)
+    torch.testing.assert_close(got, layer.forward_reference(x), atol=2e-3, rtol=2e-3)
+
+
 def test_gemv_quantize_argument_checks():
     w = torch.zeros(16, 32, dtype=FP8_DTYPE)
     x = torch.zeros(1, 32, dtype=torch.bfloat16)

@@ -163,6 +163,17 @@ for _mp in (1, 2, 4):
     CASES[f"fp8_gemv-m{_mp}"] = _fp8_gemv
 
 
+# the one-token FP8 preloading kernel at the 8B shape's K pieces: 4096 (8 columns a program), 8192 (4), 21504 =
+# 16384 + 4096 + 1024 (1), each activation scheme
+for _bn, _k1, _k2, _k3 in ((8, 4096, 0, 0), (4, 8192, 0, 0), (1, 16384, 4096, 1024)):
+    def _fp8_preload(bn=_bn, k1=_k1, k2=_k2, k3=_k3):
+        for quant in (0, 1, 2, 3):  # (3: the row quantize_rows' e4m3 output)
+            compiles(triton_fp8._fp8_preload_kernel,
+                     dict(QUANT=quant, FMA_QUOTIENT=True, HW_CAST=True, W_PER_ROW=True, HAS_BIAS=False, BLOCK_N=bn,
+                          K1=k1, K2=k2, K3=k3, PDL=True), dict(FP8_PTRS, x_ptr="*fp8e4nv" if quant == 3 else "*bf16"))
+    CASES[f"fp8_preload-k{_k1 + _k2 + _k3}"] = _fp8_preload
+
+
 @case("one_token_experts")
 def _one_token_experts():
     """The one-token expert GEMMs at the released shapes' slabs: Granite-4.0-H-Tiny's first (SwiGLU, K 1536) and

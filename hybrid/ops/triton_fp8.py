@@ -35,6 +35,7 @@ import os
 
 import torch
 
+from hybrid.ops import triton_gemv
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 from hybrid.quantization import FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE
 from state_pool.util import cdiv
@@ -43,6 +44,7 @@ MAX_ROWS = 16  # tl.dot's smallest tile height: rows past M are masked
 ACT_NONE, ACT_STATIC, ACT_DYNAMIC = 0, 1, 2
 
 if HAS_TRITON:
+    from hybrid.ops.triton_gemv import _preload_slab
     from hybrid.ops.triton_guard import pdl_wait
 
     @triton.jit
@@ -283,6 +285,134 @@ if HAS_TRITON:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rows[:, None] * s_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rows < M)[:, None] & mask_n[None, :])
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _preload_x_piece(x_ptr, k0, K, KP: tl.constexpr):
+        """[KP] in x's dtype: the row's columns [k0, k0 + KP) (zero past K)."""
+        offs_k = k0 + tl.arange(0, KP)
+        return tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+
+    @triton.jit
+    def _preload_piece_dot(w, x, s, QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr):
+        """fp32 [BLOCK_N]: a slab piece against the row's piece, the row rounded to e4m3 with its scale s
+        (QUANT 1 / 2: as quantize_rows' _e4m3_row) or as it is (QUANT 0; 3: e4m3 already), a tree over the
+        piece's columns."""
+        if QUANT == 0 or QUANT == 3:  # as it is (weight-only), or already e4m3 (quantize_rows' row)
+            xv = x.to(tl.float32)
+        else:
+            xv = _e4m3_row(x, s, FMA_QUOTIENT, HW_CAST).to(tl.float32)
+        return tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+
+    @triton.jit
+    def _fp8_preload_kernel(x_ptr, w_ptr, w_scale_ptr, in_scale_ptr, bias_ptr, y_ptr, N, K, s_wn, min_scale,
+                            QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr,
+                            W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                            K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
+        # One token's FP8 projection, the program's whole e4m3 weight slab (BLOCK_N columns, all of K as
+        # k_pieces) asked for before the PDL wait with its scales and bias (no kernel writes them), as
+        # triton_gemv's preloading kernels do for 16-bit weights; after the wait the 16-bit row (a few KB,
+        # from L2), its dynamic scale (absmax over K / 448) or the static one, the row rounded to e4m3 as
+        # quantize_rows would, and the dot on CUDA cores: products exact in fp32, summed piece by piece.
+        # QUANT 3: the row is quantize_rows' e4m3 output, its scale at in_scale_ptr (every program rounding
+        # the whole row itself costs ~15 instructions a value: past a few thousand columns a program, as
+        # the MLP down_proj's one column of K 21504, more than its weights take to stream)
+        offs_n, mask_n, w1, w2, w3 = _preload_slab(w_ptr, N, K, s_wn, BLOCK_N, K1, K2, K3)
+        if W_PER_ROW:
+            w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
+        else:
+            w_scale = tl.load(w_scale_ptr)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        s = 1.0
+        if QUANT == 1:
+            s = tl.load(in_scale_ptr)
+        pdl_wait(PDL)
+        x1 = _preload_x_piece(x_ptr, 0, K, K1)
+        x2 = x1
+        x3 = x1
+        if K2 > 0:
+            x2 = _preload_x_piece(x_ptr, K1, K, K2)
+        if K3 > 0:
+            x3 = _preload_x_piece(x_ptr, K1 + K2, K, K3)
+        if QUANT == 3:  # the row's scale, written with it by quantize_rows (the kernel before)
+            s = tl.load(in_scale_ptr)
+        if QUANT == 2:  # (max is exact in any order: the row's scale as quantize_rows takes it)
+            amax = tl.max(tl.abs(x1.to(tl.float32)), axis=0)
+            if K2 > 0:
+                amax = tl.maximum(amax, tl.max(tl.abs(x2.to(tl.float32)), axis=0))
+            if K3 > 0:
+                amax = tl.maximum(amax, tl.max(tl.abs(x3.to(tl.float32)), axis=0))
+            s = _dynamic_scale(amax, min_scale)
+        acc = _preload_piece_dot(w1, x1, s, QUANT, FMA_QUOTIENT, HW_CAST)
+        if K2 > 0:
+            acc += _preload_piece_dot(w2, x2, s, QUANT, FMA_QUOTIENT, HW_CAST)
+        if K3 > 0:
+            acc += _preload_piece_dot(w3, x3, s, QUANT, FMA_QUOTIENT, HW_CAST)
+        acc = acc * w_scale
+        if QUANT != 0:
+            acc = acc * s
+        if HAS_BIAS:
+            acc += bias
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+# fp8_preload_gemv: this many e4m3 weights a program (32 KB, the bytes of triton_gemv's 16K 16-bit ones), and K of
+# at most PRELOAD_MAX_K (the MLP down_proj's 21504 of the 8B shape: one column a program)
+PRELOAD_ELEMENTS = 32768
+PRELOAD_MAX_K = 32768
+
+
+def _preload_round_max_k() -> int:
+    """Rows of at most this many columns are rounded to e4m3 inside fp8_preload_gemv by every program, wider ones
+    once by quantize_rows before it: 8192 (the 8B shape's in_proj, qkv, o_proj, up_proj and Mamba out_proj round
+    inside, its MLP down_proj, K 21504, before), or HYBRID_FP8_PRELOAD_ROUND_MAX_K (0: every row before; the A/B)."""
+    return int(os.environ.get("HYBRID_FP8_PRELOAD_ROUND_MAX_K", 8192))
+
+
+
+def fp8_preload_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None, *, quantize: int = ACT_NONE,
+                     input_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                     block_n: int | None = None, num_warps: int = 4, fma_quotient: bool | None = None,
+                     hw_cast: bool | None = None) -> torch.Tensor:
+    """One token's y [1, N] = (x [1, K] rounded to e4m3 per `quantize`, as fp8_gemv(quantize=...) and
+    quantize_rows) @ (weight [N, K] e4m3 * weight_scale).T (+ bias), one launch whose programs ask for their
+    whole weight slab before the PDL wait (the "fp8_preload" switch). `quantize`: ACT_NONE (weight-only: x as
+    it is), ACT_STATIC (the 0-dim `input_scale`) or ACT_DYNAMIC (the row's absmax / 448). `weight_scale`:
+    fp32, 0-dim or [N]. `block_n` default: PRELOAD_ELEMENTS weights a program (triton_gemv.preload_tiles).
+    The same e4m3 values and products as fp8_gemv; the sums in another order (piece by piece). Rows of more
+    than _preload_round_max_k() columns are rounded by quantize_rows first (the same values, one launch more)."""
+    require(__name__)
+    M, K = x.shape
+    N = weight.shape[0]
+    if M != 1 or weight.shape[1] != K or K > PRELOAD_MAX_K or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"fp8_preload_gemv: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} "
+                         f"(one row, K <= {PRELOAD_MAX_K}, last dims contiguous)")
+    if x.dtype == FP8_DTYPE or (quantize == ACT_STATIC) != (input_scale is not None):
+        raise ValueError("fp8_preload_gemv: 16-bit rows, and input_scale exactly when static")
+    quant = quantize
+    if quantize != ACT_NONE and K > _preload_round_max_k():  # the row rounded once, by quantize_rows
+        x, x_scale = quantize_rows(x, input_scale, fma_quotient=fma_quotient, hw_cast=hw_cast)
+        quant, input_scale = 3, x_scale
+    block_n, k1, k2, k3 = triton_gemv.preload_tiles(K, block_n, PRELOAD_ELEMENTS)
+    y = torch.empty(1, N, dtype=out_dtype, device=x.device)
+    _fp8_preload_kernel[(cdiv(N, block_n),)](
+        x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
+        bias if bias is not None else weight_scale, y, N, K, weight.stride(0), MIN_DYNAMIC_SCALE, QUANT=quant,
+        FMA_QUOTIENT=not _INTERPRETED if fma_quotient is None else fma_quotient,
+        HW_CAST=not _INTERPRETED if hw_cast is None else hw_cast, W_PER_ROW=weight_scale.dim() == 1,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=num_warps,
+        **pdl_options(x.device),
+    )
+    return y
+
+
+def preload_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Inputs fp8_preload_gemv serves in Fp8Linear: eligible(), one row of at most PRELOAD_MAX_K columns."""
+    return eligible(x, weight) and x.shape[0] == 1 and x.shape[1] <= PRELOAD_MAX_K
 
 
 GEMV_MAX_ROWS = 4  # fp8_gemv reduces the weight tile against each row in turn

@@ -50,6 +50,9 @@ again: benchmarks comparing both):
 - HYBRID_FP8_DECODE_GEMM=gemv (read by hybrid/fp8_linear.gemv_max_rows, not a switch here): FP8 projections of
   steps of up to 4 tokens on triton_fp8.fp8_gemv, the rows quantized inside its launch (one-token steps take it
   by default: +5.4% at batch 1 on an H100); any other value keeps every step on the GEMMs.
+- "fp8_preload" (HYBRID_FP8_PRELOAD=1): a one-token step's FP8 projections (K up to 32768, the MLP down_proj
+  included) on triton_fp8.fp8_preload_gemv: each program's whole e4m3 slab asked for before its PDL wait, as the
+  16-bit preloading linears do, the row rounded to e4m3 after it; not measured yet.
 - "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
   scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
 - "varlen_prefill" (on by default; HYBRID_VARLEN_PREFILL=0 turns it off): a step's prefill rows through each
@@ -111,7 +114,8 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1"),
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
-             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "scan_plans": ("HYBRID_SCAN_PLANS", "1")}
+             "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "scan_plans": ("HYBRID_SCAN_PLANS", "1"),
+             "fp8_preload": ("HYBRID_FP8_PRELOAD", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
                   "moe_preload", "lm_head_preload", "scan_plans"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module

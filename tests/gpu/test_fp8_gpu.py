@@ -137,6 +137,48 @@ def test_gemv_quantizing_inside_equals_quantize_rows_then_gemv(name, act):
         assert torch.equal(layer.forward_gemv(x), one)
 
 
+@pytest.mark.parametrize("act", [None, STATIC, DYNAMIC])
+@pytest.mark.parametrize("name", list(SHAPES_8B))
+def test_preload_gemv_matches_the_exact_product_and_captures(name, act, monkeypatch):
+    """fp8_preload_gemv (HYBRID_FP8_PRELOAD=1: one token, each program's e4m3 slab before its PDL wait) at every
+    8B projection and activation scheme: the exact product of the e4m3 operands rounded once (the down_proj's
+    K 21504 through quantize_rows first), routed to by the switch, and a graph replay after a kernel that writes
+    the row equal to eager."""
+    from hybrid.ops import triton_fp8, triton_guard
+
+    n, k = SHAPES_8B[name]
+    layer = _layer(n, k, per_channel=name != "attn.o_proj", act=act if act is not None else DYNAMIC, seed=17,
+                   bias=name == "attn.qkv_proj")
+    if act is None:
+        layer = Fp8Linear(layer.weight.data, layer.weight_scale.data, None, None, layer.bias)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    x[0, -1] = 30.0
+    got = layer.forward_preload(x)
+    ws = layer.weight_scale.double() if layer.weight_scale.dim() == 0 else layer.weight_scale.double()[:, None]
+    exact = _exact(layer, x) if act is not None else F.linear(x.double(), layer.weight.double() * ws) + (
+        layer.bias.double() if layer.bias is not None else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, n)
+    assert rel_err(got, exact) < 5e-3, (name, act)
+    monkeypatch.setenv("HYBRID_FP8_PRELOAD", "1")
+    triton_guard.reset_switches()
+    try:
+        assert torch.equal(layer(x), got)
+        src = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        layer(src.mul(2))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(src.mul(2))  # the row written by the kernel before (the PDL wait must hold)
+        src.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, layer.forward_preload(src.mul(2)))
+    finally:
+        monkeypatch.delenv("HYBRID_FP8_PRELOAD")
+        triton_guard.reset_switches()
+    assert triton_fp8.preload_eligible(x, layer.weight)
+
+
 @pytest.mark.parametrize("gemm", ["gemv", "triton"])
 def test_decode_switches_route_and_capture(gemm, monkeypatch):
     """HYBRID_FP8_DECODE_GEMM=gemv / triton send a decode-sized step to fp8_gemv / the one-launch
