@@ -216,16 +216,6 @@ def test_preload_gemv_argument_checks():
         triton_fp8.fp8_preload_gemv(torch.zeros(1, big.shape[1], dtype=torch.bfloat16), big, torch.tensor(1.0))
 
 
-@pytest.mark.parametrize("activation", [None, DYNAMIC])
-def test_layer_preload_path(activation):
-    """Fp8Linear.forward_preload (HYBRID_FP8_PRELOAD=1 on CUDA) on a [1, 1, in] token."""
-    layer = _layer(48, 64, activation, True, bias=True, seed=11)
-    x = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(3))
-    got = layer.forward_preload(x)
-    assert got.shape == (1, 1, 48)
-    torch.testing.assert_close(got, layer.forward_reference(x), atol=2e-3, rtol=2e-3)
-
-
 def test_gemv_quantize_argument_checks():
     w = torch.zeros(16, 32, dtype=FP8_DTYPE)
     x = torch.zeros(1, 32, dtype=torch.bfloat16)
@@ -252,12 +242,14 @@ def test_gemv_takes_few_rows_of_bounded_width(monkeypatch):
 
 
 @pytest.mark.parametrize("activation", [None, DYNAMIC])
-def test_layer_gemv_path(activation):
-    """Fp8Linear.forward_gemv (HYBRID_FP8_DECODE_GEMM=gemv on CUDA) on [batch, tokens, in] rows."""
+@pytest.mark.parametrize("path,tokens", [("forward_gemv", 3), ("forward_preload", 1)])
+def test_layer_gemv_paths(activation, path, tokens):
+    """Fp8Linear.forward_gemv (HYBRID_FP8_DECODE_GEMM=gemv on CUDA) and forward_preload (HYBRID_FP8_PRELOAD=1, one
+    token) on [batch, tokens, in] rows."""
     layer = _layer(48, 64, activation, True, bias=True, seed=9)
-    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(2))
-    got = layer.forward_gemv(x)
-    assert got.shape == (1, 3, 48)
+    x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(2))
+    got = getattr(layer, path)(x)
+    assert got.shape == (1, tokens, 48)
     torch.testing.assert_close(got, layer.forward_reference(x), atol=2e-3, rtol=2e-3)
 
 
