@@ -374,8 +374,10 @@ if [[ $what == fp8-preload ]]; then
   }
   fp8_b1 default
   HYBRID_FP8_PRELOAD=1 fp8_b1 preload
-  gpu_pytest 120 gpu_tests_fp8_preload.log tests/gpu/test_fp8_gpu.py -k "preload_gemv"
-  HYBRID_FP8_PRELOAD=1 HYBRID_FP8_PRELOAD_ROUND_MAX_K=0 fp8_b1 preload_round_before
+  if [[ ${FP8_PRELOAD_LEAN:-0} != 1 ]]; then  # (=1: the A/B alone)
+    gpu_pytest 120 gpu_tests_fp8_preload.log tests/gpu/test_fp8_gpu.py -k "preload_gemv"
+    HYBRID_FP8_PRELOAD=1 HYBRID_FP8_PRELOAD_ROUND_MAX_K=0 fp8_b1 preload_round_before
+  fi
 fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)

@@ -69,6 +69,7 @@ KERNELS = {
     ("hybrid.ops.triton_fp8", "_fp8_gemv_kernel"): ("M",),
     ("hybrid.ops.triton_fp8", "_quantize_rows_kernel"): (),
     ("hybrid.ops.triton_fp8", "_scale_accumulator_kernel"): (),
+    ("hybrid.ops.triton_fp8", "_fp8_preload_kernel"): (),  # (one row; N, K, strides: the model's)
 }
 
 # the arguments specialised on == 1 only, not on divisibility by 16 (do_not_specialize_on_alignment),
@@ -96,7 +97,7 @@ HELPERS = {
     "attention.triton_prefill": {"_attend_tile"},
     "attention.trtllm": set(),
     "hybrid.ops.triton_fp8": {"_round_e4m3", "_e4m3_values", "_quantized", "_gemv_step", "_ieee_quotient", "_e4m3_row", "_dynamic_scale",
-                             "_gemv_step_quantizing", "_gemv_row_scales"},
+                             "_gemv_step_quantizing", "_gemv_row_scales", "_preload_x_piece", "_preload_piece_dot"},
 }
 
 
