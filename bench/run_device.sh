@@ -372,7 +372,7 @@ if [[ $what == fp8-preload ]]; then
         --json "$OUT/decode_fp8_$1.json" 2>&1 | tee "$OUT/decode_fp8_$1.log" | grep -v Warn \
         | grep -E "batch|tok/s|Error|error" | tail -3 | sed "s/^/$1: /" || rc=1
   }
-  fp8_b1 default
+  [[ ${FP8_PRELOAD_ONLY:-0} == 1 ]] || fp8_b1 default  # (=1: only the switch's run, against an earlier default)
   HYBRID_FP8_PRELOAD=1 fp8_b1 preload
   if [[ ${FP8_PRELOAD_LEAN:-0} != 1 ]]; then  # (=1: the A/B alone)
     gpu_pytest 120 gpu_tests_fp8_preload.log tests/gpu/test_fp8_gpu.py -k "preload_gemv"
