@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.errors import CheckpointError
-from hybrid.ops import triton_fp8
+from hybrid.ops import triton_act, triton_fp8
 from hybrid.ops.triton_guard import HAS_TRITON, switch
 from hybrid.quantization import _SCALE_DTYPES, DYNAMIC, FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE, STATIC, Fp8Param
 
@@ -250,11 +250,13 @@ class Fp8Linear(nn.Module):
             x = fake_quantize(x, s)
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
-    def forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """torch._scaled_mm on x [..., in] (bf16 on CUDA; see the class docs)."""
+    def forward_scaled_mm(self, x: torch.Tensor, relu2: bool = False) -> torch.Tensor:
+        """torch._scaled_mm on x [..., in] (bf16 on CUDA; see the class docs); `relu2`: on relu(x) ** 2, taken
+        in the row quantization's launch."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()
-        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale)  # sa [M, 1]: the row's or the static scale
+        # sa [M, 1]: the row's or the static scale
+        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale, relu2=relu2)
         if self.per_tensor_scales:
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
                                    out_dtype=x.dtype)
@@ -265,15 +267,16 @@ class Fp8Linear(nn.Module):
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
-    def forward_tensorwise(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_tensorwise(self, x: torch.Tensor, relu2: bool = False) -> torch.Tensor:
         """A decode-sized step [..., in] (at most TENSORWISE_MAX_ROWS tokens) of a row-wise scaled
         projection: the rows quantized, cuBLASLt's tensor-wise FP8 GEMM with unit scales into an fp32
         accumulator, then the row and column scales (and bias) in one Triton launch
         (triton_fp8.scale_accumulator): the row-wise GEMM's product with one rounding to x.dtype (the
-        row-wise path adds a bias after its rounding: up to one bf16 ulp apart there)."""
+        row-wise path adds a bias after its rounding: up to one bf16 ulp apart there). `relu2`: as
+        forward_scaled_mm's."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()
-        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale)
+        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale, relu2=relu2)
         acc = torch._scaled_mm(xq, self.weight.t(), scale_a=self._unit_scale, scale_b=self._unit_scale,
                                out_dtype=torch.float32)
         out = triton_fp8.scale_accumulator(acc, sa, self.weight_scale, self.bias, out_dtype=x.dtype)
@@ -304,21 +307,31 @@ class Fp8Linear(nn.Module):
                                           out_dtype=x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, relu2: bool = False) -> torch.Tensor:
+        """The projection of x [..., in], or with `relu2` of relu(x) ** 2 (a relu2 MLP's down_proj: the paths
+        that round the rows with quantize_rows take the activation in its launch, the others run it first)."""
         if x.is_cuda and HAS_TRITON:
             rows = x.reshape(-1, self.in_features)
-            if rows.shape[0] == 1 and switch("fp8_preload") and triton_fp8.preload_eligible(rows, self.weight):
-                return self.forward_preload(x)
-            if rows.shape[0] <= gemv_max_rows() and triton_fp8.gemv_eligible(rows, self.weight):
-                return self.forward_gemv(x)
-            if (self.activation is None or switch("fp8_triton_decode")) and triton_fp8.eligible(rows, self.weight):
-                return self.forward_small_m(x)
+            one_launch = self._one_launch_path(rows)
+            if one_launch is not None:
+                return one_launch(triton_act.relu2(rows.contiguous()).reshape(x.shape) if relu2 else x)
             if self.use_scaled_mm and x.dtype == torch.bfloat16:
                 if (not self.per_tensor_scales and rows.shape[0] <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode")
                         and _tensorwise_fp32_out(x.device)):
-                    return self.forward_tensorwise(x)
-                return self.forward_scaled_mm(x)
-        return self.forward_reference(x)
+                    return self.forward_tensorwise(x, relu2)
+                return self.forward_scaled_mm(x, relu2)
+        return self.forward_reference(torch.square(F.relu(x)) if relu2 else x)
+
+    def _one_launch_path(self, rows: torch.Tensor):
+        """The one-launch Triton path rows [M, in] take (forward_preload, forward_gemv, forward_small_m), or None:
+        the row quantization and a cuBLASLt GEMM, or the reference."""
+        if rows.shape[0] == 1 and switch("fp8_preload") and triton_fp8.preload_eligible(rows, self.weight):
+            return self.forward_preload
+        if rows.shape[0] <= gemv_max_rows() and triton_fp8.gemv_eligible(rows, self.weight):
+            return self.forward_gemv
+        if (self.activation is None or switch("fp8_triton_decode")) and triton_fp8.eligible(rows, self.weight):
+            return self.forward_small_m
+        return None
 
 
 def build_fp8_linear(param: Fp8Param, weights: list[torch.Tensor], scales: list[torch.Tensor],

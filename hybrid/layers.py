@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
 from hybrid.config import GATE_ONLY, GATE_THEN_NORM, AttentionConfig, MambaConfig
+from hybrid.fp8_linear import Fp8Linear
 from hybrid.mamba_metadata import step_metadata
 from hybrid.ops import mamba_torch, triton_act, triton_gemv, triton_moe, triton_norm
 from hybrid.ops.triton_guard import decode_linear_plain, switch
@@ -365,6 +366,8 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up_proj(x)
+        if self.fused and isinstance(self.down_proj, Fp8Linear):  # relu2 in the launch that rounds its rows to e4m3
+            return self.down_proj(h, relu2=True)
         return self.down_proj(triton_act.relu2(h) if self.fused else self.act(h))
 
 

@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("CPU interpreter tests: run in their own process with TRITON_INTERPRET=1", allow_module_level=True)
 
 from hybrid.fp8_linear import Fp8Linear, fake_quantize, per_token_scale  # noqa: E402
-from hybrid.ops import triton_fp8  # noqa: E402
+from hybrid.ops import triton_act, triton_fp8  # noqa: E402
 from hybrid.quantization import DYNAMIC, FP8_DTYPE, STATIC  # noqa: E402
 
 ACTS = {None: triton_fp8.ACT_NONE, STATIC: triton_fp8.ACT_STATIC, DYNAMIC: triton_fp8.ACT_DYNAMIC}
@@ -78,6 +78,32 @@ def test_quantize_rows_gives_the_reference_bytes(static, k, block_k):
     want_q = (x.float() / want_s).clamp(-448, 448).to(FP8_DTYPE)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     torch.testing.assert_close((q.float() * s).to(x.dtype), fake_quantize(x, want_s), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("k,block_k", [(100, 32), (300, None)])
+def test_quantize_rows_with_relu2_is_quantize_rows_of_relu2(static, k, block_k):
+    """quantize_rows(x, relu2=True) (a relu2 MLP's down_proj input, the activation in the rounding's launch) writes
+    the bytes and scales quantize_rows writes for relu(x) ** 2 rounded to bf16 (triton_act.relu2's values), on
+    the one-tile and the looped kernel; rows of negative values only (all zero after relu2) included."""
+    g = torch.Generator().manual_seed(k + 7 * static)
+    x = (torch.randn(5, k, generator=g) * 4).to(torch.bfloat16)
+    x[2] = -x[2].abs()
+    s_in = torch.tensor(0.05) if static else None
+    q, s = triton_fp8.quantize_rows(x, s_in, block_k=block_k, relu2=True)
+    # (against triton_act.relu2's output: Triton's interpreter rounds fp32 to bf16 its own way, the GPU to nearest)
+    want_q, want_s = triton_fp8.quantize_rows(triton_act.relu2(x), s_in, block_k=block_k)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(s, want_s, atol=0, rtol=0)
+    assert not torch.equal(q.view(torch.uint8), triton_fp8.quantize_rows(x, s_in, block_k=block_k)[0].view(torch.uint8))
+
+
+def test_layer_relu2_on_the_reference_path():
+    """Fp8Linear(x, relu2=True) off CUDA: the reference projection of relu(x) ** 2."""
+    layer = _layer(24, 64, DYNAMIC, True, bias=True, seed=4)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(layer(x, relu2=True), layer.forward_reference(torch.square(torch.relu(x))),
+                               atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("per_row,bias", [(True, True), (False, False)])

@@ -162,15 +162,27 @@ if HAS_TRITON:
         return _round_e4m3(v).to(tl.float8e4nv)  # exact: the value is an e4m3 value
 
     @triton.jit
+    def _relu2_if(x, RELU2: tl.constexpr):
+        """x, or relu(x) ** 2 rounded once to x's dtype (triton_act.relu2's values: the square of a 16-bit
+        value is exact in fp32) when RELU2."""
+        if RELU2:
+            r = tl.maximum(x.to(tl.float32), 0.0)
+            return (r * r).to(x.dtype)
+        return x
+
+    @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, in_scale_ptr, K, s_xm, s_qm, min_scale,
                               STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-                              FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr, PDL: tl.constexpr):
+                              FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr, RELU2: tl.constexpr,
+                              PDL: tl.constexpr):
+        # RELU2: the rows are relu(x) ** 2 of the loaded x, rounded to x's dtype as triton_act.relu2 writes
+        # them (a relu2 MLP's down_proj input: the activation's launch and its output's round trip saved)
         row = tl.program_id(0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         pdl_wait(PDL)
         if ONE_TILE:  # the whole row in one tile (BLOCK_K >= K): read once, no dependent loop steps
             mask = offs_k < K
-            x = tl.load(x_ptr + row * s_xm + offs_k, mask=mask, other=0.0)
+            x = _relu2_if(tl.load(x_ptr + row * s_xm + offs_k, mask=mask, other=0.0), RELU2)
             if STATIC:
                 s = tl.load(in_scale_ptr)
             else:
@@ -184,13 +196,13 @@ if HAS_TRITON:
             amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + offs_k
-                x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
+                x = _relu2_if(tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0), RELU2)
                 amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
             s = _dynamic_scale(tl.max(amax, axis=0), min_scale)
         tl.store(scale_ptr + row, s)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
-            x = tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0)
+            x = _relu2_if(tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0), RELU2)
             tl.store(q_ptr + row * s_qm + ks, _e4m3_row(x, s, FMA_QUOTIENT, HW_CAST), mask=ks < K)
 
 
@@ -521,11 +533,12 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
                   block_k: int | None = None, *, fma_quotient: bool | None = None,
-                  hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  hw_cast: bool | None = None, relu2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (last dim contiguous) rounded to e4m3: (q [M, K] e4m3, scales [M, 1] fp32), each row with
     its own absmax / 448 scale, or with the 0-dim fp32 `input_scale` (static) for every row.
     `block_k` (tests): loop over the row in tiles of this width; default: one tile up to ONE_TILE_MAX_K.
-    `fma_quotient` / `hw_cast` (tests): see _e4m3_row; default: on, off under the interpreter."""
+    `fma_quotient` / `hw_cast` (tests): see _e4m3_row; default: on, off under the interpreter.
+    `relu2`: the rows rounded are relu(x) ** 2 (as triton_act.relu2 writes them), the activation in this launch."""
     require(__name__)
     M, K = x.shape
     if x.stride(-1) != 1:
@@ -543,7 +556,8 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
             x, q, scales, input_scale if input_scale is not None else scales, K, x.stride(0), q.stride(0),
             MIN_DYNAMIC_SCALE, STATIC=input_scale is not None, BLOCK_K=block_k, ONE_TILE=one_tile,
             FMA_QUOTIENT=not _INTERPRETED if fma_quotient is None else fma_quotient,
-            HW_CAST=not _INTERPRETED if hw_cast is None else hw_cast, num_warps=warps, **pdl_options(x.device),
+            HW_CAST=not _INTERPRETED if hw_cast is None else hw_cast, RELU2=relu2, num_warps=warps,
+            **pdl_options(x.device),
         )
     return q, scales
 

@@ -179,6 +179,20 @@ def test_preload_gemv_matches_the_exact_product_and_captures(name, act, monkeypa
     assert triton_fp8.preload_eligible(x, layer.weight)
 
 
+@pytest.mark.parametrize("act", [STATIC, DYNAMIC])
+@pytest.mark.parametrize("rows", [1, 8, 100, 1000])
+def test_relu2_in_the_row_quantization_changes_no_value(rows, act):
+    """The 8B MLP down_proj with relu2 taken by its row quantization (layer(h, relu2=True): the relu2 MLP's fused
+    path) equals relu2's own launch and then the projection, bit for bit, on every path: one-token kernels (1 row),
+    the tensor-wise GEMM (8), the row-wise one (100, a 1000-row prefill chunk)."""
+    from hybrid.ops import triton_act
+
+    n, k = SHAPES_8B["mlp.down_proj"]
+    layer = _layer(n, k, per_channel=True, act=act, seed=19)
+    h = torch.randn(rows, k, device="cuda").to(torch.bfloat16) * 3
+    assert torch.equal(layer(h, relu2=True), layer(triton_act.relu2(h)))
+
+
 @pytest.mark.parametrize("gemm", ["gemv", "triton"])
 def test_decode_switches_route_and_capture(gemm, monkeypatch):
     """HYBRID_FP8_DECODE_GEMM=gemv / triton send a decode-sized step to fp8_gemv / the one-launch
