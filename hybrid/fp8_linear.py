@@ -177,6 +177,24 @@ def _scaled_mm_capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def mlp_activation(x: torch.Tensor, act: str | None) -> torch.Tensor:
+    """x's rows through an MLP activation as the layers run it (the Triton launch on CUDA, torch elsewhere): None,
+    x; "relu2", relu(x) ** 2; "silu_and_mul", silu(gate) * up of x = [gate | up] (half x's width)."""
+    if act is None:
+        return x
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if act not in ("relu2", "silu_and_mul"):
+        raise ValueError(f"mlp_activation: {act!r}")
+    if x.is_cuda and HAS_TRITON:
+        out = triton_act.relu2(rows) if act == "relu2" else triton_act.silu_and_mul(rows)
+    elif act == "relu2":
+        out = torch.square(F.relu(rows))
+    else:
+        gate, up = rows.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 class Fp8Linear(nn.Module):
     """A linear projection with an FP8 (e4m3) weight [out, in] and fp32 scales, as the checkpoint
     stores them (parts of a fused projection concatenated; per-tensor scales that differ between
@@ -250,13 +268,13 @@ class Fp8Linear(nn.Module):
             x = fake_quantize(x, s)
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
-    def forward_scaled_mm(self, x: torch.Tensor, relu2: bool = False) -> torch.Tensor:
-        """torch._scaled_mm on x [..., in] (bf16 on CUDA; see the class docs); `relu2`: on relu(x) ** 2, taken
-        in the row quantization's launch."""
+    def forward_scaled_mm(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """torch._scaled_mm on x [..., in] (bf16 on CUDA; see the class docs); `act` (see forward): on the MLP
+        activation of x, taken in the row quantization's launch."""
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).contiguous()
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
         # sa [M, 1]: the row's or the static scale
-        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale, relu2=relu2)
+        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale, act=act)
         if self.per_tensor_scales:
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
                                    out_dtype=x.dtype)
@@ -267,16 +285,16 @@ class Fp8Linear(nn.Module):
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
-    def forward_tensorwise(self, x: torch.Tensor, relu2: bool = False) -> torch.Tensor:
+    def forward_tensorwise(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         """A decode-sized step [..., in] (at most TENSORWISE_MAX_ROWS tokens) of a row-wise scaled
         projection: the rows quantized, cuBLASLt's tensor-wise FP8 GEMM with unit scales into an fp32
         accumulator, then the row and column scales (and bias) in one Triton launch
         (triton_fp8.scale_accumulator): the row-wise GEMM's product with one rounding to x.dtype (the
-        row-wise path adds a bias after its rounding: up to one bf16 ulp apart there). `relu2`: as
+        row-wise path adds a bias after its rounding: up to one bf16 ulp apart there). `act`: as
         forward_scaled_mm's."""
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale, relu2=relu2)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale, act=act)
         acc = torch._scaled_mm(xq, self.weight.t(), scale_a=self._unit_scale, scale_b=self._unit_scale,
                                out_dtype=torch.float32)
         out = triton_fp8.scale_accumulator(acc, sa, self.weight_scale, self.bias, out_dtype=x.dtype)
@@ -307,20 +325,21 @@ class Fp8Linear(nn.Module):
                                           out_dtype=x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
-    def forward(self, x: torch.Tensor, relu2: bool = False) -> torch.Tensor:
-        """The projection of x [..., in], or with `relu2` of relu(x) ** 2 (a relu2 MLP's down_proj: the paths
-        that round the rows with quantize_rows take the activation in its launch, the others run it first)."""
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """The projection of x [..., in], or with `act` of an MLP activation of x (a down_proj's input): "relu2",
+        relu(x) ** 2; "silu_and_mul", silu(gate) * up of x [..., 2 * in] = [gate | up]. The paths that round
+        the rows with quantize_rows take the activation in its launch; the others run it first."""
         if x.is_cuda and HAS_TRITON:
-            rows = x.reshape(-1, self.in_features)
-            one_launch = self._one_launch_path(rows)
+            rows = x.reshape(-1, x.shape[-1])
+            one_launch = self._one_launch_path(rows[:, :self.in_features])  # (the activation's shape)
             if one_launch is not None:
-                return one_launch(triton_act.relu2(rows.contiguous()).reshape(x.shape) if relu2 else x)
+                return one_launch(mlp_activation(x, act))
             if self.use_scaled_mm and x.dtype == torch.bfloat16:
                 if (not self.per_tensor_scales and rows.shape[0] <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode")
                         and _tensorwise_fp32_out(x.device)):
-                    return self.forward_tensorwise(x, relu2)
-                return self.forward_scaled_mm(x, relu2)
-        return self.forward_reference(torch.square(F.relu(x)) if relu2 else x)
+                    return self.forward_tensorwise(x, act)
+                return self.forward_scaled_mm(x, act)
+        return self.forward_reference(mlp_activation(x, act))
 
     def _one_launch_path(self, rows: torch.Tensor):
         """The one-launch Triton path rows [M, in] take (forward_preload, forward_gemv, forward_small_m), or None:

@@ -367,7 +367,7 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up_proj(x)
         if self.fused and isinstance(self.down_proj, Fp8Linear):  # relu2 in the launch that rounds its rows to e4m3
-            return self.down_proj(h, relu2=True)
+            return self.down_proj(h, act="relu2")
         return self.down_proj(triton_act.relu2(h) if self.fused else self.act(h))
 
 
@@ -387,6 +387,8 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if adapter is not None:
             gate_up = gate_up + adapter(x)
+        if self.fused and isinstance(self.down_proj, Fp8Linear):  # SwiGLU in the launch that rounds its rows to e4m3
+            return self.down_proj(gate_up, act="silu_and_mul")
         if self.fused:
             return self.down_proj(triton_act.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

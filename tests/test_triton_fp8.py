@@ -83,14 +83,14 @@ def test_quantize_rows_gives_the_reference_bytes(static, k, block_k):
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("k,block_k", [(100, 32), (300, None)])
 def test_quantize_rows_with_relu2_is_quantize_rows_of_relu2(static, k, block_k):
-    """quantize_rows(x, relu2=True) (a relu2 MLP's down_proj input, the activation in the rounding's launch) writes
+    """quantize_rows(x, act="relu2") (a relu2 MLP's down_proj input, the activation in the rounding's launch) writes
     the bytes and scales quantize_rows writes for relu(x) ** 2 rounded to bf16 (triton_act.relu2's values), on
     the one-tile and the looped kernel; rows of negative values only (all zero after relu2) included."""
     g = torch.Generator().manual_seed(k + 7 * static)
     x = (torch.randn(5, k, generator=g) * 4).to(torch.bfloat16)
     x[2] = -x[2].abs()
     s_in = torch.tensor(0.05) if static else None
-    q, s = triton_fp8.quantize_rows(x, s_in, block_k=block_k, relu2=True)
+    q, s = triton_fp8.quantize_rows(x, s_in, block_k=block_k, act="relu2")
     # (against triton_act.relu2's output: Triton's interpreter rounds fp32 to bf16 its own way, the GPU to nearest)
     want_q, want_s = triton_fp8.quantize_rows(triton_act.relu2(x), s_in, block_k=block_k)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
@@ -98,12 +98,39 @@ def test_quantize_rows_with_relu2_is_quantize_rows_of_relu2(static, k, block_k):
     assert not torch.equal(q.view(torch.uint8), triton_fp8.quantize_rows(x, s_in, block_k=block_k)[0].view(torch.uint8))
 
 
-def test_layer_relu2_on_the_reference_path():
-    """Fp8Linear(x, relu2=True) off CUDA: the reference projection of relu(x) ** 2."""
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("k,block_k", [(100, 32), (300, None)])
+def test_quantize_rows_with_silu_and_mul_is_quantize_rows_of_silu_and_mul(static, k, block_k):
+    """quantize_rows(x, act="silu_and_mul") on [gate | up] rows 2K wide (a SwiGLU MLP's down_proj input) writes the
+    bytes and scales of quantize_rows on triton_act.silu_and_mul's output, one tile and looped."""
+    g = torch.Generator().manual_seed(k + 3 * static)
+    x = (torch.randn(4, 2 * k, generator=g) * 3).to(torch.bfloat16)
+    s_in = torch.tensor(0.03) if static else None
+    q, s = triton_fp8.quantize_rows(x, s_in, block_k=block_k, act="silu_and_mul")
+    want_q, want_s = triton_fp8.quantize_rows(triton_act.silu_and_mul(x), s_in, block_k=block_k)
+    assert q.shape == (4, k)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(s, want_s, atol=0, rtol=0)
+
+
+def test_quantize_rows_act_checks():
+    with pytest.raises(ValueError, match="act 'gelu'"):
+        triton_fp8.quantize_rows(torch.zeros(1, 32, dtype=torch.bfloat16), act="gelu")
+    with pytest.raises(ValueError, match="even width"):
+        triton_fp8.quantize_rows(torch.zeros(1, 33, dtype=torch.bfloat16), act="silu_and_mul")
+
+
+def test_layer_activation_on_the_reference_path():
+    """Fp8Linear(x, act=...) off CUDA: the reference projection of the MLP activation (the torch chain's values)."""
     layer = _layer(24, 64, DYNAMIC, True, bias=True, seed=4)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
-    torch.testing.assert_close(layer(x, relu2=True), layer.forward_reference(torch.square(torch.relu(x))),
+    torch.testing.assert_close(layer(x, act="relu2"), layer.forward_reference(torch.square(torch.relu(x))),
                                atol=0, rtol=0)
+    gate_up = torch.randn(2, 1, 128, generator=torch.Generator().manual_seed(7))
+    got = layer(gate_up, act="silu_and_mul")
+    assert got.shape == (2, 1, 24)
+    want = layer.forward_reference(torch.nn.functional.silu(gate_up[..., :64]) * gate_up[..., 64:])
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("per_row,bias", [(True, True), (False, False)])

@@ -130,9 +130,10 @@ FP8_PTRS = dict(w_ptr="*fp8e4nv", q_ptr="*fp8e4nv", w_scale_ptr="*fp32", in_scal
 def _fp8_quantize_rows():
     for static in (False, True):  # the loop, and one register tile of a 32768-wide row (32 warps); the GPU's
         # quotient and cast (FMA_QUOTIENT, HW_CAST) and the interpreter's arithmetic
-        # (and relu2 in the launch: a relu2 MLP's down_proj input, the 8B's 21504-wide rows in one tile)
-        for fast, relu2 in ((True, False), (False, False), (True, True)):
-            gpu = dict(FMA_QUOTIENT=fast, HW_CAST=fast, RELU2=relu2)
+        # (and an MLP activation in the launch, relu2 and SwiGLU: a down_proj's input, the 8B's 21504-wide rows in
+        # one tile)
+        for fast, act in ((True, 0), (False, 0), (True, 1), (True, 2)):
+            gpu = dict(FMA_QUOTIENT=fast, HW_CAST=fast, ACT=act)
             compiles(triton_fp8._quantize_rows_kernel, dict(STATIC=static, BLOCK_K=1024, ONE_TILE=False, PDL=True, **gpu),
                      FP8_PTRS)
             compiles(triton_fp8._quantize_rows_kernel, dict(STATIC=static, BLOCK_K=32768, ONE_TILE=True, PDL=True, **gpu),

@@ -162,27 +162,34 @@ if HAS_TRITON:
         return _round_e4m3(v).to(tl.float8e4nv)  # exact: the value is an e4m3 value
 
     @triton.jit
-    def _relu2_if(x, RELU2: tl.constexpr):
-        """x, or relu(x) ** 2 rounded once to x's dtype (triton_act.relu2's values: the square of a 16-bit
-        value is exact in fp32) when RELU2."""
-        if RELU2:
+    def _activated(x_row, ks, mask, K, ACT: tl.constexpr):
+        """The row's columns ks as the projection takes them, in x's dtype: x (ACT 0); relu(x) ** 2 (1), rounded
+        once as triton_act.relu2 writes it (the square of a 16-bit value is exact in fp32); silu(gate) * up (2),
+        gate the row's first K columns and up the next K, rounded as triton_act.silu_and_mul does."""
+        x = tl.load(x_row + ks, mask=mask, other=0.0)
+        if ACT == 1:
             r = tl.maximum(x.to(tl.float32), 0.0)
-            return (r * r).to(x.dtype)
+            x = (r * r).to(x.dtype)
+        if ACT == 2:
+            up = tl.load(x_row + K + ks, mask=mask, other=0.0).to(tl.float32)
+            gf = x.to(tl.float32)
+            act = (gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32)
+            x = (act * up).to(x.dtype)
         return x
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, in_scale_ptr, K, s_xm, s_qm, min_scale,
                               STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-                              FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr, RELU2: tl.constexpr,
+                              FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr, ACT: tl.constexpr,
                               PDL: tl.constexpr):
-        # RELU2: the rows are relu(x) ** 2 of the loaded x, rounded to x's dtype as triton_act.relu2 writes
-        # them (a relu2 MLP's down_proj input: the activation's launch and its output's round trip saved)
+        # ACT 1 / 2: the rows are the MLP activation of the loaded x (_activated: relu2, or SwiGLU of [gate | up]
+        # rows 2K wide), a down_proj's input: the activation's launch and its output's round trip saved
         row = tl.program_id(0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         pdl_wait(PDL)
         if ONE_TILE:  # the whole row in one tile (BLOCK_K >= K): read once, no dependent loop steps
             mask = offs_k < K
-            x = _relu2_if(tl.load(x_ptr + row * s_xm + offs_k, mask=mask, other=0.0), RELU2)
+            x = _activated(x_ptr + row * s_xm, offs_k, mask, K, ACT)
             if STATIC:
                 s = tl.load(in_scale_ptr)
             else:
@@ -196,13 +203,13 @@ if HAS_TRITON:
             amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + offs_k
-                x = _relu2_if(tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0), RELU2)
+                x = _activated(x_ptr + row * s_xm, ks, ks < K, K, ACT)
                 amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
             s = _dynamic_scale(tl.max(amax, axis=0), min_scale)
         tl.store(scale_ptr + row, s)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
-            x = _relu2_if(tl.load(x_ptr + row * s_xm + ks, mask=ks < K, other=0.0), RELU2)
+            x = _activated(x_ptr + row * s_xm, ks, ks < K, K, ACT)
             tl.store(q_ptr + row * s_qm + ks, _e4m3_row(x, s, FMA_QUOTIENT, HW_CAST), mask=ks < K)
 
 
@@ -531,16 +538,27 @@ ONE_TILE_MAX_K = 32768
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+ACTIVATIONS = {None: 0, "relu2": 1, "silu_and_mul": 2}  # quantize_rows' `act`, as its kernel's ACT
+
+
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
                   block_k: int | None = None, *, fma_quotient: bool | None = None,
-                  hw_cast: bool | None = None, relu2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  hw_cast: bool | None = None, act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (last dim contiguous) rounded to e4m3: (q [M, K] e4m3, scales [M, 1] fp32), each row with
     its own absmax / 448 scale, or with the 0-dim fp32 `input_scale` (static) for every row.
     `block_k` (tests): loop over the row in tiles of this width; default: one tile up to ONE_TILE_MAX_K.
     `fma_quotient` / `hw_cast` (tests): see _e4m3_row; default: on, off under the interpreter.
-    `relu2`: the rows rounded are relu(x) ** 2 (as triton_act.relu2 writes them), the activation in this launch."""
+    `act` (an MLP's down_proj input, the activation in this launch): "relu2", the rows rounded are relu(x) ** 2
+    (as triton_act.relu2 writes them); "silu_and_mul", x is [M, 2K] rows of [gate | up] and the rows rounded are
+    silu(gate) * up (as triton_act.silu_and_mul writes them)."""
     require(__name__)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"quantize_rows: act {act!r}, one of {sorted(a for a in ACTIVATIONS if a)} or None")
     M, K = x.shape
+    if act == "silu_and_mul":
+        if K % 2:
+            raise ValueError(f"quantize_rows: silu_and_mul takes [gate | up] rows of an even width, got {K}")
+        K //= 2
     if x.stride(-1) != 1:
         raise ValueError(f"quantize_rows: the rows' last dim must be contiguous, got strides {x.stride()}")
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
@@ -556,7 +574,7 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
             x, q, scales, input_scale if input_scale is not None else scales, K, x.stride(0), q.stride(0),
             MIN_DYNAMIC_SCALE, STATIC=input_scale is not None, BLOCK_K=block_k, ONE_TILE=one_tile,
             FMA_QUOTIENT=not _INTERPRETED if fma_quotient is None else fma_quotient,
-            HW_CAST=not _INTERPRETED if hw_cast is None else hw_cast, RELU2=relu2, num_warps=warps,
+            HW_CAST=not _INTERPRETED if hw_cast is None else hw_cast, ACT=ACTIVATIONS[act], num_warps=warps,
             **pdl_options(x.device),
         )
     return q, scales

@@ -179,18 +179,20 @@ def test_preload_gemv_matches_the_exact_product_and_captures(name, act, monkeypa
     assert triton_fp8.preload_eligible(x, layer.weight)
 
 
+@pytest.mark.parametrize("mlp_act", ["relu2", "silu_and_mul"])
 @pytest.mark.parametrize("act", [STATIC, DYNAMIC])
 @pytest.mark.parametrize("rows", [1, 8, 100, 1000])
-def test_relu2_in_the_row_quantization_changes_no_value(rows, act):
-    """The 8B MLP down_proj with relu2 taken by its row quantization (layer(h, relu2=True): the relu2 MLP's fused
-    path) equals relu2's own launch and then the projection, bit for bit, on every path: one-token kernels (1 row),
-    the tensor-wise GEMM (8), the row-wise one (100, a 1000-row prefill chunk)."""
-    from hybrid.ops import triton_act
+def test_mlp_activation_in_the_row_quantization_changes_no_value(rows, act, mlp_act):
+    """The 8B MLP down_proj with its MLP activation (relu2, or SwiGLU of [gate | up] rows) taken by its row
+    quantization (layer(h, act=...): the fused MLPs' path) equals the activation's own launch and then the
+    projection, bit for bit, on every path: one-token kernels (1 row), the tensor-wise GEMM (8), the row-wise one
+    (100, a 1000-row prefill chunk)."""
+    from hybrid.fp8_linear import mlp_activation
 
     n, k = SHAPES_8B["mlp.down_proj"]
     layer = _layer(n, k, per_channel=True, act=act, seed=19)
-    h = torch.randn(rows, k, device="cuda").to(torch.bfloat16) * 3
-    assert torch.equal(layer(h, relu2=True), layer(triton_act.relu2(h)))
+    h = torch.randn(rows, k * (2 if mlp_act == "silu_and_mul" else 1), device="cuda").to(torch.bfloat16) * 3
+    assert torch.equal(layer(h, act=mlp_act), layer(mlp_activation(h, mlp_act)))
 
 
 @pytest.mark.parametrize("gemm", ["gemv", "triton"])
