@@ -379,6 +379,15 @@ if [[ $what == fp8-preload ]]; then
     HYBRID_FP8_PRELOAD=1 HYBRID_FP8_PRELOAD_ROUND_MAX_K=0 fp8_b1 preload_round_before
   fi
 fi
+# moe-next  the GPU tests of this session's unmeasured MoE switch (HYBRID_MOE_SHARED_EARLY=1, <= 200 s), then
+#           Granite-Tiny and Nemotron-Nano decode at batch 1 and 8 with its A/B (the MoE targets too on an H200)
+if [[ $what == moe-next ]]; then
+  gpu_pytest 200 gpu_tests_moe_next.log tests/gpu/test_triton_fused_ops_gpu.py -k "moe_shared_early"
+  timeout 360 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
+      --no-eager --moe-shared-early-ab --out /tmp/moe_out --time-budget 350 2>&1 | tee "$OUT/bench_moe_next.log" \
+      | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
+  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_next.md" 2>/dev/null || true
+fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
 if [[ $what == prefix-cprofile || $what == h200-targets ]]; then

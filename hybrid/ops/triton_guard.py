@@ -78,6 +78,9 @@ again: benchmarks comparing both):
   the second GEMM's before its PDL wait (the routing was written before the first), as the preloading linears
   do. Measured on an H100 (BENCHMARKS.md): at batch 1 +8.0% on Granite-4.0-H-Tiny's shape, +3.5% on
   Nemotron-3-Nano's;
+- "moe_shared_early" (HYBRID_MOE_SHARED_EARLY=1): in a one-token step's first expert GEMM, the programs of the
+  shared expert's slices (whose experts the routing does not choose) read their slabs before the PDL wait, so they
+  stream while the routing runs; not measured yet;
 - "lm_head_preload" (on by default; HYBRID_LM_HEAD_PRELOAD=0 turns it off): a one-token step's 16-bit LM head on
   the preloading linear, its fp32 accumulator stored as the logits (hybrid/layers.logits_fp32; cuBLAS
   otherwise): +1.1% / +0.8% at batch 1 on the same two shapes.
@@ -115,7 +118,7 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
              "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "scan_plans": ("HYBRID_SCAN_PLANS", "1"),
-             "fp8_preload": ("HYBRID_FP8_PRELOAD", "1")}
+             "fp8_preload": ("HYBRID_FP8_PRELOAD", "1"), "moe_shared_early": ("HYBRID_MOE_SHARED_EARLY", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
                   "moe_preload", "lm_head_preload", "scan_plans"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
