@@ -221,6 +221,9 @@ class Fp8Linear(nn.Module):
     an H100 against the tensor-wise path, BENCHMARKS.md). No host syncs (the dynamic scales are computed on the device),
     so all are captured in CUDA graphs."""
 
+    # forward(x, act=...) takes an MLP activation of its input (hybrid/layers.DenseMLP, GatedMLP ask for it)
+    takes_mlp_activation = True
+
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
                  activation: str | None, bias: torch.Tensor | None) -> None:
         super().__init__()

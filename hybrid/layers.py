@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from hybrid.batch import StepBatch
 from hybrid.config import GATE_ONLY, GATE_THEN_NORM, AttentionConfig, MambaConfig
-from hybrid.fp8_linear import Fp8Linear
 from hybrid.mamba_metadata import step_metadata
 from hybrid.ops import mamba_torch, triton_act, triton_gemv, triton_moe, triton_norm
 from hybrid.ops.triton_guard import decode_linear_plain, switch
@@ -366,8 +365,8 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up_proj(x)
-        if self.fused and isinstance(self.down_proj, Fp8Linear):  # relu2 in the launch that rounds its rows to e4m3
-            return self.down_proj(h, act="relu2")
+        if self.fused and getattr(self.down_proj, "takes_mlp_activation", False):
+            return self.down_proj(h, act="relu2")  # an FP8 down_proj: relu2 in the launch rounding its rows
         return self.down_proj(triton_act.relu2(h) if self.fused else self.act(h))
 
 
@@ -387,8 +386,8 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if adapter is not None:
             gate_up = gate_up + adapter(x)
-        if self.fused and isinstance(self.down_proj, Fp8Linear):  # SwiGLU in the launch that rounds its rows to e4m3
-            return self.down_proj(gate_up, act="silu_and_mul")
+        if self.fused and getattr(self.down_proj, "takes_mlp_activation", False):
+            return self.down_proj(gate_up, act="silu_and_mul")  # an FP8 down_proj: SwiGLU in that launch
         if self.fused:
             return self.down_proj(triton_act.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
