@@ -354,14 +354,11 @@ if [[ $what == cold-load ]]; then
     done
   done
 fi
-# next     what this project's next session measures first: the MoE targets where the machine is an H200, else
-#          cold-load
+# next     what this project's next session measures first: moe-next (the MoE targets' shapes at batch 1 and 8
+#          with the HYBRID_MOE_SHARED_EARLY A/B: on an H200 the targets themselves); then, each its own call,
+#          fp8-preload and cold-load
 if [[ $what == next ]]; then
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    bash "$0" moe-targets || rc=1
-  else
-    bash "$0" cold-load || rc=1
-  fi
+  bash "$0" moe-next || rc=1
 fi
 # fp8-preload  the 8B shape in FP8 (pcpt, bf16 state) decode at batch 1 by default and with HYBRID_FP8_PRELOAD=1 (each
 #            its own process), the GPU tests of fp8_preload_gemv, then =1 with every row rounded before the kernel
