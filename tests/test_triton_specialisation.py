@@ -89,7 +89,7 @@ HELPERS = {
     "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed",
                                "_rows_times_slab", "_gated_normed_dot", "_slab_piece", "_preload_slab", "_piece_dot", "slab_pieces", "slab_dot", "_rows_piece",
                                "_preloaded_rows"},
-    "hybrid.ops.triton_act": set(),
+    "hybrid.ops.triton_act": {"relu2_values", "silu_mul_values"},
     "hybrid.ops.triton_mamba": {"_softplus", "_ext_tile", "_conv_window_out"},
     "hybrid.ops.triton_mamba_varlen": {"_history_columns"},
     "hybrid.ops.triton_sampling": {"_fixed", "_kept_masses", "_top_k_probs", "_signed_masses"},

@@ -23,14 +23,28 @@ if HAS_TRITON:
     from hybrid.ops.triton_guard import pdl_wait
 
     @triton.jit
+    def relu2_values(x):
+        """relu(x) ** 2 in x's dtype, rounded once (the square of a 16-bit value is exact in fp32); also
+        inlined by triton_fp8's row quantization."""
+        r = tl.maximum(x.to(tl.float32), 0.0)
+        return (r * r).to(x.dtype)
+
+    @triton.jit
+    def silu_mul_values(gate, up):
+        """silu(gate) * up in gate's dtype, rounded as the torch chain: silu(gate) to the dtype first, then the
+        product; also inlined by triton_fp8's row quantization."""
+        gf = gate.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)
+        return (act * up.to(tl.float32)).to(gate.dtype)
+
+    @triton.jit
     def _relu2_kernel(x_ptr, out_ptr, s_x, s_o, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < width
         x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
-        r = tl.maximum(x.to(tl.float32), 0.0)
-        tl.store(out_ptr + row * s_o + offs, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * s_o + offs, relu2_values(x).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_and_mul_kernel(g_ptr, out_ptr, s_g, s_o, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -39,10 +53,8 @@ if HAS_TRITON:
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < width
         gate = tl.load(g_ptr + row * s_g + offs, mask=mask, other=0.0)
-        up = tl.load(g_ptr + row * s_g + width + offs, mask=mask, other=0.0).to(tl.float32)
-        gf = gate.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)
-        tl.store(out_ptr + row * s_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+        up = tl.load(g_ptr + row * s_g + width + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + row * s_o + offs, silu_mul_values(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ MAX_ROWS = 16  # tl.dot's smallest tile height: rows past M are masked
 ACT_NONE, ACT_STATIC, ACT_DYNAMIC = 0, 1, 2
 
 if HAS_TRITON:
+    from hybrid.ops.triton_act import relu2_values, silu_mul_values
     from hybrid.ops.triton_gemv import _preload_slab
     from hybrid.ops.triton_guard import pdl_wait
 
@@ -163,18 +164,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _activated(x_row, ks, mask, K, ACT: tl.constexpr):
-        """The row's columns ks as the projection takes them, in x's dtype: x (ACT 0); relu(x) ** 2 (1), rounded
-        once as triton_act.relu2 writes it (the square of a 16-bit value is exact in fp32); silu(gate) * up (2),
-        gate the row's first K columns and up the next K, rounded as triton_act.silu_and_mul does."""
+        """The row's columns ks as the projection takes them, in x's dtype: x (ACT 0); relu(x) ** 2 (1); silu(gate)
+        * up (2), gate the row's first K columns and up the next K: triton_act's values."""
         x = tl.load(x_row + ks, mask=mask, other=0.0)
         if ACT == 1:
-            r = tl.maximum(x.to(tl.float32), 0.0)
-            x = (r * r).to(x.dtype)
+            x = relu2_values(x)
         if ACT == 2:
-            up = tl.load(x_row + K + ks, mask=mask, other=0.0).to(tl.float32)
-            gf = x.to(tl.float32)
-            act = (gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32)
-            x = (act * up).to(x.dtype)
+            x = silu_mul_values(x, tl.load(x_row + K + ks, mask=mask, other=0.0))
         return x
 
     @triton.jit
@@ -389,7 +385,6 @@ def _preload_round_max_k() -> int:
     once by quantize_rows before it: 8192 (the 8B shape's in_proj, qkv, o_proj, up_proj and Mamba out_proj round
     inside, its MLP down_proj, K 21504, before), or HYBRID_FP8_PRELOAD_ROUND_MAX_K (0: every row before; the A/B)."""
     return int(os.environ.get("HYBRID_FP8_PRELOAD_ROUND_MAX_K", 8192))
-
 
 
 def fp8_preload_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
