@@ -467,11 +467,11 @@ if [[ $what == mamba-layer ]]; then  # each step in what is left of ${MAMBA_LAYE
         | grep -E "^\[granite|^\||Error|error" | cut -c1-220 || rc=1
   fi
 fi
-# moe-next  Nemotron-Nano and Granite-Tiny decode at batch 1 / 8 (graphs) with the defaults, with
+# moe-route-ab  Nemotron-Nano and Granite-Tiny decode at batch 1 / 8 (graphs) with the defaults, with
 #            HYBRID_MOE_ROUTE_IN_GEMM=1 (--route-in-gemm-ab) and with it and HYBRID_NORM_ROUTER=1 (an MoE layer in
 #            three launches: --moe-three-launches-ab) (<= 340 s), then the GPU tests of those switches (the
 #            routing inside the first expert GEMM, the engine with them, the graph tests) in what is left of 560 s
-if [[ $what == moe-next ]]; then
+if [[ $what == moe-route-ab ]]; then
   start=$SECONDS
   timeout 340 python3 -u bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
       --no-eager --route-in-gemm-ab --moe-three-launches-ab --out "$OUT" --time-budget 330 2>&1 \
