@@ -462,9 +462,6 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "gemv_preload_rows_ab": ("gemv_preload_4_rows", {"HYBRID_GEMV_PRELOAD_ROWS": "4"},
                              "the preloading kernels for steps of up to 4 tokens, a step's rows read together "
                              "(HYBRID_GEMV_PRELOAD_ROWS=4; default: one-token steps)"),
-    "moe_shared_early_ab": ("moe_shared_early", {"HYBRID_MOE_SHARED_EARLY": "1"},
-                            "the first expert GEMM's shared-expert slices read before its PDL wait "
-                            "(HYBRID_MOE_SHARED_EARLY=1)"),
     "gemv_preload_off_ab": ("gemv_preload_off", {"HYBRID_GEMV_PRELOAD": "0"},
                             "no preloading kernels (HYBRID_GEMV_PRELOAD=0; default: every projection of a one-token "
                             "step asks for its whole weight slab before its PDL wait)"),

@@ -343,16 +343,26 @@ fi
 if [[ $what == sync-cost ]]; then
   timeout 120 python3 bench/bench_sync_cost.py 2>&1 | tee "$OUT/sync_cost.log" || rc=1
 fi
-# cold-load  the cold load alone (bench_throughput --load-only --cold-load: the disk measured first) without and with
-#            the prefetch thread (HYBRID_LOAD_PREFETCH=1), twice each, alternating (the 8B shape saved first if needed)
+# cold-load  the GPU tests of the prefetching loader, then the cold load alone (bench_throughput --load-only
+#            --cold-load: the disk measured first) without and with the prefetch thread (HYBRID_LOAD_PREFETCH=0 / 1,
+#            the default), twice each, alternating (the 8B shape saved first if needed)
 if [[ $what == cold-load ]]; then
+  gpu_pytest 120 gpu_tests_load_prefetch.log tests/gpu/test_load_prefetch_gpu.py
   for i in 1 2; do
     for pf in 0 1; do
       HYBRID_LOAD_PREFETCH=$pf timeout 120 python3 bench/bench_throughput.py --shape nemotron-h-8b --load-only \
-          --cold-load --json "$OUT/cold_load_prefetch${pf}_$i.json" 2>&1 | grep -E "disk|cold|load alone" \
-          | sed "s/^/prefetch=$pf: /" | tee -a "$OUT/cold_load.log" || rc=1
+          --cold-load --json "$OUT/cold_load_prefetch${pf}_$i.json" 2>&1 \
+          | grep -E "disk|cold|load alone|CUDA context|load prefetch|rror" | sed "s/^/prefetch=$pf: /" \
+          | tee -a "$OUT/cold_load.log" || rc=1
     done
   done
+fi
+# fp8-profile  the 8B shape in FP8 (pcpt, bf16 state) at batch 1 and 64 with the kernel profile of each replay, and
+#            the 8K TTFT (the defaults: the one-token preloading FP8 linear, the MLP activation in the row rounding)
+if [[ $what == fp8-profile ]]; then
+  timeout 240 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt --batches 1 64 --steps 10 \
+      --profile --json "$OUT/decode_fp8_profile.json" 2>&1 | tee "$OUT/decode_fp8_profile.log" | grep -v Warn \
+      | grep -E "^\{|TTFT|ttft|rror" | cut -c1-300 || rc=1
 fi
 # next     what this project's next session measures first: moe-next (the MoE targets' shapes at batch 1 and 8
 #          with the HYBRID_MOE_SHARED_EARLY A/B: on an H200 the targets themselves); then, each its own call,

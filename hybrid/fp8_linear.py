@@ -321,7 +321,8 @@ class Fp8Linear(nn.Module):
 
     def forward_preload(self, x: torch.Tensor) -> torch.Tensor:
         """One token [..., in] on triton_fp8.fp8_preload_gemv: one launch, each program's weight slab asked for
-        before its PDL wait, the row rounded to e4m3 inside it (unless weight-only) (HYBRID_FP8_PRELOAD=1)."""
+        before its PDL wait, the row rounded to e4m3 inside it (unless weight-only) (the default; HYBRID_FP8_PRELOAD=0
+        turns it off)."""
         shape = x.shape
         out = triton_fp8.fp8_preload_gemv(x.reshape(1, self.in_features), self.weight, self.weight_scale, self.bias,
                                           quantize=_ACT_CODES[self.activation], input_scale=self.input_scale,

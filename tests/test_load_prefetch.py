@@ -122,6 +122,6 @@ def test_leaving_early_stops_the_thread(tmp_path):
 
 def test_the_switch(monkeypatch):
     monkeypatch.delenv("HYBRID_LOAD_PREFETCH", raising=False)
+    assert load_prefetch.prefetch_enabled()  # (on by default)
+    monkeypatch.setenv("HYBRID_LOAD_PREFETCH", "0")
     assert not load_prefetch.prefetch_enabled()
-    monkeypatch.setenv("HYBRID_LOAD_PREFETCH", "1")
-    assert load_prefetch.prefetch_enabled()

@@ -297,8 +297,8 @@ def test_gemv_takes_few_rows_of_bounded_width(monkeypatch):
 @pytest.mark.parametrize("activation", [None, DYNAMIC])
 @pytest.mark.parametrize("path,tokens", [("forward_gemv", 3), ("forward_preload", 1)])
 def test_layer_gemv_paths(activation, path, tokens):
-    """Fp8Linear.forward_gemv (HYBRID_FP8_DECODE_GEMM=gemv on CUDA) and forward_preload (HYBRID_FP8_PRELOAD=1, one
-    token) on [batch, tokens, in] rows."""
+    """Fp8Linear.forward_gemv (HYBRID_FP8_DECODE_GEMM=gemv on CUDA) and forward_preload (one token on CUDA, the
+    default) on [batch, tokens, in] rows."""
     layer = _layer(48, 64, activation, True, bias=True, seed=9)
     x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(2))
     got = getattr(layer, path)(x)

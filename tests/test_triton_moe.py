@@ -323,12 +323,3 @@ def test_one_token_preloading_experts(monkeypatch, kind, gated, shared):
         monkeypatch.undo()
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(two, want[1])
-    # the first GEMM's shared slices read before the PDL wait (HYBRID_MOE_SHARED_EARLY=1): the same values
-    monkeypatch.setenv("HYBRID_MOE_SHARED_EARLY", "1")
-    triton_guard.reset_switches()
-    try:
-        early = triton_moe.fused_experts(x[:1], w_up, w_down, idx[:1], w[:1], gated, add[:1], **kw)
-    finally:
-        monkeypatch.delenv("HYBRID_MOE_SHARED_EARLY")
-        triton_guard.reset_switches()
-    assert torch.equal(early, got)

@@ -50,9 +50,10 @@ again: benchmarks comparing both):
 - HYBRID_FP8_DECODE_GEMM=gemv (read by hybrid/fp8_linear.gemv_max_rows, not a switch here): FP8 projections of
   steps of up to 4 tokens on triton_fp8.fp8_gemv, the rows quantized inside its launch (one-token steps take it
   by default: +5.4% at batch 1 on an H100); any other value keeps every step on the GEMMs.
-- "fp8_preload" (HYBRID_FP8_PRELOAD=1): a one-token step's FP8 projections (K up to 32768, the MLP down_proj
-  included) on triton_fp8.fp8_preload_gemv: each program's whole e4m3 slab asked for before its PDL wait, as the
-  16-bit preloading linears do, the row rounded to e4m3 after it; not measured yet.
+- "fp8_preload" (on by default; HYBRID_FP8_PRELOAD=0 turns it off): a one-token step's FP8 projections (K up to
+  32768, the MLP down_proj included) on triton_fp8.fp8_preload_gemv: each program's whole e4m3 slab asked for
+  before its PDL wait, as the 16-bit preloading linears do, the row rounded to e4m3 after it. Measured on an H100
+  (BENCHMARKS.md): +6.1% at batch 1 on the 8B shape in FP8 (pcpt);
 - "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
   scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
 - "varlen_prefill" (on by default; HYBRID_VARLEN_PREFILL=0 turns it off): a step's prefill rows through each
@@ -78,9 +79,6 @@ again: benchmarks comparing both):
   the second GEMM's before its PDL wait (the routing was written before the first), as the preloading linears
   do. Measured on an H100 (BENCHMARKS.md): at batch 1 +8.0% on Granite-4.0-H-Tiny's shape, +3.5% on
   Nemotron-3-Nano's;
-- "moe_shared_early" (HYBRID_MOE_SHARED_EARLY=1): in a one-token step's first expert GEMM, the programs of the
-  shared expert's slices (whose experts the routing does not choose) read their slabs before the PDL wait, so they
-  stream while the routing runs; not measured yet;
 - "lm_head_preload" (on by default; HYBRID_LM_HEAD_PRELOAD=0 turns it off): a one-token step's 16-bit LM head on
   the preloading linear, its fp32 accumulator stored as the logits (hybrid/layers.logits_fp32; cuBLAS
   otherwise): +1.1% / +0.8% at batch 1 on the same two shapes.
@@ -118,9 +116,9 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
              "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "scan_plans": ("HYBRID_SCAN_PLANS", "1"),
-             "fp8_preload": ("HYBRID_FP8_PRELOAD", "1"), "moe_shared_early": ("HYBRID_MOE_SHARED_EARLY", "1")}
+             "fp8_preload": ("HYBRID_FP8_PRELOAD", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
-                  "moe_preload", "lm_head_preload", "scan_plans"}  # these read as on unless their variable says "0"
+                  "moe_preload", "lm_head_preload", "scan_plans", "fp8_preload"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS
 DECODE_LINEAR_DEFAULT = "plain:mamba.out_proj"

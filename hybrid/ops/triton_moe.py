@@ -214,34 +214,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _one_token_experts_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, block_expert_ptr, N, K, a_div, num_experts,
-                                  n_routed, s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr,
-                                  MUL_W: tl.constexpr, HAS_SHARED: tl.constexpr, EARLY: tl.constexpr,
-                                  SHARED_EARLY: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr,
-                                  K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
+                                  s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr,
+                                  HAS_SHARED: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
         # A one-token step's grouped GEMM in the naive layout (pair m alone in block m, its expert
         # block_expert[m]): C[m, n] = act(A[m // a_div] @ W_e[n].T) (* w[m]) for BLOCK_N columns n, the
         # whole [BLOCK_N, K] slab of W_e (and its up rows, SwiGLU) asked for at once, the rows reduced on CUDA
         # cores as triton_gemv's preloading kernels do. EARLY (the second GEMM): the routing (block_expert,
         # w) was written before the first GEMM, and nothing writes W, so the slab loads before the PDL wait;
         # only A (the first GEMM's output) waits. Otherwise (the first GEMM: the routing is the kernel
-        # before) the wait comes first and the slab right after it; with SHARED_EARLY, but in the programs
-        # of the shared expert's slices (pairs m >= n_routed, whose experts are num_experts + m - n_routed
-        # whatever the routing chose), whose slabs load before the wait as the second GEMM's do.
+        # before) the wait comes first and the slab right after it.
         n_tiles = tl.cdiv(N, BLOCK_N)
         m = tl.program_id(0) // n_tiles
         offs_n = (tl.program_id(0) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        known = EARLY  # whether this program's expert and slab are read before the wait
-        if SHARED_EARLY:
-            known = m >= n_routed
-        if known:
-            if EARLY:
-                expert = tl.load(block_expert_ptr + m).to(tl.int64)
-            else:
-                expert = (num_experts + m - n_routed).to(tl.int64)
-        else:
+        if not EARLY:
             pdl_wait(PDL)
-            expert = tl.load(block_expert_ptr + m).to(tl.int64)
+        expert = tl.load(block_expert_ptr + m).to(tl.int64)
         w_base, row_stride, up_off = _expert_rows(b_ptr, s_ptr, expert, N, num_experts, s_be, s_bn, s_sn, s_se, s_up,
                                                   HAS_SHARED)
         w_rows = w_base + offs_n.to(tl.int64)[:, None] * row_stride
@@ -252,7 +241,7 @@ if HAS_TRITON:
         route_w = 1.0
         if MUL_W:
             route_w = tl.load(w_ptr + m).to(tl.float32)
-        if known:
+        if EARLY:
             pdl_wait(PDL)
         a_row = a_ptr + (m // a_div).to(tl.int64) * s_am
         acc = slab_dot(a_row, g1, g2, g3, K, K1, K2, K3)
@@ -411,21 +400,17 @@ def one_token_tiles(K: int, swiglu: bool) -> tuple[int, int, int, int]:
     return triton_gemv.preload_tiles(K, None, ONE_TOKEN_ELEMENTS // (2 if swiglu else 1))
 
 
-def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early: bool, n_shared: int) -> None:
+def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early: bool) -> None:
     """One of a one-token step's grouped GEMMs on _one_token_experts_kernel (see one_token_preload):
-    _grouped_gemm's arguments, the naive layout's block_expert (the pairs' experts, the last n_shared of them the
-    shared expert's slices)."""
+    _grouped_gemm's arguments, the naive layout's block_expert (the pairs' experts)."""
     n_out, K = out.shape[1], a.shape[1]
     block_n, k1, k2, k3 = one_token_tiles(K, act == ACT_SILU_MUL)
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
-    pairs = block_expert.shape[0]
-    # (the first GEMM's shared slices, pairs n_routed.., before the wait: the "moe_shared_early" switch)
-    shared_early = not early and shared is not None and switch("moe_shared_early")
-    _one_token_experts_kernel[(pairs * cdiv(n_out, block_n),)](
+    _one_token_experts_kernel[(block_expert.shape[0] * cdiv(n_out, block_n),)](
         a, w, s_t, out, weights if weights is not None else out, block_expert, n_out, K, a_div, w.shape[0],
-        pairs - n_shared, a.stride(0), w.stride(0), w.stride(1), s_sn, s_se, s_up, out.stride(0), ACT=act,
-        MUL_W=weights is not None, HAS_SHARED=shared is not None, EARLY=early, SHARED_EARLY=shared_early,
-        BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=4, **pdl_options(a.device),
+        a.stride(0), w.stride(0), w.stride(1), s_sn, s_se, s_up, out.stride(0), ACT=act, MUL_W=weights is not None,
+        HAS_SHARED=shared is not None, EARLY=early, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=4,
+        **pdl_options(a.device),
     )
 
 
@@ -567,10 +552,10 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
         h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
         block_expert = top_idx.reshape(-1)  # (the naive layout: pair p alone in block p)
         _one_token_gemm(x, w_up, up_shared, h, None, block_expert, top_k, ACT_SILU_MUL if gated else ACT_RELU2,
-                        early=False, n_shared=S)
+                        early=False)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)
         _one_token_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), block_expert, 1, ACT_NONE,
-                        early=True, n_shared=S)
+                        early=True)
     else:
         # (routed: the naive layout, which reads no ids; the first GEMM writes them into block_expert = top_idx)
         pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)
