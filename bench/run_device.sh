@@ -363,12 +363,14 @@ if [[ $what == fp8-profile ]]; then
   timeout 240 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt --batches 1 64 --steps 10 \
       --profile --json "$OUT/decode_fp8_profile.json" 2>&1 | tee "$OUT/decode_fp8_profile.log" | grep -v Warn \
       | grep -E "^\{|TTFT|ttft|rror" | cut -c1-300 || rc=1
+  timeout 150 python3 bench/bench_quantize_rows.py --json "$OUT/quantize_rows.json" 2>&1 \
+      | tee "$OUT/quantize_rows.log" | cut -c1-400 || rc=1
 fi
-# next     what this project's next session measures first: moe-next (the MoE targets' shapes at batch 1 and 8
-#          with the HYBRID_MOE_SHARED_EARLY A/B: on an H200 the targets themselves); then, each its own call,
-#          fp8-preload and cold-load
+# next     what this project's next session measures first: cold-load (the prefetcher's staging ring), then
+#          fp8-profile (the FP8 8B's batch-1 / 64 and prefill profiles, quantize_rows alone)
 if [[ $what == next ]]; then
-  bash "$0" moe-next || rc=1
+  bash "$0" cold-load || rc=1
+  bash "$0" fp8-profile || rc=1
 fi
 # fp8-preload  the 8B shape in FP8 (pcpt, bf16 state) decode at batch 1 by default and with HYBRID_FP8_PRELOAD=1 (each
 #            its own process), the GPU tests of fp8_preload_gemv, then =1 with every row rounded before the kernel

@@ -538,14 +538,16 @@ ACTIVATIONS = {None: 0, "relu2": 1, "silu_and_mul": 2}  # quantize_rows' `act`, 
 
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
                   block_k: int | None = None, *, fma_quotient: bool | None = None,
-                  hw_cast: bool | None = None, act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  hw_cast: bool | None = None, act: str | None = None,
+                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (last dim contiguous) rounded to e4m3: (q [M, K] e4m3, scales [M, 1] fp32), each row with
     its own absmax / 448 scale, or with the 0-dim fp32 `input_scale` (static) for every row.
     `block_k` (tests): loop over the row in tiles of this width; default: one tile up to ONE_TILE_MAX_K.
     `fma_quotient` / `hw_cast` (tests): see _e4m3_row; default: on, off under the interpreter.
     `act` (an MLP's down_proj input, the activation in this launch): "relu2", the rows rounded are relu(x) ** 2
     (as triton_act.relu2 writes them); "silu_and_mul", x is [M, 2K] rows of [gate | up] and the rows rounded are
-    silu(gate) * up (as triton_act.silu_and_mul writes them)."""
+    silu(gate) * up (as triton_act.silu_and_mul writes them). `num_warps` (benchmarks): a program's warps; default
+    one per 1024 columns of its tile, 4 to 32."""
     require(__name__)
     if act not in ACTIVATIONS:
         raise ValueError(f"quantize_rows: act {act!r}, one of {sorted(a for a in ACTIVATIONS if a)} or None")
@@ -564,7 +566,8 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
             block_k = width if width <= ONE_TILE_MAX_K else 1024
         block_k = min(block_k, width)
         one_tile = block_k >= K
-        warps = max(4, min(32, block_k // 1024))  # at most 32 values a thread (the row stays live in registers)
+        # at most 32 values a thread (the row stays live in registers)
+        warps = num_warps if num_warps is not None else max(4, min(32, block_k // 1024))
         _quantize_rows_kernel[(M,)](
             x, q, scales, input_scale if input_scale is not None else scales, K, x.stride(0), q.stride(0),
             MIN_DYNAMIC_SCALE, STATIC=input_scale is not None, BLOCK_K=block_k, ONE_TILE=one_tile,
