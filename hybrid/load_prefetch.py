@@ -56,8 +56,10 @@ class Prefetcher:
 
     def __init__(self, files: dict[str, str], order: list[str], device: torch.device,
                  budget: int = BUDGET) -> None:
-        self.files, self.device, self.budget = files, device, budget
         self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # (the thread sets its device by index: the caller's current one)
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.files, self.device, self.budget = files, device, budget
         self.headers: dict[str, tuple[int, dict]] = {}
         seen = set()
         self.order = [n for n in order if n in files and not (n in seen or seen.add(n))]
