@@ -366,11 +366,22 @@ if [[ $what == fp8-profile ]]; then
   timeout 150 python3 bench/bench_quantize_rows.py --json "$OUT/quantize_rows.json" 2>&1 \
       | tee "$OUT/quantize_rows.log" | cut -c1-400 || rc=1
 fi
-# next     what this project's next session measures first: cold-load (the prefetcher's staging ring), then
-#          fp8-profile (the FP8 8B's batch-1 / 64 and prefill profiles, quantize_rows alone)
+# fp8-splitk  the GPU tests of the split-K FP8 GEMM and of quantize_rows' looped tiles (<= 100 s), then the 8B shape
+#            in FP8 (pcpt, bf16 state) at batch 8 / 64 with the 8K TTFT by default and at batch 8 / 64 with
+#            HYBRID_FP8_SPLITK=1, a process each
+if [[ $what == fp8-splitk ]]; then
+  gpu_pytest 100 gpu_tests_fp8_splitk.log tests/gpu/test_fp8_gpu.py -k "splitk or mlp_activation_in_the_row"
+  for run in default splitk; do
+    extra=(--no-prefill); [[ $run == default ]] && extra=()
+    HYBRID_FP8_SPLITK=$([[ $run == splitk ]] && echo 1 || echo 0) timeout 150 python3 bench/bench_decode.py \
+        --no-eager --ssm-dtype bfloat16 --fp8 pcpt --batches 8 64 --steps 10 "${extra[@]}" \
+        --json "$OUT/decode_fp8_splitk_$run.json" 2>&1 | tee "$OUT/decode_fp8_splitk_$run.log" | grep -v Warn \
+        | grep -E "^\{|rror" | cut -c1-200 | sed "s/^/$run: /" || rc=1
+  done
+fi
+# next     what this project's next session measures first: fp8-splitk
 if [[ $what == next ]]; then
-  bash "$0" cold-load || rc=1
-  bash "$0" fp8-profile || rc=1
+  bash "$0" fp8-splitk || rc=1
 fi
 # fp8-preload  the 8B shape in FP8 (pcpt, bf16 state) decode at batch 1 by default and with HYBRID_FP8_PRELOAD=1 (each
 #            its own process), the GPU tests of fp8_preload_gemv, then =1 with every row rounded before the kernel

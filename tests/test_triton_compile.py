@@ -49,7 +49,7 @@ NAMES = ["moe_gemm-decode-act0-early0", "moe_gemm-decode-act0-early1", "moe_gemm
          "norm_router-bf16", "norms", "decode_linears-pre256", "decode_linears-pre512", "decode_linears-pre2048",
          "preload_linears-k1536", "preload_linears-k3072", "preload_linears-k2688", "preload_linears-k8192",
          "mamba_decode-inter0", "mamba_decode-inter1", "mamba_varlen_prefill", "prefill_attention-hd160-bf16", "prefill_attention-hd160-fp8",
-         "prefill_attention-hd224-bf16", "prefill_attention-hd224-fp8", "fp8_quantize_rows", "fp8_scale_accumulator", "fp8_small_m-act0",
+         "prefill_attention-hd224-bf16", "prefill_attention-hd224-fp8", "fp8_quantize_rows", "fp8_scale_accumulator", "fp8_splitk", "fp8_small_m-act0",
          "fp8_small_m-act1", "fp8_small_m-act2", "fp8_gemv-m1", "fp8_gemv-m2", "fp8_gemv-m4", "fp8_preload-k4096",
          "fp8_preload-k8192", "fp8_preload-k21504", "one_token_experts",
          "sampler_fallback"]

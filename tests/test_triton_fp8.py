@@ -113,6 +113,27 @@ def test_quantize_rows_with_silu_and_mul_is_quantize_rows_of_silu_and_mul(static
     torch.testing.assert_close(s, want_s, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("act", [None, "relu2"])
+def test_quantize_rows_loops_over_many_wide_rows_with_the_same_bytes(act, monkeypatch):
+    """Many rows wider than LOOPED_MIN_K take the looped tiles by default (bounds lowered here): the bytes and
+    scales of one register tile a row."""
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(8)) * 5
+    want = triton_fp8.quantize_rows(x, act=act)
+    monkeypatch.setattr(triton_fp8, "LOOPED_MIN_ROWS", 4)
+    monkeypatch.setattr(triton_fp8, "LOOPED_MIN_K", 256)
+    monkeypatch.setattr(triton_fp8, "LOOPED_BLOCK_K", 64)
+    seen = []
+    real = triton_fp8._quantize_rows_kernel
+    monkeypatch.setattr(triton_fp8, "_quantize_rows_kernel",
+                        type("K", (), {"__getitem__": lambda _, grid: lambda *a, **k: seen.append(k["BLOCK_K"])
+                                       or real[grid](*a, **k)})())
+    got = triton_fp8.quantize_rows(x, act=act)
+    few = triton_fp8.quantize_rows(x[:3], act=act)  # (under LOOPED_MIN_ROWS: one tile)
+    assert seen == [64, 512]
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    assert torch.equal(few[0].view(torch.uint8), want[0][:3].view(torch.uint8))
+
+
 def test_quantize_rows_act_checks():
     with pytest.raises(ValueError, match="act 'gelu'"):
         triton_fp8.quantize_rows(torch.zeros(1, 32, dtype=torch.bfloat16), act="gelu")
@@ -154,6 +175,70 @@ def test_scale_accumulator_applies_row_and_column_scales_once(per_row, bias):
     torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=0)
     with pytest.raises(ValueError, match="fp32 accumulator"):
         triton_fp8.scale_accumulator(acc.to(torch.bfloat16), xs, ws)
+
+
+@pytest.mark.parametrize("m,n,k,splits", [(1, 64, 128, 1), (5, 100, 512, 2), (40, 130, 768, 3), (64, 64, 256, 2)])
+def test_splitk_gemm_partials_sum_to_the_exact_product(m, n, k, splits):
+    """fp8_splitk_gemm: S partial products over whole K steps (rows and columns past the tiles masked), each the
+    exact product of its slice of K (e4m3 integers up to 16: every sum exact in fp32, whatever the order);
+    scale_accumulator adds them in order, then the scales."""
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randint(-16, 17, (m, k), generator=g).float().to(FP8_DTYPE)
+    w = torch.randint(-16, 17, (n, k), generator=g).float().to(FP8_DTYPE)
+    parts = triton_fp8.fp8_splitk_gemm(x, w, splits)
+    assert parts.shape == (splits, m, n) and parts.dtype == torch.float32
+    step = k // splits
+    for i in range(splits):
+        sl = slice(i * step, (i + 1) * step)
+        assert torch.equal(parts[i], x[:, sl].double().mm(w[:, sl].double().t()).float()), i
+    xs = torch.rand(m, 1, generator=g) / 100
+    ws = torch.rand(n, generator=g) / 100
+    summed = parts[0].clone()
+    for i in range(1, splits):
+        summed += parts[i]
+    assert torch.equal(triton_fp8.scale_accumulator(parts, xs, ws, out_dtype=torch.float32), summed * xs * ws)
+
+
+def test_splitk_splits_and_eligibility():
+    """Splits cut K into whole 128-wide steps, about 264 programs in all, and only where the weight is narrow
+    enough to need it (the 8B shape: out_proj, down_proj, o_proj and qkv_proj split; in_proj and up_proj not)."""
+    shapes = {"in_proj": (18560, 4096), "out_proj": (4096, 8192), "qkv_proj": (6144, 4096), "o_proj": (4096, 4096),
+              "up_proj": (21504, 4096), "down_proj": (4096, 21504)}
+    splits = {name: triton_fp8.splitk_splits(n, k) for name, (n, k) in shapes.items()}
+    assert splits == {"in_proj": 1, "out_proj": 4, "qkv_proj": 2, "o_proj": 4, "up_proj": 1, "down_proj": 4}
+    for (n, k), s in zip(shapes.values(), splits.values()):
+        assert (k // triton_fp8.SPLITK_BLOCK_K) % s == 0
+    assert triton_fp8.splitk_splits(64, 128 * 7) == 7  # (a prime number of steps: all of them)
+    x, w = torch.zeros(64, 256, dtype=FP8_DTYPE), torch.zeros(32, 256, dtype=FP8_DTYPE)
+    assert triton_fp8.splitk_eligible(x, w)
+    assert not triton_fp8.splitk_eligible(torch.zeros(65, 256, dtype=FP8_DTYPE), w)  # taller than one tile
+    assert not triton_fp8.splitk_eligible(x[:, :200], w[:, :200])  # K not whole steps
+    assert not triton_fp8.splitk_eligible(x.to(torch.bfloat16), w)  # rows not rounded yet
+    with pytest.raises(ValueError, match="whole steps"):
+        triton_fp8.fp8_splitk_gemm(x, w, 3)
+
+
+@pytest.mark.parametrize("activation", [STATIC, DYNAMIC])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_layer_splitk_path(activation, per_row, monkeypatch):
+    """Fp8Linear with HYBRID_FP8_SPLITK=1 on 2-64 rows of a narrow weight: forward_tensorwise on the split-K GEMM
+    (per-tensor scales too), the reference's dequantized product up to summation order."""
+    from hybrid.ops import triton_guard
+
+    layer = _layer(64, 1024, activation, per_row, bias=True, seed=5)
+    x = torch.randn(2, 9, 1024, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setenv("HYBRID_FP8_SPLITK", "1")
+    triton_guard.reset_switches()
+    calls = []
+    real = triton_fp8.fp8_splitk_gemm
+    monkeypatch.setattr(triton_fp8, "fp8_splitk_gemm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    try:
+        got = layer.forward_tensorwise(x)
+    finally:
+        monkeypatch.delenv("HYBRID_FP8_SPLITK")
+        triton_guard.reset_switches()
+    assert calls == [(18, 1024)]
+    torch.testing.assert_close(got, layer.forward_reference(x), atol=2e-3, rtol=2e-3)
 
 
 def test_eligible_only_on_cuda():

@@ -524,6 +524,14 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 # the 1024-wide loop took 11.6 us for one 21504-wide row (bench/bench_fp8_gemv.py): two passes of 21
 # dependent loads each, against 3.3 us for a 4096-wide row.
 ONE_TILE_MAX_K = 32768
+# Many wide rows (a prefill's down_proj inputs, K 21504) loop over the row in tiles of LOOPED_BLOCK_K at LOOPED_WARPS
+# instead: measured on an H100 (bench/bench_quantize_rows.py, 8192 rows) 231 against 279 us (relu2 inside: 236
+# against 286), where one 32-warp program a row held the row in registers; at 64 rows the one tile wins (4.5
+# against 5.8 us). Rows of K <= 8192 read at the copy rate either way.
+LOOPED_MIN_ROWS = 1024
+LOOPED_MIN_K = 8192
+LOOPED_BLOCK_K = 4096
+LOOPED_WARPS = 8
 
 
 # quantize_rows on the GPU: the quotients without a division per value and the rounding by the
@@ -562,12 +570,14 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
     scales = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
         width = triton.next_power_of_2(K)
+        wide_many = M >= LOOPED_MIN_ROWS and K > LOOPED_MIN_K
         if block_k is None:
-            block_k = width if width <= ONE_TILE_MAX_K else 1024
+            block_k = LOOPED_BLOCK_K if wide_many else width if width <= ONE_TILE_MAX_K else 1024
         block_k = min(block_k, width)
         one_tile = block_k >= K
         # at most 32 values a thread (the row stays live in registers)
-        warps = num_warps if num_warps is not None else max(4, min(32, block_k // 1024))
+        warps = num_warps or (LOOPED_WARPS if wide_many and block_k == LOOPED_BLOCK_K else
+                              max(4, min(32, block_k // 1024)))
         _quantize_rows_kernel[(M,)](
             x, q, scales, input_scale if input_scale is not None else scales, K, x.stride(0), q.stride(0),
             MIN_DYNAMIC_SCALE, STATIC=input_scale is not None, BLOCK_K=block_k, ONE_TILE=one_tile,
@@ -581,10 +591,11 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
 if HAS_TRITON:
 
     @triton.jit
-    def _scale_accumulator_kernel(acc_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, N, s_am, s_ym,
+    def _scale_accumulator_kernel(acc_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, N, s_am, s_ym, splits, s_as,
                                   W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                                   PDL: tl.constexpr):
-        # y[m, n] = acc[m, n] * x_scale[m] * w_scale[n] (+ bias[n]), rounded once to y's dtype
+        # y[m, n] = acc[m, n] * x_scale[m] * w_scale[n] (+ bias[n]), rounded once to y's dtype; acc the sum of
+        # `splits` partial products (fp8_splitk_gemm's, added in split order) a row s_as apart
         m = tl.program_id(0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = offs_n < N
@@ -596,6 +607,8 @@ if HAS_TRITON:
             bias = tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
         pdl_wait(PDL)
         acc = tl.load(acc_ptr + m * s_am + offs_n, mask=mask, other=0.0)
+        for split in range(1, splits):
+            acc += tl.load(acc_ptr + split * s_as + m * s_am + offs_n, mask=mask, other=0.0)
         y = acc * tl.load(x_scale_ptr + m) * w_scale
         if HAS_BIAS:
             y += bias
@@ -606,21 +619,101 @@ def scale_accumulator(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: to
                       bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The fp32 product acc [M, N] of e4m3 operands (a unit-scaled torch._scaled_mm) times each row's
     scale x_scale [M, 1] and each column's weight_scale (0-dim or [N]), plus bias [N], rounded once to
-    out_dtype: what a row-wise scaled GEMM writes, in one launch after the tensor-wise one."""
+    out_dtype: what a row-wise scaled GEMM writes, in one launch after the tensor-wise one. acc may also be
+    [S, M, N], S partial products over slices of K (fp8_splitk_gemm's): their sum in slice order."""
     require(__name__)
-    M, N = acc.shape
-    if acc.dtype != torch.float32 or acc.stride(-1) != 1 or x_scale.numel() != M or not x_scale.is_contiguous():
+    parts = acc if acc.dim() == 3 else acc.unsqueeze(0)
+    _, M, N = parts.shape
+    if parts.dtype != torch.float32 or parts.stride(-1) != 1 or x_scale.numel() != M or not x_scale.is_contiguous():
         raise ValueError(f"scale_accumulator: acc {tuple(acc.shape)} {acc.dtype} {acc.stride()}, "
                          f"x_scale {tuple(x_scale.shape)}: an fp32 accumulator and one contiguous scale per row")
     y = torch.empty(M, N, dtype=out_dtype, device=acc.device)
     if M:
         block = min(1024, triton.next_power_of_2(N))
         _scale_accumulator_kernel[(M, cdiv(N, block))](
-            acc, x_scale, weight_scale, bias if bias is not None else weight_scale, y, N, acc.stride(0), y.stride(0),
-            W_PER_ROW=weight_scale.dim() == 1, HAS_BIAS=bias is not None, BLOCK_N=block, num_warps=4,
-            **pdl_options(acc.device),
+            parts, x_scale, weight_scale, bias if bias is not None else weight_scale, y, N, parts.stride(1),
+            y.stride(0), parts.shape[0], parts.stride(0), W_PER_ROW=weight_scale.dim() == 1,
+            HAS_BIAS=bias is not None, BLOCK_N=block, num_warps=4, **pdl_options(acc.device),
         )
     return y
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fp8_splitk_kernel(x_ptr, w_ptr, p_ptr, M, N, k_per_split, s_xm, s_wn, s_ps, s_pm,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # partial[split, m, n] = sum over k in the split's slice of K of x[m, k] * w[n, k], e4m3 x e4m3 on the
+        # tensor cores: each K step's product in its own accumulator added to the fp32 sum
+        # (max_num_imprecise_acc = BLOCK_K), as cuBLASLt's FP8 GEMM without fast accumulation. The slice is whole
+        # K steps (the caller's split), so only rows past M and columns past N are masked
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        k_lo = tl.program_id(1) * k_per_split
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        x_ptrs = x_ptr + offs_m[:, None] * s_xm + (k_lo + offs_k)[None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn + (k_lo + offs_k)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        pdl_wait(PDL)  # (x: quantize_rows' launch just before)
+        for _ in range(0, k_per_split, BLOCK_K):
+            a = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        p_ptrs = p_ptr + tl.program_id(1) * s_ps + offs_m[:, None] * s_pm + offs_n[None, :]
+        tl.store(p_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+# fp8_splitk_gemm's tiles: BLOCK_N output columns a program, K steps of BLOCK_K, at most SPLITK_MAX_ROWS rows (one
+# tl.dot tile high); splits chosen so that there are about SPLITK_PROGRAMS programs
+SPLITK_BLOCK_N = 64
+SPLITK_BLOCK_K = 128
+SPLITK_MAX_ROWS = 64
+SPLITK_PROGRAMS = 264
+
+
+def splitk_splits(N: int, K: int) -> int:
+    """How many slices of K fp8_splitk_gemm cuts a [N, K] weight into: the most whole-K-step divisor of K's steps
+    that keeps the programs (column tiles x slices) at about SPLITK_PROGRAMS (two an SM of an H100 / H200)."""
+    steps, tiles = K // SPLITK_BLOCK_K, cdiv(N, SPLITK_BLOCK_N)
+    want = max(1, SPLITK_PROGRAMS // tiles)
+    return max(d for d in range(1, min(steps, want) + 1) if steps % d == 0)
+
+
+def splitk_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Inputs fp8_splitk_gemm serves: e4m3 rows [M <= SPLITK_MAX_ROWS, K] and weight [N, K], K whole K steps,
+    both row-major."""
+    return (x.dim() == 2 and weight.dim() == 2 and x.dtype == FP8_DTYPE and weight.dtype == FP8_DTYPE
+            and 1 <= x.shape[0] <= SPLITK_MAX_ROWS and x.shape[1] == weight.shape[1]
+            and x.shape[1] % SPLITK_BLOCK_K == 0 and x.stride(1) == 1 and weight.stride(1) == 1)
+
+
+def fp8_splitk_gemm(xq: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """The unscaled products of e4m3 rows xq [M, K] (M <= SPLITK_MAX_ROWS) with an e4m3 weight [N, K], as S partial
+    sums over slices of K: fp32 [S, M, N], for scale_accumulator (which adds them in order). Why: at decode sizes
+    cuBLASLt's tensor-wise FP8 GEMM tiles N = 4096 into ~30-45 programs and streams the weight at 1.0-2.3 TB/s
+    (the 8B shape's out_proj and down_proj at batch 64, H100); split over K there are ~256 programs."""
+    require(__name__)
+    if not splitk_eligible(xq, weight):
+        raise ValueError(f"fp8_splitk_gemm: x {tuple(xq.shape)} {xq.dtype} {xq.stride()}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}: e4m3 rows (1 to {SPLITK_MAX_ROWS}) and weight, K a multiple of "
+                         f"{SPLITK_BLOCK_K}, row-major")
+    M, K = xq.shape
+    N = weight.shape[0]
+    splits = splits or splitk_splits(N, K)
+    if (K // SPLITK_BLOCK_K) % splits:
+        raise ValueError(f"fp8_splitk_gemm: {splits} splits do not cut K {K} into whole steps of {SPLITK_BLOCK_K}")
+    parts = torch.empty(splits, M, N, dtype=torch.float32, device=xq.device)
+    block_m = max(16, triton.next_power_of_2(M))
+    _fp8_splitk_kernel[(cdiv(N, SPLITK_BLOCK_N), splits)](
+        xq, weight, parts, M, N, K // splits, xq.stride(0), weight.stride(0), parts.stride(0), parts.stride(1),
+        BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=SPLITK_BLOCK_K, num_warps=4, num_stages=4,
+        **pdl_options(xq.device),
+    )
+    return parts
 
 
 assert FP8_MAX == 448.0  # the kernels clamp to the e4m3 range as a literal

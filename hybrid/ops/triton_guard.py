@@ -54,6 +54,10 @@ again: benchmarks comparing both):
   32768, the MLP down_proj included) on triton_fp8.fp8_preload_gemv: each program's whole e4m3 slab asked for
   before its PDL wait, as the 16-bit preloading linears do, the row rounded to e4m3 after it. Measured on an H100
   (BENCHMARKS.md): +6.1% at batch 1 on the 8B shape in FP8 (pcpt);
+- "fp8_splitk" (HYBRID_FP8_SPLITK=1): FP8 projections of steps of 2-64 tokens whose weight is narrow (the 8B
+  shape's out_proj, down_proj, o_proj, qkv_proj) on triton_fp8.fp8_splitk_gemm (K cut into slices across ~264
+  programs, the partial sums added by scale_accumulator) instead of cuBLASLt's tensor-wise GEMM, which tiled N 4096
+  into 29-43 programs at batch 64 (1.0-2.3 TB/s on an H100); not measured in the model yet;
 - "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
   scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
 - "varlen_prefill" (on by default; HYBRID_VARLEN_PREFILL=0 turns it off): a step's prefill rows through each
@@ -116,7 +120,7 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
              "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "scan_plans": ("HYBRID_SCAN_PLANS", "1"),
-             "fp8_preload": ("HYBRID_FP8_PRELOAD", "1")}
+             "fp8_preload": ("HYBRID_FP8_PRELOAD", "1"), "fp8_splitk": ("HYBRID_FP8_SPLITK", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
                   "moe_preload", "lm_head_preload", "scan_plans", "fp8_preload"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module

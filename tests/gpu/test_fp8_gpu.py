@@ -179,9 +179,49 @@ def test_preload_gemv_matches_the_exact_product_and_captures(name, act, monkeypa
     assert triton_fp8.preload_eligible(x, layer.weight)
 
 
+@pytest.mark.parametrize("act", [STATIC, DYNAMIC])
+@pytest.mark.parametrize("name", ["mamba.out_proj", "attn.qkv_proj", "attn.o_proj", "mlp.down_proj"])
+def test_splitk_gemm_matches_the_exact_product_and_captures(name, act, monkeypatch):
+    """HYBRID_FP8_SPLITK=1: 2-64 rows of the 8B's narrow projections on fp8_splitk_gemm (the e4m3 tensor-core dot
+    with each K step's product added in fp32), per-channel and per-tensor scales: the exact product of the e4m3
+    operands rounded once; and a graph replay after a kernel that writes the rows equal to eager."""
+    from hybrid.ops import triton_fp8, triton_guard
+
+    n, k = SHAPES_8B[name]
+    monkeypatch.setenv("HYBRID_FP8_SPLITK", "1")
+    triton_guard.reset_switches()
+    calls = []
+    real = triton_fp8.fp8_splitk_gemm
+    monkeypatch.setattr(triton_fp8, "fp8_splitk_gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    try:
+        for per_channel in (True, False):
+            layer = _layer(n, k, per_channel=per_channel, act=act, seed=23, bias=name == "attn.qkv_proj")
+            g = torch.Generator(device="cuda").manual_seed(5)
+            for m in (2, 16, 33, 64):
+                x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+                x[0, 0] = 30.0
+                got = layer(x)
+                assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+                assert rel_err(got, _exact(layer, x)) < 5e-3, (name, act, per_channel, m)
+                assert calls[-1] == m
+            src = torch.randn(64, k, device="cuda").to(torch.bfloat16)
+            layer(src.mul(2))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = layer(src.mul(2))
+            src.copy_(torch.randn(64, k, device="cuda").to(torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, layer(src.mul(2)))
+    finally:
+        monkeypatch.delenv("HYBRID_FP8_SPLITK")
+        triton_guard.reset_switches()
+
+
 @pytest.mark.parametrize("mlp_act", ["relu2", "silu_and_mul"])
 @pytest.mark.parametrize("act", [STATIC, DYNAMIC])
-@pytest.mark.parametrize("rows", [1, 8, 100, 1000])
+@pytest.mark.parametrize("rows", [1, 8, 100, 1000, 2048])  # (2048: the looped tiles of many wide rows)
 def test_mlp_activation_in_the_row_quantization_changes_no_value(rows, act, mlp_act):
     """The 8B MLP down_proj with its MLP activation (relu2, or SwiGLU of [gate | up] rows) taken by its row
     quantization (layer(h, act=...): the fused MLPs' path) equals the activation's own launch and then the
