@@ -369,12 +369,13 @@ fi
 # fp8-splitk  the GPU tests of the split-K FP8 GEMM and of quantize_rows' looped tiles (<= 100 s), then the 8B shape
 #            in FP8 (pcpt, bf16 state) at batch 8 / 64 with the 8K TTFT by default and at batch 8 / 64 with
 #            HYBRID_FP8_SPLITK=1, a process each
-#            (FP8_SPLITK_LEAN=1: the split-K tests alone, batch 64 alone, no TTFT)
+#            (FP8_SPLITK_LEAN=1: the split-K tests alone, batch 64 alone, no TTFT; FP8_SPLITK_ONLY=1: no default run)
 if [[ $what == fp8-splitk ]]; then
   lean=${FP8_SPLITK_LEAN:-0}
-  gpu_pytest 100 gpu_tests_fp8_splitk.log tests/gpu/test_fp8_gpu.py \
+  gpu_pytest ${FP8_SPLITK_TEST_LIMIT:-100} gpu_tests_fp8_splitk.log tests/gpu/test_fp8_gpu.py \
       -k "$([[ $lean == 1 ]] && echo splitk || echo 'splitk or mlp_activation_in_the_row')"
   for run in default splitk; do
+    [[ $run == default && ${FP8_SPLITK_ONLY:-0} == 1 ]] && continue  # (=1: against an earlier default)
     extra=(--no-prefill); [[ $run == default && $lean != 1 ]] && extra=()
     HYBRID_FP8_SPLITK=$([[ $run == splitk ]] && echo 1 || echo 0) timeout 150 python3 bench/bench_decode.py \
         --no-eager --ssm-dtype bfloat16 --fp8 pcpt --batches $([[ $lean == 1 ]] && echo 64 || echo 8 64) --steps 10 \
