@@ -128,9 +128,21 @@ class Prefetcher:
         try:
             if self.cuda:
                 torch.cuda.set_device(self.device)
-                self.stages = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(STAGES)]
+                try:
+                    self.stages = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(STAGES)]
+                except RuntimeError as e:  # (no page-locked memory to be had: the loader reads it all itself)
+                    logger.warning("load prefetch: no page-locked staging buffers (%s); the loader reads the "
+                                   "checkpoint itself", e)
+                    return
             for name in self.order:
-                got = self._read(name)
+                try:
+                    got = self._read(name)
+                except torch.OutOfMemoryError:
+                    # (the tensors read ahead do not fit beside the model: the loader reads the rest itself,
+                    # one at a time, as without the thread; take() answers None once the thread has ended)
+                    logger.warning("load prefetch: out of device memory reading ahead at '%s'; the loader reads "
+                                   "the rest itself", name)
+                    return
                 with self.cond:
                     if got is None:  # not ours to read: the loader's take() returns None for it
                         self.skipped.add(name)
@@ -163,11 +175,11 @@ class Prefetcher:
         with open(path, "rb", buffering=0) as f:
             f.seek(base + start)
             if not self.cuda:
-                out = torch.empty(end - start, dtype=torch.uint8)
+                out = self._allocate(end - start)
                 self._read_into(f, out, path, name)
             else:
                 with torch.cuda.stream(self.stream):
-                    out = torch.empty(end - start, dtype=torch.uint8, device=self.device)
+                    out = self._allocate(end - start)
                     for lo in range(0, end - start, CHUNK):
                         piece = out[lo:lo + CHUNK]
                         stage = self._free_stage()[:piece.numel()]
@@ -179,6 +191,10 @@ class Prefetcher:
                     copied = torch.cuda.Event()
                     copied.record(self.stream)
         return out.view(dtype).reshape(info["shape"]), copied
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        """A tensor's bytes on the target device (on the thread's stream for a GPU)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _free_stage(self) -> torch.Tensor:
         """The ring's next staging buffer, once the copy from it has finished."""

@@ -125,3 +125,33 @@ def test_the_switch(monkeypatch):
     assert load_prefetch.prefetch_enabled()  # (on by default)
     monkeypatch.setenv("HYBRID_LOAD_PREFETCH", "0")
     assert not load_prefetch.prefetch_enabled()
+
+
+@pytest.mark.parametrize("fail_at", [0, 3])
+def test_out_of_memory_ahead_hands_the_rest_to_the_loader(tiny_ckpt, monkeypatch, caplog, fail_at):
+    """The thread's allocation for a tensor read ahead fails (device memory full beside the model): the tensors
+    already read are taken, the loader reads the rest itself, and the parameters are the same bit for bit."""
+    path = tiny_ckpt("granite_moe")
+    calls = []
+    real = Prefetcher._allocate
+
+    def allocate(self, nbytes):
+        calls.append(nbytes)
+        if len(calls) > fail_at:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return real(self, nbytes)
+
+    monkeypatch.setattr(Prefetcher, "_allocate", allocate)
+    taken = []
+    real_take = Prefetcher.take
+    monkeypatch.setattr(Prefetcher, "take", lambda self, n: (lambda t: taken.append(t is not None) or t)(
+        real_take(self, n)))
+    with caplog.at_level("WARNING", logger="hybrid"):
+        got = _load(path, monkeypatch, True).state_dict()
+    assert "out of device memory" in caplog.text
+    assert sum(taken) == fail_at and len(taken) > fail_at  # (the first fail_at from the thread, then None)
+    monkeypatch.undo()
+    want = _load(path, monkeypatch, False).state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
