@@ -298,7 +298,7 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         xq, sa = triton_fp8.quantize_rows(x2, self.input_scale, act=act)
-        if self._splitk_applies(xq):
+        if self._narrow_for_splitk() and triton_fp8.splitk_eligible(xq, self.weight):
             acc = triton_fp8.fp8_splitk_gemm(xq, self.weight)
         else:
             acc = torch._scaled_mm(xq, self.weight.t(), scale_a=self._unit_scale, scale_b=self._unit_scale,
@@ -306,11 +306,10 @@ class Fp8Linear(nn.Module):
         out = triton_fp8.scale_accumulator(acc, sa, self.weight_scale, self.bias, out_dtype=x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
-    def _splitk_applies(self, xq: torch.Tensor) -> bool:
-        """Whether rows xq [M, in] (e4m3) take triton_fp8.fp8_splitk_gemm instead of cuBLASLt: the "fp8_splitk"
-        switch, and a weight narrow enough that the kernel cuts K in two or more (where cuBLASLt's grid is small)."""
-        return (switch("fp8_splitk") and triton_fp8.splitk_eligible(xq, self.weight)
-                and triton_fp8.splitk_splits(self.out_features, self.in_features) > 1)
+    def _narrow_for_splitk(self) -> bool:
+        """Whether decode-sized steps take triton_fp8.fp8_splitk_gemm instead of cuBLASLt: the "fp8_splitk" switch,
+        and a weight narrow enough that the kernel cuts K in two or more (where cuBLASLt's grid is small)."""
+        return switch("fp8_splitk") and triton_fp8.splitk_splits(self.out_features, self.in_features) > 1
 
     def forward_small_m(self, x: torch.Tensor) -> torch.Tensor:
         """A decode-sized step [..., in] on the one-launch Triton kernel (see the class docs)."""
@@ -351,8 +350,7 @@ class Fp8Linear(nn.Module):
                 if (not self.per_tensor_scales and rows.shape[0] <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode")
                         and _tensorwise_fp32_out(x.device)):
                     return self.forward_tensorwise(x, act)
-                if (self.per_tensor_scales and rows.shape[0] <= triton_fp8.SPLITK_MAX_ROWS and switch("fp8_splitk")
-                        and triton_fp8.splitk_splits(self.out_features, self.in_features) > 1):
+                if self.per_tensor_scales and rows.shape[0] <= triton_fp8.SPLITK_MAX_ROWS and self._narrow_for_splitk():
                     return self.forward_tensorwise(x, act)  # (the split-K GEMM, then both scales in one launch)
                 return self.forward_scaled_mm(x, act)
         return self.forward_reference(mlp_activation(x, act))
