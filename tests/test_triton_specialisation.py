@@ -68,7 +68,8 @@ KERNELS = {
     ("hybrid.ops.triton_fp8", "_fp8_small_m_kernel"): ("M",),
     ("hybrid.ops.triton_fp8", "_fp8_gemv_kernel"): ("M",),
     ("hybrid.ops.triton_fp8", "_quantize_rows_kernel"): (),
-    ("hybrid.ops.triton_fp8", "_scale_accumulator_kernel"): (),
+    ("hybrid.ops.triton_fp8", "_scale_accumulator_kernel"): ("s_as",),  # (M x N between split-K partials)
+    ("hybrid.ops.triton_fp8", "_fp8_splitk_kernel"): ("M", "s_ps"),
     ("hybrid.ops.triton_fp8", "_fp8_preload_kernel"): (),  # (one row; N, K, strides: the model's)
 }
 

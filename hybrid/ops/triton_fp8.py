@@ -590,7 +590,7 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["s_as"])  # (M x N between the split-K partials: follows the step's rows)
     def _scale_accumulator_kernel(acc_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, N, s_am, s_ym, splits, s_as,
                                   W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                                   PDL: tl.constexpr):
@@ -640,7 +640,7 @@ def scale_accumulator(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: to
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "s_ps"])  # the step's rows, and M x N between the partials
     def _fp8_splitk_kernel(x_ptr, w_ptr, p_ptr, M, N, k_per_split, s_xm, s_wn, s_ps, s_pm,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # partial[split, m, n] = sum over k in the split's slice of K of x[m, k] * w[n, k], e4m3 x e4m3 on the
