@@ -327,14 +327,14 @@ class Fp8Linear(nn.Module):
                                   quantize=_ACT_CODES[self.activation], input_scale=self.input_scale, out_dtype=x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
-    def forward_preload(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_preload(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         """One token [..., in] on triton_fp8.fp8_preload_gemv: one launch, each program's weight slab asked for
         before its PDL wait, the row rounded to e4m3 inside it (unless weight-only) (the default; HYBRID_FP8_PRELOAD=0
-        turns it off)."""
+        turns it off). `act`: as forward's (in the row rounding's launch where the row is rounded before)."""
         shape = x.shape
-        out = triton_fp8.fp8_preload_gemv(x.reshape(1, self.in_features), self.weight, self.weight_scale, self.bias,
+        out = triton_fp8.fp8_preload_gemv(x.reshape(1, shape[-1]), self.weight, self.weight_scale, self.bias,
                                           quantize=_ACT_CODES[self.activation], input_scale=self.input_scale,
-                                          out_dtype=x.dtype)
+                                          out_dtype=x.dtype, act=act)
         return out.reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
@@ -344,6 +344,8 @@ class Fp8Linear(nn.Module):
         if x.is_cuda and HAS_TRITON:
             rows = x.reshape(-1, x.shape[-1])
             one_launch = self._one_launch_path(rows[:, :self.in_features])  # (the activation's shape)
+            if one_launch == self.forward_preload:
+                return self.forward_preload(x, act)
             if one_launch is not None:
                 return one_launch(mlp_activation(x, act))
             if self.use_scaled_mm and x.dtype == torch.bfloat16:

@@ -342,6 +342,32 @@ def test_preload_gemv_rounds_wide_rows_once_before(activation, monkeypatch):
     torch.testing.assert_close(before, layer.forward_reference(x.float()), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("mlp_act", ["relu2", "silu_and_mul"])
+@pytest.mark.parametrize("round_before", [False, True])
+def test_preload_gemv_takes_the_mlp_activation(mlp_act, round_before, monkeypatch):
+    """fp8_preload_gemv(act=...) on the pre-activation row (a down_proj's input): bit for bit the activation's own
+    launch then the kernel; where the row is rounded before (K past HYBRID_FP8_PRELOAD_ROUND_MAX_K) the activation
+    runs inside that quantize_rows launch, with no launch of its own."""
+    layer = _layer(24, 1600, DYNAMIC, True, bias=True, seed=6)
+    width = 3200 if mlp_act == "silu_and_mul" else 1600
+    h = (torch.randn(1, width, generator=torch.Generator().manual_seed(9)) * 3).to(torch.bfloat16)
+    kw = dict(quantize=triton_fp8.ACT_DYNAMIC, out_dtype=torch.float32, fma_quotient=False, hw_cast=False)
+    if round_before:
+        monkeypatch.setenv("HYBRID_FP8_PRELOAD_ROUND_MAX_K", "1024")
+    activated = triton_act.relu2(h) if mlp_act == "relu2" else triton_act.silu_and_mul(h)
+    want = triton_fp8.fp8_preload_gemv(activated, layer.weight, layer.weight_scale, layer.bias, **kw)
+    launches = []
+    for name in ("relu2", "silu_and_mul"):
+        real = getattr(triton_act, name)
+        monkeypatch.setattr(triton_act, name, lambda x, real=real, name=name: launches.append(name) or real(x))
+    got = triton_fp8.fp8_preload_gemv(h, layer.weight, layer.weight_scale, layer.bias, act=mlp_act, **kw)
+    assert torch.equal(got, want)
+    assert launches == ([] if round_before else [mlp_act])
+    with pytest.raises(ValueError, match="act"):  # (the pre-activation row's width must match the weight's K)
+        triton_fp8.fp8_preload_gemv(h, layer.weight, layer.weight_scale, act="silu_and_mul" if width == 1600
+                                    else "relu2", **kw)
+
+
 def test_preload_gemv_argument_checks():
     w = torch.zeros(16, 32, dtype=FP8_DTYPE)
     with pytest.raises(ValueError, match="one row"):

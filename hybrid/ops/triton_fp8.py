@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from hybrid.ops import triton_gemv
+from hybrid.ops import triton_act, triton_gemv
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 from hybrid.quantization import FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE
 from state_pool.util import cdiv
@@ -391,26 +391,34 @@ def fp8_preload_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
                      bias: torch.Tensor | None = None, *, quantize: int = ACT_NONE,
                      input_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                      block_n: int | None = None, num_warps: int = 4, fma_quotient: bool | None = None,
-                     hw_cast: bool | None = None) -> torch.Tensor:
+                     hw_cast: bool | None = None, act: str | None = None) -> torch.Tensor:
     """One token's y [1, N] = (x [1, K] rounded to e4m3 per `quantize`, as fp8_gemv(quantize=...) and
     quantize_rows) @ (weight [N, K] e4m3 * weight_scale).T (+ bias), one launch whose programs ask for their
     whole weight slab before the PDL wait (the "fp8_preload" switch). `quantize`: ACT_NONE (weight-only: x as
     it is), ACT_STATIC (the 0-dim `input_scale`) or ACT_DYNAMIC (the row's absmax / 448). `weight_scale`:
     fp32, 0-dim or [N]. `block_n` default: PRELOAD_ELEMENTS weights a program (triton_gemv.preload_tiles).
     The same e4m3 values and products as fp8_gemv; the sums in another order (piece by piece). Rows of more
-    than _preload_round_max_k() columns are rounded by quantize_rows first (the same values, one launch more)."""
+    than _preload_round_max_k() columns are rounded by quantize_rows first (the same values, one launch more).
+    `act` (a down_proj's input): x is the MLP's pre-activation row (as quantize_rows' `act` takes it: [1, K],
+    or [1, 2K] of [gate | up]); the activation runs in that quantize_rows launch where the row is rounded before,
+    else in its own launch first."""
     require(__name__)
-    M, K = x.shape
+    M, K = x.shape[0], weight.shape[1]
     N = weight.shape[0]
-    if M != 1 or weight.shape[1] != K or K > PRELOAD_MAX_K or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError(f"fp8_preload_gemv: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)} "
-                         f"(one row, K <= {PRELOAD_MAX_K}, last dims contiguous)")
+    width = 2 * K if act == "silu_and_mul" else K
+    if M != 1 or x.shape[1] != width or K > PRELOAD_MAX_K or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"fp8_preload_gemv: x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)}, act {act}"
+                         f" (one row, K <= {PRELOAD_MAX_K}, last dims contiguous)")
     if x.dtype == FP8_DTYPE or (quantize == ACT_STATIC) != (input_scale is not None):
         raise ValueError("fp8_preload_gemv: 16-bit rows, and input_scale exactly when static")
     quant = quantize
     if quantize != ACT_NONE and K > _preload_round_max_k():  # the row rounded once, by quantize_rows
-        x, x_scale = quantize_rows(x, input_scale, fma_quotient=fma_quotient, hw_cast=hw_cast)
+        x, x_scale = quantize_rows(x, input_scale, fma_quotient=fma_quotient, hw_cast=hw_cast, act=act)
         quant, input_scale = 3, x_scale
+    elif act is not None:
+        if act not in ("relu2", "silu_and_mul"):
+            raise ValueError(f"fp8_preload_gemv: act {act!r}, one of relu2, silu_and_mul or None")
+        x = triton_act.relu2(x) if act == "relu2" else triton_act.silu_and_mul(x)
     block_n, k1, k2, k3 = triton_gemv.preload_tiles(K, block_n, PRELOAD_ELEMENTS)
     y = torch.empty(1, N, dtype=out_dtype, device=x.device)
     _fp8_preload_kernel[(cdiv(N, block_n),)](
