@@ -186,7 +186,7 @@ def mlp_activation(x: torch.Tensor, act: str | None) -> torch.Tensor:
     if act not in ("relu2", "silu_and_mul"):
         raise ValueError(f"mlp_activation: {act!r}")
     if x.is_cuda and HAS_TRITON:
-        out = triton_act.relu2(rows) if act == "relu2" else triton_act.silu_and_mul(rows)
+        out = triton_act.by_name(rows, act)
     elif act == "relu2":
         out = torch.square(F.relu(rows))
     else:

@@ -78,3 +78,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(T, triton.cdiv(width, BLOCK))](gate_up, out, gate_up.stride(0), out.stride(0), width,
                                                              BLOCK=BLOCK, num_warps=4, **pdl_options(gate_up.device))
     return out
+
+
+def by_name(rows: torch.Tensor, act: str) -> torch.Tensor:
+    """rows [T, width] through the MLP activation named `act`: "relu2" (relu2) or "silu_and_mul" (silu_and_mul,
+    rows of [gate | up])."""
+    if act == "relu2":
+        return relu2(rows)
+    if act == "silu_and_mul":
+        return silu_and_mul(rows)
+    raise ValueError(f"MLP activation {act!r}: relu2 or silu_and_mul")

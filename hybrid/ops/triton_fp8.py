@@ -416,9 +416,7 @@ def fp8_preload_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         x, x_scale = quantize_rows(x, input_scale, fma_quotient=fma_quotient, hw_cast=hw_cast, act=act)
         quant, input_scale = 3, x_scale
     elif act is not None:
-        if act not in ("relu2", "silu_and_mul"):
-            raise ValueError(f"fp8_preload_gemv: act {act!r}, one of relu2, silu_and_mul or None")
-        x = triton_act.relu2(x) if act == "relu2" else triton_act.silu_and_mul(x)
+        x = triton_act.by_name(x, act)
     block_n, k1, k2, k3 = triton_gemv.preload_tiles(K, block_n, PRELOAD_ELEMENTS)
     y = torch.empty(1, N, dtype=out_dtype, device=x.device)
     _fp8_preload_kernel[(cdiv(N, block_n),)](
