@@ -31,6 +31,7 @@ Triton's interpreter (tests/test_triton_fp8.py; the correction with the interpre
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -681,6 +682,7 @@ SPLITK_MAX_ROWS = 64
 SPLITK_PROGRAMS = 264
 
 
+@functools.lru_cache(maxsize=None)  # (a weight's shape: asked by every decode step's projection)
 def splitk_splits(N: int, K: int) -> int:
     """How many slices of K fp8_splitk_gemm cuts a [N, K] weight into: the most whole-K-step divisor of K's steps
     that keeps the programs (column tiles x slices) at about SPLITK_PROGRAMS (two an SM of an H100 / H200)."""
