@@ -413,6 +413,14 @@ if [[ $what == moe-next ]]; then
       | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
   cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_next.md" 2>/dev/null || true
 fi
+# targets  the open issues' target figures on whatever card this is, in one call (~8 minutes fresh): moe-targets,
+#          then the 8B shape in FP8 (pcpt, bf16 state, graphs) at batch 1 / 8 / 64 with the 8K TTFT, the defaults
+if [[ $what == targets ]]; then
+  bash "$0" moe-targets || rc=1
+  timeout 200 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt --batches 1 8 64 --steps 10 \
+      --json "$OUT/decode_fp8_targets.json" 2>&1 | tee "$OUT/decode_fp8_targets.log" | grep -v Warn \
+      | grep -E "^\{|rror" | cut -c1-300 || rc=1
+fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
 if [[ $what == prefix-cprofile || $what == h200-targets ]]; then
