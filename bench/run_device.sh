@@ -384,9 +384,24 @@ if [[ $what == fp8-splitk ]]; then
         | grep -E "^\{|rror" | cut -c1-200 | sed "s/^/$run: /" || rc=1
   done
 fi
-# next     what this project's next session measures first: fp8-splitk
+# fp8-next  the GPU tests of the split-K GEMM and of the norms' e4m3 rounding (<= 120 s), then the 8B shape in FP8
+#           (pcpt, bf16 state, graphs) at batch 8 / 64 with the 8K TTFT, a process each: the default (the norms
+#           round their rows for the FP8 projections), HYBRID_FP8_NORM_ROUNDING=0, and HYBRID_FP8_SPLITK=1 (no TTFT:
+#           prefill steps never take it)
+if [[ $what == fp8-next ]]; then
+  gpu_pytest 120 gpu_tests_fp8_next.log tests/gpu/test_fp8_gpu.py -k "splitk or norm_rounding"
+  for run in default norm_rounding_0 splitk_1; do
+    extra=(); [[ $run == splitk_1 ]] && extra=(--no-prefill)
+    env_run=(HYBRID_FP8_NORM_ROUNDING=$([[ $run == norm_rounding_0 ]] && echo 0 || echo 1)
+             HYBRID_FP8_SPLITK=$([[ $run == splitk_1 ]] && echo 1 || echo 0))
+    env "${env_run[@]}" timeout 150 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt \
+        --batches 8 64 --steps 10 "${extra[@]}" --json "$OUT/decode_fp8_$run.json" 2>&1 \
+        | tee "$OUT/decode_fp8_$run.log" | grep -v Warn | grep -E "^\{|rror" | cut -c1-200 | sed "s/^/$run: /" || rc=1
+  done
+fi
+# next     what this project's next session measures first: fp8-next
 if [[ $what == next ]]; then
-  bash "$0" fp8-splitk || rc=1
+  bash "$0" fp8-next || rc=1
 fi
 # fp8-preload  the 8B shape in FP8 (pcpt, bf16 state) decode at batch 1 by default and with HYBRID_FP8_PRELOAD=1 (each
 #            its own process), the GPU tests of fp8_preload_gemv, then =1 with every row rounded before the kernel

@@ -275,18 +275,21 @@ class Fp8Linear(nn.Module):
         """torch._scaled_mm on x [..., in] (bf16 on CUDA; see the class docs); `act` (see forward): on the MLP
         activation of x, taken in the row quantization's launch."""
         shape = x.shape
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
         # sa [M, 1]: the row's or the static scale
-        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale, act=act)
+        xq, sa = triton_fp8.quantize_rows(x.reshape(-1, x.shape[-1]).contiguous(), self.input_scale, act=act)
+        return self._scaled_mm_gemm(xq, sa, x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _scaled_mm_gemm(self, xq: torch.Tensor, sa: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """forward_scaled_mm after the rows' rounding (as _tensorwise_gemm's)."""
         if self.per_tensor_scales:
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
-                                   out_dtype=x.dtype)
+                                   out_dtype=dtype)
         else:  # row-wise: input [M, 1], weight [1, N]; bf16 output
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=sa, scale_b=self._scale_b_row,
-                                   out_dtype=torch.bfloat16).to(x.dtype)
+                                   out_dtype=torch.bfloat16).to(dtype)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features)
+        return out
 
     def forward_tensorwise(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         """A decode-sized step [..., in] (at most TENSORWISE_MAX_ROWS tokens) of a row-wise scaled
@@ -296,15 +299,17 @@ class Fp8Linear(nn.Module):
         row-wise path adds a bias after its rounding: up to one bf16 ulp apart there). `act`: as
         forward_scaled_mm's."""
         shape = x.shape
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        xq, sa = triton_fp8.quantize_rows(x2, self.input_scale, act=act)
+        xq, sa = triton_fp8.quantize_rows(x.reshape(-1, x.shape[-1]).contiguous(), self.input_scale, act=act)
+        return self._tensorwise_gemm(xq, sa, x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _tensorwise_gemm(self, xq: torch.Tensor, sa: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """forward_tensorwise after the rows' rounding: e4m3 rows xq [M, in] with their scales sa [M, 1]."""
         if self._narrow_for_splitk() and triton_fp8.splitk_eligible(xq, self.weight):
             acc = triton_fp8.fp8_splitk_gemm(xq, self.weight)
         else:
             acc = torch._scaled_mm(xq, self.weight.t(), scale_a=self._unit_scale, scale_b=self._unit_scale,
                                    out_dtype=torch.float32)
-        out = triton_fp8.scale_accumulator(acc, sa, self.weight_scale, self.bias, out_dtype=x.dtype)
-        return out.reshape(*shape[:-1], self.out_features)
+        return triton_fp8.scale_accumulator(acc, sa, self.weight_scale, self.bias, out_dtype=dtype)
 
     def _narrow_for_splitk(self) -> bool:
         """Whether decode-sized steps take triton_fp8.fp8_splitk_gemm instead of cuBLASLt: the "fp8_splitk" switch,
@@ -343,19 +348,41 @@ class Fp8Linear(nn.Module):
         the rows with quantize_rows take the activation in its launch; the others run it first."""
         if x.is_cuda and HAS_TRITON:
             rows = x.reshape(-1, x.shape[-1])
+            rounded = triton_fp8.rounding_of(x, self.input_scale) if act is None and x.dim() == 2 else None
+            if rounded is not None and self.rounds_rows_first(rows.shape[0], x.dtype, x.device):
+                # the rows' rounding came with them from the kernel that wrote them (a norm): no quantize_rows
+                gemm = self._tensorwise_gemm if self._tensorwise_rows(rows.shape[0], x.device) else self._scaled_mm_gemm
+                return gemm(rounded.q, rounded.scales, x.dtype)
             one_launch = self._one_launch_path(rows[:, :self.in_features])  # (the activation's shape)
             if one_launch == self.forward_preload:
                 return self.forward_preload(x, act)
             if one_launch is not None:
                 return one_launch(mlp_activation(x, act))
             if self.use_scaled_mm and x.dtype == torch.bfloat16:
-                if (not self.per_tensor_scales and rows.shape[0] <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode")
-                        and _tensorwise_fp32_out(x.device)):
+                if self._tensorwise_rows(rows.shape[0], x.device):
                     return self.forward_tensorwise(x, act)
-                if self.per_tensor_scales and rows.shape[0] <= triton_fp8.SPLITK_MAX_ROWS and self._narrow_for_splitk():
-                    return self.forward_tensorwise(x, act)  # (the split-K GEMM, then both scales in one launch)
                 return self.forward_scaled_mm(x, act)
         return self.forward_reference(mlp_activation(x, act))
+
+    def _tensorwise_rows(self, rows: int, device: torch.device) -> bool:
+        """Whether a step of this many rows takes forward_tensorwise (else forward_scaled_mm) on the scaled-mm path:
+        row-wise scales at decode sizes, or per-tensor ones that the split-K GEMM takes."""
+        if not self.per_tensor_scales:
+            return rows <= TENSORWISE_MAX_ROWS and not switch("fp8_rowwise_decode") and _tensorwise_fp32_out(device)
+        return rows <= triton_fp8.SPLITK_MAX_ROWS and self._narrow_for_splitk()
+
+    def rounds_rows_first(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether forward rounds a step of `rows` rows of this dtype to e4m3 with quantize_rows (no MLP activation)
+        before its GEMM. Then the kernel that writes those rows may round them in its own launch (a norm:
+        hybrid/ops/triton_norm RoundFor) and forward takes that rounding: one launch fewer, the same bytes. Steps a
+        one-launch kernel may take (it rounds inside itself) are left alone; so is everything off the
+        scaled-mm path."""
+        if not (device.type == "cuda" and HAS_TRITON and self.activation is not None and self.use_scaled_mm
+                and dtype == torch.bfloat16 and switch("fp8_norm_rounding")):
+            return False
+        one_launch_max = max(1 if switch("fp8_preload") else 0, gemv_max_rows(),
+                             triton_fp8.MAX_ROWS if switch("fp8_triton_decode") else 0)
+        return rows > one_launch_max
 
     def _one_launch_path(self, rows: torch.Tensor):
         """The one-launch Triton path rows [M, in] take (forward_preload, forward_gemv, forward_small_m), or None:

@@ -77,6 +77,9 @@ class RMSNorm(nn.Module):
         # NemotronH multiplies by the weight before casting back; the other families after.
         self.weight_in_fp32 = weight_in_fp32
         self.fused = False  # one Triton launch instead of the torch op chain (see use_fused_ops)
+        # The FP8 projections that alone read this norm's output (set by use_fused_ops from the blocks'
+        # norm_consumers): when they would round it with quantize_rows, the fused launch rounds it too
+        self.fp8_consumers: tuple[nn.Module, ...] = ()
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,19 +88,34 @@ class RMSNorm(nn.Module):
         over k not taken yet): the fused path folds the sum into the same launch."""
         if isinstance(x, triton_moe.ExpertRows):
             if self.fused and residual is not None:
-                return triton_norm.sum_add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32,
-                                                    scale), residual
+                return triton_norm.sum_add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32, scale,
+                                                    self._round_for(residual)), residual
             x = x.sum()
         if residual is None:
             return self(x), x
         if self.fused:
-            return triton_norm.add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32, scale), residual
+            return triton_norm.add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32, scale,
+                                            self._round_for(residual)), residual
         residual = residual + (x * scale if scale != 1.0 else x)
         return self(residual), residual
 
+    def _round_for(self, rows: torch.Tensor) -> triton_norm.RoundFor | None:
+        """Whether the fused launch over `rows` [T, H] also rounds its output to e4m3 for fp8_consumers: when each
+        would round it with quantize_rows first (Fp8Linear.rounds_rows_first) and all share one scheme (dynamic
+        scales, or the same static scale)."""
+        consumers = self.fp8_consumers
+        if not consumers or rows.dim() != 2:
+            return None
+        scale = consumers[0].input_scale
+        if all(c.input_scale is scale and c.rounds_rows_first(rows.shape[0], rows.dtype, rows.device)
+               for c in consumers):
+            return triton_norm.RoundFor(scale)
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return triton_norm.rms_norm(x.contiguous(), self.weight, self.eps, self.weight_in_fp32)
+            x = x.contiguous()
+            return triton_norm.rms_norm(x, self.weight, self.eps, self.weight_in_fp32, self._round_for(x))
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

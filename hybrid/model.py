@@ -14,6 +14,20 @@ from hybrid.ops import triton_act, triton_moe, triton_norm
 from state_pool.util import sm_count
 
 
+def input_projection(mixer: nn.Module) -> nn.Module | None:
+    """The projection that alone reads a mixer's input (Mamba in_proj, attention qkv, dense / gated MLP up), or
+    None: an MoE layer's input is read by its router and experts too."""
+    if isinstance(mixer, Mamba2Mixer):
+        return mixer.in_proj
+    if isinstance(mixer, Attention):
+        return mixer.qkv_proj
+    if isinstance(mixer, DenseMLP):
+        return mixer.up_proj
+    if isinstance(mixer, GatedMLP):
+        return mixer.gate_up_proj
+    return None
+
+
 class NemotronHBlock(nn.Module):
     """h += mixer(norm(h)); the mixer is one of mamba, attention, mlp, moe.
 
@@ -34,6 +48,11 @@ class NemotronHBlock(nn.Module):
             self.mixer = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, bias=cfg.mlp_bias)
         else:
             self.mixer = NemotronMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act, shared_bias=cfg.mlp_bias)
+
+    def norm_consumers(self) -> list[tuple[RMSNorm, tuple[nn.Module, ...]]]:
+        """Each norm of the block with the projections that alone read its output (use_fused_ops)."""
+        proj = input_projection(self.mixer)
+        return [(self.norm, (proj,))] if proj is not None else []
 
     def forward(self, x, residual, batch, ctx):
         if isinstance(self.mixer, NemotronMoE):
@@ -68,6 +87,13 @@ class TwoStageBlock(nn.Module):
             if cfg.intermediate_size > 0 else None
         self.moe = GraniteMoE(cfg.hidden_size, cfg.moe, cfg.mlp_act) if cfg.moe is not None else None
 
+    def norm_consumers(self) -> list[tuple[RMSNorm, tuple[nn.Module, ...]]]:
+        """As NemotronHBlock's; ffn_norm's output feeds the MLP alone only without an MoE layer."""
+        out = [(self.input_norm, (input_projection(self.mixer),))]
+        if self.moe is None and self.mlp is not None:
+            out.append((self.ffn_norm, (self.mlp.gate_up_proj,)))
+        return out
+
     def forward(self, x, residual, batch, ctx):
         m = self.residual_multiplier
         x, residual = self.input_norm.add_norm(x, residual, m)
@@ -96,6 +122,11 @@ class ParallelBlock(nn.Module):
         self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba, mamba_index)
         self.attn = Attention(cfg.hidden_size, cfg.attention, attn_index)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, bias=cfg.mlp_bias)
+
+    def norm_consumers(self) -> list[tuple[RMSNorm, tuple[nn.Module, ...]]]:
+        """As NemotronHBlock's: input_norm's output feeds two projections, Mamba's in_proj and the attention's
+        qkv (rounded for them only when they share a scheme: RMSNorm._round_for)."""
+        return [(self.input_norm, (self.mamba.in_proj, self.attn.qkv_proj)), (self.ffn_norm, (self.mlp.gate_up_proj,))]
 
     def forward(self, x, residual, batch, ctx):
         x, residual = self.input_norm.add_norm(x, residual)
@@ -301,4 +332,9 @@ def use_fused_ops(model: nn.Module) -> int:
             count += 1
         if isinstance(m, Experts) and m.fused:
             m.defer_sum = m.can_defer_sum  # the next RMSNorm.add_norm sums them, one launch fewer a layer
+    for block in model.modules():
+        for norm, consumers in getattr(block, "norm_consumers", lambda: [])():
+            # FP8 projections (Fp8Linear) alone: the norm's launch may round its rows for them
+            if consumers and all(hasattr(c, "rounds_rows_first") for c in consumers):
+                norm.fp8_consumers = tuple(consumers)
     return count

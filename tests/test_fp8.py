@@ -577,3 +577,33 @@ def test_transformers_oracle(family, scheme, fp8_ckpt, make_llm, tmp_path):
     # measured max |diff| 0 - 1.4e-5 (fp32 rounding). A rounding difference that moves one activation
     # across an e4m3 rounding boundary would cost ~1e-2 here: these prompts have none
     assert (ours - theirs).abs().max() < 1e-3, (ours - theirs).abs().max()
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "granite_moe", "bamba", "falcon_h1"])
+def test_norms_know_the_fp8_projections_that_alone_read_them(family, fp8_ckpt, make_llm):
+    """use_fused_ops gives each norm whose output only FP8 projections read those projections (so that on CUDA its
+    launch may round the rows for them, triton_norm.RoundFor): a Mamba in_proj, an attention qkv, a dense or gated
+    MLP's up projection, Falcon-H1's in_proj and qkv together; never the norm before an MoE layer (its router and
+    experts read it too) nor an excluded (16-bit) projection."""
+    from hybrid.fp8_linear import Fp8Linear
+    from hybrid.layers import RMSNorm
+    path = fp8_ckpt(family, "ct_fp8_dynamic", exclude=["re:.*o_proj$", "re:.*qkv_proj$"] if family == "bamba" else [])
+    llm = make_llm(path, fused_ops=True)
+    given = {id(n): n.fp8_consumers for n in llm.model.modules() if isinstance(n, RMSNorm) and n.fp8_consumers}
+    assert given
+    for n in llm.model.modules():
+        if isinstance(n, RMSNorm):
+            assert all(isinstance(c, Fp8Linear) for c in n.fp8_consumers)
+    for block in llm.model.layers:
+        for norm, consumers in block.norm_consumers():
+            if all(isinstance(c, Fp8Linear) for c in consumers):
+                assert given[id(norm)] == tuple(consumers)
+            else:
+                assert id(norm) not in given
+    from hybrid.moe import GraniteMoE, NemotronMoE
+    moe_norms = [b.norm for b in llm.model.layers if isinstance(getattr(b, "mixer", None), NemotronMoE)]
+    moe_norms += [b.ffn_norm for b in llm.model.layers if isinstance(getattr(b, "moe", None), GraniteMoE)]
+    assert moe_norms or family not in ("granite_moe",)
+    assert all(id(n) not in given for n in moe_norms)
+    if family == "falcon_h1":
+        assert any(len(c) == 2 for c in given.values())

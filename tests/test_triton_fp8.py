@@ -483,3 +483,121 @@ def test_gemv_rows_by_setting(monkeypatch):
     for other in ("scaled_mm", "rowwise", "triton"):
         monkeypatch.setenv("HYBRID_FP8_DECODE_GEMM", other)
         assert gemv_max_rows() == 0
+
+
+@pytest.mark.parametrize("kind", ["rms", "add", "sum_add"])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("hidden", [64, 96])  # 96: masked lanes past the row
+def test_norm_rounds_its_rows_as_quantize_rows_does(kind, static, hidden):
+    """A norm launch asked to round its output for an FP8 projection (triton_norm.RoundFor): the normed rows and the
+    residual are those of the launch without it, bit for bit, and the attached rounding is quantize_rows' output for
+    those rows (the same e4m3 bytes and scales), with the dynamic scales or the given static one."""
+    from hybrid.ops import triton_moe, triton_norm
+    g = torch.Generator().manual_seed(hidden + 3 * static)
+    T, K = 5, 3
+    weight = (0.5 + torch.rand(hidden, generator=g)).to(torch.bfloat16)
+    x = (torch.randn(T, hidden, generator=g) * 3).to(torch.bfloat16)
+    x[1, 7] = 900.0  # one row far from the others: its own dynamic scale; static: values past 448 saturate
+    residual = (torch.randn(T, hidden, generator=g) * 2).to(torch.bfloat16)
+    input_scale = torch.tensor(0.03) if static else None
+
+    def run(round_for):
+        res = residual.clone()
+        if kind == "rms":
+            return triton_norm.rms_norm(x, weight, 1e-5, True, round_for), res
+        if kind == "add":
+            return triton_norm.add_rms_norm(x, res, weight, 1e-5, False, 0.5, round_for), res
+        rows = triton_moe.ExpertRows(x.repeat_interleave(K, 0) / K, None, K)
+        return triton_norm.sum_add_rms_norm(rows, res, weight, 1e-5, True, 1.0, round_for), res
+
+    plain, plain_res = run(None)
+    rounded_rows, res = run(triton_norm.RoundFor(input_scale))
+    assert torch.equal(rounded_rows, plain) and torch.equal(res, plain_res)
+    assert triton_fp8.rounding_of(plain, input_scale) is None
+    r = triton_fp8.rounding_of(rounded_rows, input_scale)
+    assert r is not None and r.input_scale is input_scale
+    want_q, want_s = triton_fp8.quantize_rows(plain, input_scale)
+    assert r.q.dtype == FP8_DTYPE and torch.equal(r.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(r.scales, want_s)
+    if static:
+        assert torch.equal(r.scales, input_scale.expand(T, 1))
+    else:
+        assert len(set(r.scales.flatten().tolist())) == T  # each row its own absmax
+
+
+def test_a_rounding_is_taken_only_with_its_rows_and_its_scheme():
+    """The rounding rides on the rows tensor: a reshape, a copy or a slice of the rows has none; a consumer of another
+    scheme (a static scale where the rows were rounded with dynamic ones, or another static scale tensor) gets
+    None, and rounds the rows itself."""
+    rows = torch.randn(4, 32).to(torch.bfloat16)
+    static = torch.tensor(0.02)
+    q, s = triton_fp8.quantize_rows(rows, None)
+    triton_fp8.attach_rounding(rows, triton_fp8.RowRounding(q, s, None))
+    assert triton_fp8.rounding_of(rows, None).q is q
+    assert triton_fp8.rounding_of(rows, static) is None
+    for other in (rows.view(2, 64), rows.clone(), rows[:2], rows.contiguous().reshape(4, 32) + 0):
+        assert triton_fp8.rounding_of(other, None) is None
+    q2, s2 = triton_fp8.quantize_rows(rows, static)
+    triton_fp8.attach_rounding(rows, triton_fp8.RowRounding(q2, s2, static))
+    assert triton_fp8.rounding_of(rows, static).q is q2
+    assert triton_fp8.rounding_of(rows, torch.tensor(0.02)) is None and triton_fp8.rounding_of(rows, None) is None
+
+
+class _Consumer(torch.nn.Module):
+    """A stand-in FP8 projection: its scheme and whether it rounds a step's rows with quantize_rows first."""
+
+    def __init__(self, input_scale, rounds_from: int):
+        super().__init__()
+        self.input_scale, self.rounds_from = input_scale, rounds_from
+
+    def rounds_rows_first(self, rows, dtype, device):
+        return rows >= self.rounds_from
+
+
+def test_norm_rounds_for_its_consumers_only_when_all_round_alike():
+    """RMSNorm asks its launch for the rounding only when every FP8 projection reading its output would round
+    those rows with quantize_rows first and all share one scheme; never without consumers."""
+    from hybrid.layers import RMSNorm
+    norm = RMSNorm(32, 1e-5, weight_in_fp32=False)
+    rows = torch.zeros(8, 32, dtype=torch.bfloat16)
+    assert norm._round_for(rows) is None
+    static = torch.tensor(0.5)
+    norm.fp8_consumers = (_Consumer(None, 2), _Consumer(None, 2))
+    assert norm._round_for(rows).input_scale is None
+    assert norm._round_for(rows[:1]) is None  # a one-token step: the projections round inside their own launch
+    norm.fp8_consumers = (_Consumer(None, 2), _Consumer(None, 16))
+    assert norm._round_for(rows) is None  # one of them would not round these rows first
+    norm.fp8_consumers = (_Consumer(static, 2), _Consumer(static, 2))
+    assert norm._round_for(rows).input_scale is static
+    norm.fp8_consumers = (_Consumer(static, 2), _Consumer(torch.tensor(0.5), 2))
+    assert norm._round_for(rows) is None  # two static scales: two roundings
+    norm.fp8_consumers = (_Consumer(static, 2), _Consumer(None, 2))
+    assert norm._round_for(rows) is None
+
+
+def test_rounds_rows_first_only_on_the_scaled_mm_path(monkeypatch):
+    """Fp8Linear.rounds_rows_first: never on the CPU (the reference path fake-quantizes) nor for weight-only
+    projections; on CUDA only past the rows a one-launch kernel may take, and never with the switch off."""
+    from hybrid.ops import triton_guard
+    layer = _layer(32, 64, DYNAMIC, True, False, seed=5)
+    assert not layer.rounds_rows_first(8, torch.bfloat16, torch.device("cpu"))
+    cuda = torch.device("cuda", 0)
+    layer.use_scaled_mm = True  # (what a CUDA device of sm_89+ sets at construction)
+    assert layer.rounds_rows_first(2, torch.bfloat16, cuda) and layer.rounds_rows_first(8192, torch.bfloat16, cuda)
+    assert not layer.rounds_rows_first(1, torch.bfloat16, cuda)  # the preloading kernel rounds one row itself
+    assert not layer.rounds_rows_first(8, torch.float16, cuda)
+    monkeypatch.setenv("HYBRID_FP8_DECODE_GEMM", "gemv")  # fp8_gemv takes up to GEMV_MAX_ROWS rows
+    triton_guard.reset_switches()
+    try:
+        assert not layer.rounds_rows_first(triton_fp8.GEMV_MAX_ROWS, torch.bfloat16, cuda)
+        assert layer.rounds_rows_first(triton_fp8.GEMV_MAX_ROWS + 1, torch.bfloat16, cuda)
+        monkeypatch.setenv("HYBRID_FP8_NORM_ROUNDING", "0")
+        triton_guard.reset_switches()
+        assert not layer.rounds_rows_first(64, torch.bfloat16, cuda)
+    finally:
+        monkeypatch.delenv("HYBRID_FP8_DECODE_GEMM")
+        monkeypatch.delenv("HYBRID_FP8_NORM_ROUNDING", raising=False)
+        triton_guard.reset_switches()
+    weight_only = _layer(32, 64, None, True, False, seed=6)
+    weight_only.use_scaled_mm = True
+    assert not weight_only.rounds_rows_first(8, torch.bfloat16, cuda)

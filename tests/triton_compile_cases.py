@@ -229,10 +229,15 @@ for _router_type in ("*fp32", "*bf16"):  # NemotronH's fp32 router, Granite's bf
 
 @case("norms")
 def _norms():
-    compiles(triton_norm._rms_norm_kernel, dict(BLOCK=4096, W_FP32=True, PDL=True), num_warps=8)
-    compiles(triton_norm._add_rms_norm_kernel, dict(BLOCK=2048, W_FP32=False, SCALED=True, PDL=True))
-    compiles(triton_norm._sum_add_rms_norm_kernel,
-             dict(TOP_K=8, HAS_ADD=False, BLOCK=4096, W_FP32=True, SCALED=False, PDL=True), num_warps=8)
+    # QUANT 0: no rounding (compiled out); 1 / 2: the output rows also rounded to e4m3 (dynamic / static scale)
+    for quant in (0, 1, 2):
+        rq = dict(QUANT=quant, FMA_QUOTIENT=quant != 0, HW_CAST=quant != 0)
+        types = dict(q_ptr="*fp8e4nv", scale_ptr="*fp32", in_scale_ptr="*fp32") if quant else {}
+        compiles(triton_norm._rms_norm_kernel, dict(BLOCK=4096, W_FP32=True, PDL=True, **rq), types, num_warps=8)
+        compiles(triton_norm._add_rms_norm_kernel, dict(BLOCK=2048, W_FP32=False, SCALED=True, PDL=True, **rq), types)
+        compiles(triton_norm._sum_add_rms_norm_kernel,
+                 dict(TOP_K=8, HAS_ADD=False, BLOCK=4096, W_FP32=True, SCALED=False, PDL=True, **rq), types,
+                 num_warps=8)
     compiles(triton_norm._gated_rms_norm_kernel, dict(BLOCK=4096, PDL=True), num_warps=8)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -162,6 +163,20 @@ if HAS_TRITON:
         if HW_CAST:
             return v.to(tl.float8e4nv)
         return _round_e4m3(v).to(tl.float8e4nv)  # exact: the value is an e4m3 value
+
+    @triton.jit
+    def round_row_into(y, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale, QUANT: tl.constexpr,
+                       FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr):
+        """A producer kernel's whole output row y (as it stored it, in its dtype) rounded to e4m3 as quantize_rows'
+        one-tile program rounds that stored row: QUANT 1, the row's absmax / 448 (dynamic); 2, the static scale at
+        in_scale_ptr. Stores the row's scale at scale_ptr[row] and its e4m3 values at q_ptr + row * s_q."""
+        y = tl.where(mask, y, 0.0).to(y.dtype)
+        if QUANT == 2:
+            s = tl.load(in_scale_ptr)
+        else:
+            s = _dynamic_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0), min_scale)
+        tl.store(scale_ptr + row, s)
+        tl.store(q_ptr + row * s_q + offs, _e4m3_row(y, s, FMA_QUOTIENT, HW_CAST), mask=mask)
 
     @triton.jit
     def _activated(x_row, ks, mask, K, ACT: tl.constexpr):
@@ -549,6 +564,57 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 ACTIVATIONS = {None: 0, "relu2": 1, "silu_and_mul": 2}  # quantize_rows' `act`, as its kernel's ACT
+
+
+ROUND_NONE, ROUND_DYNAMIC, ROUND_STATIC = 0, 1, 2  # round_row_into's QUANT
+
+
+@dataclass(frozen=True)
+class RowRounding:
+    """Rows' e4m3 rounding written by the kernel that produced them (a norm: hybrid/ops/triton_norm), as
+    quantize_rows would write it: q [M, K] e4m3 and scales [M, 1] fp32; `input_scale` the static scale they were
+    rounded with (the consumer's own tensor), or None (each row's absmax / 448)."""
+    q: torch.Tensor
+    scales: torch.Tensor
+    input_scale: torch.Tensor | None
+
+
+def rounding_outputs(rows: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[RowRounding, dict]:
+    """For a producer kernel writing rows [M, K] that also rounds them (round_row_into): the RowRounding its launch
+    fills, and the launch's keywords (q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale, QUANT, FMA_QUOTIENT, HW_CAST)."""
+    M, K = rows.shape
+    out = RowRounding(torch.empty(M, K, dtype=FP8_DTYPE, device=rows.device),
+                      torch.empty(M, 1, dtype=torch.float32, device=rows.device), input_scale)
+    args = dict(q_ptr=out.q, s_q=out.q.stride(0), scale_ptr=out.scales,
+                in_scale_ptr=input_scale if input_scale is not None else out.scales, min_scale=MIN_DYNAMIC_SCALE,
+                QUANT=ROUND_STATIC if input_scale is not None else ROUND_DYNAMIC,
+                FMA_QUOTIENT=not _INTERPRETED, HW_CAST=not _INTERPRETED)
+    return out, args
+
+
+def no_rounding(rows: torch.Tensor) -> dict:
+    """A producer launch's keywords for round_row_into when it does not round its rows (QUANT 0: compiled out)."""
+    return dict(q_ptr=rows, s_q=0, scale_ptr=rows, in_scale_ptr=rows, min_scale=0.0, QUANT=ROUND_NONE,
+                FMA_QUOTIENT=False, HW_CAST=False)
+
+
+# The rounding rides on the rows tensor itself (a Python attribute): whatever reshapes or copies the rows drops it,
+# and the consumer then rounds them itself, so a rounding can only ever be taken with the rows it was made from.
+_ROUNDING_ATTR = "_hybrid_e4m3_rounding"
+
+
+def attach_rounding(rows: torch.Tensor, rounding: RowRounding) -> torch.Tensor:
+    setattr(rows, _ROUNDING_ATTR, rounding)
+    return rows
+
+
+def rounding_of(rows: torch.Tensor, input_scale: torch.Tensor | None) -> RowRounding | None:
+    """The rounding attached to these rows (attach_rounding) if it was made with this scheme: the same static
+    scale tensor, or dynamic scales for a dynamic consumer; else None."""
+    r = getattr(rows, _ROUNDING_ATTR, None)
+    if r is None or r.input_scale is not input_scale:
+        return None
+    return r
 
 
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,

@@ -58,6 +58,11 @@ again: benchmarks comparing both):
   shape's out_proj, down_proj, o_proj, qkv_proj) on triton_fp8.fp8_splitk_gemm (K cut into slices across ~264
   programs, the partial sums added by scale_accumulator) instead of cuBLASLt's tensor-wise GEMM, which tiled N 4096
   into 29-43 programs at batch 64 (1.0-2.3 TB/s on an H100); not measured in the model yet;
+- "fp8_norm_rounding" (on by default; HYBRID_FP8_NORM_ROUNDING=0 turns it off): where a norm's output feeds FP8
+  projections alone that would round it with quantize_rows (steps of 2+ tokens: prefill, batched decode), the
+  norm's launch rounds its stored rows to e4m3 too (triton_fp8.round_row_into) and the projection skips its
+  quantize_rows launch: the same bytes, one launch and one read of the rows fewer (the norm keeps its one program
+  a row, so nothing loses parallelism, unlike the fused quantization measured and removed on 2026-12-05);
 - "fp8_rowwise_decode" (HYBRID_FP8_DECODE_GEMM=rowwise): decode-sized FP8 projections with row-wise
   scales on cuBLASLt's row-wise GEMM (the default before Fp8Linear.forward_tensorwise): its A/B.
 - "varlen_prefill" (on by default; HYBRID_VARLEN_PREFILL=0 turns it off): a step's prefill rows through each
@@ -120,9 +125,11 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
              "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "scan_plans": ("HYBRID_SCAN_PLANS", "1"),
-             "fp8_preload": ("HYBRID_FP8_PRELOAD", "1"), "fp8_splitk": ("HYBRID_FP8_SPLITK", "1")}
+             "fp8_preload": ("HYBRID_FP8_PRELOAD", "1"), "fp8_splitk": ("HYBRID_FP8_SPLITK", "1"),
+             "fp8_norm_rounding": ("HYBRID_FP8_NORM_ROUNDING", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
-                  "moe_preload", "lm_head_preload", "scan_plans", "fp8_preload"}  # these read as on unless their variable says "0"
+                  "moe_preload", "lm_head_preload", "scan_plans", "fp8_preload",
+                  "fp8_norm_rounding"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS
 DECODE_LINEAR_DEFAULT = "plain:mamba.out_proj"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.ops import triton_moe_route
+from hybrid.ops import triton_fp8, triton_moe_route
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 
 
@@ -32,6 +32,7 @@ def is_available() -> bool:
 
 
 if HAS_TRITON:
+    from hybrid.ops.triton_fp8 import round_row_into
     from hybrid.ops.triton_guard import pdl_wait
     from hybrid.ops.triton_moe import expert_sum
     from hybrid.ops.triton_moe_route import router_split
@@ -54,8 +55,9 @@ if HAS_TRITON:
         return _normalised_cols(hf, like, w_ptr, offs, mask, tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps), W_FP32)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, H, eps,
-                         BLOCK: tl.constexpr, W_FP32: tl.constexpr, PDL: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, H, eps, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale,
+                         BLOCK: tl.constexpr, W_FP32: tl.constexpr, QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr,
+                         HW_CAST: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -63,6 +65,9 @@ if HAS_TRITON:
         x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
         y = _normalised_row(x.to(tl.float32), x, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
+            round_row_into(y.to(out_ptr.dtype.element_ty), row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr,
+                           min_scale, QUANT, FMA_QUOTIENT, HW_CAST)
 
     @triton.jit
     def _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED: tl.constexpr):
@@ -81,8 +86,10 @@ if HAS_TRITON:
         return _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED)
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_x, s_r, s_o, H, eps, scale,
-                             BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_x, s_r, s_o, H, eps, scale, q_ptr, s_q, scale_ptr,
+                             in_scale_ptr, min_scale, BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr,
+                             QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr,
+                             PDL: tl.constexpr):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -91,11 +98,16 @@ if HAS_TRITON:
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
         y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
+            round_row_into(y.to(out_ptr.dtype.element_ty), row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr,
+                           min_scale, QUANT, FMA_QUOTIENT, HW_CAST)
 
     @triton.jit
-    def _sum_add_rms_norm_kernel(y_ptr, add_ptr, res_ptr, w_ptr, out_ptr, s_r, s_o, H, eps, scale,
-                                 TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr,
-                                 W_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+    def _sum_add_rms_norm_kernel(y_ptr, add_ptr, res_ptr, w_ptr, out_ptr, s_r, s_o, H, eps, scale, q_ptr, s_q,
+                                 scale_ptr, in_scale_ptr, min_scale, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
+                                 BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr,
+                                 QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr,
+                                 PDL: tl.constexpr):
         pdl_wait(PDL)
         # _sum_k_kernel (hybrid/ops/triton_moe.py) then _add_rms_norm_kernel, in one program a row,
         # rounding where they round: the sum over k in fp32, stored in y's dtype; then the add
@@ -107,6 +119,9 @@ if HAS_TRITON:
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
         y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
         tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
+            round_row_into(y.to(out_ptr.dtype.element_ty), row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr,
+                           min_scale, QUANT, FMA_QUOTIENT, HW_CAST)
 
     @triton.jit(do_not_specialize=["T"])  # the step's token count: a new compile per value class otherwise
     def _add_rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, normed_ptr, new_res_ptr, rw_ptr, partial_ptr,
@@ -165,50 +180,76 @@ def _warps(block: int) -> int:
     return 8 if block >= 4096 else 4 if block >= 1024 else 2
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
+class RoundFor:
+    """Ask a norm launch to round its output rows to e4m3 for an FP8 projection too (triton_fp8.round_row_into),
+    with each row's absmax (`input_scale` None) or with that static scale: the rows come back with the rounding
+    attached (triton_fp8.attach_rounding), and hybrid/fp8_linear.Fp8Linear takes it instead of launching its own
+    quantize_rows."""
+
+    def __init__(self, input_scale: torch.Tensor | None) -> None:
+        self.input_scale = input_scale
+
+
+def _rounding(out: torch.Tensor, round_for: RoundFor | None) -> tuple[triton_fp8.RowRounding | None, dict]:
+    if round_for is None:
+        return None, triton_fp8.no_rounding(out)
+    return triton_fp8.rounding_outputs(out, round_for.input_scale)
+
+
+def _with_rounding(out: torch.Tensor, rounding: triton_fp8.RowRounding | None) -> torch.Tensor:
+    return triton_fp8.attach_rounding(out, rounding) if rounding is not None else out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool,
+             round_for: RoundFor | None = None) -> torch.Tensor:
+    """RMSNorm of each row of x [T, H] (x's dtype); `round_for`: also the rows' e4m3 rounding (RoundFor)."""
     require(__name__)
     T, H = x.shape
     assert weight.shape == (H,) and x.stride(-1) == 1
     out = torch.empty_like(x)
+    rounding, rargs = _rounding(out, round_for)
     if T:
         block = triton.next_power_of_2(H)
-        _rms_norm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), H, eps,
+        _rms_norm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), H, eps, **rargs,
                                BLOCK=block, W_FP32=weight_in_fp32, num_warps=_warps(block), **pdl_options(x.device))
-    return out
+    return _with_rounding(out, rounding)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 weight_in_fp32: bool, scale: float = 1.0) -> torch.Tensor:
-    """residual += x * scale in place; returns the RMSNorm of the updated residual (residual's dtype)."""
+                 weight_in_fp32: bool, scale: float = 1.0, round_for: RoundFor | None = None) -> torch.Tensor:
+    """residual += x * scale in place; returns the RMSNorm of the updated residual (residual's dtype);
+    `round_for`: also the rows' e4m3 rounding (RoundFor)."""
     require(__name__)
     T, H = residual.shape
     assert x.shape == (T, H) and weight.shape == (H,) and x.stride(-1) == 1 and residual.stride(-1) == 1
     out = torch.empty_like(residual)
+    rounding, rargs = _rounding(out, round_for)
     if T:
         block = triton.next_power_of_2(H)
         _add_rms_norm_kernel[(T,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), H, eps,
-                                   float(scale), BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
+                                   float(scale), **rargs, BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0,
                                    num_warps=_warps(block), **pdl_options(x.device))
-    return out
+    return _with_rounding(out, rounding)
 
 
 def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool,
-                     scale: float = 1.0) -> torch.Tensor:
+                     scale: float = 1.0, round_for: RoundFor | None = None) -> torch.Tensor:
     """add_rms_norm(rows.sum(), residual, ...) for triton_moe.ExpertRows `rows`, in one launch:
-    the same values, bit for bit (residual updated in place)."""
+    the same values, bit for bit (residual updated in place); `round_for`: as add_rms_norm's."""
     require(__name__)
     T, H = residual.shape
     y, add = rows.y, rows.add
     assert rows.shape == (T, H) and y.is_contiguous() and residual.stride(-1) == 1 and weight.shape == (H,)
     assert add is None or add.is_contiguous()
     out = torch.empty_like(residual)
+    rounding, rargs = _rounding(out, round_for)
     if T:
         block = triton.next_power_of_2(H)
         _sum_add_rms_norm_kernel[(T,)](y, add if add is not None else y, residual, weight, out, residual.stride(0),
-                                       out.stride(0), H, eps, float(scale), TOP_K=rows.top_k, HAS_ADD=add is not None,
-                                       BLOCK=block, W_FP32=weight_in_fp32, SCALED=scale != 1.0, num_warps=_warps(block),
-                                       **pdl_options(y.device))
-    return out
+                                       out.stride(0), H, eps, float(scale), **rargs, TOP_K=rows.top_k,
+                                       HAS_ADD=add is not None, BLOCK=block, W_FP32=weight_in_fp32,
+                                       SCALED=scale != 1.0, num_warps=_warps(block), **pdl_options(y.device))
+    return _with_rounding(out, rounding)
 
 
 def add_rms_norm_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

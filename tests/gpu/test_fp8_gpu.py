@@ -219,6 +219,53 @@ def test_splitk_gemm_matches_the_exact_product_and_captures(name, act, monkeypat
         triton_guard.reset_switches()
 
 
+@pytest.mark.parametrize("per_channel,act", [(True, DYNAMIC), (False, STATIC), (True, STATIC)])
+@pytest.mark.parametrize("name", ["mamba.in_proj", "attn.qkv_proj", "mlp.up_proj"])
+def test_norm_rounding_feeds_the_projection_bit_for_bit(name, per_channel, act, monkeypatch):
+    """A norm's launch that rounds its rows for the FP8 projection after it (triton_norm.RoundFor: the default for
+    steps of 2+ tokens) gives that projection the bytes its own quantize_rows would: the same output, bit for bit,
+    at decode batches (tensor-wise GEMM, split-K for the per-tensor scales), prefill chunks (row-wise / per-tensor
+    GEMM) and under a graph, with no quantize_rows launch; a one-token step is not rounded by the norm."""
+    from hybrid.ops import triton_fp8, triton_norm
+
+    n, k = SHAPES_8B[name]
+    layer = _layer(n, k, per_channel=per_channel, act=act, seed=29)
+    weight = (0.5 + torch.rand(k, device="cuda")).to(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    real = triton_fp8.quantize_rows
+    launches = []
+    monkeypatch.setattr(triton_fp8, "quantize_rows", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    for rows in (2, 8, 64, 65, 300, 4096):
+        assert layer.rounds_rows_first(rows, torch.bfloat16, torch.device("cuda"))
+        x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16) * 2
+        residual = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
+        normed = triton_norm.add_rms_norm(x, residual.clone(), weight, 1e-5, True, 1.0,
+                                          triton_norm.RoundFor(layer.input_scale))
+        assert triton_fp8.rounding_of(normed, layer.input_scale) is not None
+        launches.clear()
+        got = layer(normed)
+        assert not launches, rows  # the projection took the norm's rounding
+        want = layer(normed.clone())  # (a copy carries no rounding: quantize_rows runs)
+        assert launches and torch.equal(got, want), (name, rows)
+    assert not layer.rounds_rows_first(1, torch.bfloat16, torch.device("cuda"))
+    src = torch.randn(64, k, device="cuda").to(torch.bfloat16)
+    res = torch.zeros(64, k, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        return layer(triton_norm.add_rms_norm(src.mul(2), res.clone(), weight, 1e-5, True, 1.0,
+                                              triton_norm.RoundFor(layer.input_scale)))
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    src.copy_(torch.randn(64, k, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, step())
+
+
 @pytest.mark.parametrize("mlp_act", ["relu2", "silu_and_mul"])
 @pytest.mark.parametrize("act", [STATIC, DYNAMIC])
 @pytest.mark.parametrize("rows", [1, 8, 100, 1000, 2048])  # (2048: the looped tiles of many wide rows)
