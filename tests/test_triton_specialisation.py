@@ -97,7 +97,7 @@ HELPERS = {
     "hybrid.ops.triton_greedy": {"_better", "_tile_best"},
     "attention.triton_prefill": {"_attend_tile"},
     "attention.trtllm": set(),
-    "hybrid.ops.triton_fp8": {"_round_e4m3", "_e4m3_values", "_quantized", "_gemv_step", "_ieee_quotient", "_e4m3_row", "_dynamic_scale",
+    "hybrid.ops.triton_fp8": {"_round_e4m3", "round_row_into", "_e4m3_values", "_quantized", "_gemv_step", "_ieee_quotient", "_e4m3_row", "_dynamic_scale",
                              "_gemv_step_quantizing", "_gemv_row_scales", "_preload_x_piece", "_preload_piece_dot",
                              "_activated"},
 }
