@@ -399,9 +399,15 @@ if [[ $what == fp8-next ]]; then
         | tee "$OUT/decode_fp8_$run.log" | grep -v Warn | grep -E "^\{|rror" | cut -c1-200 | sed "s/^/$run: /" || rc=1
   done
 fi
-# next     what this project's next session measures first: fp8-next
+# fp8-splitk-sweep  bench_fp8_splitk.py: the 8B's narrow FP8 projections at 8 and 64 rows, cuBLASLt's tensor-wise
+#           GEMM against the split-K GEMM over a sweep of its tilings, each with the scales' launch (<= 240 s)
+if [[ $what == fp8-splitk-sweep ]]; then
+  timeout 240 python3 bench/bench_fp8_splitk.py --json "$OUT/fp8_splitk_sweep.json" --time-limit 200 2>&1 \
+      | tee "$OUT/fp8_splitk_sweep.log" | grep -v Warn | cut -c1-300 || rc=1
+fi
+# next     what this project's next session measures first: fp8-splitk-sweep
 if [[ $what == next ]]; then
-  bash "$0" fp8-next || rc=1
+  bash "$0" fp8-splitk-sweep || rc=1
 fi
 # fp8-preload  the 8B shape in FP8 (pcpt, bf16 state) decode at batch 1 by default and with HYBRID_FP8_PRELOAD=1 (each
 #            its own process), the GPU tests of fp8_preload_gemv, then =1 with every row rounded before the kernel

@@ -749,11 +749,13 @@ SPLITK_PROGRAMS = 264
 
 
 @functools.lru_cache(maxsize=None)  # (a weight's shape: asked by every decode step's projection)
-def splitk_splits(N: int, K: int) -> int:
+def splitk_splits(N: int, K: int, block_n: int = SPLITK_BLOCK_N, block_k: int = SPLITK_BLOCK_K,
+                  programs: int = SPLITK_PROGRAMS) -> int:
     """How many slices of K fp8_splitk_gemm cuts a [N, K] weight into: the most whole-K-step divisor of K's steps
-    that keeps the programs (column tiles x slices) at about SPLITK_PROGRAMS (two an SM of an H100 / H200)."""
-    steps, tiles = K // SPLITK_BLOCK_K, cdiv(N, SPLITK_BLOCK_N)
-    want = max(1, SPLITK_PROGRAMS // tiles)
+    that keeps the programs (column tiles x slices) at about SPLITK_PROGRAMS (two an SM of an H100 / H200).
+    The tiling and program count: the defaults, or a benchmark's sweep (bench/bench_fp8_splitk.py)."""
+    steps, tiles = K // block_k, cdiv(N, block_n)
+    want = max(1, programs // tiles)
     return max(d for d in range(1, min(steps, want) + 1) if steps % d == 0)
 
 
@@ -765,26 +767,29 @@ def splitk_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[1] % SPLITK_BLOCK_K == 0 and x.stride(1) == 1 and weight.stride(1) == 1)
 
 
-def fp8_splitk_gemm(xq: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+def fp8_splitk_gemm(xq: torch.Tensor, weight: torch.Tensor, splits: int | None = None, *,
+                    block_n: int = SPLITK_BLOCK_N, block_k: int = SPLITK_BLOCK_K, num_warps: int = 4,
+                    num_stages: int = 4) -> torch.Tensor:
     """The unscaled products of e4m3 rows xq [M, K] (M <= SPLITK_MAX_ROWS) with an e4m3 weight [N, K], as S partial
     sums over slices of K: fp32 [S, M, N], for scale_accumulator (which adds them in order). Why: at decode sizes
     cuBLASLt's tensor-wise FP8 GEMM tiles N = 4096 into ~30-45 programs and streams the weight at 1.0-2.3 TB/s
-    (the 8B shape's out_proj and down_proj at batch 64, H100); split over K there are ~256 programs."""
+    (the 8B shape's out_proj and down_proj at batch 64, H100); split over K there are ~256 programs.
+    `block_n`, `block_k`, `num_warps`, `num_stages` (benchmarks): the tiling; K must be whole steps of block_k."""
     require(__name__)
-    if not splitk_eligible(xq, weight):
+    if not splitk_eligible(xq, weight) or xq.shape[1] % block_k:
         raise ValueError(f"fp8_splitk_gemm: x {tuple(xq.shape)} {xq.dtype} {xq.stride()}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}: e4m3 rows (1 to {SPLITK_MAX_ROWS}) and weight, K a multiple of "
                          f"{SPLITK_BLOCK_K}, row-major")
     M, K = xq.shape
     N = weight.shape[0]
-    splits = splits or splitk_splits(N, K)
-    if (K // SPLITK_BLOCK_K) % splits:
-        raise ValueError(f"fp8_splitk_gemm: {splits} splits do not cut K {K} into whole steps of {SPLITK_BLOCK_K}")
+    splits = splits or splitk_splits(N, K, block_n, block_k)
+    if (K // block_k) % splits:
+        raise ValueError(f"fp8_splitk_gemm: {splits} splits do not cut K {K} into whole steps of {block_k}")
     parts = torch.empty(splits, M, N, dtype=torch.float32, device=xq.device)
     block_m = max(16, triton.next_power_of_2(M))
-    _fp8_splitk_kernel[(cdiv(N, SPLITK_BLOCK_N), splits)](
+    _fp8_splitk_kernel[(cdiv(N, block_n), splits)](
         xq, weight, parts, M, N, K // splits, xq.stride(0), weight.stride(0), parts.stride(0), parts.stride(1),
-        BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=SPLITK_BLOCK_K, num_warps=4, num_stages=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
         **pdl_options(xq.device),
     )
     return parts
