@@ -399,7 +399,7 @@ if [[ $what == fp8-next ]]; then
         | tee "$OUT/decode_fp8_$run.log" | grep -v Warn | grep -E "^\{|rror" | cut -c1-200 | sed "s/^/$run: /" || rc=1
   done
 fi
-# fp8-splitk-sweep  bench_fp8_splitk.py: the 8B's narrow FP8 projections at 8 and 64 rows, cuBLASLt's tensor-wise
+# fp8-splitk-sweep  bench_fp8_splitk.py: the 8B's FP8 projections at 64 rows, cuBLASLt's tensor-wise
 #           GEMM against the split-K GEMM over a sweep of its tilings, each with the scales' launch (<= 240 s)
 if [[ $what == fp8-splitk-sweep ]]; then
   timeout 240 python3 bench/bench_fp8_splitk.py --json "$OUT/fp8_splitk_sweep.json" --time-limit 200 2>&1 \
