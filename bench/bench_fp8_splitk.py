@@ -1,6 +1,7 @@
 """The FP8 projections of a decode step alone (Nemotron-H-8B shapes, 64 rows by default): cuBLASLt's
 tensor-wise FP8 GEMM against the split-K Triton GEMM (hybrid/ops/triton_fp8.py fp8_splitk_gemm) over a sweep of
-its tilings, each followed by the scales' launch (scale_accumulator, which also adds the split-K partials).
+its tilings, each followed by the scales' launch (scale_accumulator, which also adds the split-K partials), and as
+one launch (fp8_splitk_linear: each column tile's last program sums and scales).
 
 Why: in the 8B model at batch 64 the split-K GEMM lost 2.4% against cuBLASLt (BENCHMARKS.md, 2026-12-06): its 56
 launches streamed the weights at ~2.1 TB/s and the partials' pass cost more than it saved. This says, per
@@ -101,24 +102,31 @@ def main() -> int:
                     parts = triton_fp8.fp8_splitk_gemm(xq, w, splits, **kw)
                     return triton_fp8.scale_accumulator(parts, xs, s, None, out_dtype=torch.bfloat16)
 
+                def fused(w, s, kw=kw, splits=splits):
+                    return triton_fp8.fp8_splitk_linear(xq, xs, w, s, None, splits=splits, **kw)
+
                 try:
                     us = graph_us_per_call([lambda w=w, s=s: splitk(w, s) for w, s in zip(weights, scales)])
+                    fused_us = graph_us_per_call([lambda w=w, s=s: fused(w, s) for w, s in zip(weights, scales)])
                     gemm_us = graph_us_per_call([lambda w=w: triton_fp8.fp8_splitk_gemm(xq, w, splits, **kw)
                                                  for w in weights])
                     e = err(splitk(weights[0], scales[0]))
+                    same = torch.equal(fused(weights[0], scales[0]), splitk(weights[0], scales[0]))
                 except Exception as exc:  # (a tiling past the shared memory of an SM: named, the sweep goes on)
                     print(f"{proj} M={m} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                     continue
-                entry = dict(cfg, splits=splits, us=us, gemm_us=gemm_us, gemm_tb_s=n * k / 1e6 / gemm_us, err=e)
+                entry = dict(cfg, splits=splits, us=us, fused_us=fused_us, fused_equal=same, gemm_us=gemm_us,
+                             gemm_tb_s=n * k / 1e6 / gemm_us, err=e)
                 row.setdefault("splitk", []).append(entry)
-                if best is None or us < best["us"]:
+                if best is None or min(us, fused_us) < min(best["us"], best["fused_us"]):
                     best = entry
             row["splitk_best"] = best
             row["cublas_gemm_tb_s"] = n * k / 1e6 / row["cublas_gemm_us"]
             results.append(row)
             b = best or {}
             print(f"{proj} M={m}: cublas {row['cublas_us']:.1f} us (GEMM {row['cublas_gemm_us']:.1f}, "
-                  f"{row['cublas_gemm_tb_s']:.2f} TB/s) | split-K best {b.get('us', float('nan')):.1f} us "
+                  f"{row['cublas_gemm_tb_s']:.2f} TB/s) | split-K best {b.get('us', float('nan')):.1f} us, one launch "
+                  f"{b.get('fused_us', float('nan')):.1f} us (equal {b.get('fused_equal')}) "
                   f"(GEMM {b.get('gemm_us', float('nan')):.1f}, {b.get('gemm_tb_s', float('nan')):.2f} TB/s, err "
                   f"{b.get('err', float('nan')):.1e}) {({key: b[key] for key in ('block_n', 'block_k', 'num_warps', 'num_stages', 'splits')} if b else '')}",
                   flush=True)

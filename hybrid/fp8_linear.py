@@ -305,10 +305,10 @@ class Fp8Linear(nn.Module):
     def _tensorwise_gemm(self, xq: torch.Tensor, sa: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """forward_tensorwise after the rows' rounding: e4m3 rows xq [M, in] with their scales sa [M, 1]."""
         if self._narrow_for_splitk() and triton_fp8.splitk_eligible(xq, self.weight):
-            acc = triton_fp8.fp8_splitk_gemm(xq, self.weight)
-        else:
-            acc = torch._scaled_mm(xq, self.weight.t(), scale_a=self._unit_scale, scale_b=self._unit_scale,
-                                   out_dtype=torch.float32)
+            # (the partials summed and scaled by each column tile's last program: one launch)
+            return triton_fp8.fp8_splitk_linear(xq, sa, self.weight, self.weight_scale, self.bias, out_dtype=dtype)
+        acc = torch._scaled_mm(xq, self.weight.t(), scale_a=self._unit_scale, scale_b=self._unit_scale,
+                               out_dtype=torch.float32)
         return triton_fp8.scale_accumulator(acc, sa, self.weight_scale, self.bias, out_dtype=dtype)
 
     def _narrow_for_splitk(self) -> bool:

@@ -230,8 +230,8 @@ def test_layer_splitk_path(activation, per_row, monkeypatch):
     monkeypatch.setenv("HYBRID_FP8_SPLITK", "1")
     triton_guard.reset_switches()
     calls = []
-    real = triton_fp8.fp8_splitk_gemm
-    monkeypatch.setattr(triton_fp8, "fp8_splitk_gemm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    real = triton_fp8.fp8_splitk_linear
+    monkeypatch.setattr(triton_fp8, "fp8_splitk_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     try:
         got = layer.forward_tensorwise(x)
     finally:
@@ -601,3 +601,27 @@ def test_rounds_rows_first_only_on_the_scaled_mm_path(monkeypatch):
     weight_only = _layer(32, 64, None, True, False, seed=6)
     weight_only.use_scaled_mm = True
     assert not weight_only.rounds_rows_first(8, torch.bfloat16, cuda)
+
+
+@pytest.mark.parametrize("per_row,bias", [(True, False), (False, True)])
+@pytest.mark.parametrize("m,n,k,splits,block_n", [(3, 96, 512, 2, 32), (16, 200, 1024, 4, 64), (1, 64, 256, 1, 64)])
+def test_splitk_linear_equals_partials_then_scale_accumulator(per_row, bias, m, n, k, splits, block_n):
+    """fp8_splitk_linear (each column tile's last program sums the partials and scales them): the values of
+    fp8_splitk_gemm then scale_accumulator, bit for bit, in fp32 and bf16 out; ragged N (masked columns) and rows;
+    the tile counts back at 0 after the launch, so a second launch (a graph replay) gives the same."""
+    g = torch.Generator().manual_seed(m + n + k)
+    x = (torch.randn(m, k, generator=g) * 40).clamp(-448, 448).to(FP8_DTYPE)
+    w = (torch.randn(n, k, generator=g) * 40).clamp(-448, 448).to(FP8_DTYPE)
+    xs = (torch.rand(m, 1, generator=g) + 0.5) / 100
+    ws = (torch.rand(n, generator=g) + 0.5) / 300 if per_row else torch.tensor(0.003)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    for out_dtype in (torch.float32, torch.bfloat16):
+        parts = triton_fp8.fp8_splitk_gemm(x, w, splits, block_n=block_n)
+        want = triton_fp8.scale_accumulator(parts, xs, ws, b, out_dtype=out_dtype)
+        got = triton_fp8.fp8_splitk_linear(x, xs, w, ws, b, out_dtype=out_dtype, splits=splits, block_n=block_n)
+        assert got.dtype == out_dtype and torch.equal(got, want)
+        assert not triton_fp8._tile_counts(x.device, 1).any()
+        again = triton_fp8.fp8_splitk_linear(x, xs, w, ws, b, out_dtype=out_dtype, splits=splits, block_n=block_n)
+        assert torch.equal(again, want)
+    with pytest.raises(ValueError, match="x_scale"):
+        triton_fp8.fp8_splitk_linear(x, xs[:-1] if m > 1 else xs.repeat(2, 1), w, ws)

@@ -150,9 +150,12 @@ def _fp8_scale_accumulator():
 @case("fp8_splitk")
 def _fp8_splitk():
     for block_m in (16, 32, 64):  # (2-16, 17-32 and 33-64 rows: tl.dot tiles on e4m3 operands, wgmma on sm_90)
-        compiles(triton_fp8._fp8_splitk_kernel,
-                 dict(BLOCK_M=block_m, BLOCK_N=triton_fp8.SPLITK_BLOCK_N, BLOCK_K=triton_fp8.SPLITK_BLOCK_K, PDL=True),
-                 dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", p_ptr="*fp32"), num_stages=4)
+        for reduce in (False, True):  # (True: fp8_splitk_linear, the last program of a tile sums and scales)
+            compiles(triton_fp8._fp8_splitk_kernel,
+                     dict(BLOCK_M=block_m, BLOCK_N=triton_fp8.SPLITK_BLOCK_N, BLOCK_K=triton_fp8.SPLITK_BLOCK_K,
+                          REDUCE=reduce, W_PER_ROW=reduce, HAS_BIAS=reduce, PDL=True),
+                     dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", p_ptr="*fp32", count_ptr="*i32", x_scale_ptr="*fp32",
+                          w_scale_ptr="*fp32"), num_stages=4)
 
 
 for _act in (triton_fp8.ACT_NONE, triton_fp8.ACT_STATIC, triton_fp8.ACT_DYNAMIC):

@@ -715,7 +715,9 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["M", "s_ps"])  # the step's rows, and M x N between the partials
     def _fp8_splitk_kernel(x_ptr, w_ptr, p_ptr, M, N, k_per_split, s_xm, s_wn, s_ps, s_pm,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           count_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, s_ym,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           REDUCE: tl.constexpr, W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
         # partial[split, m, n] = sum over k in the split's slice of K of x[m, k] * w[n, k], e4m3 x e4m3 on the
         # tensor cores: each K step's product in its own accumulator added to the fp32 sum
         # (max_num_imprecise_acc = BLOCK_K), as cuBLASLt's FP8 GEMM without fast accumulation. The slice is whole
@@ -736,8 +738,29 @@ if HAS_TRITON:
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        p_ptrs = p_ptr + tl.program_id(1) * s_ps + offs_m[:, None] * s_pm + offs_n[None, :]
-        tl.store(p_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+        mask = mask_m[:, None] & mask_n[None, :]
+        p_tile = p_ptr + offs_m[:, None] * s_pm + offs_n[None, :]
+        tl.store(p_tile + tl.program_id(1) * s_ps, acc, mask=mask)
+        if REDUCE:
+            # The column tile's last program to finish adds the S partials in split order and applies the scales, as
+            # _scale_accumulator_kernel does (the same values, bit for bit): no launch of its own. The count is
+            # taken after every thread's store (barrier, then a release / acquire at GPU scope) and set back to 0 by
+            # that last program, ready for the next launch (a graph replays it)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(1) - 1:
+                tl.atomic_xchg(count_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+                total = tl.load(p_tile, mask=mask, other=0.0, cache_modifier=".cg")
+                for split in range(1, tl.num_programs(1)):
+                    total += tl.load(p_tile + split * s_ps, mask=mask, other=0.0, cache_modifier=".cg")
+                if W_PER_ROW:
+                    w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
+                else:
+                    w_scale = tl.load(w_scale_ptr)
+                y = total * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None] * w_scale
+                if HAS_BIAS:
+                    y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptr + offs_m[:, None] * s_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # fp8_splitk_gemm's tiles: BLOCK_N output columns a program, K steps of BLOCK_K, at most SPLITK_MAX_ROWS rows (one
@@ -786,13 +809,68 @@ def fp8_splitk_gemm(xq: torch.Tensor, weight: torch.Tensor, splits: int | None =
     if (K // block_k) % splits:
         raise ValueError(f"fp8_splitk_gemm: {splits} splits do not cut K {K} into whole steps of {block_k}")
     parts = torch.empty(splits, M, N, dtype=torch.float32, device=xq.device)
-    block_m = max(16, triton.next_power_of_2(M))
+    _launch_splitk(xq, weight, parts, None, block_n, block_k, num_warps, num_stages)
+    return parts
+
+
+def _launch_splitk(xq: torch.Tensor, weight: torch.Tensor, parts: torch.Tensor, reduce: tuple | None, block_n: int,
+                   block_k: int, num_warps: int, num_stages: int) -> None:
+    """_fp8_splitk_kernel over parts [S, M, N]; `reduce`: (x_scale, weight_scale, bias, y) for the last program of
+    each column tile to sum the partials and scale them into y (fp8_splitk_linear), or None (the partials alone)."""
+    splits, M, N = parts.shape
+    K = xq.shape[1]
+    if reduce is None:
+        count = x_scale = w_scale = bias = y = parts
+    else:
+        x_scale, w_scale, bias, y = reduce
+        count = _tile_counts(xq.device, cdiv(N, block_n))
+        bias = bias if bias is not None else w_scale
     _fp8_splitk_kernel[(cdiv(N, block_n), splits)](
         xq, weight, parts, M, N, K // splits, xq.stride(0), weight.stride(0), parts.stride(0), parts.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(xq.device),
+        count, x_scale, w_scale, bias, y, y.stride(0) if reduce is not None else 0,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, REDUCE=reduce is not None,
+        W_PER_ROW=reduce is not None and w_scale.dim() == 1, HAS_BIAS=reduce is not None and reduce[2] is not None,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(xq.device),
     )
-    return parts
+
+
+_TILE_COUNTS: dict = {}
+
+
+def _tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """The arrival counts of fp8_splitk_linear's column tiles on `device`: int32 zeros, kept (each launch's last
+    program of a tile sets its count back to 0), grown when a wider weight asks for more."""
+    key = (device.type, device.index)
+    counts = _TILE_COUNTS.get(key)
+    if counts is None or counts.numel() < tiles:
+        counts = torch.zeros(max(1024, tiles), dtype=torch.int32, device=device)
+        _TILE_COUNTS[key] = counts
+    return counts
+
+
+def fp8_splitk_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.bfloat16,
+                      splits: int | None = None, block_n: int = SPLITK_BLOCK_N, block_k: int = SPLITK_BLOCK_K,
+                      num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """scale_accumulator(fp8_splitk_gemm(xq, weight), x_scale, weight_scale, bias) in one launch: the last program of
+    each column tile to finish adds the partials (in split order) and applies the scales, so the values are those of
+    the two launches, bit for bit. x_scale [M, 1] fp32 contiguous; weight_scale 0-dim or [N]; bias [N] or None."""
+    require(__name__)
+    if not splitk_eligible(xq, weight) or xq.shape[1] % block_k:
+        raise ValueError(f"fp8_splitk_linear: x {tuple(xq.shape)} {xq.dtype} {xq.stride()}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}: e4m3 rows (1 to {SPLITK_MAX_ROWS}) and weight, K a "
+                         f"multiple of {block_k}, row-major")
+    M, K = xq.shape
+    N = weight.shape[0]
+    if x_scale.numel() != M or not x_scale.is_contiguous() or x_scale.dtype != torch.float32:
+        raise ValueError(f"fp8_splitk_linear: x_scale {tuple(x_scale.shape)}: one contiguous fp32 scale per row")
+    splits = splits or splitk_splits(N, K, block_n, block_k)
+    if (K // block_k) % splits:
+        raise ValueError(f"fp8_splitk_linear: {splits} splits do not cut K {K} into whole steps of {block_k}")
+    parts = torch.empty(splits, M, N, dtype=torch.float32, device=xq.device)
+    y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    _launch_splitk(xq, weight, parts, (x_scale, weight_scale, bias, y), block_n, block_k, num_warps, num_stages)
+    return y
 
 
 assert FP8_MAX == 448.0  # the kernels clamp to the e4m3 range as a literal

@@ -191,8 +191,8 @@ def test_splitk_gemm_matches_the_exact_product_and_captures(name, act, monkeypat
     monkeypatch.setenv("HYBRID_FP8_SPLITK", "1")
     triton_guard.reset_switches()
     calls = []
-    real = triton_fp8.fp8_splitk_gemm
-    monkeypatch.setattr(triton_fp8, "fp8_splitk_gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    real = triton_fp8.fp8_splitk_linear
+    monkeypatch.setattr(triton_fp8, "fp8_splitk_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     try:
         for per_channel in (True, False):
             layer = _layer(n, k, per_channel=per_channel, act=act, seed=23, bias=name == "attn.qkv_proj")
@@ -217,6 +217,38 @@ def test_splitk_gemm_matches_the_exact_product_and_captures(name, act, monkeypat
     finally:
         monkeypatch.delenv("HYBRID_FP8_SPLITK")
         triton_guard.reset_switches()
+
+
+@pytest.mark.parametrize("name", ["mamba.out_proj", "mlp.down_proj", "mamba.in_proj"])
+def test_splitk_linear_sums_in_its_last_programs_bit_for_bit(name):
+    """fp8_splitk_linear on the GPU (each column tile's last program to arrive sums the partials and scales them,
+    ordered by an acquire / release count): the values of fp8_splitk_gemm then scale_accumulator, bit for bit, at
+    2-64 rows and several splits, launch after launch (the counts go back to 0), and under a graph replay."""
+    from hybrid.ops import triton_fp8
+
+    n, k = SHAPES_8B[name]
+    layer = _layer(n, k, per_channel=True, act=DYNAMIC, seed=31, bias=True)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for m in (2, 17, 64):
+        xq, xs = triton_fp8.quantize_rows(torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16))
+        for splits in (2, 4, 8):
+            if (k // triton_fp8.SPLITK_BLOCK_K) % splits:
+                continue
+            want = triton_fp8.scale_accumulator(triton_fp8.fp8_splitk_gemm(xq, layer.weight, splits), xs,
+                                                layer.weight_scale, layer.bias, out_dtype=torch.bfloat16)
+            for _ in range(3):
+                got = triton_fp8.fp8_splitk_linear(xq, xs, layer.weight, layer.weight_scale, layer.bias,
+                                                   splits=splits)
+                assert torch.equal(got, want), (name, m, splits)
+    assert not triton_fp8._tile_counts(xq.device, 1).any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_fp8.fp8_splitk_linear(xq, xs, layer.weight, layer.weight_scale, layer.bias, splits=4)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, triton_fp8.fp8_splitk_linear(xq, xs, layer.weight, layer.weight_scale, layer.bias,
+                                                             splits=4))
 
 
 @pytest.mark.parametrize("per_channel,act", [(True, DYNAMIC), (False, STATIC), (True, STATIC)])
