@@ -56,9 +56,12 @@ again: benchmarks comparing both):
   (BENCHMARKS.md): +6.1% at batch 1 on the 8B shape in FP8 (pcpt);
 - "fp8_splitk" (HYBRID_FP8_SPLITK=1): FP8 projections of steps of 2-64 tokens whose weight is narrow (the 8B
   shape's out_proj, down_proj, o_proj, qkv_proj) on triton_fp8.fp8_splitk_gemm (K cut into slices across ~264
-  programs, the partial sums added by scale_accumulator) instead of cuBLASLt's tensor-wise GEMM, which tiled N 4096
-  into 29-43 programs at batch 64 (1.0-2.3 TB/s on an H100); measured on an H100: -2.4% at batch 64 (its partials' extra pass), +0.6% at batch 8, so off;
-- "fp8_norm_rounding" (on by default; HYBRID_FP8_NORM_ROUNDING=0 turns it off): where a norm's output feeds FP8
+  programs; since 2026-12-06 the partial sums added and scaled by each column tile's last program, one launch:
+  triton_fp8.fp8_splitk_linear) instead of cuBLASLt's tensor-wise GEMM, which tiled N 4096
+  into 29-43 programs at batch 64 (1.0-2.3 TB/s on an H100); measured on an H100 with the partials' own pass (before fp8_splitk_linear): -2.4% at batch 64, +0.6% at
+  batch 8, so off;
+- "fp8_norm_rounding" (on by default, +1.0% / +0.4% at batch 8 / 64 on the FP8 8B, H100; HYBRID_FP8_NORM_ROUNDING=0
+  turns it off): where a norm's output feeds FP8
   projections alone that would round it with quantize_rows (steps of 2+ tokens: prefill, batched decode), the
   norm's launch rounds its stored rows to e4m3 too (triton_fp8.round_row_into) and the projection skips its
   quantize_rows launch: the same bytes, one launch and one read of the rows fewer (the norm keeps its one program
