@@ -798,19 +798,25 @@ def fp8_splitk_gemm(xq: torch.Tensor, weight: torch.Tensor, splits: int | None =
     cuBLASLt's tensor-wise FP8 GEMM tiles N = 4096 into ~30-45 programs and streams the weight at 1.0-2.3 TB/s
     (the 8B shape's out_proj and down_proj at batch 64, H100); split over K there are ~256 programs.
     `block_n`, `block_k`, `num_warps`, `num_stages` (benchmarks): the tiling; K must be whole steps of block_k."""
+    parts = _splitk_partials(xq, weight, splits, block_k, block_n, "fp8_splitk_gemm")
+    _launch_splitk(xq, weight, parts, None, block_n, block_k, num_warps, num_stages)
+    return parts
+
+
+def _splitk_partials(xq: torch.Tensor, weight: torch.Tensor, splits: int | None, block_k: int, block_n: int,
+                     caller: str) -> torch.Tensor:
+    """The fp32 partials buffer [S, M, N] of a split-K launch, after checking its operands and split count."""
     require(__name__)
     if not splitk_eligible(xq, weight) or xq.shape[1] % block_k:
-        raise ValueError(f"fp8_splitk_gemm: x {tuple(xq.shape)} {xq.dtype} {xq.stride()}, weight {tuple(weight.shape)} "
+        raise ValueError(f"{caller}: x {tuple(xq.shape)} {xq.dtype} {xq.stride()}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}: e4m3 rows (1 to {SPLITK_MAX_ROWS}) and weight, K a multiple of "
-                         f"{SPLITK_BLOCK_K}, row-major")
+                         f"{block_k}, row-major")
     M, K = xq.shape
     N = weight.shape[0]
     splits = splits or splitk_splits(N, K, block_n, block_k)
     if (K // block_k) % splits:
-        raise ValueError(f"fp8_splitk_gemm: {splits} splits do not cut K {K} into whole steps of {block_k}")
-    parts = torch.empty(splits, M, N, dtype=torch.float32, device=xq.device)
-    _launch_splitk(xq, weight, parts, None, block_n, block_k, num_warps, num_stages)
-    return parts
+        raise ValueError(f"{caller}: {splits} splits do not cut K {K} into whole steps of {block_k}")
+    return torch.empty(splits, M, N, dtype=torch.float32, device=xq.device)
 
 
 def _launch_splitk(xq: torch.Tensor, weight: torch.Tensor, parts: torch.Tensor, reduce: tuple | None, block_n: int,
@@ -855,19 +861,10 @@ def fp8_splitk_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     """scale_accumulator(fp8_splitk_gemm(xq, weight), x_scale, weight_scale, bias) in one launch: the last program of
     each column tile to finish adds the partials (in split order) and applies the scales, so the values are those of
     the two launches, bit for bit. x_scale [M, 1] fp32 contiguous; weight_scale 0-dim or [N]; bias [N] or None."""
-    require(__name__)
-    if not splitk_eligible(xq, weight) or xq.shape[1] % block_k:
-        raise ValueError(f"fp8_splitk_linear: x {tuple(xq.shape)} {xq.dtype} {xq.stride()}, weight "
-                         f"{tuple(weight.shape)} {weight.dtype}: e4m3 rows (1 to {SPLITK_MAX_ROWS}) and weight, K a "
-                         f"multiple of {block_k}, row-major")
-    M, K = xq.shape
-    N = weight.shape[0]
+    parts = _splitk_partials(xq, weight, splits, block_k, block_n, "fp8_splitk_linear")
+    _, M, N = parts.shape
     if x_scale.numel() != M or not x_scale.is_contiguous() or x_scale.dtype != torch.float32:
         raise ValueError(f"fp8_splitk_linear: x_scale {tuple(x_scale.shape)}: one contiguous fp32 scale per row")
-    splits = splits or splitk_splits(N, K, block_n, block_k)
-    if (K // block_k) % splits:
-        raise ValueError(f"fp8_splitk_linear: {splits} splits do not cut K {K} into whole steps of {block_k}")
-    parts = torch.empty(splits, M, N, dtype=torch.float32, device=xq.device)
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     _launch_splitk(xq, weight, parts, (x_scale, weight_scale, bias, y), block_n, block_k, num_warps, num_stages)
     return y
