@@ -405,7 +405,7 @@ if [[ $what == fp8-splitk-sweep || $what == fp8-splitk-2 ]]; then
   timeout ${SWEEP_LIMIT:-240} python3 bench/bench_fp8_splitk.py --json "$OUT/fp8_splitk_sweep.json" \
       --time-limit $(( ${SWEEP_LIMIT:-240} - 40 )) 2>&1 | tee "$OUT/fp8_splitk_sweep.log" | grep -v Warn | cut -c1-400 || rc=1
 fi
-# fp8-splitk-2  the GPU tests of the one-launch split-K linear (<= 80 s), the sweep in 170 s, then the 8B shape in
+# fp8-splitk-2  the GPU tests of the one-launch split-K linear (<= 80 s), the sweep, then the 8B shape in
 #           FP8 at batch 64 by default and with HYBRID_FP8_SPLITK=1 (now one launch a projection), a process each
 if [[ $what == fp8-splitk-2 ]]; then
   gpu_pytest 80 gpu_tests_fp8_splitk_2.log tests/gpu/test_fp8_gpu.py -k "splitk"
@@ -418,9 +418,9 @@ if [[ $what == fp8-splitk-2 ]]; then
         | grep -E "^\{|rror" | cut -c1-200 | sed "s/^/$run: /" || rc=1
   done
 fi
-# next     what this project's next session measures first: fp8-splitk-2 (the sweep in 170 s)
+# next     what this project's next session measures first: fp8-splitk-2 (the sweep in 140 s)
 if [[ $what == next ]]; then
-  SWEEP_LIMIT=170 bash "$0" fp8-splitk-2 || rc=1
+  SWEEP_LIMIT=${SWEEP_LIMIT:-140} bash "$0" fp8-splitk-2 || rc=1
 fi
 # fp8-preload  the 8B shape in FP8 (pcpt, bf16 state) decode at batch 1 by default and with HYBRID_FP8_PRELOAD=1 (each
 #            its own process), the GPU tests of fp8_preload_gemv, then =1 with every row rounded before the kernel
