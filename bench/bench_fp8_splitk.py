@@ -95,6 +95,9 @@ def main() -> int:
             for cfg in SWEEP:
                 if k % cfg["block_k"]:
                     continue
+                if time.time() - t0 > args.time_limit:
+                    row["sweep_cut"] = True  # (the rest of the sweep did not fit the time limit)
+                    break
                 kw = {key: v for key, v in cfg.items() if key != "programs"}
                 splits = triton_fp8.splitk_splits(n, k, cfg["block_n"], cfg["block_k"], cfg["programs"])
 
@@ -123,6 +126,9 @@ def main() -> int:
             row["splitk_best"] = best
             row["cublas_gemm_tb_s"] = n * k / 1e6 / row["cublas_gemm_us"]
             results.append(row)
+            if args.json:  # (after every row: a run cut by its caller's timeout keeps what it measured)
+                with open(args.json, "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
             b = best or {}
             print(f"{proj} M={m}: cublas {row['cublas_us']:.1f} us (GEMM {row['cublas_gemm_us']:.1f}, "
                   f"{row['cublas_gemm_tb_s']:.2f} TB/s) | split-K best {b.get('us', float('nan')):.1f} us, one launch "
@@ -132,9 +138,6 @@ def main() -> int:
                   flush=True)
         del weights, scales
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
     return 0
 
 
