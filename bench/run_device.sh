@@ -401,11 +401,11 @@ if [[ $what == fp8-next ]]; then
 fi
 # fp8-splitk-sweep  bench_fp8_splitk.py: the 8B's FP8 projections at 64 rows, cuBLASLt's tensor-wise
 #           GEMM against the split-K GEMM over a sweep of its tilings, each with the scales' launch (<= 240 s)
-if [[ $what == fp8-splitk-sweep || $what == fp8-splitk-2 ]]; then
+if [[ $what == fp8-splitk-sweep || ( $what == fp8-splitk-2 && ${SPLITK_LEAN:-0} != 1 ) ]]; then
   timeout ${SWEEP_LIMIT:-240} python3 bench/bench_fp8_splitk.py --json "$OUT/fp8_splitk_sweep.json" \
       --time-limit $(( ${SWEEP_LIMIT:-240} - 40 )) 2>&1 | tee "$OUT/fp8_splitk_sweep.log" | grep -v Warn | cut -c1-400 || rc=1
 fi
-# fp8-splitk-2  the GPU tests of the one-launch split-K linear (<= 80 s), the sweep, then the 8B shape in
+# fp8-splitk-2  (SPLITK_LEAN=1: without the sweep) the GPU tests of the one-launch split-K linear (<= 80 s), the sweep, then the 8B shape in
 #           FP8 at batch 64 by default and with HYBRID_FP8_SPLITK=1 (now one launch a projection), a process each
 if [[ $what == fp8-splitk-2 ]]; then
   gpu_pytest 80 gpu_tests_fp8_splitk_2.log tests/gpu/test_fp8_gpu.py -k "splitk"
