@@ -167,9 +167,10 @@ if HAS_TRITON:
     @triton.jit
     def round_row_into(y, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale, QUANT: tl.constexpr,
                        FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr):
-        """A producer kernel's whole output row y (as it stored it, in its dtype) rounded to e4m3 as quantize_rows'
-        one-tile program rounds that stored row: QUANT 1, the row's absmax / 448 (dynamic); 2, the static scale at
-        in_scale_ptr. Stores the row's scale at scale_ptr[row] and its e4m3 values at q_ptr + row * s_q."""
+        """A whole row y (in the dtype it is stored in) rounded to e4m3: QUANT 1, with the row's absmax / 448
+        (dynamic); 2, with the static scale at in_scale_ptr. Stores the row's scale at scale_ptr[row] and its e4m3
+        values at q_ptr + row * s_q. quantize_rows' one-tile program, and a producer kernel rounding the row it
+        stores (a norm: hybrid/ops/triton_norm.py) with the same code."""
         y = tl.where(mask, y, 0.0).to(y.dtype)
         if QUANT == 2:
             s = tl.load(in_scale_ptr)
@@ -202,12 +203,8 @@ if HAS_TRITON:
         if ONE_TILE:  # the whole row in one tile (BLOCK_K >= K): read once, no dependent loop steps
             mask = offs_k < K
             x = _activated(x_ptr + row * s_xm, offs_k, mask, K, ACT)
-            if STATIC:
-                s = tl.load(in_scale_ptr)
-            else:
-                s = _dynamic_scale(tl.max(tl.abs(x.to(tl.float32)), axis=0), min_scale)
-            tl.store(scale_ptr + row, s)
-            tl.store(q_ptr + row * s_qm + offs_k, _e4m3_row(x, s, FMA_QUOTIENT, HW_CAST), mask=mask)
+            round_row_into(x, row, offs_k, mask, q_ptr, s_qm, scale_ptr, in_scale_ptr, min_scale, 2 if STATIC else 1,
+                           FMA_QUOTIENT, HW_CAST)
             return
         if STATIC:
             s = tl.load(in_scale_ptr)
@@ -825,17 +822,19 @@ def _launch_splitk(xq: torch.Tensor, weight: torch.Tensor, parts: torch.Tensor, 
     each column tile to sum the partials and scale them into y (fp8_splitk_linear), or None (the partials alone)."""
     splits, M, N = parts.shape
     K = xq.shape[1]
-    if reduce is None:
+    if reduce is None:  # (the reduce's arguments unused: any pointer)
         count = x_scale = w_scale = bias = y = parts
+        has_bias, s_ym = False, 0
     else:
         x_scale, w_scale, bias, y = reduce
         count = _tile_counts(xq.device, cdiv(N, block_n))
-        bias = bias if bias is not None else w_scale
+        has_bias, s_ym = bias is not None, y.stride(0)
+        bias = bias if has_bias else w_scale
     _fp8_splitk_kernel[(cdiv(N, block_n), splits)](
         xq, weight, parts, M, N, K // splits, xq.stride(0), weight.stride(0), parts.stride(0), parts.stride(1),
-        count, x_scale, w_scale, bias, y, y.stride(0) if reduce is not None else 0,
+        count, x_scale, w_scale, bias, y, s_ym,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, REDUCE=reduce is not None,
-        W_PER_ROW=reduce is not None and w_scale.dim() == 1, HAS_BIAS=reduce is not None and reduce[2] is not None,
+        W_PER_ROW=reduce is not None and w_scale.dim() == 1, HAS_BIAS=has_bias,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(xq.device),
     )
 

@@ -64,10 +64,11 @@ if HAS_TRITON:
         mask = offs < H
         x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
         y = _normalised_row(x.to(tl.float32), x, w_ptr, offs, mask, H, eps, W_FP32)
-        tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        stored = y.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * s_o + offs, stored, mask=mask)
         if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
-            round_row_into(y.to(out_ptr.dtype.element_ty), row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr,
-                           min_scale, QUANT, FMA_QUOTIENT, HW_CAST)
+            round_row_into(stored, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale, QUANT,
+                           FMA_QUOTIENT, HW_CAST)
 
     @triton.jit
     def _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED: tl.constexpr):
@@ -97,10 +98,11 @@ if HAS_TRITON:
         h = _added_row(x_ptr, res_ptr, row, offs, mask, s_x, s_r, scale, SCALED)
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
         y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
-        tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        stored = y.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * s_o + offs, stored, mask=mask)
         if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
-            round_row_into(y.to(out_ptr.dtype.element_ty), row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr,
-                           min_scale, QUANT, FMA_QUOTIENT, HW_CAST)
+            round_row_into(stored, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale, QUANT,
+                           FMA_QUOTIENT, HW_CAST)
 
     @triton.jit
     def _sum_add_rms_norm_kernel(y_ptr, add_ptr, res_ptr, w_ptr, out_ptr, s_r, s_o, H, eps, scale, q_ptr, s_q,
@@ -118,10 +120,11 @@ if HAS_TRITON:
         h = _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED)
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
         y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
-        tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        stored = y.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * s_o + offs, stored, mask=mask)
         if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
-            round_row_into(y.to(out_ptr.dtype.element_ty), row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr,
-                           min_scale, QUANT, FMA_QUOTIENT, HW_CAST)
+            round_row_into(stored, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale, QUANT,
+                           FMA_QUOTIENT, HW_CAST)
 
     @triton.jit(do_not_specialize=["T"])  # the step's token count: a new compile per value class otherwise
     def _add_rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, normed_ptr, new_res_ptr, rw_ptr, partial_ptr,
