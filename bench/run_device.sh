@@ -384,39 +384,39 @@ if [[ $what == fp8-splitk ]]; then
         | grep -E "^\{|rror" | cut -c1-200 | sed "s/^/$run: /" || rc=1
   done
 fi
+fp8_8b_decode() {  # $1: the run's name; the rest: more bench_decode.py arguments; the environment: its switches
+  local run=$1; shift
+  timeout 150 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt --batches 8 64 --steps 10 \
+      "$@" --json "$OUT/decode_fp8_$run.json" 2>&1 | tee "$OUT/decode_fp8_$run.log" | grep -v Warn \
+      | grep -E "^\{|rror" | cut -c1-200 | sed "s/^/$run: /" || rc=1
+}
+splitk_sweep() {  # bench_fp8_splitk.py in ${SWEEP_LIMIT:-240} s
+  timeout ${SWEEP_LIMIT:-240} python3 bench/bench_fp8_splitk.py --json "$OUT/fp8_splitk_sweep.json" \
+      --time-limit $(( ${SWEEP_LIMIT:-240} - 40 )) 2>&1 | tee "$OUT/fp8_splitk_sweep.log" | grep -v Warn | cut -c1-400 || rc=1
+}
 # fp8-next  the GPU tests of the split-K GEMM and of the norms' e4m3 rounding (<= 120 s), then the 8B shape in FP8
 #           (pcpt, bf16 state, graphs) at batch 8 / 64 with the 8K TTFT, a process each: the default (the norms
 #           round their rows for the FP8 projections), HYBRID_FP8_NORM_ROUNDING=0, and HYBRID_FP8_SPLITK=1 (no TTFT:
 #           prefill steps never take it)
 if [[ $what == fp8-next ]]; then
   gpu_pytest 120 gpu_tests_fp8_next.log tests/gpu/test_fp8_gpu.py -k "splitk or norm_rounding"
-  for run in default norm_rounding_0 splitk_1; do
-    extra=(); [[ $run == splitk_1 ]] && extra=(--no-prefill)
-    env_run=(HYBRID_FP8_NORM_ROUNDING=$([[ $run == norm_rounding_0 ]] && echo 0 || echo 1)
-             HYBRID_FP8_SPLITK=$([[ $run == splitk_1 ]] && echo 1 || echo 0))
-    env "${env_run[@]}" timeout 150 python3 bench/bench_decode.py --no-eager --ssm-dtype bfloat16 --fp8 pcpt \
-        --batches 8 64 --steps 10 "${extra[@]}" --json "$OUT/decode_fp8_$run.json" 2>&1 \
-        | tee "$OUT/decode_fp8_$run.log" | grep -v Warn | grep -E "^\{|rror" | cut -c1-200 | sed "s/^/$run: /" || rc=1
-  done
+  fp8_8b_decode default
+  HYBRID_FP8_NORM_ROUNDING=0 fp8_8b_decode norm_rounding_0
+  HYBRID_FP8_SPLITK=1 fp8_8b_decode splitk_1 --no-prefill
 fi
 # fp8-splitk-sweep  bench_fp8_splitk.py: the 8B's FP8 projections at 64 rows, cuBLASLt's tensor-wise
 #           GEMM against the split-K GEMM over a sweep of its tilings, each with the scales' launch (<= 240 s)
-if [[ $what == fp8-splitk-sweep || ( $what == fp8-splitk-2 && ${SPLITK_LEAN:-0} != 1 ) ]]; then
-  timeout ${SWEEP_LIMIT:-240} python3 bench/bench_fp8_splitk.py --json "$OUT/fp8_splitk_sweep.json" \
-      --time-limit $(( ${SWEEP_LIMIT:-240} - 40 )) 2>&1 | tee "$OUT/fp8_splitk_sweep.log" | grep -v Warn | cut -c1-400 || rc=1
+if [[ $what == fp8-splitk-sweep ]]; then
+  splitk_sweep
 fi
-# fp8-splitk-2  (SPLITK_LEAN=1: without the sweep) the GPU tests of the one-launch split-K linear (<= 80 s), the sweep, then the 8B shape in
-#           FP8 at batch 64 by default and with HYBRID_FP8_SPLITK=1 (now one launch a projection), a process each
+# fp8-splitk-2  the GPU tests of the one-launch split-K linear (<= 80 s), the sweep (SPLITK_LEAN=1: none), then the
+#           8B shape in FP8 at batch 8 / 64 by default and with HYBRID_FP8_SPLITK=1 (one launch a projection now),
+#           a process each
 if [[ $what == fp8-splitk-2 ]]; then
   gpu_pytest 80 gpu_tests_fp8_splitk_2.log tests/gpu/test_fp8_gpu.py -k "splitk"
-fi
-if [[ $what == fp8-splitk-2 ]]; then
-  for run in default splitk_1; do
-    HYBRID_FP8_SPLITK=$([[ $run == splitk_1 ]] && echo 1 || echo 0) timeout 120 python3 bench/bench_decode.py \
-        --no-eager --no-prefill --ssm-dtype bfloat16 --fp8 pcpt --batches 8 64 --steps 10 \
-        --json "$OUT/decode_fp8_2_$run.json" 2>&1 | tee "$OUT/decode_fp8_2_$run.log" | grep -v Warn \
-        | grep -E "^\{|rror" | cut -c1-200 | sed "s/^/$run: /" || rc=1
-  done
+  [[ ${SPLITK_LEAN:-0} == 1 ]] || splitk_sweep
+  fp8_8b_decode 2_default --no-prefill
+  HYBRID_FP8_SPLITK=1 fp8_8b_decode 2_splitk_1 --no-prefill
 fi
 # next     what this project's next session measures first: fp8-splitk-2 (the sweep in 140 s)
 if [[ $what == next ]]; then
