@@ -10,7 +10,8 @@ loop.call_soon_threadsafe (see _deliver_batch).
 `TextDeltas` turns the full decoded text of a sequence into safe-to-send increments: a trailing
 U+FFFD (a multi-byte character cut in the middle) and any tail that could be the start of a stop
 string are held back, so a stop string never leaks into a stream, and the concatenated deltas
-always equal the final (stop-truncated) text.
+always equal the final (stop-truncated) text. With include_stop_str_in_output the final text keeps
+the stop string, and the last delta carries it.
 """
 from __future__ import annotations
 
@@ -54,10 +55,14 @@ def _held_back(text: str, stops: list[str] | None) -> int:
 
 
 class TextDeltas:
-    """Incremental text of one sequence from successive full decoded texts."""
+    """Incremental text of one sequence from successive full decoded texts. `include_stops`
+    (SamplingParams.include_stop_str_in_output): the engine cuts the text right after a stop string,
+    never before text it has shown, so nothing needs holding back for stop strings; without it (the
+    default, always safe) their possible beginnings wait until resolved, and the last delta brings
+    whatever the final text has, a kept stop string included."""
 
-    def __init__(self, stops: list[str] | None) -> None:
-        self.stops = list(stops or [])
+    def __init__(self, stops: list[str] | None, include_stops: bool = False) -> None:
+        self.stops = [] if include_stops else list(stops or [])
         self.sent = ""
         self.num_tokens_sent = 0
 

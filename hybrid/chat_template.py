@@ -37,20 +37,43 @@ def _compiled(template: str):
 
 
 def render_chat(template: str, messages: list[dict], tokenizer_config: dict | None = None,
-                add_generation_prompt: bool = True, extra: dict | None = None) -> str:
+                add_generation_prompt: bool = True, extra: dict | None = None,
+                continue_final_message: bool = False) -> str:
     """`messages` rendered with `template`. `tokenizer_config` (tokenizer_config.json) gives
     bos_token / eos_token; `extra` more template variables (tools=..., chat_template_kwargs).
+    continue_final_message: the text ends right after the last message's content (no end of turn),
+    so the reply continues that message (as transformers' option of the same name).
     InvalidRequestError when the template does not compile or refuses the conversation
     (raise_exception), e.g. roles out of order."""
     import jinja2
 
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be set: "
+                                  "the reply either continues the last message or starts a new one")
     cfg = tokenizer_config or {}
     variables = dict(bos_token=_special(cfg, "bos_token"), eos_token=_special(cfg, "eos_token"), **(extra or {}))
     variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
+    if continue_final_message:
+        variables["continue_final_message"] = True
     try:
-        return _compiled(template).render(**variables)
+        text = _compiled(template).render(**variables)
     except jinja2.exceptions.TemplateError as e:
         raise InvalidRequestError(f"the chat template could not be rendered: {e}") from None
+    return _cut_after_final_message(text, messages) if continue_final_message else text
+
+
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """The rendered conversation up to the end of its last message's content: what the template
+    writes after it (the end-of-turn tokens) is cut, so generation continues the message."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequestError("continue_final_message needs a last message with text to continue")
+    for needle in (content, content.strip()):  # a template may strip the content it writes
+        at = text.rfind(needle)
+        if at != -1:
+            return text[:at + len(needle)]
+    raise InvalidRequestError("continue_final_message: the chat template does not write the last message's "
+                              "content as given, so there is no place to continue it from")
 
 
 def normalize_messages(messages, what: str = "messages") -> list[dict]:

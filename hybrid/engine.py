@@ -33,11 +33,12 @@ from hybrid.batch import StepBatch
 from hybrid.engine_config import EngineConfig
 from hybrid.errors import EngineDeadError, InvalidRequestError, is_fatal_device_error
 from hybrid.launcher import LaunchedStep, StepLauncher
+from hybrid.logits_processing import bad_words_token_ids
 from hybrid.output_processor import OUTPUT_KINDS, OutputProcessor
 from hybrid.outputs import RequestOutput
 from hybrid.prefix_cache import PrefixCache
-from hybrid.request import (Request, ScheduledChunk, Sequence, Status, make_generator, validate_params,
-                            validate_prompt)
+from hybrid.request import (Request, ScheduledChunk, Sequence, Status, make_generator, truncate_prompt,
+                            validate_params, validate_prompt)
 from hybrid.resources import ResourceManager
 from hybrid.sampling import SamplingParams
 from hybrid.scheduler import Scheduler, SchedulerOutput
@@ -170,12 +171,21 @@ class Engine:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if add_request would refuse this prompt and these params. Reads
         only immutable settings, so another thread may call it while the engine runs."""
+        self._checked(prompt_token_ids, params)
+
+    def _checked(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[list[int], list[list[int]] | None]:
+        """validate_request's checks; returns the prompt as the request keeps it (truncate_prompt_tokens)
+        and the bad words as token-id sequences (None without bad words)."""
         validate_params(params, self.vocab_size)
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
         validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        # bad words are tokenized here, where the tokenizer is (the tokens, not the words, are masked)
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer, self.vocab_size) if params.bad_words else None
         if params.structured_outputs is not None:
             if self.spec_config is not None:
                 raise InvalidRequestError("structured outputs with speculative decoding are not supported")
             self.grammars.matchers(params.structured_outputs, 0)  # compiles (and caches) the grammar, or raises
+        return list(prompt_token_ids), bad_words
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, output_kind: str = "cumulative") -> None:
@@ -184,8 +194,7 @@ class Engine:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
-        self.validate_request(prompt_token_ids, params)
-        prompt_token_ids = list(prompt_token_ids)
+        prompt_token_ids, bad_words = self._checked(prompt_token_ids, params)
         # structured outputs: a matcher per branch, all in the grammar's initial state (a fork happens
         # before branch 0 accepts its first token, so each child starts from its parent's state)
         grammars = (self.grammars.matchers(params.structured_outputs, params.n)
@@ -194,7 +203,8 @@ class Engine:
         seqs = [Sequence(request_id=request_id, index=i, prompt_token_ids=prompt_token_ids, params=params,
                          generator=make_generator(params, self.seed, arrival, i, self.device), arrival=arrival,
                          logprobs=[] if params.logprobs is not None else None, grammar=grammars[i],
-                         prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None)
+                         prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
+                         bad_words_ids=bad_words)
                 for i in range(params.n)]
         self.requests[request_id] = Request(request_id, prompt, prompt_token_ids, params, seqs,
                                             output_kind=output_kind)

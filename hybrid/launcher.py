@@ -254,10 +254,12 @@ class StepLauncher:
 
     def _processed(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
                    in_flight: LaunchedStep | None) -> torch.Tensor:
-        """The logits to sample from: min_tokens, logit bias and penalties applied on the rows whose
-        requests ask for them, then the structured-output masks (the logits themselves when none does)."""
+        """The logits to sample from: allowed tokens, bad words, min_tokens, logit bias and penalties
+        applied on the rows whose requests ask for them, then the structured-output masks (the logits
+        themselves when none does)."""
         out = self._penalised(logits, chunks, in_flight)
-        constrained = [c for c in chunks if c.samples and not c.draft and c.seq.grammar is not None]
+        constrained = [c for c in chunks if c.samples and not c.draft and c.seq.grammar is not None
+                       and c.seq.grammar.active]
         if constrained:  # each row's allowed tokens, from its matcher on the host, applied on the device
             masks = self.grammars.fill_bitmasks([c.seq.grammar for c in constrained], pin=logits.is_cuda)
             out = apply_token_bitmask(out, [c.logits_row for c in constrained], masks)
@@ -277,7 +279,8 @@ class StepLauncher:
         return process_logits(
             logits, [c.logits_row for c in proc], [s.params for s in seqs],
             [len(s.output_token_ids) + s.pending for s in seqs],
-            [(s.prompt_token_ids, s.output_token_ids) for s in seqs], [self.banned(s) for s in seqs], pending)
+            [(s.prompt_token_ids, s.output_token_ids) for s in seqs], [self.banned(s) for s in seqs], pending,
+            [s.bad_words_ids for s in seqs])
 
     def banned(self, seq: Sequence) -> list[int]:
         """Tokens that would end the output: masked while fewer than min_tokens are generated."""
@@ -295,11 +298,12 @@ class StepLauncher:
         p = seq.params
         if p.processes_logits:
             seq_logits_p = process_logits(seq_logits[None], [0], [p], [len(seq.output_token_ids)],
-                                          [(seq.prompt_token_ids, seq.output_token_ids)], [self.banned(seq)])[0]
+                                          [(seq.prompt_token_ids, seq.output_token_ids)], [self.banned(seq)],
+                                          bad_words=[seq.bad_words_ids])[0]
             greedy_token = int(seq_logits_p.argmax())
         else:
             seq_logits_p = seq_logits
-        if seq.grammar is not None:
+        if seq.grammar is not None and seq.grammar.active:
             masks = self.grammars.fill_bitmasks([seq.grammar], pin=False)
             seq_logits_p = apply_token_bitmask(seq_logits_p[None], [0], masks)[0]
             greedy_token = int(seq_logits_p.argmax())

@@ -396,13 +396,17 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
         of conversations, as vLLM's LLM.chat: each is rendered with the checkpoint's chat template
         (or `chat_template`), with the generation prompt added, tokenized without special tokens
         (the template writes those) and run through generate as one batch. One RequestOutput per
         conversation, in order; its `prompt` is the rendered text. InvalidRequestError if there
-        is no tokenizer or chat template, a message is malformed or the template refuses it."""
+        is no tokenizer or chat template, a message is malformed or the template refuses it.
+        continue_final_message=True (with add_generation_prompt=False): each reply continues its
+        conversation's last message (an assistant message started by the caller) instead of
+        starting a new turn; chat_template_kwargs are more template variables (enable_thinking=...)."""
         if self.tokenizer is None:
             raise InvalidRequestError("this checkpoint has no tokenizer.json, so it cannot chat")
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(c, (list, tuple)) for c in messages):
@@ -415,7 +419,7 @@ class LLM:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise InvalidRequestError("chat_template_kwargs must be a dict")
         reserved = sorted(set(chat_template_kwargs or ()) & {"messages", "add_generation_prompt", "tokenize",
-                                                              "chat_template"})
+                                                              "chat_template", "continue_final_message"})
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs: {', '.join(reserved)} are arguments of chat itself")
         params_list = self._params_list(sampling_params, len(conversations))
@@ -424,7 +428,7 @@ class LLM:
             try:
                 text = self.tokenizer.apply_chat_template(
                     conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                    **(chat_template_kwargs or {}))
+                    continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
                 if not ids:
                     raise InvalidRequestError("the rendered conversation is empty: at least one token is needed")

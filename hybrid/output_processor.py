@@ -59,8 +59,9 @@ class OutputProcessor:
         previous token(s) as context, then the new ones) instead of the whole output every step.
         Text that ends in a partial UTF-8 character is held back until the next token completes it."""
         ids = seq.output_token_ids
-        before = self.tokenizer.decode(ids[seq.detok_prefix:seq.detok_read])
-        after = self.tokenizer.decode(ids[seq.detok_prefix:])
+        skip = seq.params.skip_special_tokens
+        before = self.tokenizer.decode(ids[seq.detok_prefix:seq.detok_read], skip_special_tokens=skip)
+        after = self.tokenizer.decode(ids[seq.detok_prefix:], skip_special_tokens=skip)
         if len(after) > len(before) and not after.endswith("\ufffd"):
             seq.text += after[len(before):]
             seq.detok_prefix, seq.detok_read = seq.detok_read, len(ids)
@@ -69,15 +70,15 @@ class OutputProcessor:
         p = seq.params
         if self.tokenizer is not None:
             self.update_text(seq)
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return self._final_text(seq, "stop", token)
-        if p.stop_token_ids and token in p.stop_token_ids:
-            return self._final_text(seq, "stop", token)
+        if (not p.ignore_eos and token in self.eos_token_ids) or (p.stop_token_ids and token in p.stop_token_ids):
+            # as vLLM: the stopping token's text (a special token's when skip_special_tokens=False) is
+            # part of the output only with include_stop_str_in_output
+            return self._final_text(seq, "stop", token, drop_last=not p.include_stop_str_in_output)
         if p.stop and self.tokenizer is not None:
             for s in p.stop:
                 at = seq.text.find(s)
-                if at != -1:
-                    seq.text = seq.text[:at]
+                if at != -1:  # the text ends before the stop string, or right after it
+                    seq.text = seq.text[:at + len(s) if p.include_stop_str_in_output else at]
                     return "stop", s
         if seq.grammar is not None and seq.grammar.finished:  # structured outputs: the grammar is complete
             return self._final_text(seq, "stop")
@@ -85,9 +86,10 @@ class OutputProcessor:
             return self._final_text(seq, "length")
         return None
 
-    def _final_text(self, seq: Sequence, reason: str, stop_reason: int | None = None) -> Stop:
-        if self.tokenizer is not None:  # the final text is the plain decode of every output token
-            seq.text = self.tokenizer.decode(seq.output_token_ids)
+    def _final_text(self, seq: Sequence, reason: str, stop_reason: int | None = None, drop_last: bool = False) -> Stop:
+        if self.tokenizer is not None:  # the final text is the plain decode of every output token (but a stop token)
+            ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
+            seq.text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
         return reason, stop_reason
 
     def request_outputs(self, requests: Iterable[Request]) -> list[RequestOutput]:

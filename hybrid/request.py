@@ -62,6 +62,9 @@ class Sequence:
     # prompt logprobs (branch 0 of a request that asks for them): entry i for prompt token i, None for
     # the first; filled as the prefill chunks run, never again after a preemption
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # params.bad_words as token-id sequences (logits_processing.bad_words_token_ids; the request's branches
+    # share one list); None: no bad words
+    bad_words_ids: list[list[int]] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -149,6 +152,16 @@ def make_generator(params: SamplingParams, engine_seed: int, arrival: int, index
     return SampleStream(base * 7919 + index)  # any int seed: reduced into the 64-bit range
 
 
+def truncate_prompt(prompt_token_ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """The prompt as SamplingParams.truncate_prompt_tokens keeps it: its last k tokens (-1: the last
+    max_model_len - 1, the longest prompt that leaves room for one generated token; None: all of it).
+    Anything but a list or tuple is returned as it is, for validate_prompt to name."""
+    if k is None or not isinstance(prompt_token_ids, (list, tuple)):
+        return prompt_token_ids
+    keep = max(1, max_model_len - 1) if k == -1 else k
+    return list(prompt_token_ids[-keep:]) if len(prompt_token_ids) > keep else prompt_token_ids
+
+
 def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
     if not isinstance(prompt_token_ids, (list, tuple)):
         raise InvalidRequestError(f"a prompt must be a list of token ids, got {type(prompt_token_ids).__name__}")
@@ -176,4 +189,8 @@ def validate_params(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"invalid sampling parameter logit_bias={{{bad[0]}: {params.logit_bias[bad[0]]}}}: "
+                                  f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in (params.allowed_token_ids or ()) if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"invalid sampling parameter allowed_token_ids=[..., {bad[0]}, ...]: "
                                   f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")

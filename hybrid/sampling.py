@@ -1,5 +1,6 @@
 """Sampling parameters, the sampler and the log-probabilities of what it samples (the logits
-processing before it, penalties, logit bias and min_tokens, is hybrid/logits_processing.py).
+processing before it, allowed tokens, bad words, penalties, logit bias and min_tokens, is
+hybrid/logits_processing.py).
 
 Each request branch draws from its own counter-based stream (SampleStream): draw i of a stream is
 splitmix64 of the stream's key (from `seed`, or from the engine's seed and the request's arrival
@@ -81,6 +82,20 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     # JSON schema / JSON object / regex / choice / grammar the output must match (hybrid/structured_outputs.py)
     structured_outputs: StructuredOutputsParams | None = None
+    # The output text: special tokens kept (False) or dropped (True); stop strings are matched on that text
+    skip_special_tokens: bool = True
+    # Accepted for vLLM compatibility; the `tokenizers` library's decode has no such switch, so the
+    # text between special tokens is whatever the tokenizer's own decoder makes of it
+    spaces_between_special_tokens: bool = True
+    # The stop string (or the text of the EOS / stop_token_ids token) that ended the output stays in the text
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None  # only these tokens can be generated (greedy too)
+    # Words never generated: each (and its form with a leading space) as tokens; a one-token word's token is
+    # masked always, a longer word's last token when the output ends with the tokens before it
+    bad_words: list[str] | None = None
+    # Keep only the last k prompt tokens (k >= 1); -1: the longest prompt the context takes (max_model_len - 1,
+    # one token must still be generated)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -141,6 +156,25 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a boolean")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be a list of token ids (integers)")
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must not be empty: no token could be generated")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)) \
+                    or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise bad("bad_words", "must be a list of strings that are not empty or all whitespace")
+            self.bad_words = list(self.bad_words)
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
+                or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (as much of the prompt as fits)")
 
     @property
     def greedy(self) -> bool:
@@ -154,8 +188,10 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the logits are changed before sampling (greedy rows too): bias, min_tokens, penalties."""
-        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalised
+        """Whether the logits are changed before sampling (greedy rows too): allowed tokens, bad words,
+        bias, min_tokens, penalties."""
+        return (bool(self.logit_bias) or self.min_tokens > 0 or self.penalised or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: "SampleStream | torch.Generator | None") -> int:

@@ -47,7 +47,10 @@ class StructuredOutputsParams:
     at most 20 characters per gap, see DEFAULT_WHITESPACE); whitespace_pattern: a regex for that
     whitespace instead;
     disable_additional_properties: objects of the schema take no properties beyond the listed ones
-    unless the schema says otherwise (additionalProperties: false wherever it is unset)."""
+    unless the schema says otherwise (additionalProperties: false wherever it is unset);
+    start_after_token_id: the constraint holds only after the output's first such token, the output
+    before it is free (a thinking model's end of thought: the server sets it with a reasoning parser,
+    so the answer, not the thought, matches the schema)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -57,6 +60,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    start_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +102,9 @@ class StructuredOutputsParams:
                 raise InvalidRequestError(f"structured outputs: {name} must be a boolean")
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise InvalidRequestError("structured outputs: whitespace_pattern must be a string (a regex)")
+        t = self.start_after_token_id
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+            raise InvalidRequestError("structured outputs: start_after_token_id must be a token id (an integer >= 0)")
 
     @property
     def kind(self) -> str:
@@ -163,28 +170,40 @@ def check_available() -> None:
 
 
 class SequenceGrammar:
-    """One sequence's matcher: the state of its grammar after the tokens it has accepted."""
+    """One sequence's matcher: the state of its grammar after the tokens it has accepted. With
+    `waiting_for` set the grammar is not active yet: the output is free until that token comes (see
+    StructuredOutputsParams.start_after_token_id), and the matcher starts after it."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "waiting_for")
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, waiting_for: int | None = None) -> None:
         self.matcher = matcher
+        self.waiting_for = waiting_for
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (its mask applies)."""
+        return self.waiting_for is None
 
     def accept(self, token: int) -> bool:
         """Advance past an accepted token; False (the matcher then stays in its error state) if the
         grammar does not allow it."""
+        if self.waiting_for is not None:
+            if token == self.waiting_for:
+                self.waiting_for = None
+            return True
         return self.matcher.consume_token(token)
 
     @property
     def finished(self) -> bool:
         """The grammar is complete: nothing but EOS may follow (the sequence stops here)."""
-        return self.matcher.is_stopped()
+        return self.waiting_for is None and self.matcher.is_stopped()
 
     def error(self) -> str:
         return self.matcher.get_error()
 
     def fork(self) -> SequenceGrammar:
-        return SequenceGrammar(self.matcher.deep_copy())
+        return SequenceGrammar(self.matcher.deep_copy(), self.waiting_for)
 
 
 def _one_line(error: str) -> str:
@@ -271,7 +290,7 @@ class GrammarCompiler:
                 self._cache[key] = template
                 if len(self._cache) > self.CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return [SequenceGrammar(template.deep_copy()) for _ in range(n)]
+        return [SequenceGrammar(template.deep_copy(), params.start_after_token_id) for _ in range(n)]
 
     def fill_bitmasks(self, grammars: list[SequenceGrammar], pin: bool) -> torch.Tensor:
         """The allowed tokens of each grammar's next position: [len(grammars), mask_words] int32 on the

@@ -80,10 +80,12 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
-                            chat_template: str | None = None, **kwargs) -> str | list[int]:
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            **kwargs) -> str | list[int]:
         """One conversation rendered with the checkpoint's chat template (or `chat_template`), as
         transformers' apply_chat_template: the text, or with tokenize=True its token ids (no special
-        tokens added: the template writes those it wants). `kwargs` are more template variables
+        tokens added: the template writes those it wants). continue_final_message: the text stops
+        after the last message's content, to be continued. `kwargs` are more template variables
         (e.g. tools=[...]). InvalidRequestError if there is no template or it refuses the messages."""
         from hybrid.chat_template import normalize_messages, render_chat
 
@@ -91,5 +93,6 @@ class Tokenizer:
         if not template:
             raise InvalidRequestError("this checkpoint has no chat template (tokenizer_config.json has no "
                                       "'chat_template'): pass chat_template=..., or prompts to generate()")
-        text = render_chat(template, normalize_messages(messages), self.config, add_generation_prompt, kwargs)
+        text = render_chat(template, normalize_messages(messages), self.config, add_generation_prompt, kwargs,
+                           continue_final_message)
         return self.encode(text, add_special_tokens=False) if tokenize else text

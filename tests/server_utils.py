@@ -32,6 +32,39 @@ def build_tiny_chat_checkpoint(path) -> Path:
     return p
 
 
+# Nemotron 3's way: the generation prompt opens a thought, or with enable_thinking false writes an
+# empty one; an earlier reply's thought is rendered from reasoning_content; tool calls and results
+THINKING_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>"
+    "{% if m.reasoning_content %}[{{ m.reasoning_content }}]{% endif %}{{ m['content'] }}"
+    "{% for tc in m.tool_calls or [] %}<call {{ tc.function.name }} {{ tc.function.arguments | tojson }}>{% endfor %}"
+    "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>\n{% endif %}"
+    "{% endif %}"
+)
+
+
+def build_thinking_checkpoint(path) -> Path:
+    """A tiny random model whose tokenizer has <think> (id 192) and </think> (id 193) as special
+    tokens, with THINKING_TEMPLATE."""
+    from tokenizers import Tokenizer
+
+    from tiny_checkpoints import build_granite_hybrid, write_char_bpe_tokenizer
+
+    p = build_granite_hybrid(path, moe=False, vocab_size=194, seed=5)
+    write_char_bpe_tokenizer(p, 192)
+    tok = Tokenizer.from_file(str(p / "tokenizer.json"))
+    tok.add_special_tokens(["<think>", "</think>"])
+    tok.save(str(p / "tokenizer.json"))
+    assert tok.token_to_id("<think>") == 192 and tok.token_to_id("</think>") == 193
+    cfg = json.loads((p / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = THINKING_TEMPLATE
+    (p / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return p
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -373,7 +373,8 @@ def test_api_key(ckpt, monkeypatch):
     opts = serve_options(args, {"HYBRID_API_KEY": "from-env"})
     assert opts == {"api_key": "flag", "allowed_origins": ["http://a:1", "http://b:2", "http://c:3"],
                     "max_request_bytes": 1000, "max_queued_requests": None, "enable_auto_tool_choice": False,
-                    "tool_call_parser": None, "exclude_tools_when_tool_choice_none": False}
+                    "tool_call_parser": None, "exclude_tools_when_tool_choice_none": False,
+                    "reasoning_parser": None}
 
 
 def test_cross_site_requests(ckpt):

@@ -215,6 +215,30 @@ def test_constrained_and_free_requests_share_steps(llm):
     assert re.fullmatch(REGEX, outs[2].outputs[0].text)
 
 
+def test_constraint_that_starts_after_a_token(llm):
+    """start_after_token_id (a thinking model's end of thought): the output is free until that token,
+    then it matches; each branch of n waits on its own, and a branch that never meets the token
+    stays free."""
+    tok = llm.get_tokenizer()
+    gate = tok.encode(" Moses")[0]
+    assert len(tok.encode(" Moses")) == 1
+    so = StructuredOutputsParams(choice=["yea", "nay"], start_after_token_id=gate)
+    # the bias makes the gate token the first choice of every free position; inside the constraint
+    # the mask wins over it
+    sp = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=4, structured_outputs=so, logit_bias={gate: 100})
+    for o in llm.generate(PROMPTS[:2], sp, use_tqdm=False):
+        for c in o.outputs:
+            assert c.token_ids[0] == gate and c.finish_reason == "stop", (c.text, c.token_ids)
+            assert tok.decode(c.token_ids[1:]) in ("yea", "nay")
+    # no gate token ever: nothing is constrained (the free output is the unconstrained one)
+    free = SamplingParams(max_tokens=12, temperature=0.0, logit_bias={gate: -100})
+    waiting = SamplingParams(max_tokens=12, temperature=0.0, logit_bias={gate: -100}, structured_outputs=so)
+    a, b = llm.generate([PROMPTS[0]] * 2, [free, waiting], use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and b.outputs[0].text not in ("yea", "nay")
+    with pytest.raises(InvalidRequestError, match="start_after_token_id"):
+        StructuredOutputsParams(choice=["a"], start_after_token_id=-1)
+
+
 # ------------------------------------------------------------------ with the engine's machinery
 def _mixed_params():
     return [SamplingParams(max_tokens=400, temperature=0.0, structured_outputs=_json(NESTED)),

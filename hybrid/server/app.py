@@ -20,6 +20,7 @@ from hybrid.errors import HybridError, InvalidRequestError
 from hybrid.server.api_errors import APIError, error_for, from_invalid, internal_error
 from hybrid.server.handlers import Handlers
 from hybrid.server.protocol import parse_body
+from hybrid.server.reasoning import check_reasoning_parser
 from hybrid.server.tool_parsers import check_tool_options
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256
@@ -162,7 +163,8 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
               max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS, *,
               api_key: str | None = None, allowed_origins: list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False):
+              tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
+              reasoning_parser: str | None = None):
     """A FastAPI app serving `llm_or_engine` (an LLM, an Engine or an AsyncEngine).
 
     The engine worker thread starts with the app (lifespan) and stops with it.
@@ -173,7 +175,8 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     Tool calling (vLLM's flags): enable_auto_tool_choice with tool_call_parser (a name of
     hybrid.server.tool_parsers.TOOL_PARSERS; ValueError for another) parses the calls out of the
     output for tool_choice "auto"; exclude_tools_when_tool_choice_none: tool_choice "none" renders
-    no tools into the prompt."""
+    no tools into the prompt. reasoning_parser (a name of hybrid.server.reasoning.REASONING_PARSERS;
+    ValueError for another): chat replies carry the model's thought apart from its answer."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -183,6 +186,7 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     if max_request_bytes < 1:
         raise ValueError("max_request_bytes must be >= 1")
     check_tool_options(enable_auto_tool_choice, tool_call_parser)  # before anything is built
+    check_reasoning_parser(reasoning_parser)
     async_engine, engine, tokenizer, llm = _unwrap(llm_or_engine)
     name = served_model_name or model_name_of(llm)
     metrics = ServerMetrics(name)
@@ -194,7 +198,8 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     srv = Handlers(async_engine, tokenizer, name, engine.max_model_len, engine.max_num_seqs,
                    max_queued_requests, metrics, enable_auto_tool_choice=enable_auto_tool_choice,
                    tool_call_parser=tool_call_parser,
-                   exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
+                   exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+                   reasoning_parser=reasoning_parser)
     metrics.bind(async_engine, admitted_requests=lambda: srv.admitted_requests,
                  admitted_seqs=lambda: srv.reserved_seqs)
 
@@ -282,5 +287,28 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await srv.chat(request, await _read_json(request, max_request_bytes))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await srv.responses(request, await _read_json(request, max_request_bytes))
+
+    # vLLM's other routes that clients and load balancers call
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await srv.tokenize(await _read_json(request, max_request_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await srv.detokenize(await _read_json(request, max_request_bytes))
+
+    @app.get("/version")
+    async def version():
+        from hybrid import __version__
+
+        return {"version": __version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
 
     return app

@@ -14,9 +14,11 @@ import uuid
 from hybrid.async_engine import AsyncEngine
 from hybrid.chat_template import render_chat
 from hybrid.errors import InvalidRequestError
+from hybrid.request import truncate_prompt
 from hybrid.sampling import SamplingParams
 from hybrid.server.api_errors import APIError, bad, engine_dead_error, from_invalid
-from hybrid.server.protocol import parse_chat, parse_completion
+from hybrid.server.protocol import chat_messages, chat_template_kwargs, get_bool, parse_chat, parse_completion
+from hybrid.server.reasoning import THINK_END, THINK_START, ReasoningMode, check_reasoning_parser, prompt_opens_reasoning
 from hybrid.server.streaming import ChatFormat, CompletionFormat, Prompt, ResponseFormat, respond
 from hybrid.server.tool_calls import ToolMode
 from hybrid.server.tool_parsers import check_tool_options
@@ -59,19 +61,29 @@ class Admission:
 
 
 class Handlers:
-    """/v1/completions and /v1/chat/completions (build_app routes them here; app.state.server)."""
+    """/v1/completions, /v1/chat/completions, /v1/responses, /tokenize and /detokenize (build_app
+    routes them here; app.state.server)."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int,
                  max_num_seqs: int, max_queued_requests: int | None, metrics, *,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 exclude_tools_when_tool_choice_none: bool = False) -> None:
+                 exclude_tools_when_tool_choice_none: bool = False, reasoning_parser: str | None = None) -> None:
         self.engine = engine
         # tool calling: tool_choice "auto" needs enable_auto_tool_choice and a parser (as vLLM's
         # --enable-auto-tool-choice --tool-call-parser); a named or "required" choice needs neither
         self.tool_parser_cls = check_tool_options(enable_auto_tool_choice, tool_call_parser)
         self.auto_tools = enable_auto_tool_choice
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
-        self.tool_markers = MarkerTokens(tokenizer, self.tool_parser_cls.tags) if self.tool_parser_cls else None
+        # reasoning outputs (--reasoning-parser): the thought split from the answer
+        check_reasoning_parser(reasoning_parser)
+        self.reasoning_parser = reasoning_parser
+        # the tags parsed out of a chat output that this tokenizer may drop when decoding (tool_tags)
+        tool_tags = self.tool_parser_cls.tags if self.tool_parser_cls else ()
+        think_tags = (THINK_START, THINK_END) if reasoning_parser else ()
+        self._markers = {(tools, think): MarkerTokens(tokenizer, (tool_tags if tools else ()) + (think_tags if think else ()))
+                         for tools in (False, True) for think in (False, True)}
+        # the end of a thought as one token: structured outputs start after it (None: not one token)
+        self.think_end_id = tokenizer.token_to_id(THINK_END) if reasoning_parser and tokenizer is not None else None
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -181,12 +193,33 @@ class Handlers:
                            "use /v1/completions", 400, "messages", "invalid_value")
         return template
 
-    def render(self, template: str, messages: list[dict], add_generation_prompt: bool, tools) -> str:
+    def render(self, template: str, messages: list[dict], add_generation_prompt: bool, tools,
+               template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
+        extra = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         try:
             return render_chat(template, messages, getattr(self.tokenizer, "config", None), add_generation_prompt,
-                               {"tools": tools} if tools else None)
+                               extra, continue_final_message)
         except InvalidRequestError as e:  # the template does not compile or refuses the conversation
             raise APIError(str(e), 400, "messages", "invalid_value") from None
+
+    def reasoning_mode(self, prompt_text: str) -> ReasoningMode | None:
+        """How a chat output is split into reasoning and content (None: no reasoning parser)."""
+        if self.reasoning_parser is None:
+            return None
+        return ReasoningMode(prompt_opens_reasoning(prompt_text))
+
+    def constrain_after_thought(self, params: SamplingParams, reasoning: ReasoningMode | None) -> SamplingParams:
+        """A constrained output (response_format, a forced tool call) of a request that starts inside a
+        thought: the constraint starts after the thought's end, so the model thinks freely first and
+        its answer matches (as vLLM does with a reasoning parser). Left as it is if `</think>` is not
+        one token of this tokenizer."""
+        so = params.structured_outputs
+        if so is None or reasoning is None or not reasoning.in_reasoning or self.think_end_id is None:
+            return params
+        return dataclasses.replace(params, structured_outputs=dataclasses.replace(
+            so, start_after_token_id=self.think_end_id))
 
     async def completion_prompts(self, inputs: list, params: SamplingParams,
                                  max_tokens_param: str | None) -> list[Prompt]:
@@ -199,6 +232,7 @@ class Handlers:
                 text = x
             else:
                 ids, text = list(x), None
+            ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
             self.check_prompt(ids, "prompt")  # right away: before tokenizing the next prompt
             out.append(Prompt(text, ids, self.fit_max_tokens(params, ids, max_tokens_param)))
         return out
@@ -236,20 +270,95 @@ class Handlers:
                                    decode=self.decode)
             return await self._respond(request, prompts, fmt, req, admission)
 
-    async def chat(self, request, body: dict):
-        self.check_model(body)
-        req = parse_chat(body, self.max_model_len)
+    async def chat_prompt(self, req, input_param: str, max_tokens_param: str | None):
+        """A chat request's prompt, rendered and tokenized off the event loop and checked, with how its
+        output is read: (Prompt, ToolMode or None, ReasoningMode or None, MarkerTokens). input_param:
+        the field a too-long prompt is blamed on."""
         tools = self.tool_mode(req)
         # tool_choice "none": the tools are still rendered (vLLM's default) unless the server says not to
         shown = None if req.tool_choice == "none" and self.exclude_tools_when_tool_choice_none else req.tools
-        template = self.chat_template()
+        text = await asyncio.to_thread(self.render, self.chat_template(), req.messages, req.add_generation_prompt,
+                                       shown, req.chat_template_kwargs, req.continue_final_message)
+        ids = truncate_prompt(await self.encode(text, False), req.params.truncate_prompt_tokens, self.max_model_len)
+        self.check_prompt(ids, input_param)
+        reasoning = self.reasoning_mode(text)
+        params = self.constrain_after_thought(req.params, reasoning)
+        prompt = Prompt(text, ids, self.fit_max_tokens(params, ids, max_tokens_param))
+        # (a named or "required" tool_choice compiles the tools' schemas here)
+        self.validate([prompt], "tools" if req.tool_choice in ("function", "required") else input_param)
+        markers = self._markers[(tools is not None and tools.kind == "auto", reasoning is not None)]
+        return prompt, tools, reasoning, markers
+
+    async def chat(self, request, body: dict):
+        self.check_model(body)
+        req = parse_chat(body, self.max_model_len)
+        self.tool_mode(req)  # (a 400 before anything is reserved)
+        self.chat_template()
         with self.admit(req.params.n, "n") as admission:  # before rendering and tokenizing
-            # off the event loop: rendering and tokenizing a long conversation takes a while
-            text = await asyncio.to_thread(self.render, template, req.messages, req.add_generation_prompt, shown)
-            ids = await self.encode(text, False)
-            self.check_prompt(ids, "messages")
-            prompts = [Prompt(text, ids, self.fit_max_tokens(req.params, ids, req.max_tokens_param))]
-            # (a named or "required" tool_choice compiles the tools' schemas here)
-            self.validate(prompts, "tools" if req.tool_choice in ("function", "required") else "messages")
-            fmt = ChatFormat(req.params.n, req.logprobs, self.token_str, tools, self.tool_markers)
-            return await self._respond(request, prompts, fmt, req, admission)
+            prompt, tools, reasoning, markers = await self.chat_prompt(req, "messages", req.max_tokens_param)
+            fmt = ChatFormat(req.params.n, req.logprobs, self.token_str, tools, markers, reasoning)
+            return await self._respond(request, [prompt], fmt, req, admission)
+
+    async def responses(self, request, body: dict):
+        """/v1/responses: the request read as the chat request it amounts to, answered as Responses
+        output items (hybrid/server/responses.py)."""
+        from hybrid.server.responses import ResponsesWriter, parse_responses, respond_responses
+
+        self.check_model(body)
+        rreq = parse_responses(body, self.max_model_len)
+        req = rreq.chat
+        self.tool_mode(req)
+        self.chat_template()
+        with self.admit(1, "input") as admission:
+            prompt, tools, reasoning, markers = await self.chat_prompt(
+                req, "input", req.max_tokens_param and "max_output_tokens")
+            writer = ResponsesWriter(f"resp_{uuid.uuid4().hex}", self.model_name, rreq, tools, reasoning,
+                                     self.think_end_id, markers)
+            return await respond_responses(self.engine, request, prompt, writer, admission, req.stream)
+
+    # ---------------------------------------------------------------- tokenizer endpoints (vLLM's)
+    async def tokenize(self, body: dict) -> dict:
+        """/tokenize: a prompt's token ids ({"prompt": text, "add_special_tokens": true}) or a
+        conversation's as the chat endpoint renders it ({"messages": [...], "add_generation_prompt",
+        "continue_final_message", "chat_template_kwargs", "tools"}); "return_token_strs" adds each
+        token's text."""
+        self.check_model(body)
+        if self.tokenizer is None:
+            raise bad("prompt", "this model has no tokenizer")
+        with_strs = get_bool(body, "return_token_strs", False)
+        if body.get("messages") is not None:
+            if body.get("prompt") is not None:
+                raise bad("prompt", "send either 'prompt' or 'messages', not both")
+            messages = chat_messages(body)
+            add_gen = get_bool(body, "add_generation_prompt", True)
+            continue_final = get_bool(body, "continue_final_message", False)
+            if continue_final:
+                add_gen = False
+            tools = body.get("tools")
+            if tools is not None and not isinstance(tools, list):
+                raise bad("tools", "expected a list of tools")
+            text = await asyncio.to_thread(self.render, self.chat_template(), messages, add_gen, tools or None,
+                                           chat_template_kwargs(body), continue_final)
+            ids = await self.encode(text, get_bool(body, "add_special_tokens", False))
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise bad("prompt", "expected a string (or send 'messages')")
+            ids = await self.encode(prompt, get_bool(body, "add_special_tokens", True))
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": [self.token_str(t) for t in ids] if with_strs else None}
+
+    async def detokenize(self, body: dict) -> dict:
+        """/detokenize: {"tokens": [ids]} -> {"prompt": their text}."""
+        self.check_model(body)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad("tokens", "expected a list of token ids")
+        vocab = getattr(getattr(self.engine, "engine", None), "vocab_size", None)
+        out_of_range = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if out_of_range:
+            raise bad("tokens", f"token id {out_of_range[0]} is not in the vocabulary"
+                                + (f" (ids 0 .. {vocab - 1})" if vocab is not None else ""))
+        if self.tokenizer is None:
+            raise bad("tokens", "this model has no tokenizer")
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, ids)}

@@ -7,6 +7,7 @@ import logging
 import os
 
 from hybrid.server.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, build_app
+from hybrid.server.reasoning import REASONING_PARSERS
 from hybrid.server.tool_parsers import TOOL_PARSERS, check_tool_options
 
 logger = logging.getLogger("hybrid.server")
@@ -38,6 +39,10 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
                    help="the model's tool-call format: " + ", ".join(sorted(TOOL_PARSERS))
                         + " (hermes: Granite 4.0, Qwen, Hermes; granite: Granite 3.x; nemotron_json: Nemotron Nano v2; "
                           "qwen3_coder: Nemotron 3 Nano)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a thinking model's <think>...</think> from its answer in chat replies "
+                        "(message.reasoning / reasoning_content, delta.reasoning when streamed); "
+                        "nemotron_v3: Nemotron 3 Nano; deepseek_r1 / qwen3: Nemotron Nano v2, Falcon-H1R")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='with tool_choice "none", do not render the tools into the prompt (default: rendered)')
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -58,7 +63,8 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
     return {"max_queued_requests": limit, "api_key": args.api_key or environ.get("HYBRID_API_KEY") or None,
             "allowed_origins": origins, "max_request_bytes": args.max_request_bytes,
             "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
-            "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none}
+            "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
+            "reasoning_parser": args.reasoning_parser}
 
 
 def run_server(llm, args: argparse.Namespace, options: dict) -> None:
@@ -66,8 +72,9 @@ def run_server(llm, args: argparse.Namespace, options: dict) -> None:
     import uvicorn
 
     app = build_app(llm, served_model_name=args.served_model_name, **options)
-    logger.info("serving '%s' on http://%s:%d/v1%s%s", app.state.served_model_name, args.host, args.port,
+    logger.info("serving '%s' on http://%s:%d/v1%s%s%s", app.state.served_model_name, args.host, args.port,
                 " (API key required)" if options["api_key"] else "",
-                f" (auto tool choice: {options['tool_call_parser']})" if options.get("enable_auto_tool_choice") else "")
+                f" (auto tool choice: {options['tool_call_parser']})" if options.get("enable_auto_tool_choice") else "",
+                f" (reasoning parser: {options['reasoning_parser']})" if options.get("reasoning_parser") else "")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=not args.disable_uvicorn_access_log)

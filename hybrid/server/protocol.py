@@ -116,19 +116,32 @@ def _stop(body: dict) -> list[str] | None:
     return v or None
 
 
+def _token_ids(body: dict, name: str) -> list[int] | None:
+    v = body.get(name)
+    if v is not None and (not isinstance(v, list)
+                          or not all(isinstance(t, int) and not isinstance(t, bool) for t in v)):
+        raise bad(name, "expected a list of integers")
+    return v
+
+
+def _bad_words(body: dict) -> list[str] | None:
+    v = body.get("bad_words")
+    if v is not None and (not isinstance(v, list) or not all(isinstance(w, str) for w in v)):
+        raise bad("bad_words", "expected a list of strings")
+    return v or None
+
+
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The SamplingParams of a request's sampling fields (OpenAI's, and the extensions top_k,
-    min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids), and its output constraint
-    (response_format, structured_outputs, guided_*: see structured_outputs)."""
+    """The SamplingParams of a request's sampling fields (OpenAI's, and vLLM's extensions top_k,
+    min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens,
+    spaces_between_special_tokens, include_stop_str_in_output, allowed_token_ids, bad_words,
+    truncate_prompt_tokens), and its output constraint (response_format, structured_outputs,
+    guided_*: see structured_outputs)."""
     constraint = structured_outputs(body)
     top_k = get_int(body, "top_k", -1)
     if top_k == 0:
         top_k = -1
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None and (not isinstance(stop_token_ids, list)
-                                       or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                  for t in stop_token_ids)):
-        raise bad("stop_token_ids", "expected a list of integers")
+    stop_token_ids = _token_ids(body, "stop_token_ids")
     logit_bias = body.get("logit_bias")
     if logit_bias is not None:  # OpenAI spells the token ids as strings
         if not isinstance(logit_bias, dict):
@@ -158,6 +171,12 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> Sam
             min_tokens=get_int(body, "min_tokens", 0, lo=0),
             logit_bias=logit_bias or None,
             structured_outputs=constraint,
+            skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+            spaces_between_special_tokens=get_bool(body, "spaces_between_special_tokens", True),
+            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+            allowed_token_ids=_token_ids(body, "allowed_token_ids"),
+            bad_words=_bad_words(body),
+            truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", None, lo=-1),
         )
     except InvalidRequestError as e:
         raise from_invalid(e) from None
@@ -289,6 +308,13 @@ def chat_messages(body: dict) -> list[dict]:
             messages[i] = {k: v for k, v in m.items() if k != "tool_calls"}
         if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
             raise bad(f"messages[{i}].tool_call_id", "expected a string")
+        # an earlier reply's thought, under either name a client may send it back with: templates
+        # that render it (Nemotron 3's) read reasoning_content
+        thought = m.get("reasoning_content", m.get("reasoning"))
+        if thought is not None:
+            if not isinstance(thought, str):
+                raise bad(f"messages[{i}].reasoning", "expected a string")
+            messages[i] = {**messages[i], "reasoning_content": thought, "reasoning": thought}
     return messages
 
 
@@ -318,6 +344,8 @@ class ChatRequest:
     tool_choice: str = "none"  # "none" | "auto" | "required" | "function" (the named tool_name)
     tool_name: str | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None  # more template variables (e.g. enable_thinking)
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -337,6 +365,8 @@ def parse_completion(body: dict) -> CompletionRequest:
                              logprobs=k)
     if echo and k is not None:
         params = dataclasses.replace(params, prompt_logprobs=k)
+    if echo and params.truncate_prompt_tokens is not None:  # the echoed prompt would not be the one run
+        raise bad("truncate_prompt_tokens", "is not supported with echo")
     best_of = get_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != params.n:
         raise bad("best_of", "is not supported (only best_of == n)")
@@ -368,5 +398,33 @@ def parse_chat(body: dict, max_model_len: int) -> ChatRequest:
     params = sampling_params(body, max_tokens=max_tokens or max_model_len, logprobs=k)
     params = tool_constraint(tool_kind, tool_name, tools, params, body,
                              ("response_format", "structured_outputs", *_GUIDED), parallel)
+    template_kwargs = chat_template_kwargs(body)
+    continue_final = get_bool(body, "continue_final_message", False)
+    if continue_final:
+        if add_gen and "add_generation_prompt" in body:
+            raise bad("continue_final_message", "cannot be combined with 'add_generation_prompt': true")
+        add_gen = False
+        if messages[-1]["role"] != "assistant":
+            raise bad("continue_final_message", "needs the last message to be the assistant's (the text to continue)")
     return ChatRequest(messages, add_gen, tools, params, param, k, stream, include_usage, tool_kind, tool_name,
-                       parallel)
+                       parallel, template_kwargs, continue_final)
+
+
+# variables the chat template gets from the request itself, never from chat_template_kwargs
+_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize",
+                      "chat_template", "bos_token", "eos_token")
+
+
+def chat_template_kwargs(body: dict) -> dict | None:
+    """vLLM's chat_template_kwargs: more variables for the chat template (enable_thinking,
+    force_nonempty_content, ...), an object whose keys do not override the request's own."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return None
+    if not isinstance(kw, dict):
+        raise bad("chat_template_kwargs", "expected an object of template variables")
+    reserved = sorted(set(kw) & set(_TEMPLATE_RESERVED))
+    if reserved:
+        raise bad("chat_template_kwargs", f"{', '.join(reserved)} cannot be set here: "
+                                          "the request's own fields set them")
+    return kw

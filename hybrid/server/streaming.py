@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from hybrid.async_engine import TextDeltas
 from hybrid.sampling import SamplingParams
 from hybrid.server.api_errors import error_for
+from hybrid.server.reasoning import ReasoningMode, ReasoningStream
 from hybrid.server.tool_calls import ChoiceStream, ToolMode
 from hybrid.server.tool_tags import MarkedText, MarkerTokens
 
@@ -248,18 +249,22 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
-    """Chat choices: message / delta with the content; with a ToolMode (hybrid/server/tool_calls.py)
-    the tool calls too. `markers` (tool_tags.MarkerTokens, active): the parser's tags are special
-    tokens of the tokenizer, so the text parsed is rebuilt from the token ids with them kept."""
+    """Chat choices: message / delta with the content; with a ReasoningMode (hybrid/server/reasoning.py)
+    the thought apart from it, as `reasoning` and `reasoning_content`; with a ToolMode
+    (hybrid/server/tool_calls.py) the tool calls read from the content. `markers` (tool_tags.MarkerTokens,
+    active): tags to parse are special tokens of the tokenizer, so the text parsed is rebuilt from the
+    token ids with them kept."""
     id_prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, n: int, logprobs: int | None, token_str: Callable[[int], str], tools: ToolMode | None = None,
-                 markers: MarkerTokens | None = None) -> None:
+                 markers: MarkerTokens | None = None, reasoning: ReasoningMode | None = None) -> None:
         super().__init__(n, logprobs, token_str)
         self.tools = tools
-        self.markers = markers if tools is not None and tools.kind == "auto" and markers and markers.ids else None
+        self.reasoning = reasoning
+        self.markers = markers if markers is not None and markers.ids else None
         self._texts: dict[tuple[int, int], MarkedText] = {}
         self._streams: dict[int, ChoiceStream] = {}
+        self._thoughts: dict[int, ReasoningStream] = {}
         self._held_lp: dict[int, list] = {}
 
     def text(self, key, c):
@@ -282,23 +287,30 @@ class ChatFormat(ResponseFormat):
         return {"content": content}
 
     def choice(self, index, text, lp, reason):
+        thought = None
+        if self.reasoning is not None:
+            thought, text = self.reasoning.split(text)
         if self.tools is None:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                    "finish_reason": reason}
-        content, calls = self.tools.read(text)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [c.as_dict() for c in calls]
-        return {"index": index, "message": message, "logprobs": lp,
-                "finish_reason": self.tools.finish_reason(reason, bool(calls))}
+            message = {"role": "assistant", "content": text}
+        else:
+            content, calls = self.tools.read(text or "")
+            if self.reasoning is not None and not content:
+                content = None  # (as the content of a reply that is all thought)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [c.as_dict() for c in calls]
+            reason = self.tools.finish_reason(reason, bool(calls))
+        if self.reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = thought
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
 
     def opening(self):
         return [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
                 for i in range(self.n)]
 
     def deltas(self, u, index, lp):
-        if self.tools is not None:
-            return self._tool_deltas(u, index, lp)
+        if self.tools is not None or self.reasoning is not None:
+            return self._parsed_deltas(u, index, lp)
         chunks = []
         if u.delta or lp is not None:
             chunks.append([{"index": index, "delta": {"content": u.delta}, "logprobs": lp, "finish_reason": None}])
@@ -307,13 +319,33 @@ class ChatFormat(ResponseFormat):
                             "finish_reason": finish_reason(u.finish_reason)}])
         return chunks
 
-    def _tool_deltas(self, u, index, lp):
-        """With tools: the choice's ChoiceStream turns text deltas into content and tool-call deltas
-        (text that may be a call is held back until it is known); logprob rows ride on the next
-        chunk sent, the rest on the finishing one."""
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = self.tools.stream()
+    def _parsed_deltas(self, u, index, lp):
+        """With reasoning or tools: the text deltas split into reasoning and content (ReasoningStream),
+        the content into content and tool-call deltas (ChoiceStream); text that may still be a tag is
+        held back until it is known. Logprob rows ride on the next chunk sent, the rest on the
+        finishing one."""
+        final = u.finish_reason is not None
+        pieces = [("content", u.delta)]
+        if self.reasoning is not None:
+            thought = self._thoughts.get(index)
+            if thought is None:
+                thought = self._thoughts[index] = self.reasoning.stream()
+            pieces = thought.feed(u.delta, final)
+        stream = None
+        if self.tools is not None:
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = self.tools.stream()
+        deltas: list[dict] = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                deltas.append({"reasoning": text, "reasoning_content": text})
+            elif stream is not None:
+                deltas.extend(stream.update(text, False))
+            elif text:
+                deltas.append({"content": text})
+        if final and stream is not None:
+            deltas.extend(stream.update("", True))
         held = self._held_lp.setdefault(index, [])
         if lp is not None:
             held.extend(lp["content"])
@@ -325,11 +357,11 @@ class ChatFormat(ResponseFormat):
             held.clear()
             return rows
 
-        final = u.finish_reason is not None
-        chunks = [[{"index": index, "delta": d, "logprobs": take_lp(), "finish_reason": None}]
-                  for d in stream.update(u.delta, final)]
+        chunks = [[{"index": index, "delta": d, "logprobs": take_lp(), "finish_reason": None}] for d in deltas]
         if final:
-            reason = self.tools.finish_reason(finish_reason(u.finish_reason), stream.called)
+            reason = finish_reason(u.finish_reason)
+            if self.tools is not None:
+                reason = self.tools.finish_reason(reason, stream.called)
             chunks.append([{"index": index, "delta": {}, "logprobs": take_lp(), "finish_reason": reason}])
         return chunks
 

@@ -1,0 +1,186 @@
+"""OpenAI's Responses API (/v1/responses) through the openai client: the same outputs as the chat
+endpoint for the same conversation, whole and streamed (the SDK's own stream accumulator reads the
+events), with reasoning items, function calls, structured text and input items of every kind."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+jsonschema = pytest.importorskip("jsonschema")
+
+from server_utils import ServerThread, build_thinking_checkpoint  # noqa: E402
+
+from hybrid.server.responses import input_messages  # noqa: E402
+
+MODEL = "tiny-responder"
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+END_FIRST = {"logit_bias": {"193": 100}}  # </think> first: the thought ends at once
+TOOLS = [{"type": "function", "name": "capital", "description": "a country's capital",
+          "parameters": {"type": "object", "properties": {"country": {"type": "string", "enum": ["France"]}},
+                         "required": ["country"], "additionalProperties": False}}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    import torch
+
+    from hybrid import LLM
+    from hybrid.server import build_app
+
+    torch.set_num_threads(1)
+    ckpt = build_thinking_checkpoint(tmp_path_factory.mktemp("responses") / MODEL)
+    llm = LLM(str(ckpt), device="cpu", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128)
+    with ServerThread(build_app(llm, reasoning_parser="nemotron_v3", enable_auto_tool_choice=True,
+                                tool_call_parser="hermes")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _events(client, **kw) -> list:
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[1].type == "response.in_progress"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    ids = {e.response.id for e in events if hasattr(e, "response")}
+    assert len(ids) == 1
+    return events
+
+
+def _items(output) -> list[tuple]:
+    """What the output items say, without their ids."""
+    out = []
+    for item in output:
+        if item.type == "message":
+            out.append(("message", "".join(c.text for c in item.content)))
+        elif item.type == "reasoning":
+            out.append(("reasoning", "".join(c.text for c in item.content or [])))
+        else:
+            out.append(("function_call", item.name, json.loads(item.arguments)))
+    return out
+
+
+def test_text_equals_the_chat_endpoint_whole_and_streamed(client):
+    r = client.responses.create(model=MODEL, input="Capital of France?", max_output_tokens=9, temperature=0,
+                                extra_body=NO_THINKING)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Capital of France?"}],
+                                          max_tokens=9, temperature=0, extra_body=NO_THINKING)
+    assert r.output_text == chat.choices[0].message.content and r.output_text
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    if chat.choices[0].finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+    events = _events(client, model=MODEL, input="Capital of France?", max_output_tokens=9, temperature=0,
+                     extra_body=NO_THINKING)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == r.output_text
+    assert _items(events[-1].response.output) == _items(r.output)
+    assert events[-1].response.usage.output_tokens == r.usage.output_tokens
+
+
+def test_reasoning_item(client):
+    """A thought the template opens, never ended: one reasoning item, no message."""
+    kw = dict(model=MODEL, input="Capital of France?", max_output_tokens=10, temperature=0,
+              extra_body={"logit_bias": {"193": -100}})
+    r = client.responses.create(**kw)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Capital of France?"}],
+                                          max_tokens=10, temperature=0, extra_body={"logit_bias": {"193": -100}})
+    thought = chat.choices[0].message.model_extra["reasoning"]
+    assert _items(r.output) == [("reasoning", thought)] and r.output_text == ""
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens
+    events = _events(client, **kw)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert _items(events[-1].response.output) == _items(r.output)
+
+
+def test_json_schema_text_format_after_the_thought(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}},
+              "required": ["city"], "additionalProperties": False}
+    kw = dict(model=MODEL, input="Capital of France?", max_output_tokens=120, temperature=0, extra_body=END_FIRST,
+              text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}})
+    r = client.responses.create(**kw)
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.usage.output_tokens_details.reasoning_tokens == 0  # the thought ended at its first token
+    events = _events(client, **kw)
+    assert _items(events[-1].response.output) == _items(r.output)
+
+
+def test_function_calls_whole_and_streamed(client):
+    kw = dict(model=MODEL, input="Capital of France?", tools=TOOLS, tool_choice="required", max_output_tokens=240,
+              temperature=0, extra_body=END_FIRST)
+    r = client.responses.create(**kw)
+    assert _items(r.output) == [("function_call", "capital", {"country": "France"})]
+    call = r.output[0]
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    events = _events(client, **kw)
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments) == {"country": "France"}
+    assert _items(events[-1].response.output) == _items(r.output)
+    with client.responses.stream(**kw) as stream:
+        final = stream.get_final_response()
+    assert _items(final.output) == _items(r.output)
+    # a named function
+    named = client.responses.create(**{**kw, "tool_choice": {"type": "function", "name": "capital"}})
+    assert _items(named.output) == [("function_call", "capital", {"country": "France"})]
+
+
+def test_input_items_become_the_conversation():
+    body = {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Capital of "}, {"type": "input_text",
+                                                                                   "text": "France?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "look"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "capital", "arguments": '{"country": "France"}'},
+        {"type": "function_call", "call_id": "call_2", "name": "capital", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Paris"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Paris."}]},
+    ]}
+    assert input_messages(body) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "", "reasoning_content": "look", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "capital", "arguments": '{"country": "France"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "capital", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Paris"},
+        {"role": "assistant", "content": "Paris."},
+    ]
+
+
+def test_a_conversation_with_calls_runs(client, served):
+    r = client.responses.create(model=MODEL, instructions="Be brief.", max_output_tokens=4, temperature=0,
+                                tools=TOOLS, extra_body=NO_THINKING, input=[
+                                    {"role": "user", "content": "Capital of France?"},
+                                    {"type": "function_call", "call_id": "call_1", "name": "capital",
+                                     "arguments": '{"country": "France"}'},
+                                    {"type": "function_call_output", "call_id": "call_1", "output": "Paris"}])
+    assert r.status in ("completed", "incomplete") and r.instructions == "Be brief."
+    assert [t.name for t in r.tools] == ["capital"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
+    ({"input": "hi", "tools": [{"type": "function", "name": ""}]}, "tools[0].name"),
+    ({"input": "hi", "temperature": -1}, "temperature"),
+])
+def test_bad_requests_are_400_naming_the_field(served, body, param):
+    r = httpx.post(served.base_url + "/v1/responses", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert httpx.post(served.base_url + "/v1/responses", json={"model": "other", "input": "hi"}).status_code == 404
