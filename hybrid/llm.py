@@ -277,7 +277,20 @@ class LLM:
                          max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, enforce_eager=enforce_eager,
                          cuda_graph_sizes=c.cuda_graph_sizes)
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):  # vLLM's TextPrompt {"prompt": text} / TokensPrompt {"prompt_token_ids": ids}
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown:
+                raise InvalidRequestError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids'; "
+                                          f"{', '.join(map(repr, unknown))} is not supported")
+            if prompt.get("prompt_token_ids") is not None:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise InvalidRequestError("prompt_token_ids must be a list of token ids")
+                return prompt.get("prompt"), list(ids)
+            if not isinstance(prompt.get("prompt"), str):
+                raise InvalidRequestError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this checkpoint has no tokenizer.json: pass token ids, not text")
@@ -290,8 +303,9 @@ class LLM:
 
     @staticmethod
     def _prompt_list(prompts) -> list:
-        """One prompt (a string or a list of token ids) or a list of them -> a list of prompts."""
-        if isinstance(prompts, str):
+        """One prompt (a string, a list of token ids, or a {"prompt"} / {"prompt_token_ids"} dict) or a
+        list of them -> a list of prompts."""
+        if isinstance(prompts, (str, dict)):
             return [prompts]
         if isinstance(prompts, (list, tuple)):
             if prompts and all(isinstance(t, int) for t in prompts):
@@ -316,11 +330,12 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[int] | list[list[int]],
+        prompts: str | list[str] | list[int] | list[list[int]] | dict | list[dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Every prompt and every parameter (vocabulary-
+        """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids, or as in
+        vLLM {"prompt": text} / {"prompt_token_ids": ids}. Every prompt and every parameter (vocabulary-
         dependent ones too) is validated before anything is queued: an InvalidRequestError leaves
         nothing behind. If some requests fail inside the engine (an exception in their step,
         non-finite logits), the others still run to the end and then RequestFailedError is raised:

@@ -4,6 +4,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class Logprob(float):
+    """A token's log-probability. A float (what this package's own code and the server read), with
+    vLLM's Logprob fields for code written against vLLM: `.logprob`, `.rank` (1 for the most
+    likely token, among the top entries; None for a sampled token outside them) and
+    `.decoded_token` (None: the token's text is tokenizer.decode([id]))."""
+    __slots__ = ("rank",)
+    decoded_token = None
+
+    def __new__(cls, value: float, rank: int | None = None) -> "Logprob":
+        obj = super().__new__(cls, value)
+        obj.rank = rank
+        return obj
+
+    def __reduce__(self):  # (pickled with its rank, for the tensor-parallel workers' pipes)
+        return Logprob, (float(self), self.rank)
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -16,6 +37,13 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the generated tokens' log-probabilities (with logprobs asked for, else None), as vLLM's."""
+        if self.logprobs is None:
+            return None
+        return float(sum(d[t] for d, t in zip(self.logprobs, self.token_ids)))
 
 
 @dataclass

@@ -43,6 +43,7 @@ from hybrid.errors import InvalidRequestError
 from hybrid.ops import triton_greedy, triton_sampling
 from hybrid.sample_stream import GENERATOR_SEED_RANGE, SampleStream, draw_bits, generator_seed, splitmix64  # noqa: F401
 from hybrid.ops.triton_guard import HAS_TRITON, switch
+from hybrid.outputs import Logprob
 from hybrid.structured_outputs import StructuredOutputsParams  # re-exported: hybrid.sampling.StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -507,6 +508,7 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> dict[int, float]:
 
 
 def logprob_dict(token: int, token_logprob: float, top_values: list[float], top_ids: list[int]) -> dict[int, float]:
-    out = {token: token_logprob}
-    out.update({int(i): float(v) for i, v in zip(top_ids, top_values)})
+    """{token: its logprob} and the top entries, as Logprob floats ranked 1.. in the top's order."""
+    out = {token: Logprob(token_logprob)}
+    out.update({int(i): Logprob(v, rank) for rank, (i, v) in enumerate(zip(top_ids, top_values), 1)})
     return out
