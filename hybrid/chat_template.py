@@ -36,6 +36,18 @@ def _compiled(template: str):
     return env.from_string(template)
 
 
+def check_chat_template(template: str) -> None:
+    """ValueError naming the problem if `template` is not a jinja2 template that compiles."""
+    import jinja2
+
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError("the chat template must be a non-empty jinja2 template text")
+    try:
+        _compiled(template)
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"the chat template does not compile: {e}") from None
+
+
 def render_chat(template: str, messages: list[dict], tokenizer_config: dict | None = None,
                 add_generation_prompt: bool = True, extra: dict | None = None,
                 continue_final_message: bool = False) -> str:

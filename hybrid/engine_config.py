@@ -122,6 +122,8 @@ class EngineConfig:
     check_weights: bool = False
     tensor_parallel_size: int = 1  # > 1: the model sharded over that many processes (hybrid/parallel/)
     warmup: bool = False  # throw-away requests at startup, so the first batch compiles nothing (hybrid/warmup.py)
+    # default sampling: "auto" (the checkpoint's generation_config.json), "vllm" (none), or a folder's
+    generation_config: str = "auto"
     cache: CacheConfig = CacheConfig()
 
     @property
@@ -171,6 +173,7 @@ def engine_config(
     tensor_parallel_size: int = 1,
     kv_cache_dtype: str | torch.dtype = "auto",
     warmup: bool | None = None,
+    generation_config: str = "auto",
 ) -> EngineConfig:
     """The EngineConfig for LLM's arguments (the same keywords and defaults; see LLM and README),
     validated: ConfigurationError names the first bad argument."""
@@ -214,6 +217,11 @@ def engine_config(
         async_scheduling = device.type == "cuda"
     if warmup is None:  # on CPU nothing is compiled at first use
         warmup = device.type == "cuda"
+    if not isinstance(generation_config, (str, os.PathLike)) or (
+            os.fspath(generation_config) not in ("auto", "vllm") and not os.path.isdir(generation_config)):
+        raise ConfigurationError(f"generation_config must be 'auto' (the checkpoint's generation_config.json), "
+                                 f"'vllm' (no model defaults) or a folder holding a generation_config.json; "
+                                 f"got {generation_config!r}")
     if tensor_parallel_size > 1:
         if device.type == "cuda" and (device.index or 0) + tensor_parallel_size > torch.cuda.device_count():
             raise ConfigurationError(f"tensor_parallel_size={tensor_parallel_size} needs that many GPUs from "
@@ -231,7 +239,8 @@ def engine_config(
         cuda_graph_sizes=cuda_graph_sizes, mamba_decode_kernels=mamba_decode_kernels, fused_ops=bool(fused_ops),
         # drafts need the latest tokens on the host, so speculation runs synchronously
         async_scheduling=bool(async_scheduling) and spec is None, check_weights=bool(check_weights),
-        tensor_parallel_size=tensor_parallel_size, warmup=bool(warmup), cache=cache)
+        tensor_parallel_size=tensor_parallel_size, warmup=bool(warmup), cache=cache,
+        generation_config=os.fspath(generation_config))
 
 
 def _fused_kernels_available() -> bool:

@@ -18,13 +18,13 @@ from hybrid.engine_config import (  # re-exported: the sizing API is known from 
     MIN_DEFAULT_BATCHED_TOKENS, EngineConfig, EngineSizes, default_sizes, engine_config, fit_max_model_len,
     plan_cuda_sizes, resolve_device, smaller_sizes,
 )
-from hybrid.errors import CapacityError, InvalidRequestError, RequestFailedError
+from hybrid.errors import CapacityError, ConfigurationError, InvalidRequestError, RequestFailedError
 from hybrid.kv_cache_dtype import kv_cache_dtype_note
 from hybrid.loader import load_model
 from hybrid.model import ForwardContext, use_fused_ops
 from hybrid.model_source import DEFAULT_MODEL_DIR, resolve_model
 from hybrid.outputs import RequestOutput
-from hybrid.sampling import SamplingParams
+from hybrid.sampling import SamplingParams, generation_defaults
 from state_pool.pool import MambaStatePool, StateShapes
 from state_pool.util import cdiv
 
@@ -85,6 +85,7 @@ class LLM:
         tensor_parallel_size: int = 1,  # > 1: the model sharded over that many processes (hybrid/parallel/)
         kv_cache_dtype: str = "auto",  # "auto": the model's dtype; "fp8": e4m3 pages (hybrid/kv_cache_dtype.py)
         warmup: bool | None = None,  # throw-away requests at startup (hybrid/warmup.py); None: on for CUDA
+        generation_config: str = "auto",  # default sampling: "auto" the checkpoint's, "vllm" none, or a folder's
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
         # engine_config takes the same keywords: the one place they are checked and resolved.
@@ -97,7 +98,7 @@ class LLM:
             async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
             prefix_cache_entries=prefix_cache_entries, prefix_cache_interval=prefix_cache_interval,
             check_weights=check_weights, tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-            warmup=warmup))
+            warmup=warmup, generation_config=generation_config))
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":
@@ -129,6 +130,7 @@ class LLM:
         source = resolve_model(config.model)
         self.model_dir, self.hf_repo_id = source.path, source.repo_id
         self.config = cfg = load_config(self.model_dir)
+        self.default_sampling = self._generation_defaults(config.generation_config)
         sizes = default_sizes(self.device.type, cfg.max_position_embeddings, max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               max_model_len=config.max_model_len)
@@ -314,10 +316,9 @@ class LLM:
         raise InvalidRequestError("prompts must be a string, a list of token ids or a list of those, "
                                   f"got {type(prompts).__name__}")
 
-    @staticmethod
-    def _params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    def _params_list(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         if not isinstance(sampling_params, (list, tuple)) \
@@ -397,6 +398,31 @@ class LLM:
                 f"{len(failed)} of {len(outputs)} requests failed; prompt {first}: {failed[first]}",
                 failed=failed, outputs=outputs)
         return outputs
+
+    def _generation_defaults(self, setting: str) -> dict:
+        """The sampling defaults of generation_config.json ("auto": the checkpoint's; "vllm": none; a
+        folder: its file), as vLLM applies them; logged when there are any."""
+        if setting == "vllm":
+            return {}
+        folder = self.model_dir if setting == "auto" else setting
+        path = os.path.join(folder, "generation_config.json")
+        if not os.path.isfile(path):
+            return {}
+        from hybrid.config_fields import read_json
+
+        try:
+            defaults = generation_defaults(read_json(path), path)
+        except InvalidRequestError as e:
+            raise ConfigurationError(f"{e} (generation_config='vllm' ignores the file)") from None
+        if defaults:
+            logger.info("default sampling from %s: %s (a request's own fields win; generation_config='vllm' "
+                        "turns these off)", path, defaults)
+        return defaults
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a request without its own gets: the model's generation_config.json
+        recommendations (see generation_config), else SamplingParams()'s defaults, as vLLM's."""
+        return SamplingParams(**self.default_sampling)
 
     def get_tokenizer(self):
         """The checkpoint's tokenizer (hybrid.tokenizer.Tokenizer: encode, decode,

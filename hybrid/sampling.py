@@ -195,6 +195,31 @@ class SamplingParams:
                 or bool(self.bad_words))
 
 
+# generation_config.json's sampling fields and what they are here (HF max_new_tokens is max_tokens), as vLLM reads them
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(gen: dict | None, where: str = "generation_config.json") -> dict:
+    """The SamplingParams defaults a model's generation_config.json recommends (vLLM applies them to
+    every request that does not set the field): temperature, top_p, top_k (0: off), min_p,
+    repetition_penalty and max_new_tokens (as max_tokens). InvalidRequestError naming the field if
+    one is not a valid value."""
+    out: dict = {}
+    for name, field_name in _GENERATION_FIELDS.items():
+        value = (gen or {}).get(name)
+        if value is None:
+            continue
+        if field_name == "top_k" and value == 0:  # transformers: top_k 0 means no top-k filtering
+            value = -1
+        out[field_name] = value
+    try:
+        SamplingParams(**out)
+    except (InvalidRequestError, TypeError) as e:
+        raise InvalidRequestError(f"{where}: {e}") from None
+    return out
+
+
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: "SampleStream | torch.Generator | None") -> int:
     """Next token for one request from its fp32 logits row [V] (syncs: for the rare per-row paths).
     Takes one draw from `generator`, as sample_tokens does for the row."""

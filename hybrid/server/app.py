@@ -16,6 +16,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 
 from hybrid.async_engine import AsyncEngine, EngineDeadError
+from hybrid.chat_template import check_chat_template
 from hybrid.errors import HybridError, InvalidRequestError
 from hybrid.server.api_errors import APIError, error_for, from_invalid, internal_error
 from hybrid.server.handlers import Handlers
@@ -164,7 +165,7 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
               api_key: str | None = None, allowed_origins: list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
-              reasoning_parser: str | None = None):
+              reasoning_parser: str | None = None, chat_template: str | None = None):
     """A FastAPI app serving `llm_or_engine` (an LLM, an Engine or an AsyncEngine).
 
     The engine worker thread starts with the app (lifespan) and stops with it.
@@ -176,7 +177,10 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     hybrid.server.tool_parsers.TOOL_PARSERS; ValueError for another) parses the calls out of the
     output for tool_choice "auto"; exclude_tools_when_tool_choice_none: tool_choice "none" renders
     no tools into the prompt. reasoning_parser (a name of hybrid.server.reasoning.REASONING_PARSERS;
-    ValueError for another): chat replies carry the model's thought apart from its answer."""
+    ValueError for another): chat replies carry the model's thought apart from its answer.
+    chat_template: a jinja2 chat template (its text) used instead of the checkpoint's (ValueError if it
+    does not compile). A request's sampling fields that it leaves out take the LLM's default_sampling
+    (its generation_config.json's recommendations, as vLLM applies them)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -187,6 +191,8 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
         raise ValueError("max_request_bytes must be >= 1")
     check_tool_options(enable_auto_tool_choice, tool_call_parser)  # before anything is built
     check_reasoning_parser(reasoning_parser)
+    if chat_template is not None:
+        check_chat_template(chat_template)
     async_engine, engine, tokenizer, llm = _unwrap(llm_or_engine)
     name = served_model_name or model_name_of(llm)
     metrics = ServerMetrics(name)
@@ -199,7 +205,8 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
                    max_queued_requests, metrics, enable_auto_tool_choice=enable_auto_tool_choice,
                    tool_call_parser=tool_call_parser,
                    exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
-                   reasoning_parser=reasoning_parser)
+                   reasoning_parser=reasoning_parser, chat_template=chat_template,
+                   sampling_defaults=getattr(llm, "default_sampling", None))
     metrics.bind(async_engine, admitted_requests=lambda: srv.admitted_requests,
                  admitted_seqs=lambda: srv.reserved_seqs)
 

@@ -67,8 +67,12 @@ class Handlers:
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int,
                  max_num_seqs: int, max_queued_requests: int | None, metrics, *,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 exclude_tools_when_tool_choice_none: bool = False, reasoning_parser: str | None = None) -> None:
+                 exclude_tools_when_tool_choice_none: bool = False, reasoning_parser: str | None = None,
+                 chat_template: str | None = None, sampling_defaults: dict | None = None) -> None:
         self.engine = engine
+        # the model's recommended sampling (generation_config.json, LLM.default_sampling) for fields a request omits
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.chat_template_override = chat_template  # --chat-template: used instead of the checkpoint's
         # tool calling: tool_choice "auto" needs enable_auto_tool_choice and a parser (as vLLM's
         # --enable-auto-tool-choice --tool-call-parser); a named or "required" choice needs neither
         self.tool_parser_cls = check_tool_options(enable_auto_tool_choice, tool_call_parser)
@@ -184,10 +188,11 @@ class Handlers:
         return await asyncio.to_thread(_encode, self.tokenizer, text, add_special_tokens)
 
     def chat_template(self) -> str:
-        """The checkpoint's chat template (hybrid.tokenizer.Tokenizer has picked one from a list)."""
+        """The server's --chat-template, else the checkpoint's (hybrid.tokenizer.Tokenizer has picked
+        one from a list)."""
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so it cannot chat", 400, "messages", "invalid_value")
-        template = getattr(self.tokenizer, "chat_template", None)
+        template = self.chat_template_override or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError("this model has no chat template (tokenizer_config.json has no 'chat_template'); "
                            "use /v1/completions", 400, "messages", "invalid_value")
@@ -260,7 +265,7 @@ class Handlers:
 
     async def completions(self, request, body: dict):
         self.check_model(body)
-        req = parse_completion(body)
+        req = parse_completion(body, self.sampling_defaults)
         n = req.params.n
         # before the (possibly long) tokenization
         with self.admit(len(req.inputs) * n, "prompt" if len(req.inputs) > 1 else "n") as admission:
@@ -291,7 +296,7 @@ class Handlers:
 
     async def chat(self, request, body: dict):
         self.check_model(body)
-        req = parse_chat(body, self.max_model_len)
+        req = parse_chat(body, self.max_model_len, self.sampling_defaults)
         self.tool_mode(req)  # (a 400 before anything is reserved)
         self.chat_template()
         with self.admit(req.params.n, "n") as admission:  # before rendering and tokenizing
@@ -305,7 +310,7 @@ class Handlers:
         from hybrid.server.responses import ResponsesWriter, parse_responses, respond_responses
 
         self.check_model(body)
-        rreq = parse_responses(body, self.max_model_len)
+        rreq = parse_responses(body, self.max_model_len, self.sampling_defaults)
         req = rreq.chat
         self.tool_mode(req)
         self.chat_template()

@@ -131,14 +131,16 @@ def _bad_words(body: dict) -> list[str] | None:
     return v or None
 
 
-def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None,
+                    defaults: dict | None = None) -> SamplingParams:
     """The SamplingParams of a request's sampling fields (OpenAI's, and vLLM's extensions top_k,
     min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens,
     spaces_between_special_tokens, include_stop_str_in_output, allowed_token_ids, bad_words,
     truncate_prompt_tokens), and its output constraint (response_format, structured_outputs,
     guided_*: see structured_outputs)."""
     constraint = structured_outputs(body)
-    top_k = get_int(body, "top_k", -1)
+    d = defaults or {}  # the model's recommended values (generation_config.json) for fields the request leaves out
+    top_k = get_int(body, "top_k", d.get("top_k", -1))
     if top_k == 0:
         top_k = -1
     stop_token_ids = _token_ids(body, "stop_token_ids")
@@ -156,8 +158,8 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> Sam
         return SamplingParams(
             n=get_int(body, "n", 1, lo=1, hi=MAX_N),
             max_tokens=max_tokens,
-            temperature=get_num(body, "temperature", 1.0, lo=0.0),
-            top_p=get_num(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+            temperature=get_num(body, "temperature", d.get("temperature", 1.0), lo=0.0),
+            top_p=get_num(body, "top_p", d.get("top_p", 1.0), lo=0.0, hi=1.0, lo_open=True),
             top_k=top_k,
             seed=get_int(body, "seed", None),  # any int: the engine reduces it into the generator's range
             stop=_stop(body),
@@ -166,8 +168,8 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None) -> Sam
             logprobs=logprobs,
             presence_penalty=get_num(body, "presence_penalty", 0.0),
             frequency_penalty=get_num(body, "frequency_penalty", 0.0),
-            repetition_penalty=get_num(body, "repetition_penalty", 1.0),
-            min_p=get_num(body, "min_p", 0.0),
+            repetition_penalty=get_num(body, "repetition_penalty", d.get("repetition_penalty", 1.0)),
+            min_p=get_num(body, "min_p", d.get("min_p", 0.0)),
             min_tokens=get_int(body, "min_tokens", 0, lo=0),
             logit_bias=logit_bias or None,
             structured_outputs=constraint,
@@ -348,7 +350,8 @@ class ChatRequest:
     continue_final_message: bool = False  # the reply continues the last (assistant) message
 
 
-def parse_completion(body: dict) -> CompletionRequest:
+def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequest:
+    """A /v1/completions request; `defaults`: the model's sampling defaults (generation_config.json)."""
     echo = get_bool(body, "echo", False)
     if body.get("suffix"):
         raise bad("suffix", "is not supported")
@@ -361,8 +364,9 @@ def parse_completion(body: dict) -> CompletionRequest:
     # echo with max_tokens 0 (how evaluation harnesses score a text): the prompt and its logprobs only
     max_tokens = get_int(body, "max_tokens", None, lo=0 if echo else 1)
     echo_only = echo and max_tokens == 0
-    params = sampling_params(body, max_tokens=1 if echo_only else max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
-                             logprobs=k)
+    default_max = (defaults or {}).get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+    params = sampling_params(body, max_tokens=1 if echo_only else max_tokens or default_max, logprobs=k,
+                             defaults=defaults)
     if echo and k is not None:
         params = dataclasses.replace(params, prompt_logprobs=k)
     if echo and params.truncate_prompt_tokens is not None:  # the echoed prompt would not be the one run
@@ -374,7 +378,8 @@ def parse_completion(body: dict) -> CompletionRequest:
                              include_usage, echo, echo_only)
 
 
-def parse_chat(body: dict, max_model_len: int) -> ChatRequest:
+def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> ChatRequest:
+    """A /v1/chat/completions request; `defaults`: the model's sampling defaults (generation_config.json)."""
     stream = get_bool(body, "stream", False)
     include_usage = _include_usage(body, stream)
     messages = chat_messages(body)
@@ -395,7 +400,8 @@ def parse_chat(body: dict, max_model_len: int) -> ChatRequest:
         max_tokens, param = get_int(body, "max_tokens", None, lo=1), "max_tokens"
     if max_tokens is None:
         param = None  # default: the rest of the context
-    params = sampling_params(body, max_tokens=max_tokens or max_model_len, logprobs=k)
+    default_max = min((defaults or {}).get("max_tokens", max_model_len), max_model_len)
+    params = sampling_params(body, max_tokens=max_tokens or default_max, logprobs=k, defaults=defaults)
     params = tool_constraint(tool_kind, tool_name, tools, params, body,
                              ("response_format", "structured_outputs", *_GUIDED), parallel)
     template_kwargs = chat_template_kwargs(body)

@@ -172,7 +172,7 @@ class ResponsesRequest:
     echo: dict  # the request's fields the response object repeats
 
 
-def parse_responses(body: dict, max_model_len: int) -> ResponsesRequest:
+def parse_responses(body: dict, max_model_len: int, defaults: dict | None = None) -> ResponsesRequest:
     if body.get("previous_response_id") is not None:
         raise bad("previous_response_id", "is not supported: responses are not stored; send the whole "
                                           "conversation in 'input'")
@@ -199,7 +199,7 @@ def parse_responses(body: dict, max_model_len: int) -> ResponsesRequest:
     if rf is not None and rf["type"] != "text":
         chat["response_format"] = rf
     try:
-        req = parse_chat(chat, max_model_len)
+        req = parse_chat(chat, max_model_len, defaults)
     except APIError as e:
         if e.param is not None:
             e.param = _responses_param(e.param)
