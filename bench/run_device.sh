@@ -418,9 +418,21 @@ if [[ $what == fp8-splitk-2 ]]; then
   fp8_8b_decode 2_default --no-prefill
   HYBRID_FP8_SPLITK=1 fp8_8b_decode 2_splitk_1 --no-prefill
 fi
-# next     what this project's next session measures first: fp8-splitk-2 (the sweep in 140 s)
+# request-features  the GPU tests of the request-level masks and gates (allowed_token_ids, bad_words under async
+#           scheduling, a structured output after a token, truncate_prompt_tokens, include_stop_str_in_output;
+#           the CPU's tokens on CUDA; <= 150 s)
+if [[ $what == request-features ]]; then
+  gpu_pytest 150 gpu_tests_request_features.log tests/gpu/test_request_features_gpu.py
+fi
+# next     what this project's next session measures first: request-features, then on an H200 the issue targets
+#          (targets: MoE + FP8 8B), on an H100 fp8-splitk-2 (the sweep in 140 s)
 if [[ $what == next ]]; then
-  SWEEP_LIMIT=${SWEEP_LIMIT:-140} bash "$0" fp8-splitk-2 || rc=1
+  bash "$0" request-features || rc=1
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    bash "$0" targets || rc=1
+  else
+    SWEEP_LIMIT=${SWEEP_LIMIT:-140} bash "$0" fp8-splitk-2 || rc=1
+  fi
 fi
 # fp8-preload  the 8B shape in FP8 (pcpt, bf16 state) decode at batch 1 by default and with HYBRID_FP8_PRELOAD=1 (each
 #            its own process), the GPU tests of fp8_preload_gemv, then =1 with every row rounded before the kernel
