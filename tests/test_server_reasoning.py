@@ -19,6 +19,8 @@ SPLITS = [
     (True, "</think>only the answer", (None, "only the answer")),
     (True, "</think>", (None, None)),
     (True, "a < b and </thin is not the tag</think> ok", ("a < b and </thin is not the tag", "ok")),
+    (True, "<think>\nopened again</think>ok", ("opened again", "ok")),  # a model that writes the tag anyway
+    (True, "<thin", ("<thin", None)),
     (False, "  plain answer\n", (None, "  plain answer\n")),  # an answer from the start stays as generated
     (False, "<think>hmm</think>\n\nyes", ("hmm", "yes")),
     (False, "\n<think>\nhmm", ("hmm", None)),

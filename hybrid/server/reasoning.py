@@ -52,8 +52,11 @@ class ReasoningStream:
     be dropped, is held back until it is known."""
 
     def __init__(self, in_reasoning: bool) -> None:
-        # "open": before the output's first non-space (it may open a thought); "reasoning"; "content"
-        self.phase = "reasoning" if in_reasoning else "open"
+        # "open": before the output's first non-space, which may be a <think> (a thought opened by the
+        # output, or opened again by a model whose template opened it already); then "reasoning" or
+        # "content", as the prompt left it when there is no tag
+        self.phase = "open"
+        self.after_open = "reasoning" if in_reasoning else "content"
         self.buf = ""
         self.started = False  # reasoning text given out (leading whitespace is dropped until then)
         self.answer_started = False  # content given out (leading whitespace after </think> is dropped)
@@ -70,8 +73,9 @@ class ReasoningStream:
                     continue
                 if not final and (not body or THINK_START.startswith(body)):
                     break  # may still open a thought
-                self.phase = "content"
-                self.answer_started = True  # an answer from the start keeps its text exactly
+                self.phase = self.after_open
+                # an answer from the start keeps its text exactly (whitespace is dropped only after </think>)
+                self.answer_started = self.phase == "content"
                 continue
             if self.phase == "reasoning":
                 end = self.buf.find(THINK_END)
