@@ -2,7 +2,50 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import re
 import sys
+
+logger = logging.getLogger("hybrid")
+
+# vLLM's --quantization names that this runtime can honour: it loads FP8 checkpoints in two formats
+# (hybrid/quantization.py), and "fp8" agrees with either of them
+QUANTIZATION_NAMES = ("fp8", "modelopt", "compressed-tensors")
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# an option name as written on a command line: `--name` (letters, digits, `-`, `_`)
+_OPTION_NAME = re.compile(r"--[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+def normalize_flag_names(argv: list[str]) -> list[str]:
+    """`--x_y` spelled `--x-y`, as vLLM accepts both spellings of every flag (model cards write
+    `--mamba_ssm_cache_dtype`). Only option names change: `--x_y=a_b` becomes `--x-y=a_b`; values,
+    positional arguments and everything after a bare `--` stay as written."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + list(argv[i:])
+        name, eq, value = arg.partition("=")
+        # a token with a space is a value to argparse even if it starts with `--` (a prompt): the name
+        # pattern leaves it alone
+        if "_" in name and _OPTION_NAME.fullmatch(name):
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+def _json_object(text: str) -> dict:
+    """argparse type of --speculative-config: a JSON object (ArgumentTypeError: argparse's
+    `error: argument --speculative-config: ...`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"method\": \"ngram\", \"num_speculative_tokens\": 3}}', got {text!r}")
+    return value
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,7 +65,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"tokens per engine step (default: {CUDA_MAX_NUM_BATCHED_TOKENS} on cuda, fewer if memory "
                         f"is short; {CPU_MAX_NUM_BATCHED_TOKENS} on cpu)")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=16,
+                   help="tokens per KV-cache page (--block-size: vLLM's name for it; default 16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="cuda: share of the GPU's memory for weights, activations, Mamba state and KV cache "
+                        "(default 0.9)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     p.add_argument("--enable-prefix-caching", action="store_true",
@@ -36,17 +83,74 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "batch would)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV cache storage: auto (the model's dtype) or fp8 (e4m3: twice the tokens)")
+    p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
+                   help="dtype of the Mamba SSM state (default auto: float32, this runtime's default)")
+    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                        "(also prompt_lookup_max / prompt_lookup_min; default off)")
+    p.add_argument("--quantization", "-q", default=None, metavar="NAME",
+                   help="the checkpoint's quantization, in vLLM's names: " + ", ".join(QUANTIZATION_NAMES)
+                        + "; must agree with the checkpoint's own quantization config (fp8: either format), as "
+                          "nothing is quantized at load")
+    p.add_argument("--generation-config", default=None, metavar="auto|vllm|FOLDER",
+                   help="default sampling for requests that leave fields unset: auto (default: the checkpoint's "
+                        "generation_config.json), vllm (none), or a folder holding a generation_config.json")
+    noop = p.add_argument_group("vLLM engine flags accepted with no effect")
+    noop.add_argument("--trust-remote-code", action="store_true",
+                      help="no code from a checkpoint is ever run: the architectures are implemented here")
+    noop.add_argument("--disable-log-stats", action="store_true", help="no effect")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """LLM's keyword arguments from the engine flags; what is not given is left to LLM's defaults
     (device and dtype "auto", the device-suited sizes), resolved by engine_config as LLM does."""
-    return dict(model=args.model, device=args.device or "auto", dtype=args.dtype or "auto",
-                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
-                enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
-                enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-                kv_cache_dtype=args.kv_cache_dtype, warmup=False if args.no_warmup else None)
+    kw = dict(model=args.model, device=args.device or "auto", dtype=args.dtype or "auto",
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
+              enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
+              enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
+              kv_cache_dtype=args.kv_cache_dtype, warmup=False if args.no_warmup else None)
+    # the vLLM-named flags: passed only when given, so LLM's signature stays the one home of their defaults
+    if args.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.mamba_ssm_cache_dtype != "auto":  # auto: LLM's default (float32)
+        kw["mamba_ssm_dtype"] = args.mamba_ssm_cache_dtype
+    if args.speculative_config is not None:
+        kw["speculative_config"] = args.speculative_config
+    if args.generation_config is not None:
+        kw["generation_config"] = args.generation_config
+    return kw
+
+
+def check_quantization(name: str, model: str | None) -> str:
+    """`--quantization NAME` against the checkpoint of `model`: it must name the checkpoint's own
+    format (or "fp8": every format loaded here is FP8), as vLLM refuses a name that disagrees with
+    the checkpoint. Returns a description of the checkpoint's quantization; ConfigurationError
+    otherwise. Read from config.json before any weight is loaded, so a wrong flag fails at once."""
+    from hybrid.config_parse import load_config
+    from hybrid.errors import ConfigurationError
+    from hybrid.model_source import resolve_model
+    from hybrid.quantization import read_quant_config
+
+    supported = ", ".join(QUANTIZATION_NAMES)
+    given, name = name, name.strip().lower().replace("_", "-")  # compressed_tensors: the same name
+    if name not in QUANTIZATION_NAMES:
+        raise ConfigurationError(
+            f"--quantization {given}: not supported; this runtime loads FP8 checkpoints in the ModelOpt and "
+            f"compressed-tensors formats ({supported}; leave the flag out and the checkpoint's own format is used)")
+    model_dir = resolve_model(model).path
+    quant = read_quant_config(model_dir, load_config(model_dir).raw)  # CheckpointError for formats not loaded here
+    if quant is None:
+        raise ConfigurationError(
+            f"--quantization {name}: the checkpoint {model_dir} is not quantized (no quantization_config in "
+            "config.json, no hf_quant_config.json), and online quantization is not supported; leave the flag out "
+            "to serve it as it is, or make an FP8 checkpoint of it first: "
+            "python -m hybrid.tools.quantize_fp8 SRC DST --format modelopt")
+    if name not in ("fp8", quant.method):
+        raise ConfigurationError(
+            f"--quantization {name}: the checkpoint is {quant.describe()} ({quant.where}); pass --quantization "
+            f"{quant.method} or leave the flag out")
+    return quant.describe()
 
 
 def build_llm(args: argparse.Namespace):
@@ -54,7 +158,14 @@ def build_llm(args: argparse.Namespace):
     from hybrid.engine_config import engine_config
     from hybrid.llm import LLM
 
-    return LLM.from_engine_config(engine_config(**engine_kwargs(args)))
+    config = engine_config(**engine_kwargs(args))  # the flags' values checked before anything is read
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code has no effect: the model architectures are implemented in this runtime, "
+                    "which never runs code from a checkpoint")
+    if args.quantization is not None:
+        found = check_quantization(args.quantization, args.model)
+        logger.info("--quantization %s: the checkpoint is %s", args.quantization, found)
+    return LLM.from_engine_config(config)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -77,7 +188,8 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `hybrid` command's parser: `generate` and `serve` (argv goes through normalize_flag_names first)."""
     from hybrid import __version__
 
     parser = argparse.ArgumentParser(prog="hybrid", description="Serve hybrid Mamba2/attention language models.")
@@ -110,8 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         # `hybrid serve MODEL`, as `vllm serve MODEL` (or --model MODEL)
         serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                            help="checkpoint directory or cached hub repo id owner/name[@rev] (same as --model)")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(normalize_flag_names(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "model_path", None) is not None:
         if args.model is not None and args.model != args.model_path:
             parser.error(f"two models given: {args.model_path!r} and --model {args.model!r}")
@@ -120,8 +236,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
-
     from hybrid.errors import HybridError
     from hybrid.server import run_server, serve_options
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from hybrid.chat_template import check_chat_template
 from hybrid.server.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, build_app
 from hybrid.server.reasoning import REASONING_PARSERS
 from hybrid.server.tool_parsers import TOOL_PARSERS, check_tool_options
@@ -45,10 +46,40 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
                         "nemotron_v3: Nemotron 3 Nano; deepseek_r1 / qwen3: Nemotron Nano v2, Falcon-H1R")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='with tool_choice "none", do not render the tools into the prompt (default: rendered)')
+    p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="a jinja2 chat template used instead of the checkpoint's: a file, or the template text itself")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: --log-level's)")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no line per HTTP request in the log (the startup phases and warnings stay)")
+    # flags of vLLM's server that model cards pass: accepted so their commands run, changing nothing here
+    noop = p.add_argument_group("vLLM server flags accepted with no effect")
+    for flag in ("--disable-log-requests", "--enable-log-requests", "--disable-frontend-multiprocessing"):
+        noop.add_argument(flag, action="store_true", help="no effect")
     return p
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's template text, as vLLM reads the flag: the file's contents if `value` is a
+    file, else `value` itself when it looks like a template (it has a `{`). ValueError otherwise, or if
+    the template does not compile (checked now, before the model loads)."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {value}: cannot read the file ({e})") from None
+    elif "{" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value}: no such file (and not a template's text: it has no '{{')")
+    try:
+        check_chat_template(text)
+    except ValueError as e:
+        raise ValueError(f"--chat-template {value if text is not value else '(text)'}: {e}") from None
+    return text
 
 
 def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
@@ -60,11 +91,14 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
     if args.max_request_bytes < 1:
         raise ValueError("--max-request-bytes must be >= 1")
     check_tool_options(args.enable_auto_tool_choice, args.tool_call_parser)  # at startup, before the model loads
-    return {"max_queued_requests": limit, "api_key": args.api_key or environ.get("HYBRID_API_KEY") or None,
-            "allowed_origins": origins, "max_request_bytes": args.max_request_bytes,
-            "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
-            "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
-            "reasoning_parser": args.reasoning_parser}
+    options = {"max_queued_requests": limit, "api_key": args.api_key or environ.get("HYBRID_API_KEY") or None,
+               "allowed_origins": origins, "max_request_bytes": args.max_request_bytes,
+               "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
+               "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
+               "reasoning_parser": args.reasoning_parser}
+    if args.chat_template is not None:  # only when given: build_app's default is the checkpoint's template
+        options["chat_template"] = read_chat_template(args.chat_template)
+    return options
 
 
 def run_server(llm, args: argparse.Namespace, options: dict) -> None:
@@ -76,5 +110,5 @@ def run_server(llm, args: argparse.Namespace, options: dict) -> None:
                 " (API key required)" if options["api_key"] else "",
                 f" (auto tool choice: {options['tool_call_parser']})" if options.get("enable_auto_tool_choice") else "",
                 f" (reasoning parser: {options['reasoning_parser']})" if options.get("reasoning_parser") else "")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
                 access_log=not args.disable_uvicorn_access_log)
