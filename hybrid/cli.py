@@ -9,9 +9,6 @@ import sys
 
 logger = logging.getLogger("hybrid")
 
-# vLLM's --quantization names that this runtime can honour: it loads FP8 checkpoints in two formats
-# (hybrid/quantization.py), and "fp8" agrees with either of them
-QUANTIZATION_NAMES = ("fp8", "modelopt", "compressed-tensors")
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # an option name as written on a command line: `--name` (letters, digits, `-`, `_`)
@@ -49,6 +46,7 @@ def _json_object(text: str) -> dict:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from hybrid.quantization import QUANTIZATION_NAMES
     from hybrid.engine_config import (CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS,
                                       CUDA_MAX_NUM_SEQS)
 
@@ -123,34 +121,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def check_quantization(name: str, model: str | None) -> str:
-    """`--quantization NAME` against the checkpoint of `model`: it must name the checkpoint's own
-    format (or "fp8": every format loaded here is FP8), as vLLM refuses a name that disagrees with
-    the checkpoint. Returns a description of the checkpoint's quantization; ConfigurationError
-    otherwise. Read from config.json before any weight is loaded, so a wrong flag fails at once."""
+    """`--quantization NAME` against the checkpoint of `model` (hybrid.quantization.check_quantization_name),
+    read from config.json before any weight is loaded, so a wrong flag fails at once."""
     from hybrid.config_parse import load_config
-    from hybrid.errors import ConfigurationError
     from hybrid.model_source import resolve_model
-    from hybrid.quantization import read_quant_config
+    from hybrid.quantization import check_quantization_name
 
-    supported = ", ".join(QUANTIZATION_NAMES)
-    given, name = name, name.strip().lower().replace("_", "-")  # compressed_tensors: the same name
-    if name not in QUANTIZATION_NAMES:
-        raise ConfigurationError(
-            f"--quantization {given}: not supported; this runtime loads FP8 checkpoints in the ModelOpt and "
-            f"compressed-tensors formats ({supported}; leave the flag out and the checkpoint's own format is used)")
     model_dir = resolve_model(model).path
-    quant = read_quant_config(model_dir, load_config(model_dir).raw)  # CheckpointError for formats not loaded here
-    if quant is None:
-        raise ConfigurationError(
-            f"--quantization {name}: the checkpoint {model_dir} is not quantized (no quantization_config in "
-            "config.json, no hf_quant_config.json), and online quantization is not supported; leave the flag out "
-            "to serve it as it is, or make an FP8 checkpoint of it first: "
-            "python -m hybrid.tools.quantize_fp8 SRC DST --format modelopt")
-    if name not in ("fp8", quant.method):
-        raise ConfigurationError(
-            f"--quantization {name}: the checkpoint is {quant.describe()} ({quant.where}); pass --quantization "
-            f"{quant.method} or leave the flag out")
-    return quant.describe()
+    return check_quantization_name(name, model_dir, load_config(model_dir).raw)
 
 
 def build_llm(args: argparse.Namespace):

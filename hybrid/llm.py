@@ -57,6 +57,21 @@ class StartupPhases:
         return f"startup {total:.1f} s: " + ", ".join(f"{name} {t:.1f} s" for name, t in self.seconds.items())
 
 
+def _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size):
+    """(mamba_ssm_dtype, page_size) with vLLM's names for them folded in; ConfigurationError when both
+    names of one setting are given different values."""
+    if mamba_ssm_cache_dtype is not None and mamba_ssm_cache_dtype != "auto":
+        if mamba_ssm_dtype not in ("float32", mamba_ssm_cache_dtype):
+            raise ConfigurationError(f"mamba_ssm_cache_dtype={mamba_ssm_cache_dtype!r} and mamba_ssm_dtype="
+                                     f"{mamba_ssm_dtype!r} name one setting: give one of them")
+        mamba_ssm_dtype = mamba_ssm_cache_dtype
+    if block_size is not None:
+        if page_size not in (16, block_size):
+            raise ConfigurationError(f"block_size={block_size} and page_size={page_size} name one setting: give one")
+        page_size = block_size
+    return mamba_ssm_dtype, page_size
+
+
 class LLM:
     def __init__(
         self,
@@ -86,9 +101,19 @@ class LLM:
         kv_cache_dtype: str = "auto",  # "auto": the model's dtype; "fp8": e4m3 pages (hybrid/kv_cache_dtype.py)
         warmup: bool | None = None,  # throw-away requests at startup (hybrid/warmup.py); None: on for CUDA
         generation_config: str = "auto",  # default sampling: "auto" the checkpoint's, "vllm" none, or a folder's
+        *,
+        # vLLM's spellings, for code written against vLLM (see _vllm_spellings)
+        mamba_ssm_cache_dtype: str | None = None,  # = mamba_ssm_dtype ("auto": its default)
+        block_size: int | None = None,  # = page_size
+        quantization: str | None = None,  # must agree with the checkpoint's (hybrid.quantization)
+        trust_remote_code: bool = False,  # no effect: no code from a checkpoint is ever run
+        enable_chunked_prefill: bool | None = None,  # no effect: prefill is always chunked
+        disable_log_stats: bool = False,  # no effect
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
         # engine_config takes the same keywords: the one place they are checked and resolved.
+        mamba_ssm_dtype, page_size = _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size)
+        self._quantization = quantization
         self._start(engine_config(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, page_size=page_size, seed=seed,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=num_kv_pages,
@@ -130,6 +155,10 @@ class LLM:
         source = resolve_model(config.model)
         self.model_dir, self.hf_repo_id = source.path, source.repo_id
         self.config = cfg = load_config(self.model_dir)
+        if getattr(self, "_quantization", None) is not None:  # (before any weight is read)
+            from hybrid.quantization import check_quantization_name
+
+            check_quantization_name(self._quantization, self.model_dir, cfg.raw)
         self.default_sampling = self._generation_defaults(config.generation_config)
         sizes = default_sizes(self.device.type, cfg.max_position_embeddings, max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
@@ -438,6 +467,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
         of conversations, as vLLM's LLM.chat: each is rendered with the checkpoint's chat template
@@ -447,7 +477,9 @@ class LLM:
         is no tokenizer or chat template, a message is malformed or the template refuses it.
         continue_final_message=True (with add_generation_prompt=False): each reply continues its
         conversation's last message (an assistant message started by the caller) instead of
-        starting a new turn; chat_template_kwargs are more template variables (enable_thinking=...)."""
+        starting a new turn; chat_template_kwargs are more template variables (enable_thinking=...);
+        tools (OpenAI's [{"type": "function", "function": {...}}]) are rendered by the template, as
+        vLLM's LLM.chat does (the calls the model writes are in the output text)."""
         if self.tokenizer is None:
             raise InvalidRequestError("this checkpoint has no tokenizer.json, so it cannot chat")
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(c, (list, tuple)) for c in messages):
@@ -460,7 +492,12 @@ class LLM:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise InvalidRequestError("chat_template_kwargs must be a dict")
         reserved = sorted(set(chat_template_kwargs or ()) & {"messages", "add_generation_prompt", "tokenize",
-                                                              "chat_template", "continue_final_message"})
+                                                              "chat_template", "continue_final_message", "tools"})
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequestError("tools must be a list of tool dicts ({'type': 'function', 'function': {...}})")
+        template_vars = dict(chat_template_kwargs or {})
+        if tools:
+            template_vars["tools"] = tools
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs: {', '.join(reserved)} are arguments of chat itself")
         params_list = self._params_list(sampling_params, len(conversations))
@@ -469,7 +506,7 @@ class LLM:
             try:
                 text = self.tokenizer.apply_chat_template(
                     conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                    continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                    continue_final_message=continue_final_message, **template_vars)
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
                 if not ids:
                     raise InvalidRequestError("the rendered conversation is empty: at least one token is needed")

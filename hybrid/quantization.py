@@ -391,3 +391,34 @@ def plan_quantized(qc: QuantConfig, plan: dict, linear_params: set[str], files: 
         logger.warning("%s declares %s quantization but no weight is stored in FP8: loading the float weights",
                        qc.where, qc.describe())
     return out
+
+
+# vLLM's quantization names that this runtime honours: it loads FP8 checkpoints in two formats, and
+# "fp8" agrees with either of them
+QUANTIZATION_NAMES = ("fp8", "modelopt", "compressed-tensors")
+
+
+def check_quantization_name(name: str, model_dir: str, raw: dict[str, Any]) -> str:
+    """vLLM's `quantization=NAME` against the checkpoint (its config.json `raw`): it must name the
+    checkpoint's own format, or "fp8" (every format loaded here is FP8), since nothing is quantized at
+    load. Returns the checkpoint's quantization, described; ConfigurationError otherwise."""
+    from hybrid.errors import ConfigurationError
+
+    supported = ", ".join(QUANTIZATION_NAMES)
+    given, name = name, str(name).strip().lower().replace("_", "-")  # compressed_tensors: the same name
+    if name not in QUANTIZATION_NAMES:
+        raise ConfigurationError(
+            f"--quantization {given}: not supported; this runtime loads FP8 checkpoints in the ModelOpt and "
+            f"compressed-tensors formats ({supported}; leave it out and the checkpoint's own format is used)")
+    quant = read_quant_config(model_dir, raw)  # CheckpointError for formats not loaded here
+    if quant is None:
+        raise ConfigurationError(
+            f"--quantization {name}: the checkpoint {model_dir} is not quantized (no quantization_config in "
+            "config.json, no hf_quant_config.json), and online quantization is not supported; leave it out "
+            "to serve it as it is, or make an FP8 checkpoint of it first: "
+            "python -m hybrid.tools.quantize_fp8 SRC DST --format modelopt")
+    if name not in ("fp8", quant.method):
+        raise ConfigurationError(
+            f"--quantization {name}: the checkpoint is {quant.describe()} ({quant.where}); pass --quantization "
+            f"{quant.method} or leave it out")
+    return quant.describe()

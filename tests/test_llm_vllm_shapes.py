@@ -51,3 +51,44 @@ def test_logprob_entries_and_cumulative_logprob(llm):
     assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-9)
     plain = llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]
     assert plain.logprobs is None and plain.cumulative_logprob is None
+
+
+def test_vllm_keyword_spellings():
+    """LLM(...) as model cards write it for vLLM: trust_remote_code, mamba_ssm_cache_dtype, block_size,
+    enable_chunked_prefill, disable_log_stats; quantization must agree with the checkpoint."""
+    from hybrid.errors import ConfigurationError
+
+    llm = LLM(None, max_num_seqs=2, trust_remote_code=True, mamba_ssm_cache_dtype="bfloat16", block_size=32,
+              enable_chunked_prefill=True, disable_log_stats=True)
+    assert llm.ssm_dtype == torch.bfloat16 and llm.kv_cache.page_size == 32
+    assert LLM(None, max_num_seqs=2, mamba_ssm_cache_dtype="auto").ssm_dtype == torch.float32
+    with pytest.raises(ConfigurationError, match="name one setting"):
+        LLM(None, mamba_ssm_dtype="float16", mamba_ssm_cache_dtype="bfloat16")
+    with pytest.raises(ConfigurationError, match="name one setting"):
+        LLM(None, page_size=8, block_size=32)
+    with pytest.raises(ConfigurationError, match="not quantized .*online quantization is not supported"):
+        LLM(None, quantization="fp8")
+    with pytest.raises(TypeError):
+        LLM(None, no_such_argument=1)
+
+
+def test_chat_renders_tools(tmp_path):
+    """LLM.chat(tools=...) gives the template its tools, as vLLM's LLM.chat."""
+    import json
+    import shutil
+
+    from hybrid.model_source import DEFAULT_MODEL_DIR
+
+    p = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, p)
+    cfg = json.loads((p / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+                            "{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    (p / "tokenizer_config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(p), max_num_seqs=2)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), tools=tools, use_tqdm=False)[0]
+    assert out.prompt == "[get_weather]Hi\n"
+    assert llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt == "Hi\n"
+    with pytest.raises(InvalidRequestError, match="tools must be"):
+        llm.chat([{"role": "user", "content": "Hi"}], tools="get_weather", use_tqdm=False)
