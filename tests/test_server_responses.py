@@ -184,3 +184,23 @@ def test_bad_requests_are_400_naming_the_field(served, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert httpx.post(served.base_url + "/v1/responses", json={"model": "other", "input": "hi"}).status_code == 404
+
+
+def test_sdk_parse_helpers(client):
+    """The SDK's structured-output helpers over both endpoints: responses.parse / responses.stream
+    with text_format, chat.completions.parse with response_format (a pydantic model, strict schema)."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=8)
+        people: int
+
+    kw = dict(model=MODEL, input="Capital of France?", text_format=City, max_output_tokens=200, temperature=0,
+              extra_body=NO_THINKING)
+    parsed = client.responses.parse(**kw).output_parsed
+    assert isinstance(parsed, City)
+    with client.responses.stream(**kw) as stream:
+        assert stream.get_final_response().output_parsed == parsed
+    chat = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Capital of France?"}],
+                                         response_format=City, max_tokens=200, temperature=0, extra_body=NO_THINKING)
+    assert chat.choices[0].message.parsed == parsed
