@@ -65,6 +65,20 @@ def build_thinking_checkpoint(path) -> Path:
     return p
 
 
+def thinking_server(ckpt) -> "ServerThread":
+    """A server for build_thinking_checkpoint's model on CPU: the nemotron_v3 reasoning parser and
+    the hermes tool-call parser (use as a context manager)."""
+    import torch
+
+    from hybrid import LLM
+    from hybrid.server import build_app
+
+    torch.set_num_threads(1)
+    llm = LLM(str(ckpt), device="cpu", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128)
+    return ServerThread(build_app(llm, reasoning_parser="nemotron_v3", enable_auto_tool_choice=True,
+                                  tool_call_parser="hermes"))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -122,7 +122,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from server_utils import ServerThread, build_thinking_checkpoint  # noqa: E402
+from server_utils import build_thinking_checkpoint, thinking_server  # noqa: E402
 
 MODEL = "tiny-thinker"
 USER = [{"role": "user", "content": "Capital of France?"}]
@@ -144,11 +144,8 @@ def llm(ckpt):
 
 
 @pytest.fixture(scope="module")
-def served(llm):
-    from hybrid.server import build_app
-
-    with ServerThread(build_app(llm, reasoning_parser="nemotron_v3", enable_auto_tool_choice=True,
-                                tool_call_parser="hermes")) as srv:
+def served(ckpt):
+    with thinking_server(ckpt) as srv:
         yield srv
 
 

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
-from server_utils import ServerThread, build_thinking_checkpoint  # noqa: E402
+from server_utils import build_thinking_checkpoint, thinking_server  # noqa: E402
 
 from hybrid.server.responses import input_messages  # noqa: E402
 
@@ -27,16 +27,7 @@ TOOLS = [{"type": "function", "name": "capital", "description": "a country's cap
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    import torch
-
-    from hybrid import LLM
-    from hybrid.server import build_app
-
-    torch.set_num_threads(1)
-    ckpt = build_thinking_checkpoint(tmp_path_factory.mktemp("responses") / MODEL)
-    llm = LLM(str(ckpt), device="cpu", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128)
-    with ServerThread(build_app(llm, reasoning_parser="nemotron_v3", enable_auto_tool_choice=True,
-                                tool_call_parser="hermes")) as srv:
+    with thinking_server(build_thinking_checkpoint(tmp_path_factory.mktemp("responses") / MODEL)) as srv:
         yield srv
 
 
