@@ -181,6 +181,13 @@ class Engine:
         validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         # bad words are tokenized here, where the tokenizer is (the tokens, not the words, are masked)
         bad_words = bad_words_token_ids(params.bad_words, self.tokenizer, self.vocab_size) if params.bad_words else None
+        if params.allowed_token_ids is not None and params.min_tokens > 0:
+            # min_tokens masks the end tokens: allowed ids that are all end tokens leave nothing to sample
+            ends = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if set(params.allowed_token_ids) <= ends:
+                raise InvalidRequestError(
+                    f"invalid sampling parameter allowed_token_ids={params.allowed_token_ids}: every allowed token "
+                    f"ends the output, and min_tokens={params.min_tokens} forbids ending it before then")
         if params.structured_outputs is not None:
             if self.spec_config is not None:
                 raise InvalidRequestError("structured outputs with speculative decoding are not supported")

@@ -322,3 +322,14 @@ def test_server_truncates_before_the_context_check(served, llm):
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert usage["prompt_tokens"] == 7 and usage["completion_tokens"] >= 1
+
+
+def test_allowed_tokens_that_min_tokens_all_masks_are_refused(llm):
+    """Only end tokens allowed, and min_tokens forbids ending: nothing could be sampled (a clear
+    error up front, not a row of -inf logits failing the request later)."""
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids.*min_tokens"):
+        _one(llm, allowed_token_ids=[EOS], min_tokens=2)
+    ids = _one(llm, allowed_token_ids=[EOS, 5], min_tokens=2, max_tokens=3).outputs[0].token_ids
+    assert ids[:2] == [5, 5] and set(ids) <= {EOS, 5}  # one non-end token allowed: it fills min_tokens
+    out = _one(llm, allowed_token_ids=[EOS], min_tokens=2, ignore_eos=True, max_tokens=2)  # EOS is not an end then
+    assert out.outputs[0].token_ids == [EOS, EOS]
