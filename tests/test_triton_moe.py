@@ -323,3 +323,51 @@ def test_one_token_preloading_experts(monkeypatch, kind, gated, shared):
         monkeypatch.undo()
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(two, want[1])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("shared,with_add", [(0, True), (2, False)])
+@pytest.mark.parametrize("scale,w_fp32", [(1.0, False), (0.25, True)])
+def test_one_token_down_gemm_with_the_norm_in_its_last_program(monkeypatch, gated, shared, with_add, scale, w_fp32):
+    """HYBRID_MOE_NORM_TAIL=1: a one-token step's second expert GEMM waits for the next norm, which launches it
+    with the sum over k, the residual add and the norm in its last program: the normed row and the updated
+    residual equal sum_add_rms_norm's over the plainly launched GEMM, bit for bit; the arrival count is back at 0
+    (a graph replays the launch)."""
+    from hybrid.ops import triton_guard, triton_norm
+
+    g = torch.Generator().manual_seed(shared * 10 + gated + (5 if w_fp32 else 0))
+    n_exp, top_k, Hd, inter = 12, 3, 300, 40
+    x = torch.randn(1, Hd, generator=g)
+    w_up = torch.randn(n_exp, (2 if gated else 1) * inter, Hd, generator=g) * Hd ** -0.5
+    w_down = torch.randn(n_exp, Hd, inter, generator=g) * inter ** -0.5
+    s_up = torch.randn((2 if gated else 1) * shared * inter, Hd, generator=g) * Hd ** -0.5 if shared else None
+    s_down = torch.randn(Hd, shared * inter, generator=g) * inter ** -0.5 if shared else None
+    add = torch.randn(1, Hd, generator=g) if with_add else None
+    idx, w = routing("random", 1, n_exp, top_k, seed=shared + 7)
+    if shared:
+        idx = torch.cat([idx, torch.arange(n_exp, n_exp + shared).expand(1, shared)], 1)
+        w = torch.cat([w, torch.ones(1, shared)], 1)
+    residual = torch.randn(1, Hd, generator=g)
+    norm_w = torch.randn(Hd, generator=g)
+    kw = dict(shared_up=s_up, shared_down=s_down, defer_sum=True)
+
+    plain = triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, add, **kw)
+    assert plain.down is None
+    want_res = residual.clone()
+    want = triton_norm.sum_add_rms_norm(plain, want_res, norm_w, 1e-5, w_fp32, scale)
+    monkeypatch.setenv("HYBRID_MOE_NORM_TAIL", "1")
+    triton_guard.reset_switches()
+    try:
+        rows = triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, add, **kw)
+        assert rows.down is not None  # the second GEMM waits for the norm
+        got_res = residual.clone()
+        got = triton_norm.one_token_down_sum_norm(rows, got_res, norm_w, 1e-5, w_fp32, scale)
+        assert rows.down is None and torch.equal(rows.y, plain.y)
+        assert torch.equal(got, want) and torch.equal(got_res, want_res)
+        assert int(triton_norm._down_count(x.device)[0]) == 0
+        # any other reader of the rows launches the deferred GEMM as it is
+        again = triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, add, **kw)
+        assert torch.equal(again.sum(), plain.sum())
+    finally:
+        monkeypatch.delenv("HYBRID_MOE_NORM_TAIL")
+        triton_guard.reset_switches()

@@ -315,3 +315,71 @@ def test_one_token_preloading_experts(shape, monkeypatch):
             assert torch.equal(out, eager)
     finally:
         triton_guard.reset_switches()
+
+
+@pytest.mark.parametrize("shape", ["nemotron-nano", "granite-tiny", "granite-small"])
+def test_one_token_down_gemm_with_the_norm_in_its_last_program(shape, monkeypatch):
+    """HYBRID_MOE_NORM_TAIL=1 at the released expert shapes: the second expert GEMM launched by the next norm,
+    its last program adding the rows, the residual and taking the norm, gives sum_add_rms_norm's normed row and
+    residual over the plain launches bit for bit, eagerly and in a captured graph replayed many times on new
+    tokens and routings (the arrival count is set back to 0 by each launch's last program)."""
+    from hybrid.ops import triton_guard, triton_moe, triton_norm
+
+    E, H, inter, top_k, gated, shared, w_fp32 = {
+        "nemotron-nano": (128, 2688, 1856, 6, False, 2, True), "granite-tiny": (64, 1536, 512, 6, True, 2, False),
+        "granite-small": (72, 4096, 768, 10, True, 1, False)}[shape]
+    g = torch.Generator(device="cuda").manual_seed(E + 3)
+    w_up, w_down = _layer(gated=gated, E=E, H=H, inter=inter)
+    s_up = (torch.randn((2 if gated else 1) * shared * inter, H, generator=g, device="cuda") * H ** -0.5).bfloat16()
+    s_down = (torch.randn(H, shared * inter, generator=g, device="cuda") * inter ** -0.5).bfloat16()
+    x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+    residual0 = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+    norm_w = (1 + 0.1 * torch.randn(H, generator=g, device="cuda")).bfloat16()
+    idx, w = routing("random", 1, E, top_k, seed=5, device="cuda")
+    idx = torch.cat([idx, torch.arange(E, E + shared, device="cuda")[None, :]], 1).int()
+    w = torch.cat([w, torch.ones(1, shared, device="cuda")], 1)
+
+    def layer(residual):
+        rows = triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, shared_up=s_up, shared_down=s_down,
+                                        defer_sum=True)
+        if rows.down is not None:
+            return triton_norm.one_token_down_sum_norm(rows, residual, norm_w, 1e-5, w_fp32, 0.5)
+        return triton_norm.sum_add_rms_norm(rows, residual, norm_w, 1e-5, w_fp32, 0.5)
+
+    def reference():
+        res = residual0.clone()
+        return layer(res), res
+
+    want, want_res = reference()
+    monkeypatch.setenv("HYBRID_MOE_NORM_TAIL", "1")
+    triton_guard.reset_switches()
+    try:
+        res = residual0.clone()
+        got = layer(res)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want) and torch.equal(res, want_res)
+        static_res = residual0.clone()
+        layer(static_res)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(static_res)
+        for seed in range(12):
+            x.normal_()
+            r_idx, r_w = routing(["random", "one_expert", "few_experts"][seed % 3], 1, E, top_k, seed=seed + 20,
+                                 device="cuda")
+            idx[:, :top_k] = r_idx
+            w[:, :top_k] = r_w
+            static_res.copy_(residual0)
+            graph.replay()
+            monkeypatch.setenv("HYBRID_MOE_NORM_TAIL", "0")
+            triton_guard.reset_switches()
+            want, want_res = reference()
+            monkeypatch.setenv("HYBRID_MOE_NORM_TAIL", "1")
+            triton_guard.reset_switches()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want) and torch.equal(static_res, want_res), seed
+        assert int(triton_norm._down_count(x.device)[0]) == 0
+    finally:
+        monkeypatch.delenv("HYBRID_MOE_NORM_TAIL", raising=False)
+        triton_guard.reset_switches()
