@@ -259,6 +259,93 @@ def test_gated_sums_in_the_ssm_update_and_out_proj(dtype, n_groups, block_p):
         gated_out_proj(y.reshape(b, -1), z, nw, 1e-5, n_groups, sq[:, :3], w)  # parts of 3 of the 4 heads
 
 
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("n_groups,slot", [(1, 2), (2, 0), (4, -1)])
+def test_gated_norm_in_the_ssm_updates_last_program(dtype, n_groups, slot):
+    """selective_state_update_normed (HYBRID_SSM_NORM_TAIL=1): one row, the gated norm taken by the state update's
+    last program equals gated_rms_norm of selective_state_update's y bit for bit, the state updated alike (a
+    padding row's slot untouched), and the arrival count is back at 0 for the next launch."""
+    from hybrid.ops import triton_mamba as tm
+    from hybrid.ops.triton_norm import gated_rms_norm
+
+    g = torch.Generator().manual_seed(n_groups + 7)
+    H, P, N, S = 4, 16, 16, 5
+    state = torch.randn(S, H, P, N, generator=g) * 0.3
+    x = torch.randn(1, H, P, generator=g).to(dtype)
+    dt = torch.randn(1, H, generator=g).to(dtype)
+    A, D, dt_bias = -torch.rand(H, generator=g) - 0.5, torch.randn(H, generator=g), torch.randn(H, generator=g) * 0.1
+    B = torch.randn(1, n_groups, N, generator=g).to(dtype)
+    C = torch.randn(1, n_groups, N, generator=g).to(dtype)
+    z = torch.randn(1, 3 * H * P, generator=g).to(dtype)[:, H * P:2 * H * P]  # a view of the in_proj row, as split
+    nw = (0.5 + torch.rand(H * P, generator=g)).to(dtype)
+    slots = torch.tensor([slot], dtype=torch.int32)
+    ref_state = state.clone()
+    y = tm.selective_state_update(ref_state, x, dt, A, B, C, D, dt_bias, slots)
+    want = gated_rms_norm(y.reshape(1, -1), z, nw, 1e-5, n_groups)
+    got = tm.selective_state_update_normed(state, x, dt, A, B, C, D, dt_bias, slots, z, nw, 1e-5, n_groups)
+    assert got.dtype == want.dtype and torch.equal(got, want) and torch.equal(state, ref_state)
+    assert int(tm._tail_count(x.device)[0]) == 0
+    with pytest.raises(ValueError, match="selective_state_update_normed"):
+        tm.selective_state_update_normed(state, x, dt, A, B, C, D, dt_bias, slots, z.reshape(1, H, P), nw, 1e-5,
+                                         n_groups)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+def test_mixer_decode_with_the_norm_in_the_state_update(monkeypatch, dtype):
+    """MambaCudaKernels.mamba_forward on a one-row decode step with HYBRID_SSM_NORM_TAIL=1: the gated norm in the
+    state update's last program; the output and the slots equal the default path's bit for bit (a two-row
+    step keeps the gated-norm launch)."""
+    from hybrid.batch import StepBatch
+    from random_mixer import random_mixer
+    from hybrid.ops import triton_gemv, triton_guard
+    from hybrid.ops import triton_mamba as tm
+    from hybrid.ops.mamba_cuda import MambaCudaKernels
+
+    mixer = random_mixer(dtype)
+    cfg = mixer.cfg
+    mixer.in_proj.fused = mixer.out_proj.fused = mixer.fused = True
+    kernels = object.__new__(MambaCudaKernels)
+    kernels.decode_kernels, kernels.triton, kernels._params, kernels.supports_verify = "triton", tm, {}, True
+    mixer.kernels = kernels
+    monkeypatch.setattr(triton_gemv, "eligible", lambda x, w: True)  # (its CUDA check: here the interpreter)
+    calls = []
+    real = tm.selective_state_update_normed
+    monkeypatch.setattr(tm, "selective_state_update_normed", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def step(slots, tail):
+        B = len(slots)
+        batch = StepBatch(
+            input_ids=torch.zeros(B, dtype=torch.long), positions=torch.zeros(B, dtype=torch.long),
+            query_start_loc=torch.arange(B + 1, dtype=torch.int32), seq_lens=torch.ones(B, dtype=torch.int32),
+            page_table=torch.zeros(B, 1, dtype=torch.int32), kv_write_loc=torch.zeros(B, dtype=torch.long),
+            state_slot=torch.tensor(slots), has_initial_state=torch.ones(B, dtype=torch.bool),
+            logits_indices=torch.arange(B), num_decodes=B, num_prefills=0, query_lens_cpu=[1] * B,
+            seq_lens_cpu=[1] * B, state_slot_cpu=slots, has_initial_state_cpu=[True] * B)
+        g = torch.Generator().manual_seed(B)
+        hidden = torch.randn(B, 32, generator=g).to(dtype)
+        conv = torch.randn(6, cfg.conv_dim, cfg.conv_kernel - 1, generator=g).to(dtype)
+        ssm = torch.randn(6, cfg.num_heads, cfg.head_dim, cfg.state_size, generator=g) * 0.3
+        monkeypatch.setenv("HYBRID_SSM_NORM_TAIL", tail)
+        triton_guard.reset_switches()
+        return mixer(hidden, batch, conv, ssm), conv, ssm
+
+    try:
+        want = step([4], "0")
+        assert not calls
+        got = step([4], "1")
+        assert calls == [1]
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        calls.clear()
+        two = step([4, 1], "1")
+        assert not calls  # (more than one row: the gated-norm launch)
+        for a, b in zip(two, step([4, 1], "0")):
+            assert torch.equal(a, b)
+    finally:
+        monkeypatch.delenv("HYBRID_SSM_NORM_TAIL")
+        triton_guard.reset_switches()
+
+
 FUSIONS = {"in_proj_conv": {"HYBRID_DECODE_IN_PROJ_CONV": "1"}, "gated_out_proj": {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
            "both": {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"}}
 
