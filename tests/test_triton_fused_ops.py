@@ -176,6 +176,22 @@ def test_add_rms_norm_route_equals_the_two_launches(dtype, weight_in_fp32, scale
     assert torch.equal(idx, want_idx) and torch.equal(w, want_w)
 
 
+def _moe_case(tiny_ckpt, name: str, tmp_path):
+    """(checkpoint, sampling params, prompts) of the engine-level MoE switch tests: the tiny checkpoint (NemotronH
+    without group masking, which the Triton router does not do), greedy with logprobs, three prompts of which the
+    second alone makes one-token steps."""
+    import tiny_checkpoints
+
+    from hybrid import SamplingParams
+
+    path = tiny_ckpt(name)
+    if name == "nemotron_h":
+        path = tiny_checkpoints.copy_checkpoint(path, tmp_path)
+        tiny_checkpoints.rewrite_config(path, lambda cfg: cfg.update(topk_group=cfg["n_group"]))
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    return path, sp, [[5, 6, 7, 8, 9], [11], list(range(20, 45))]
+
+
 @pytest.mark.parametrize("name", ["nemotron_h", "granite_moe"])
 @pytest.mark.parametrize("route_in_gemm", [False, True])
 def test_moe_models_with_the_norm_in_the_router(tiny_ckpt, make_llm, name, route_in_gemm, monkeypatch, tmp_path):
@@ -184,17 +200,9 @@ def test_moe_models_with_the_norm_in_the_router(tiny_ckpt, make_llm, name, route
     HYBRID_MOE_ROUTE_IN_GEMM=1 too, a one-token step's router logits from that launch are routed inside
     the first expert GEMM (an MoE layer in three launches). (NemotronH without group masking, which
     the Triton router does not do.)"""
-    import tiny_checkpoints
-
-    from hybrid import SamplingParams
     from hybrid.ops import triton_guard, triton_moe
 
-    path = tiny_ckpt(name)
-    if name == "nemotron_h":
-        path = tiny_checkpoints.copy_checkpoint(path, tmp_path)
-        tiny_checkpoints.rewrite_config(path, lambda cfg: cfg.update(topk_group=cfg["n_group"]))
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
-    prompts = [[5, 6, 7, 8, 9], [11], list(range(20, 45))]
+    path, sp, prompts = _moe_case(tiny_ckpt, name, tmp_path)
     # (the expert GEMMs tiled throughout: routed inside the first, a one-token step leaves the one-token kernel)
     monkeypatch.setenv("HYBRID_MOE_PRELOAD", "0")
     triton_guard.reset_switches()
@@ -230,17 +238,9 @@ def test_moe_models_with_the_norm_in_the_down_gemm(tiny_ckpt, make_llm, name, mo
     """HYBRID_MOE_NORM_TAIL=1: in one-token steps each MoE layer's second expert GEMM is launched by the next
     norm, with the sum over k, the residual add and the norm in its last program; the engine gives the same
     tokens and logprobs (one request alone: one-token steps; three together: the plain launches)."""
-    import tiny_checkpoints
-
-    from hybrid import SamplingParams
     from hybrid.ops import triton_guard
 
-    path = tiny_ckpt(name)
-    if name == "nemotron_h":
-        path = tiny_checkpoints.copy_checkpoint(path, tmp_path)
-        tiny_checkpoints.rewrite_config(path, lambda cfg: cfg.update(topk_group=cfg["n_group"]))
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
-    prompts = [[5, 6, 7, 8, 9], [11], list(range(20, 45))]
+    path, sp, prompts = _moe_case(tiny_ckpt, name, tmp_path)
     ref = make_llm(path, fused_ops=True).generate(prompts, sp, use_tqdm=False)
     ref_alone = make_llm(path, fused_ops=True).generate(prompts[1:2], sp, use_tqdm=False)
     monkeypatch.setenv("HYBRID_MOE_NORM_TAIL", "1")

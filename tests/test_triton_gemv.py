@@ -259,6 +259,34 @@ def test_gated_sums_in_the_ssm_update_and_out_proj(dtype, n_groups, block_p):
         gated_out_proj(y.reshape(b, -1), z, nw, 1e-5, n_groups, sq[:, :3], w)  # parts of 3 of the 4 heads
 
 
+def _triton_mixer(dtype):
+    """A random Mamba2 mixer with every fused op on, on MambaCudaKernels' Triton decode kernels (the interpreter)."""
+    from random_mixer import random_mixer
+    from hybrid.ops import triton_mamba as tm
+    from hybrid.ops.mamba_cuda import MambaCudaKernels
+
+    mixer = random_mixer(dtype)
+    mixer.in_proj.fused = mixer.out_proj.fused = mixer.fused = True
+    kernels = object.__new__(MambaCudaKernels)
+    kernels.decode_kernels, kernels.triton, kernels._params, kernels.supports_verify = "triton", tm, {}, True
+    mixer.kernels = kernels
+    return mixer
+
+
+def _decode_batch(slots: list[int]):
+    """A decode-only StepBatch of one token a row on these Mamba slots (-1: a padding row)."""
+    from hybrid.batch import StepBatch
+
+    B = len(slots)
+    return StepBatch(
+        input_ids=torch.zeros(B, dtype=torch.long), positions=torch.zeros(B, dtype=torch.long),
+        query_start_loc=torch.arange(B + 1, dtype=torch.int32), seq_lens=torch.ones(B, dtype=torch.int32),
+        page_table=torch.zeros(B, 1, dtype=torch.int32), kv_write_loc=torch.zeros(B, dtype=torch.long),
+        state_slot=torch.tensor(slots), has_initial_state=torch.ones(B, dtype=torch.bool),
+        logits_indices=torch.arange(B), num_decodes=B, num_prefills=0, query_lens_cpu=[1] * B, seq_lens_cpu=[1] * B,
+        state_slot_cpu=slots, has_initial_state_cpu=[True] * B)
+
+
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
 @pytest.mark.parametrize("n_groups,slot", [(1, 2), (2, 0), (4, -1)])
 def test_gated_norm_in_the_ssm_updates_last_program(dtype, n_groups, slot):
@@ -295,18 +323,11 @@ def test_mixer_decode_with_the_norm_in_the_state_update(monkeypatch, dtype):
     """MambaCudaKernels.mamba_forward on a one-row decode step with HYBRID_SSM_NORM_TAIL=1: the gated norm in the
     state update's last program; the output and the slots equal the default path's bit for bit (a two-row
     step keeps the gated-norm launch)."""
-    from hybrid.batch import StepBatch
-    from random_mixer import random_mixer
     from hybrid.ops import triton_gemv, triton_guard
     from hybrid.ops import triton_mamba as tm
-    from hybrid.ops.mamba_cuda import MambaCudaKernels
 
-    mixer = random_mixer(dtype)
+    mixer = _triton_mixer(dtype)
     cfg = mixer.cfg
-    mixer.in_proj.fused = mixer.out_proj.fused = mixer.fused = True
-    kernels = object.__new__(MambaCudaKernels)
-    kernels.decode_kernels, kernels.triton, kernels._params, kernels.supports_verify = "triton", tm, {}, True
-    mixer.kernels = kernels
     monkeypatch.setattr(triton_gemv, "eligible", lambda x, w: True)  # (its CUDA check: here the interpreter)
     calls = []
     real = tm.selective_state_update_normed
@@ -314,13 +335,7 @@ def test_mixer_decode_with_the_norm_in_the_state_update(monkeypatch, dtype):
 
     def step(slots, tail):
         B = len(slots)
-        batch = StepBatch(
-            input_ids=torch.zeros(B, dtype=torch.long), positions=torch.zeros(B, dtype=torch.long),
-            query_start_loc=torch.arange(B + 1, dtype=torch.int32), seq_lens=torch.ones(B, dtype=torch.int32),
-            page_table=torch.zeros(B, 1, dtype=torch.int32), kv_write_loc=torch.zeros(B, dtype=torch.long),
-            state_slot=torch.tensor(slots), has_initial_state=torch.ones(B, dtype=torch.bool),
-            logits_indices=torch.arange(B), num_decodes=B, num_prefills=0, query_lens_cpu=[1] * B,
-            seq_lens_cpu=[1] * B, state_slot_cpu=slots, has_initial_state_cpu=[True] * B)
+        batch = _decode_batch(slots)
         g = torch.Generator().manual_seed(B)
         hidden = torch.randn(B, 32, generator=g).to(dtype)
         conv = torch.randn(6, cfg.conv_dim, cfg.conv_kernel - 1, generator=g).to(dtype)
@@ -357,27 +372,13 @@ def test_mixer_decode_with_fewer_launches(monkeypatch, dtype, fusion):
     fusions (in_proj + conv; the gated norm in the SSM update and out_proj) gives the outputs and slots of
     the unfused path (within summation order), and leaves the padding row's and the other slots untouched."""
 
-    from hybrid.batch import StepBatch
-    from random_mixer import random_mixer
     from hybrid.ops import triton_gemv, triton_guard
-    from hybrid.ops import triton_mamba as tm
-    from hybrid.ops.mamba_cuda import MambaCudaKernels
 
-    mixer = random_mixer(dtype)
+    mixer = _triton_mixer(dtype)
     cfg = mixer.cfg
-    mixer.in_proj.fused = mixer.out_proj.fused = mixer.fused = True
-    kernels = object.__new__(MambaCudaKernels)
-    kernels.decode_kernels, kernels.triton, kernels._params, kernels.supports_verify = "triton", tm, {}, True
-    mixer.kernels = kernels
     slots = [4, -1, 1]
     B = len(slots)
-    batch = StepBatch(
-        input_ids=torch.zeros(B, dtype=torch.long), positions=torch.zeros(B, dtype=torch.long),
-        query_start_loc=torch.arange(B + 1, dtype=torch.int32), seq_lens=torch.ones(B, dtype=torch.int32),
-        page_table=torch.zeros(B, 1, dtype=torch.int32), kv_write_loc=torch.zeros(B, dtype=torch.long),
-        state_slot=torch.tensor(slots), has_initial_state=torch.ones(B, dtype=torch.bool),
-        logits_indices=torch.arange(B), num_decodes=B, num_prefills=0, query_lens_cpu=[1] * B, seq_lens_cpu=[1] * B,
-        state_slot_cpu=slots, has_initial_state_cpu=[True] * B)
+    batch = _decode_batch(slots)
     hidden = torch.randn(B, 32).to(dtype)
     conv = torch.randn(6, cfg.conv_dim, cfg.conv_kernel - 1).to(dtype)
     ssm = torch.randn(6, cfg.num_heads, cfg.head_dim, cfg.state_size) * 0.3  # (the SSM kernel is not what changes)

@@ -279,6 +279,24 @@ def router_written(monkeypatch, x, w_up, w_down, gated, s_up, s_down, router):
     return seen[0][1], seen[0][2]
 
 
+def _small_layer(g, T: int, gated: bool, shared: int, kind: str, route_seed: int):
+    """A small expert layer for the one-token kernels' tests (12 experts, top-3, K = 300 = 256 + 32 + 12 in three
+    pieces, 40 wide): x [T, 300], the weights, an add, a routing with the shared slices' columns (weight 1), and
+    the shared expert's slices as fused_experts' keywords."""
+    n_exp, top_k, Hd, inter = 12, 3, 300, 40
+    x = torch.randn(T, Hd, generator=g)
+    w_up = torch.randn(n_exp, (2 if gated else 1) * inter, Hd, generator=g) * Hd ** -0.5
+    w_down = torch.randn(n_exp, Hd, inter, generator=g) * inter ** -0.5
+    s_up = torch.randn((2 if gated else 1) * shared * inter, Hd, generator=g) * Hd ** -0.5 if shared else None
+    s_down = torch.randn(Hd, shared * inter, generator=g) * inter ** -0.5 if shared else None
+    add = torch.randn(T, Hd, generator=g)
+    idx, w = routing(kind, T, n_exp, top_k, seed=route_seed)
+    if shared:
+        idx = torch.cat([idx, torch.arange(n_exp, n_exp + shared).expand(T, shared)], 1)
+        w = torch.cat([w, torch.ones(T, shared)], 1)
+    return x, w_up, w_down, add, idx, w, dict(shared_up=s_up, shared_down=s_down)
+
+
 @pytest.mark.parametrize("kind", ["random", "one_expert"])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("shared", [0, 2])
@@ -290,18 +308,7 @@ def test_one_token_preloading_experts(monkeypatch, kind, gated, shared):
     from hybrid.ops import triton_guard
 
     g = torch.Generator().manual_seed(shared * 10 + gated)
-    n_exp, top_k, Hd, inter = 12, 3, 300, 40
-    x = torch.randn(2, Hd, generator=g)
-    w_up = torch.randn(n_exp, (2 if gated else 1) * inter, Hd, generator=g) * Hd ** -0.5
-    w_down = torch.randn(n_exp, Hd, inter, generator=g) * inter ** -0.5
-    s_up = torch.randn((2 if gated else 1) * shared * inter, Hd, generator=g) * Hd ** -0.5 if shared else None
-    s_down = torch.randn(Hd, shared * inter, generator=g) * inter ** -0.5 if shared else None
-    add = torch.randn(2, Hd, generator=g)
-    idx, w = routing(kind, 2, n_exp, top_k, seed=shared + 3)
-    if shared:
-        idx = torch.cat([idx, torch.arange(n_exp, n_exp + shared).expand(2, shared)], 1)
-        w = torch.cat([w, torch.ones(2, shared)], 1)
-    kw = dict(shared_up=s_up, shared_down=s_down)
+    x, w_up, w_down, add, idx, w, kw = _small_layer(g, 2, gated, shared, kind, shared + 3)
     monkeypatch.setenv("HYBRID_MOE_PRELOAD", "0")
     triton_guard.reset_switches()
     try:
@@ -336,20 +343,12 @@ def test_one_token_down_gemm_with_the_norm_in_its_last_program(monkeypatch, gate
     from hybrid.ops import triton_guard, triton_norm
 
     g = torch.Generator().manual_seed(shared * 10 + gated + (5 if w_fp32 else 0))
-    n_exp, top_k, Hd, inter = 12, 3, 300, 40
-    x = torch.randn(1, Hd, generator=g)
-    w_up = torch.randn(n_exp, (2 if gated else 1) * inter, Hd, generator=g) * Hd ** -0.5
-    w_down = torch.randn(n_exp, Hd, inter, generator=g) * inter ** -0.5
-    s_up = torch.randn((2 if gated else 1) * shared * inter, Hd, generator=g) * Hd ** -0.5 if shared else None
-    s_down = torch.randn(Hd, shared * inter, generator=g) * inter ** -0.5 if shared else None
-    add = torch.randn(1, Hd, generator=g) if with_add else None
-    idx, w = routing("random", 1, n_exp, top_k, seed=shared + 7)
-    if shared:
-        idx = torch.cat([idx, torch.arange(n_exp, n_exp + shared).expand(1, shared)], 1)
-        w = torch.cat([w, torch.ones(1, shared)], 1)
+    x, w_up, w_down, add, idx, w, kw = _small_layer(g, 1, gated, shared, "random", shared + 7)
+    add = add if with_add else None
+    Hd = x.shape[1]
     residual = torch.randn(1, Hd, generator=g)
     norm_w = torch.randn(Hd, generator=g)
-    kw = dict(shared_up=s_up, shared_down=s_down, defer_sum=True)
+    kw["defer_sum"] = True
 
     plain = triton_moe.fused_experts(x, w_up, w_down, idx, w, gated, add, **kw)
     assert plain.down is None
