@@ -306,7 +306,6 @@ class _StreamState:
         self.open: dict | None = None  # {"kind", "id", "text", ...}
         self.thought = writer.reasoning.stream() if writer.reasoning is not None else None
         self.calls = writer.tools.stream() if writer.tools is not None else None
-        self.call_index: dict[int, dict] = {}
 
     def _open(self, kind: str, item: dict, events: list[str], **extra) -> None:
         self._close(events)
