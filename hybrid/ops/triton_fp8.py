@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.ops import triton_act, triton_gemv
-from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, arrival_counts, pdl_options, require, tl, triton
 from hybrid.quantization import FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE
 from state_pool.util import cdiv
 
@@ -839,18 +839,10 @@ def _launch_splitk(xq: torch.Tensor, weight: torch.Tensor, parts: torch.Tensor, 
     )
 
 
-_TILE_COUNTS: dict = {}
-
-
 def _tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
-    """The arrival counts of fp8_splitk_linear's column tiles on `device`: int32 zeros, kept (each launch's last
-    program of a tile sets its count back to 0), grown when a wider weight asks for more."""
-    key = (device.type, device.index)
-    counts = _TILE_COUNTS.get(key)
-    if counts is None or counts.numel() < tiles:
-        counts = torch.zeros(max(1024, tiles), dtype=torch.int32, device=device)
-        _TILE_COUNTS[key] = counts
-    return counts
+    """The arrival counts of fp8_splitk_linear's column tiles on `device` (triton_guard.arrival_counts), at least
+    1024 so that the widths of one model share one buffer."""
+    return arrival_counts("fp8_splitk_linear", device, max(1024, tiles))
 
 
 def fp8_splitk_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

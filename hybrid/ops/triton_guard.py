@@ -119,6 +119,23 @@ except Exception:  # pragma: no cover - depends on the machine
     HAS_TRITON = False
 
 
+_ARRIVAL_COUNTS: dict = {}
+
+
+def arrival_counts(owner: str, device, n: int = 1):
+    """At least `n` int32 zeros on `device` for `owner`'s kernels whose last program to arrive (an acquire /
+    release atomic count) finishes the launch's work: kept from launch to launch, since that last program sets
+    its count back to 0 (a graph replays the launch; a stream's launches run one after another)."""
+    import torch
+
+    key = (owner, device.type, device.index)
+    counts = _ARRIVAL_COUNTS.get(key)
+    if counts is None or counts.numel() < n:
+        counts = torch.zeros(n, dtype=torch.int32, device=device)
+        _ARRIVAL_COUNTS[key] = counts
+    return counts
+
+
 def require(module: str) -> None:
     """Raise a clear error when a kernel of `module` is called without triton."""
     if not HAS_TRITON:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, arrival_counts, pdl_options, require, tl, triton
 from state_pool.util import cdiv, sm_count
 
 PAD_SLOT_ID = -1
@@ -358,16 +358,10 @@ def selective_state_update_normed(state: torch.Tensor, x: torch.Tensor, dt: torc
     return normed
 
 
-_TAIL_COUNTS: dict = {}
-
-
 def _tail_count(device: torch.device) -> torch.Tensor:
-    """The arrival count of the state update's launches with the norm in their last program on `device`: an int32
-    zero, kept (each launch's last program sets it back to 0; the launches of a stream run one after another)."""
-    key = (device.type, device.index)
-    if key not in _TAIL_COUNTS:
-        _TAIL_COUNTS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _TAIL_COUNTS[key]
+    """The arrival count of the state update's launches with the norm in their last program on `device`
+    (triton_guard.arrival_counts)."""
+    return arrival_counts("selective_state_update_normed", device)
 
 
 def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.ops import triton_fp8, triton_moe, triton_moe_route
-from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
+from hybrid.ops.triton_guard import HAS_TRITON, arrival_counts, pdl_options, require, tl, triton
 
 
 def is_available() -> bool:
@@ -296,16 +296,9 @@ def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: fl
     return _with_rounding(out, rounding)
 
 
-_DOWN_COUNTS: dict = {}
-
-
 def _down_count(device: torch.device) -> torch.Tensor:
-    """The arrival count of one_token_down_sum_norm's launches on `device`: an int32 zero, kept (each launch's
-    last program sets it back to 0; the launches of a stream run one after the other)."""
-    key = (device.type, device.index)
-    if key not in _DOWN_COUNTS:
-        _DOWN_COUNTS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _DOWN_COUNTS[key]
+    """The arrival count of one_token_down_sum_norm's launches on `device` (triton_guard.arrival_counts)."""
+    return arrival_counts("one_token_down_sum_norm", device)
 
 
 def one_token_down_sum_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool,
