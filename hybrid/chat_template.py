@@ -36,6 +36,17 @@ def _compiled(template: str):
     return env.from_string(template)
 
 
+# the variables a rendering sets itself (the conversation, its options, the tokenizer's special tokens): never
+# taken from chat_template_kwargs
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize",
+                               "chat_template", "bos_token", "eos_token")
+
+
+def reserved_template_kwargs(kwargs: dict | None) -> list[str]:
+    """The keys of chat_template_kwargs that name a variable the rendering sets itself, sorted."""
+    return sorted(set(kwargs or ()) & set(RESERVED_TEMPLATE_VARIABLES))
+
+
 def check_chat_template(template: str) -> None:
     """ValueError naming the problem if `template` is not a jinja2 template that compiles."""
     import jinja2

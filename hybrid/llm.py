@@ -11,6 +11,7 @@ import torch
 from attention.backend import select_backend
 from attention.kv_cache import PagedKVCache
 from graphs.runner import ModelRunner
+from hybrid.chat_template import reserved_template_kwargs
 from hybrid.config_parse import load_config
 from hybrid.engine import Engine
 from hybrid.engine_config import (  # re-exported: the sizing API is known from here
@@ -491,8 +492,7 @@ class LLM:
                                       "dicts) or a list of conversations")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise InvalidRequestError("chat_template_kwargs must be a dict")
-        reserved = sorted(set(chat_template_kwargs or ()) & {"messages", "add_generation_prompt", "tokenize",
-                                                              "chat_template", "continue_final_message", "tools"})
+        reserved = reserved_template_kwargs(chat_template_kwargs)
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise InvalidRequestError("tools must be a list of tool dicts ({'type': 'function', 'function': {...}})")
         template_vars = dict(chat_template_kwargs or {})

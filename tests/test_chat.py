@@ -155,3 +155,7 @@ def test_chat_template_kwargs_cannot_shadow_arguments(llm):
         llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})
     with pytest.raises(InvalidRequestError, match="must be a dict"):
         llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False, chat_template_kwargs=["x"])
+    # the tokenizer's special tokens too (the same list as the server's): a clear error, not a TypeError
+    for name in ("bos_token", "tools"):
+        with pytest.raises(InvalidRequestError, match=name):
+            llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False, chat_template_kwargs={name: "x"})

@@ -275,14 +275,14 @@ class Handlers:
                                    decode=self.decode)
             return await self._respond(request, prompts, fmt, req, admission)
 
-    async def chat_prompt(self, req, input_param: str, max_tokens_param: str | None):
-        """A chat request's prompt, rendered and tokenized off the event loop and checked, with how its
-        output is read: (Prompt, ToolMode or None, ReasoningMode or None, MarkerTokens). input_param:
-        the field a too-long prompt is blamed on."""
-        tools = self.tool_mode(req)
+    async def chat_prompt(self, req, tools: ToolMode | None, template: str, input_param: str,
+                          max_tokens_param: str | None):
+        """A chat request's prompt, rendered with `template` and tokenized off the event loop and checked,
+        with how its output is read: (Prompt, ReasoningMode or None, MarkerTokens). tools: tool_mode(req);
+        input_param: the field a too-long prompt is blamed on."""
         # tool_choice "none": the tools are still rendered (vLLM's default) unless the server says not to
         shown = None if req.tool_choice == "none" and self.exclude_tools_when_tool_choice_none else req.tools
-        text = await asyncio.to_thread(self.render, self.chat_template(), req.messages, req.add_generation_prompt,
+        text = await asyncio.to_thread(self.render, template, req.messages, req.add_generation_prompt,
                                        shown, req.chat_template_kwargs, req.continue_final_message)
         ids = truncate_prompt(await self.encode(text, False), req.params.truncate_prompt_tokens, self.max_model_len)
         self.check_prompt(ids, input_param)
@@ -292,15 +292,15 @@ class Handlers:
         # (a named or "required" tool_choice compiles the tools' schemas here)
         self.validate([prompt], "tools" if req.tool_choice in ("function", "required") else input_param)
         markers = self._markers[(tools is not None and tools.kind == "auto", reasoning is not None)]
-        return prompt, tools, reasoning, markers
+        return prompt, reasoning, markers
 
     async def chat(self, request, body: dict):
         self.check_model(body)
         req = parse_chat(body, self.max_model_len, self.sampling_defaults)
-        self.tool_mode(req)  # (a 400 before anything is reserved)
-        self.chat_template()
+        tools, template = self.tool_mode(req), self.chat_template()  # (their 400s before anything is reserved)
         with self.admit(req.params.n, "n") as admission:  # before rendering and tokenizing
-            prompt, tools, reasoning, markers = await self.chat_prompt(req, "messages", req.max_tokens_param)
+            prompt, reasoning, markers = await self.chat_prompt(req, tools, template, "messages",
+                                                                req.max_tokens_param)
             fmt = ChatFormat(req.params.n, req.logprobs, self.token_str, tools, markers, reasoning)
             return await self._respond(request, [prompt], fmt, req, admission)
 
@@ -312,11 +312,10 @@ class Handlers:
         self.check_model(body)
         rreq = parse_responses(body, self.max_model_len, self.sampling_defaults)
         req = rreq.chat
-        self.tool_mode(req)
-        self.chat_template()
+        tools, template = self.tool_mode(req), self.chat_template()
         with self.admit(1, "input") as admission:
-            prompt, tools, reasoning, markers = await self.chat_prompt(
-                req, "input", req.max_tokens_param and "max_output_tokens")
+            prompt, reasoning, markers = await self.chat_prompt(req, tools, template, "input",
+                                                                req.max_tokens_param and "max_output_tokens")
             writer = ResponsesWriter(f"resp_{uuid.uuid4().hex}", self.model_name, rreq, tools, reasoning,
                                      self.think_end_id, markers)
             return await respond_responses(self.engine, request, prompt, writer, admission, req.stream)

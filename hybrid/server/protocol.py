@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from hybrid.chat_template import normalize_messages
+from hybrid.chat_template import normalize_messages, reserved_template_kwargs
 from hybrid.errors import InvalidRequestError
 from hybrid.sampling import SamplingParams, StructuredOutputsParams
 from hybrid.server.api_errors import APIError, bad, from_invalid
@@ -416,11 +416,6 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
                        parallel, template_kwargs, continue_final)
 
 
-# variables the chat template gets from the request itself, never from chat_template_kwargs
-_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize",
-                      "chat_template", "bos_token", "eos_token")
-
-
 def chat_template_kwargs(body: dict) -> dict | None:
     """vLLM's chat_template_kwargs: more variables for the chat template (enable_thinking,
     force_nonempty_content, ...), an object whose keys do not override the request's own."""
@@ -429,7 +424,7 @@ def chat_template_kwargs(body: dict) -> dict | None:
         return None
     if not isinstance(kw, dict):
         raise bad("chat_template_kwargs", "expected an object of template variables")
-    reserved = sorted(set(kw) & set(_TEMPLATE_RESERVED))
+    reserved = reserved_template_kwargs(kw)
     if reserved:
         raise bad("chat_template_kwargs", f"{', '.join(reserved)} cannot be set here: "
                                           "the request's own fields set them")
