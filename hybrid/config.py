@@ -79,6 +79,10 @@ class MoEConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    # NemotronH LatentMoE (Nemotron 3 Super): the routed experts work in this narrower width, between a
+    # projection down from the hidden size and one back up; the router and the shared expert read the
+    # full hidden state. None: the experts read and write the hidden size.
+    latent_size: int | None = None
 
 
 @dataclass(frozen=True)

@@ -126,9 +126,8 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
                 topk_group=_int(cfg, "topk_group", family, 1),
                 norm_topk_prob=_bool(cfg, "norm_topk_prob", True),
                 routed_scaling_factor=_float(cfg, "routed_scaling_factor", 1.0),
+                latent_size=_int(cfg, "moe_latent_size", family, None),
             )
-            if cfg.get("moe_latent_size") is not None:
-                raise CheckpointError("nemotron_h with moe_latent_size is not supported yet")
         _bool(cfg, "tie_word_embeddings", False)  # (type-checked; not used, see below)
         return _checked(ModelConfig(
             layer_types=layer_types,

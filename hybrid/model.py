@@ -256,8 +256,10 @@ class HybridModel(nn.Module):
             if key in seen:
                 continue
             seen.add(key)
-            device, hidden = experts.up.device, experts.up.shape[2]
-            for T in experts.warmup_lengths(shared, max_tokens, dtype.itemsize, sm_count(device)):
+            # the layer's input width (LatentMoE's experts are narrower); NemotronH's shared expert is its own
+            device, hidden = experts.up.device, moe.router_weight.shape[1]
+            own_shared = shared if shared is not None else getattr(moe, "shared", None)
+            for T in experts.warmup_lengths(own_shared, max_tokens, dtype.itemsize, sm_count(device)):
                 x = torch.randn(T, hidden, dtype=dtype, device=device)
                 out = moe(x) if shared is None else moe(x, shared=shared)
                 if isinstance(out, triton_moe.ExpertRows):  # (the sum the next norm would fold in)

@@ -65,6 +65,8 @@ class Experts(nn.Module):
             return 0
         if type(up) is not Linear or type(shared.down_proj) is not Linear:  # FP8 projections run on their own
             return 0
+        if shared.down_proj.weight.shape[0] != self.down.shape[1]:  # LatentMoE: experts of another width
+            return 0
         if self.fp8:  # the kernel streams one weight dtype a launch
             return 0
         width, inter = shared.down_proj.weight.shape[1], self.down.shape[2]
@@ -118,14 +120,26 @@ class Experts(nn.Module):
 
 
 class NemotronMoE(nn.Module):
-    """Sigmoid router with grouped top-k and score correction bias, relu2 experts, one shared expert."""
+    """Sigmoid router with grouped top-k and score correction bias, relu2 experts, one shared expert.
+
+    LatentMoE (cfg.latent_size, Nemotron 3 Super): the routed experts read and write a narrower
+    latent width. `latent_in_proj` takes the layer's input down to it, `latent_out_proj` takes the
+    experts' weighted sum back up, and the router and the shared expert read the full-width input."""
 
     def __init__(self, hidden_size: int, cfg: MoEConfig, act: str, shared_bias: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.router_weight = _param(cfg.num_experts, hidden_size)
         self.router_bias = _param(cfg.num_experts)  # e_score_correction_bias, fp32
-        self.experts = Experts(hidden_size, cfg, act, gated=False)
+        latent = cfg.latent_size
+        self.latent_in_proj = self.latent_out_proj = None
+        if latent is not None:  # (their bias is mlp_bias, as the shared expert's)
+            self.latent_in_proj = Linear(hidden_size, latent, bias=shared_bias)
+            self.latent_out_proj = Linear(latent, hidden_size, bias=shared_bias)
+        self.experts = Experts(latent or hidden_size, cfg, act, gated=False)
+        if latent is not None:
+            # the projection back up needs the experts' sum, so the next norm cannot take their rows
+            self.experts.can_defer_sum = False
         self.shared = DenseMLP(hidden_size, cfg.shared_intermediate_size, act, bias=shared_bias)  # (mlp_bias)
 
     def router_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, int, dict] | None:
@@ -175,6 +189,9 @@ class NemotronMoE(nn.Module):
                 router = triton_moe_route.router_logits(x, weight, top_k, num_shared=slices, **kw)
             else:
                 top_idx, top_w = self.route(x, slices)
+        if self.latent_in_proj is not None:  # (slices is 0: the shared expert is not of the latent width)
+            routed = self.experts(self.latent_in_proj(x), top_idx, top_w, router=router)
+            return self.latent_out_proj(routed) + self.shared(x)
         if slices:
             return self.experts(x, top_idx, top_w, shared=self.shared, router=router)
         return self.experts(x, top_idx, top_w, add=self.shared(x), router=router)

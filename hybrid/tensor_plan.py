@@ -102,6 +102,10 @@ def tensor_plan(cfg: ModelConfig) -> dict[str, Source]:
                 for n in ("up_proj", "down_proj"):
                     for leaf in _leaves(cfg.mlp_bias):
                         plan[f"{p}mixer.shared.{n}.{leaf}"] = Source([f"{d}mixer.shared_experts.{n}.{leaf}"], "whole")
+                if cfg.moe.latent_size is not None:  # LatentMoE's projections to and from the experts' width
+                    for ours, theirs in (("latent_in_proj", "fc1_latent_proj"), ("latent_out_proj", "fc2_latent_proj")):
+                        for leaf in _leaves(cfg.mlp_bias):
+                            plan[f"{p}mixer.{ours}.{leaf}"] = Source([f"{d}mixer.{theirs}.{leaf}"], "whole")
     else:
         plan["embed"] = Source(["model.embed_tokens.weight"], "whole")
         final = "model.final_layernorm.weight" if cfg.family == "bamba" else "model.norm.weight"

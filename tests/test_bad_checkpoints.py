@@ -178,6 +178,8 @@ def test_generation_config_not_an_object(tiny_ckpt, tmp_path):
     ("nemotron_h", "mamba_head_dim", 0),
     ("nemotron_h", "layer_norm_epsilon", {"x": 1}),
     ("nemotron_h", "n_groups", 3),  # 8 Mamba heads: not a multiple
+    ("nemotron_h_latent", "moe_latent_size", 0),
+    ("nemotron_h_latent", "moe_latent_size", "wide"),
     ("bamba", "attn_layer_indices", "all"),
     ("bamba", "rope_theta", -10.0),
     ("falcon_h1", "ssm_multipliers", [1.0, 2.0]),
@@ -193,6 +195,16 @@ def test_bad_config_value(name, key, value, tiny_ckpt, tmp_path):
     msg = _load_error(p)
     assert str(p / "config.json") in msg, msg
     assert key in msg or key.replace("_", " ") in msg or "multiple" in msg, msg
+
+
+def test_latent_size_that_disagrees_with_the_tensors(tiny_ckpt, tmp_path):
+    """A LatentMoE config whose moe_latent_size is not the width of the stored latent projections and
+    experts: a CheckpointError naming a tensor of the wrong shape, not a load of mismatched weights."""
+    p = copy_checkpoint(tiny_ckpt("nemotron_h_latent"), tmp_path)
+    _edit_config(p, lambda c: c.update(moe_latent_size=48))
+    msg = _load_error(p)
+    assert "latent_proj" in msg or "experts" in msg, msg
+    assert "shape" in msg, msg
 
 
 def test_rope_scaling_type_is_not_ignored(tiny_ckpt, tmp_path):

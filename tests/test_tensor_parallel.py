@@ -18,7 +18,7 @@ from hybrid.errors import ConfigurationError, EngineDeadError
 
 LOGPROB_TOL = 2e-4
 FAMILIES = ["nemotron_h", "granite_dense", "granite_moe", "bamba", "falcon_h1", "falcon_h1_norm", "zamba2",
-            "zamba2_rope", "nemotron_h_sharded"]
+            "zamba2_rope", "nemotron_h_sharded", "nemotron_h_latent"]
 PROMPTS = [[5, 9, 13, 22, 7, 31, 40, 11, 12, 50, 6], [8, 19, 33], list(range(4, 30))]
 
 

@@ -83,11 +83,11 @@ def test_gated_norm_matches_the_mixer(tiny_ckpt, make_llm, dtype):
     torch.testing.assert_close(got.float(), ref.float(), **_tol(dtype))
 
 
-MOE = {"nemotron_h", "granite_moe"}
+MOE = {"nemotron_h", "granite_moe", "nemotron_h_latent"}
 
 
 @pytest.mark.parametrize("name", ["granite_dense", "nemotron_h", "granite_moe", "bamba", "falcon_h1", "falcon_h1_norm",
-                                  "zamba2", "zamba2_rope"])
+                                  "zamba2", "zamba2_rope", "nemotron_h_latent"])
 def test_model_forward_with_fused_ops(tiny_ckpt, make_llm, name):
     from hybrid import SamplingParams
     from hybrid.layers import DenseMLP, GatedMLP, Linear, Mamba2Mixer
@@ -108,8 +108,9 @@ def test_model_forward_with_fused_ops(tiny_ckpt, make_llm, name):
     assert all(m.fused for m in mods if isinstance(m, (RMSNorm, Mamba2Mixer, Linear))
                or (isinstance(m, (DenseMLP, GatedMLP, Experts)) and m.can_fuse))
     assert use_fused_ops(llm.model) == norms + mixers + mlps + experts + linears
-    # the experts hand their rows unsummed to the next norm, which sums them in its own launch
-    assert all(m.defer_sum for m in mods if isinstance(m, Experts))
+    # the experts hand their rows unsummed to the next norm, which sums them in its own launch; LatentMoE's
+    # sum goes to its projection back up instead
+    assert all(m.defer_sum == (name != "nemotron_h_latent") for m in mods if isinstance(m, Experts))
     got = llm.generate(prompts, sp, use_tqdm=False)
     for r, o in zip(ref, got):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
@@ -192,7 +193,7 @@ def _moe_case(tiny_ckpt, name: str, tmp_path):
     return path, sp, [[5, 6, 7, 8, 9], [11], list(range(20, 45))]
 
 
-@pytest.mark.parametrize("name", ["nemotron_h", "granite_moe"])
+@pytest.mark.parametrize("name", ["nemotron_h", "granite_moe", "nemotron_h_latent"])
 @pytest.mark.parametrize("route_in_gemm", [False, True])
 def test_moe_models_with_the_norm_in_the_router(tiny_ckpt, make_llm, name, route_in_gemm, monkeypatch, tmp_path):
     """HYBRID_NORM_ROUTER=1: the norm before each MoE layer runs in its router's launch for steps

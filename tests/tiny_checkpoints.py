@@ -150,8 +150,10 @@ def _finish(model, path: Path, *, max_shard_size=None) -> Path:
 
 def build_nemotron_h(path, *, pattern: str = "M-M*EM", vocab_size: int = 160, seed: int = 1,
                      max_shard_size=None, zero_logit_ids: tuple[int, ...] = (),
-                     dt_floor_heads: bool = True, dt_range=(1e-3, 0.2)) -> Path:
-    """NemotronH with Mamba (M), attention (*), relu^2 MLP (-) and MoE (E) layers."""
+                     dt_floor_heads: bool = True, dt_range=(1e-3, 0.2), moe_latent_size: int | None = None,
+                     n_group: int = 2, mlp_bias: bool = False) -> Path:
+    """NemotronH with Mamba (M), attention (*), relu^2 MLP (-) and MoE (E) layers; `moe_latent_size`:
+    LatentMoE (Nemotron 3 Super), the routed experts between projections to and from that width."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     cfg = NemotronHConfig(
@@ -172,10 +174,12 @@ def build_nemotron_h(path, *, pattern: str = "M-M*EM", vocab_size: int = 160, se
         chunk_size=CHUNK,
         n_routed_experts=4,
         num_experts_per_tok=2,
-        n_group=2,
+        n_group=n_group,
         topk_group=1,
         moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=48,
+        moe_latent_size=moe_latent_size,
+        mlp_bias=mlp_bias,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
         layer_norm_epsilon=1e-5,
@@ -493,6 +497,11 @@ BUILDERS = {
     "nemotron_h_sharded": (build_nemotron_h, {"pattern": "*EM-M", "vocab_size": 128, "seed": 5,
                                                 "max_shard_size": "60KB",
                                                 "dt_floor_heads": False, "dt_range": (0.03, 0.3)}),
+    # LatentMoE as in Nemotron 3 Super: experts in a 32-wide latent, one routing group (the fused
+    # router's path on CUDA), biases on the MLPs, the shared expert and the latent projections
+    "nemotron_h_latent": (build_nemotron_h, {"pattern": "ME*EM-E", "vocab_size": 144, "seed": 9,
+                                               "moe_latent_size": 32, "n_group": 1, "mlp_bias": True,
+                                               "dt_floor_heads": False, "dt_range": (0.03, 0.3)}),
 }
 
 

@@ -37,10 +37,12 @@ class ShardPlan:
         g, tp = self.group, self.group.world_size
         shared_groups = mamba_group_shared(self.cfg, tp) and self.cfg.mamba.gate != GATE_ONLY
         # the shared expert of an MoE layer stays partial: the experts' one all-reduce sums it with
-        # the routed experts (one collective per MoE layer; on CUDA it may still fold into their launches)
+        # the routed experts (one collective per MoE layer; on CUDA it may still fold into their launches).
+        # LatentMoE's experts reduce their latent sum before the (whole) projection back up, so its
+        # shared expert is row-parallel with its own all-reduce.
         partial = set()
         for m in model.modules():
-            if isinstance(m, NemotronMoE):
+            if isinstance(m, NemotronMoE) and m.latent_in_proj is None:
                 partial.add(id(m.shared))
             elif isinstance(m, TwoStageBlock) and m.moe is not None:
                 partial.add(id(m.mlp))

@@ -8,7 +8,8 @@ Layout (every rank r of N):
   divides them, else (N a multiple of the groups) the one group its heads read, replicated; the conv
   and the state pool hold the rank's own x / B / C channels and heads;
 - dense / shared / gated MLPs and routed experts: the intermediate dim split (tensor-parallel per
-  expert), the down projection row-parallel;
+  expert), the down projection row-parallel; LatentMoE's projections to and from the experts'
+  width whole on every rank;
 - embedding and LM head: vocab-parallel, ceil(V/N) rows per rank (the last rank's padded with zeros).
 Row-parallel outputs are summed across the ranks by one all-reduce (hybrid/parallel/layers.py).
 """
@@ -49,8 +50,9 @@ def check_shapes(cfg: ModelConfig, tp: int) -> None:
             bad.append(f"routed expert width (moe intermediate_size={cfg.moe.intermediate_size})")
         if cfg.family == "nemotron_h" and cfg.moe.shared_intermediate_size % tp:
             bad.append(f"shared expert width (shared_intermediate_size={cfg.moe.shared_intermediate_size})")
-        if cfg.family == "nemotron_h" and cfg.mlp_bias and tp > 1:
-            # the shared expert's output is summed with the routed experts' in one all-reduce
+        if cfg.family == "nemotron_h" and cfg.mlp_bias and tp > 1 and cfg.moe.latent_size is None:
+            # the shared expert's output is summed with the routed experts' in one all-reduce (LatentMoE
+            # reduces it on its own: hybrid/parallel/shard_model.py)
             bad.append("MoE shared-expert biases (mlp_bias)")
     if bad:
         raise ConfigurationError(f"tensor_parallel_size={tp} does not divide this checkpoint's "

@@ -460,9 +460,9 @@ def test_scaled_mm_captured_in_a_cuda_graph(per_channel, act):
 
 # (family, scheme): no dt clamp in these (prefill and decode compute the same function), so the CPU
 # reference can be asked for its greedy choice after the GPU's own prefixes
-MOE_FAMILIES = ("granite_moe", "nemotron_h_sharded")
+MOE_FAMILIES = ("granite_moe", "nemotron_h_sharded", "nemotron_h_latent")
 CASES = [("granite_dense", "modelopt_fp8"), ("granite_moe", "ct_fp8_dynamic"),
-         ("nemotron_h_sharded", "modelopt_pcpt"), ("falcon_h1", "ct_fp8")]
+         ("nemotron_h_sharded", "modelopt_pcpt"), ("falcon_h1", "ct_fp8"), ("nemotron_h_latent", "modelopt_pcpt")]
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,14 @@ def test_fused_experts_vs_reference(shape, T, kind, dtype):
     check_fused_experts(kind, gated, None, T=T, dtype=dtype, device="cuda", with_add=T % 2 == 0, seed=T, **s)
 
 
+@pytest.mark.parametrize("T", [1, 3, 8, 64, 1500])
+def test_latent_experts_vs_reference(T):
+    """Nemotron-3-Super's LatentMoE experts: 512 of them, top-22, reading and writing the 1024-wide latent
+    (their width narrowed from 2688 for the float64 reference), no shared expert in their launches."""
+    check_fused_experts("random", False, None, T=T, dtype=torch.bfloat16, device="cuda", with_add=False, seed=T,
+                        E=512, H=1024, inter=512, top_k=22)
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("T", [1, 8, 64, 1500])
 @pytest.mark.parametrize("per_row", [False, True])

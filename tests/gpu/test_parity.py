@@ -8,7 +8,8 @@ from hybrid import LLM
 from hybrid.sampling import SamplingParams
 
 FAMILIES = ["nemotron_h", "nemotron_h_sharded", "bamba", "granite_dense", "granite_moe", "falcon_h1", "falcon_h1_norm",
-            "zamba2", "zamba2_rope"]  # MoE: nemotron_h, nemotron_h_sharded, granite_moe; Zamba2: shared blocks
+            "zamba2", "zamba2_rope", "nemotron_h_latent"]
+# MoE: nemotron_h, nemotron_h_sharded, granite_moe, nemotron_h_latent (LatentMoE); Zamba2: shared blocks
 def prompts_of(path):
     # (tests/conftest's prompts_for runs transformers, which on a machine with mamba-ssm and
     # causal-conv1d installed tries their CUDA kernels on CPU tensors: fixed random prompts instead)
