@@ -424,14 +424,21 @@ fi
 if [[ $what == request-features ]]; then
   gpu_pytest 150 gpu_tests_request_features.log tests/gpu/test_request_features_gpu.py
 fi
+# latent   the GPU tests of LatentMoE (Nemotron 3 Super): the 512-expert top-22 latent experts against the float64
+#          reference, the tiny LatentMoE checkpoint against the CPU reference (bf16 and FP8); <= 200 s
+if [[ $what == latent ]]; then
+  gpu_pytest 200 gpu_tests_latent.log tests/gpu/test_moe_gpu.py tests/gpu/test_parity.py tests/gpu/test_fp8_gpu.py \
+      -k "latent"
+fi
 # next     what this project's next session measures first: moe-next (the MoE norm-tail switch's tests and A/B)
-# next-2   then: request-features, and on an H200 the issue targets (targets: MoE + FP8 8B), on an H100 fp8-splitk-2
-#          (the sweep in 140 s)
+# next-2   then: request-features and latent, and on an H200 the issue targets (targets: MoE + FP8 8B), on an H100
+#          fp8-splitk-2 (the sweep in 140 s)
 if [[ $what == next ]]; then
   bash "$0" moe-next || rc=1
 fi
 if [[ $what == next-2 ]]; then
   bash "$0" request-features || rc=1
+  bash "$0" latent || rc=1
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     bash "$0" targets || rc=1
   else
