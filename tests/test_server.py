@@ -86,6 +86,61 @@ def test_chat_stream_equals_non_stream(served, client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats(served, client, endpoint):
+    """stream_options {"include_usage": true, "continuous_usage_stats": true} (vLLM's extension): every chunk
+    carries the usage so far, its completion tokens never decreasing and ending at the request's; the last
+    chunk is the usage alone, as with include_usage only. Without include_usage it has no effect."""
+    def stream(**options):
+        kw = dict(max_tokens=12, stream=True, stream_options=options, **GREEDY)
+        if endpoint == "chat":
+            return list(client.chat.completions.create(messages=[{"role": "user", "content": "count"}], **kw))
+        return list(client.completions.create(prompt="Hello world", **kw))
+
+    chunks = stream(include_usage=True, continuous_usage_stats=True)
+    assert all(c.usage is not None for c in chunks)
+    prompt = chunks[0].usage.prompt_tokens
+    assert prompt > 0 and all(c.usage.prompt_tokens == prompt for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] < 12
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length"
+    plain = stream(include_usage=True)
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in stream(include_usage=False, continuous_usage_stats=True))
+
+
+def test_return_tokens_as_token_ids(served, client, chat_ckpt):
+    """return_tokens_as_token_ids: the logprobs of both endpoints name each token "token_id:ID"; the ids are
+    those of the same request's tokens by text, and the log-probabilities are the same. A server built with
+    the flag on does it by default; a request's false wins."""
+    from hybrid.server import build_app
+
+    tok = served.llm.tokenizer
+    kw = dict(max_tokens=6, logprobs=2, **GREEDY)
+    as_text = client.completions.create(prompt="Hello world", **kw).choices[0].logprobs
+    as_ids = client.completions.create(prompt="Hello world", **{**kw, "extra_body": {
+        **GREEDY["extra_body"], "return_tokens_as_token_ids": True}}).choices[0].logprobs
+    ids = [int(t.removeprefix("token_id:")) for t in as_ids.tokens]
+    assert all(t.startswith("token_id:") for t in as_ids.tokens)
+    assert [tok.decode([i]) for i in ids] == as_text.tokens and as_ids.token_logprobs == as_text.token_logprobs
+    for top_ids, top_text in zip(as_ids.top_logprobs, as_text.top_logprobs):
+        assert {tok.decode([int(k.removeprefix("token_id:"))]): v for k, v in top_ids.items()} == top_text
+    chat_kw = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True, top_logprobs=2, **GREEDY)
+    text_content = client.chat.completions.create(**chat_kw).choices[0].logprobs.content
+    chat_kw["extra_body"] = {**GREEDY["extra_body"], "return_tokens_as_token_ids": True}
+    id_content = client.chat.completions.create(**chat_kw).choices[0].logprobs.content
+    assert [tok.decode([int(e.token.removeprefix("token_id:"))]) for e in id_content] == [e.token for e in text_content]
+    assert all(e.top_logprobs[0].token.startswith("token_id:") for e in id_content)
+    # the server's default (not started: its handlers only); a request's own false wins over it
+    handlers = build_app(served.llm, return_tokens_as_token_ids=True).state.server
+    assert handlers.logprob_token_str(None)(7) == "token_id:7"
+    assert handlers.logprob_token_str(False)(7) == tok.decode([7])
+    r = httpx.post(served.base_url + "/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                              "return_tokens_as_token_ids": "yes"})
+    assert r.status_code == 400 and "return_tokens_as_token_ids" in r.text
+
+
 def test_stop_strings_across_tokens(client):
     base = client.completions.create(prompt="The quick brown fox", max_tokens=40, **GREEDY).choices[0].text
     assert len(base) > 20

@@ -68,8 +68,12 @@ class Handlers:
                  max_num_seqs: int, max_queued_requests: int | None, metrics, *,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  exclude_tools_when_tool_choice_none: bool = False, reasoning_parser: str | None = None,
-                 chat_template: str | None = None, sampling_defaults: dict | None = None) -> None:
+                 chat_template: str | None = None, sampling_defaults: dict | None = None,
+                 return_tokens_as_token_ids: bool = False) -> None:
         self.engine = engine
+        # logprobs' tokens as "token_id:ID" (vLLM's flag; a request's own field wins): exact for clients that
+        # map them back to ids, where a text can stand for several tokens or for none (a byte of a character)
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         # the model's recommended sampling (generation_config.json, LLM.default_sampling) for fields a request omits
         self.sampling_defaults = dict(sampling_defaults or {})
         self.chat_template_override = chat_template  # --chat-template: used instead of the checkpoint's
@@ -170,6 +174,13 @@ class Handlers:
         self.check_alive()
 
     # ---------------------------------------------------------------- tokens and templates
+    def logprob_token_str(self, as_ids: bool | None):
+        """How a request's logprobs name a token: its text, or "token_id:ID" (`as_ids`: the request's
+        return_tokens_as_token_ids, None: the server's default)."""
+        if as_ids if as_ids is not None else self.return_tokens_as_token_ids:
+            return lambda tid: f"token_id:{tid}"
+        return self.token_str
+
     def token_str(self, tid: int) -> str:
         s = self._token_str.get(tid)
         if s is None:
@@ -260,7 +271,7 @@ class Handlers:
     # ---------------------------------------------------------------- the endpoints
     def _respond(self, request, prompts: list[Prompt], fmt: ResponseFormat, req, admission: Admission):
         return respond(self.engine, request, prompts, fmt, model=self.model_name, stream=req.stream,
-                       include_usage=req.include_usage, admission=admission,
+                       include_usage=req.include_usage, continuous_usage=req.continuous_usage, admission=admission,
                        request_id=f"{fmt.id_prefix}-{uuid.uuid4().hex}")
 
     async def completions(self, request, body: dict):
@@ -271,7 +282,8 @@ class Handlers:
         with self.admit(len(req.inputs) * n, "prompt" if len(req.inputs) > 1 else "n") as admission:
             prompts = await self.completion_prompts(req.inputs, req.params, req.max_tokens_param)
             self.validate(prompts, "prompt")
-            fmt = CompletionFormat(n, req.logprobs, self.token_str, echo=req.echo, echo_only=req.echo_only,
+            fmt = CompletionFormat(n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), echo=req.echo,
+                                   echo_only=req.echo_only,
                                    decode=self.decode)
             return await self._respond(request, prompts, fmt, req, admission)
 
@@ -301,7 +313,8 @@ class Handlers:
         with self.admit(req.params.n, "n") as admission:  # before rendering and tokenizing
             prompt, reasoning, markers = await self.chat_prompt(req, tools, template, "messages",
                                                                 req.max_tokens_param)
-            fmt = ChatFormat(req.params.n, req.logprobs, self.token_str, tools, markers, reasoning)
+            fmt = ChatFormat(req.params.n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), tools, markers,
+                             reasoning)
             return await self._respond(request, [prompt], fmt, req, admission)
 
     async def responses(self, request, body: dict):

@@ -46,6 +46,9 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
                         "nemotron_v3: Nemotron 3 Nano; deepseek_r1 / qwen3: Nemotron Nano v2, Falcon-H1R")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='with tool_choice "none", do not render the tools into the prompt (default: rendered)')
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name each token "token_id:ID" instead of its text (a request\'s own '
+                        "return_tokens_as_token_ids field wins)")
     p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="a jinja2 chat template used instead of the checkpoint's: a file, or the template text itself")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -95,7 +98,8 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
                "allowed_origins": origins, "max_request_bytes": args.max_request_bytes,
                "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
                "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
-               "reasoning_parser": args.reasoning_parser}
+               "reasoning_parser": args.reasoning_parser,
+               "return_tokens_as_token_ids": args.return_tokens_as_token_ids}
     if args.chat_template is not None:  # only when given: build_app's default is the checkpoint's template
         options["chat_template"] = read_chat_template(args.chat_template)
     return options

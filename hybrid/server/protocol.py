@@ -251,15 +251,18 @@ def structured_outputs(body: dict) -> StructuredOutputsParams | None:
         raise bad(name, str(e)) from None
 
 
-def _include_usage(body: dict, stream: bool) -> bool:
+def _stream_usage(body: dict, stream: bool) -> tuple[bool, bool]:
+    """stream_options' (include_usage, continuous_usage_stats): a last chunk with the request's usage,
+    and (vLLM's extension, with include_usage) the usage so far on every chunk."""
     so = body.get("stream_options")
     if so is None:
-        return False
+        return False, False
     if not isinstance(so, dict):
         raise bad("stream_options", "expected an object")
     if not stream:
         raise bad("stream_options", "is only allowed with 'stream': true")
-    return get_bool(so, "include_usage", False)
+    include = get_bool(so, "include_usage", False)
+    return include, include and get_bool(so, "continuous_usage_stats", False)
 
 
 def prompt_inputs(body: dict) -> list[str | list[int]]:
@@ -331,6 +334,8 @@ class CompletionRequest:
     include_usage: bool
     echo: bool = False  # the prompt's text (and, with logprobs, its logprobs) before each choice's
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token is run and dropped)
+    continuous_usage: bool = False  # the usage so far on every chunk (stream_options.continuous_usage_stats)
+    tokens_as_ids: bool | None = None  # return_tokens_as_token_ids (None: the server's default)
 
 
 @dataclass(frozen=True)
@@ -348,6 +353,8 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None  # more template variables (e.g. enable_thinking)
     continue_final_message: bool = False  # the reply continues the last (assistant) message
+    continuous_usage: bool = False  # the usage so far on every chunk (stream_options.continuous_usage_stats)
+    tokens_as_ids: bool | None = None  # return_tokens_as_token_ids (None: the server's default)
 
 
 def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequest:
@@ -358,7 +365,7 @@ def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequ
     stream = get_bool(body, "stream", False)
     if echo and stream:
         raise bad("echo", "is not supported with stream")
-    include_usage = _include_usage(body, stream)
+    include_usage, continuous_usage = _stream_usage(body, stream)
     inputs = prompt_inputs(body)
     k = get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     # echo with max_tokens 0 (how evaluation harnesses score a text): the prompt and its logprobs only
@@ -375,13 +382,14 @@ def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequ
     if best_of is not None and best_of != params.n:
         raise bad("best_of", "is not supported (only best_of == n)")
     return CompletionRequest(inputs, params, "max_tokens" if max_tokens is not None else None, k, stream,
-                             include_usage, echo, echo_only)
+                             include_usage, echo, echo_only, continuous_usage,
+                             get_bool(body, "return_tokens_as_token_ids", None))
 
 
 def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> ChatRequest:
     """A /v1/chat/completions request; `defaults`: the model's sampling defaults (generation_config.json)."""
     stream = get_bool(body, "stream", False)
-    include_usage = _include_usage(body, stream)
+    include_usage, continuous_usage = _stream_usage(body, stream)
     messages = chat_messages(body)
     add_gen = get_bool(body, "add_generation_prompt", True)
     tools = chat_tools(body)
@@ -413,7 +421,8 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
         if messages[-1]["role"] != "assistant":
             raise bad("continue_final_message", "needs the last message to be the assistant's (the text to continue)")
     return ChatRequest(messages, add_gen, tools, params, param, k, stream, include_usage, tool_kind, tool_name,
-                       parallel, template_kwargs, continue_final)
+                       parallel, template_kwargs, continue_final, continuous_usage,
+                       get_bool(body, "return_tokens_as_token_ids", None))
 
 
 def chat_template_kwargs(body: dict) -> dict | None:

@@ -405,9 +405,11 @@ class AdmittedStream(StreamingResponse):
 
 
 async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *, model: str, stream: bool,
-                  include_usage: bool, admission, request_id: str):
+                  include_usage: bool, admission, request_id: str, continuous_usage: bool = False):
     """The response to validated prompts, for either endpoint: the whole JSON body once every
-    choice is done (499 if the client went away first), or the stream of SSE chunks."""
+    choice is done (499 if the client went away first), or the stream of SSE chunks (with
+    `continuous_usage`, each carries the usage so far: the prompts' tokens and every choice's tokens
+    generated up to it)."""
     created = int(time.time())
     n = fmt.n
     prompt_tokens = sum(len(p.ids) for p in prompts)
@@ -438,7 +440,11 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
                                   "model": model}, ensure_ascii=False)[:-1] + ', "choices": '
     tail = ', "usage": null}\n\n' if include_usage else "}\n\n"
 
+    generated: dict[tuple[int, int], int] = {}  # (prompt, choice) -> its tokens so far (continuous_usage)
+
     def chunk(choices: list, usage_: dict | None = None) -> str:
+        if usage_ is None and continuous_usage:
+            usage_ = usage(prompt_tokens, sum(generated.values()))
         if usage_ is None:
             return head + json.dumps(choices, ensure_ascii=False) + tail
         return sse({"id": request_id, "object": fmt.chunk_object_name, "created": created, "model": model,
@@ -465,6 +471,7 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
                     lp = fmt.logprobs(*u.logprobs, u.text_offset) if u.logprobs else None
                     if u.finish_reason is not None:
                         completion_tokens += u.num_tokens
+                    generated[u.prompt_index, u.index] = u.num_tokens
                     for choices in fmt.deltas(u, u.prompt_index * n + u.index, lp):
                         parts.append(chunk(choices))
                 if parts and (len(parts) >= _MAX_EVENTS_A_WRITE or not more_ready()):
