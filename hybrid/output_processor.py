@@ -118,4 +118,5 @@ class OutputProcessor:
         elif delta:
             req.prompt_logprobs_sent = True
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=outputs, finished=req.finished, error=req.error, prompt_logprobs=plp)
+                             outputs=outputs, finished=req.finished, error=req.error, prompt_logprobs=plp,
+                             num_cached_tokens=req.seqs[0].num_cached_tokens or 0)

@@ -59,3 +59,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token {its id: logprob given the tokens before it,
     # plus the top entries}, None for the first token (as vLLM returns them); set once the prompt is done
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prompt tokens whose KV and state came from the prefix cache (vLLM's field; 0 without a hit or before
+    # the prompt is admitted)
+    num_cached_tokens: int = 0

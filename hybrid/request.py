@@ -50,6 +50,9 @@ class Sequence:
     detok_prefix: int = 0  # incremental detokenization: output tokens decoded as context ...
     detok_read: int = 0  # ... and the ones whose text is already in `text`
     num_preemptions: int = 0
+    # prompt tokens taken from the prefix cache when first admitted (None until then; a readmission after a
+    # preemption does not change it)
+    num_cached_tokens: int | None = None
     num_sent: int = 0  # output tokens already reported ("delta" outputs)
     # Async scheduling: tokens sampled by launched steps, still on the device (1 while a step is in
     # flight), and the row of the latest in that step's token tensor. num_computed already counts

@@ -202,6 +202,8 @@ class Scheduler:
                 res.release_unused(seq)
                 seq.num_computed = 0
                 break
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = reused
             if reused:
                 self.stats["prefix_cache_hits"] += 1
                 self.stats["prefix_cache_hit_tokens"] += reused

@@ -97,9 +97,12 @@ def test_prompts_sharing_only_a_system_prompt(interval, hit, tiny_ckpt, make_llm
     system = [9, 8, 7, 6, 5, 4, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]  # 20 tokens
     a, b = system + [60, 61, 62, 63, 64, 65, 66], system + [70, 71, 72, 73, 74]
     llm = make_llm(path, page_size=4, enable_prefix_caching=True, prefix_cache_interval=interval, check_state=True)
-    _tokens(llm, [a])
-    got = _tokens(llm, [b])[0]
+    first = llm.generate([a], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([b], GREEDY, use_tqdm=False)[0]
+    got = second.outputs[0].token_ids
     assert llm.engine.stats["prefix_cache_hit_tokens"] == hit
+    # RequestOutput.num_cached_tokens (vLLM's field): the prompt tokens the cache gave this request
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, hit)
     assert got == hf_oracle.oracle_run(path, b, GREEDY.max_tokens).tokens
     assert len(llm.engine.prefix_cache) == (4 if interval else 2)  # a: 8, 16, 24; b: 24 (16 is a's)
 

@@ -141,6 +141,41 @@ def test_return_tokens_as_token_ids(served, client, chat_ckpt):
     assert r.status_code == 400 and "return_tokens_as_token_ids" in r.text
 
 
+def test_prompt_tokens_details_count_the_prefix_cache(chat_ckpt):
+    """--enable-prompt-tokens-details with prefix caching: usage.prompt_tokens_details.cached_tokens is 0 for
+    the first request and the cached prefix's tokens for a second one that starts the same (whole and
+    streamed); /v1/responses reports them as input_tokens_details.cached_tokens. Without the flag, no details."""
+    from hybrid import LLM
+    from hybrid.server import build_app
+
+    llm = LLM(str(chat_ckpt), max_num_seqs=2, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=128,
+              enable_prefix_caching=True, page_size=4, prefix_cache_interval=8)
+    with ServerThread(build_app(llm, enable_prompt_tokens_details=True)) as srv:
+        c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        system = "you answer in one short line, always politely, and never more than that. "
+        first = c.completions.create(prompt=system + "first", max_tokens=2, **GREEDY)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        second = c.completions.create(prompt=system + "second", max_tokens=2, **GREEDY)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert 8 <= cached < second.usage.prompt_tokens and cached % 8 == 0
+        chunks = list(c.completions.create(prompt=system + "third", max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True}, **GREEDY))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+        # (rendered with the chat template: a prefix of their own)
+        r = [c.responses.create(model=MODEL, input=system + end, max_output_tokens=2, temperature=0)
+             for end in ("fourth", "fifth")]
+        assert r[0].usage.input_tokens_details.cached_tokens == 0
+        assert r[1].usage.input_tokens_details.cached_tokens >= 8
+    # the same count on LLM.generate's outputs (its own tokenization: a prefix of its own)
+    plain = [llm.generate([system + end], use_tqdm=False)[0] for end in ("sixth", "seventh")]
+    assert plain[0].num_cached_tokens == 0 and plain[1].num_cached_tokens >= 8
+
+
+def test_no_prompt_tokens_details_by_default(served):
+    r = httpx.post(served.base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200 and "prompt_tokens_details" not in r.json()["usage"]
+
+
 def test_stop_strings_across_tokens(client):
     base = client.completions.create(prompt="The quick brown fox", max_tokens=40, **GREEDY).choices[0].text
     assert len(base) > 20

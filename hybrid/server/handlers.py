@@ -69,11 +69,13 @@ class Handlers:
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  exclude_tools_when_tool_choice_none: bool = False, reasoning_parser: str | None = None,
                  chat_template: str | None = None, sampling_defaults: dict | None = None,
-                 return_tokens_as_token_ids: bool = False) -> None:
+                 return_tokens_as_token_ids: bool = False, enable_prompt_tokens_details: bool = False) -> None:
         self.engine = engine
         # logprobs' tokens as "token_id:ID" (vLLM's flag; a request's own field wins): exact for clients that
         # map them back to ids, where a text can stand for several tokens or for none (a byte of a character)
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        # usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache gave (vLLM's flag)
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         # the model's recommended sampling (generation_config.json, LLM.default_sampling) for fields a request omits
         self.sampling_defaults = dict(sampling_defaults or {})
         self.chat_template_override = chat_template  # --chat-template: used instead of the checkpoint's
@@ -272,6 +274,7 @@ class Handlers:
     def _respond(self, request, prompts: list[Prompt], fmt: ResponseFormat, req, admission: Admission):
         return respond(self.engine, request, prompts, fmt, model=self.model_name, stream=req.stream,
                        include_usage=req.include_usage, continuous_usage=req.continuous_usage, admission=admission,
+                       prompt_tokens_details=self.enable_prompt_tokens_details,
                        request_id=f"{fmt.id_prefix}-{uuid.uuid4().hex}")
 
     async def completions(self, request, body: dict):

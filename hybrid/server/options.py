@@ -49,6 +49,8 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs name each token "token_id:ID" instead of its text (a request\'s own '
                         "return_tokens_as_token_ids field wins)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache")
     p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="a jinja2 chat template used instead of the checkpoint's: a file, or the template text itself")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -99,7 +101,8 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
                "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
                "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
                "reasoning_parser": args.reasoning_parser,
-               "return_tokens_as_token_ids": args.return_tokens_as_token_ids}
+               "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
+               "enable_prompt_tokens_details": args.enable_prompt_tokens_details}
     if args.chat_template is not None:  # only when given: build_app's default is the checkpoint's template
         options["chat_template"] = read_chat_template(args.chat_template)
     return options

@@ -258,7 +258,7 @@ class ResponsesWriter:
                 "model": self.model, "output": output, "previous_response_id": None, "store": False,
                 "truncation": "disabled", "usage": usage, **self.req.echo}
 
-    def usage(self, prompt_tokens: int, token_ids: list[int]) -> dict:
+    def usage(self, prompt_tokens: int, token_ids: list[int], cached_tokens: int = 0) -> dict:
         reasoning_tokens = 0  # the tokens before </think> (all of them if the output ended inside the thought)
         if self.reasoning is not None:
             ids = list(token_ids)
@@ -266,7 +266,7 @@ class ResponsesWriter:
                 reasoning_tokens = ids.index(self.think_end_id)
             elif self.reasoning.in_reasoning:
                 reasoning_tokens = len(ids)
-        return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
                 "output_tokens": len(token_ids), "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": prompt_tokens + len(token_ids)}
 
@@ -400,11 +400,12 @@ async def respond_responses(engine, request, prompt: Prompt, writer: ResponsesWr
         c = finals[0].outputs[0]
         text = writer.text_of((0, 0), c)
         status = "incomplete" if c.finish_reason == "length" else "completed"
-        return JSONResponse(writer.response(status, writer.output(text), writer.usage(prompt_tokens, c.token_ids),
-                                            c.finish_reason))
+        usage = writer.usage(prompt_tokens, c.token_ids, finals[0].num_cached_tokens)
+        return JSONResponse(writer.response(status, writer.output(text), usage, c.finish_reason))
 
     state = writer.stream_state()
-    updates = choice_updates(engine, [prompt], writer.id, False, writer.text_of)
+    cached: dict[int, int] = {}
+    updates = choice_updates(engine, [prompt], writer.id, False, writer.text_of, cached)
 
     async def events():
         yield writer.event("response.created", response=writer.response("in_progress", []))
@@ -427,7 +428,7 @@ async def respond_responses(engine, request, prompt: Prompt, writer: ResponsesWr
         finally:
             await updates.aclose()
         reason = finish_reason(last.finish_reason) if last is not None else None
-        usage = writer.usage(prompt_tokens, writer.token_ids)
+        usage = writer.usage(prompt_tokens, writer.token_ids, cached.get(0, 0))
         if reason == "length":
             yield writer.event("response.incomplete", response=writer.response("incomplete", state.done, usage, reason))
         else:

@@ -85,15 +85,18 @@ async def run(engine, prompts: list[Prompt], base_id: str):
 
 
 async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logprobs: bool,
-                         text_of: Callable | None = None):
+                         text_of: Callable | None = None, cached: dict[int, int] | None = None):
     """Updates per choice, a list for each engine output (one per choice it changed): ChoiceUpdate
     with the text delta (stop strings and partial characters held back), the logprob rows whose
     text is now sent, and the finish reason once it ends.
-    text_of((prompt index, choice index), output): the choice's text (default: output.text)."""
+    text_of((prompt index, choice index), output): the choice's text (default: output.text).
+    cached: filled with each prompt's tokens taken from the prefix cache (RequestOutput.num_cached_tokens)."""
     states: dict[tuple[int, int], _ChoiceState] = {}
     agen = run(engine, prompts, base_id)
     try:
         async for pi, out in agen:
+            if cached is not None:
+                cached[pi] = out.num_cached_tokens
             updates = []
             for c in out.outputs:
                 st = states.get((pi, c.index))
@@ -163,9 +166,14 @@ def finish_reason(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """The usage object; with cached_tokens (--enable-prompt-tokens-details), prompt_tokens_details says how
+    many prompt tokens came from the prefix cache."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 class ResponseFormat:
@@ -405,11 +413,12 @@ class AdmittedStream(StreamingResponse):
 
 
 async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *, model: str, stream: bool,
-                  include_usage: bool, admission, request_id: str, continuous_usage: bool = False):
+                  include_usage: bool, admission, request_id: str, continuous_usage: bool = False,
+                  prompt_tokens_details: bool = False):
     """The response to validated prompts, for either endpoint: the whole JSON body once every
     choice is done (499 if the client went away first), or the stream of SSE chunks (with
     `continuous_usage`, each carries the usage so far: the prompts' tokens and every choice's tokens
-    generated up to it)."""
+    generated up to it). prompt_tokens_details: the usage says how many prompt tokens the prefix cache gave."""
     created = int(time.time())
     n = fmt.n
     prompt_tokens = sum(len(p.ids) for p in prompts)
@@ -430,8 +439,9 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
                     else None
                 choices.append(fmt.choice(pi * n + c.index, fmt.text((pi, c.index), c), lp,
                                           finish_reason(c.finish_reason)))
+        cached_tokens = sum(out.num_cached_tokens for out in finals) if prompt_tokens_details else None
         return JSONResponse({"id": request_id, "object": fmt.object_name, "created": created, "model": model,
-                             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
+                             "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
 
     # Every chunk is {"id", "object", "created", "model", "choices"[, "usage"]}: the fields around the
     # choices are the same in each, so they are serialised once (json.dumps writes a dict's items in
@@ -441,16 +451,20 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
     tail = ', "usage": null}\n\n' if include_usage else "}\n\n"
 
     generated: dict[tuple[int, int], int] = {}  # (prompt, choice) -> its tokens so far (continuous_usage)
+    cached: dict[int, int] = {}  # prompt -> its tokens from the prefix cache (prompt_tokens_details)
+
+    def usage_now(completion_tokens: int) -> dict:
+        return usage(prompt_tokens, completion_tokens, sum(cached.values()) if prompt_tokens_details else None)
 
     def chunk(choices: list, usage_: dict | None = None) -> str:
         if usage_ is None and continuous_usage:
-            usage_ = usage(prompt_tokens, sum(generated.values()))
+            usage_ = usage_now(sum(generated.values()))
         if usage_ is None:
             return head + json.dumps(choices, ensure_ascii=False) + tail
         return sse({"id": request_id, "object": fmt.chunk_object_name, "created": created, "model": model,
                     "choices": choices, "usage": usage_})
 
-    updates = choice_updates(engine, prompts, request_id, fmt.k is not None, fmt.text)
+    updates = choice_updates(engine, prompts, request_id, fmt.k is not None, fmt.text, cached)
     has_update = getattr(engine, "has_update", None)
     rids = [f"{request_id}-{i}" for i in range(len(prompts))]
 
@@ -482,7 +496,7 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
                 yield "".join(parts)
             raise
         if include_usage:
-            parts.append(chunk([], usage(prompt_tokens, completion_tokens)))
+            parts.append(chunk([], usage_now(completion_tokens)))
         if parts:
             yield "".join(parts)
 
