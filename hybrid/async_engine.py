@@ -94,6 +94,7 @@ class _Tracked:
     queue: asyncio.Queue
     num_prompt_tokens: int
     params: SamplingParams
+    priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -215,7 +216,8 @@ class AsyncEngine:
                 try:
                     # deltas: the per-step cost stays flat however long the output grows; generate()
                     # turns them back into running totals on the caller's side
-                    self.engine.add_request(tr.request_id, prompt_ids, tr.params, prompt=prompt, output_kind="delta")
+                    self.engine.add_request(tr.request_id, prompt_ids, tr.params, prompt=prompt, output_kind="delta",
+                                            priority=tr.priority)
                 except BaseException as e:
                     self._deliver(tr, e)
                     continue
@@ -301,7 +303,7 @@ class AsyncEngine:
             )
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's RequestOutput after every step that changed it; the last one has
         finished=True. Each output holds everything so far (text, token_ids, logprobs); the token_ids
         and logprobs lists are this iteration's running totals, extended in place when the next
@@ -312,9 +314,10 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         self.validate(prompt_token_ids, params)
+        self.engine.check_priority(priority)
         rid = request_id or self.new_request_id()
         loop = asyncio.get_running_loop()
-        tr = _Tracked(rid, loop, asyncio.Queue(), len(prompt_token_ids), params)
+        tr = _Tracked(rid, loop, asyncio.Queue(), len(prompt_token_ids), params, priority)
         self._inflight[rid] = tr.queue
         finished = False
         totals: dict[int, tuple[list[int], list | None]] = {}  # per completion index: tokens, logprobs

@@ -93,6 +93,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation-config", default=None, metavar="auto|vllm|FOLDER",
                    help="default sampling for requests that leave fields unset: auto (default: the checkpoint's "
                         "generation_config.json), vllm (none), or a folder holding a generation_config.json")
+    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
+                   help="fcfs (default): requests run in arrival order; priority: by each request's 'priority' "
+                        "(lower first, ties by arrival), the lowest preempted first")
     noop = p.add_argument_group("vLLM engine flags accepted with no effect")
     noop.add_argument("--trust-remote-code", action="store_true",
                       help="no code from a checkpoint is ever run: the architectures are implemented here")
@@ -117,6 +120,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kw["speculative_config"] = args.speculative_config
     if args.generation_config is not None:
         kw["generation_config"] = args.generation_config
+    if args.scheduling_policy is not None:
+        kw["scheduling_policy"] = args.scheduling_policy
     return kw
 
 

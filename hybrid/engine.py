@@ -195,12 +195,15 @@ class Engine:
         return list(prompt_token_ids), bad_words
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, output_kind: str = "cumulative") -> None:
+                    prompt: str | None = None, output_kind: str = "cumulative", priority: int = 0) -> None:
+        """Queue a request. `priority` (scheduling_policy "priority" only): lower values run first and are
+        preempted last; ties go by arrival."""
         self._check_alive()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+        self.check_priority(priority)
         prompt_token_ids, bad_words = self._checked(prompt_token_ids, params)
         # structured outputs: a matcher per branch, all in the grammar's initial state (a fork happens
         # before branch 0 accepts its first token, so each child starts from its parent's state)
@@ -209,6 +212,7 @@ class Engine:
         arrival = next(self._arrivals)
         seqs = [Sequence(request_id=request_id, index=i, prompt_token_ids=prompt_token_ids, params=params,
                          generator=make_generator(params, self.seed, arrival, i, self.device), arrival=arrival,
+                         priority=priority,
                          logprobs=[] if params.logprobs is not None else None, grammar=grammars[i],
                          prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
                          bad_words_ids=bad_words)
@@ -217,6 +221,14 @@ class Engine:
                                             output_kind=output_kind)
         # Only branch 0 prefills the prompt; the others fork from it once it is done (see _fork).
         self.scheduler.add(seqs[0])
+
+    def check_priority(self, priority: int) -> None:
+        """InvalidRequestError for a priority that is not an integer, or not 0 where the policy is "fcfs"."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if priority and not self.scheduler.by_priority:
+            raise InvalidRequestError(f"priority {priority} needs scheduling_policy='priority' "
+                                      "(--scheduling-policy priority); this engine schedules first come, first served")
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)

@@ -34,6 +34,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 # if the memory plan cannot hold them) and the checkpoint's whole context (max_position_embeddings),
 # capped by the KV cache that fits next to the Mamba state.
 CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_MODEL_LEN = 8, 256, 4096
+SCHEDULING_POLICIES = ("fcfs", "priority")
 CUDA_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS = 256, 8192
 MIN_DEFAULT_BATCHED_TOKENS = 256  # CUDA: defaulted step sizes shrink no further when memory is short
 
@@ -124,6 +125,8 @@ class EngineConfig:
     warmup: bool = False  # throw-away requests at startup, so the first batch compiles nothing (hybrid/warmup.py)
     # default sampling: "auto" (the checkpoint's generation_config.json), "vllm" (none), or a folder's
     generation_config: str = "auto"
+    # "fcfs": requests run in arrival order; "priority": by (priority, arrival), lower values first (vLLM's)
+    scheduling_policy: str = "fcfs"
     cache: CacheConfig = CacheConfig()
 
     @property
@@ -174,6 +177,7 @@ def engine_config(
     kv_cache_dtype: str | torch.dtype = "auto",
     warmup: bool | None = None,
     generation_config: str = "auto",
+    scheduling_policy: str = "fcfs",
 ) -> EngineConfig:
     """The EngineConfig for LLM's arguments (the same keywords and defaults; see LLM and README),
     validated: ConfigurationError names the first bad argument."""
@@ -189,6 +193,9 @@ def engine_config(
         raise ConfigurationError(f"seed must be an integer, got {seed!r}")
     if not isinstance(gpu_memory_utilization, (int, float)) or not 0.0 < gpu_memory_utilization <= 1.0:
         raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        raise ConfigurationError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                                 f"got {scheduling_policy!r}")
     if mamba_decode_kernels not in ("triton", "library"):
         raise ConfigurationError(f"mamba_decode_kernels must be 'triton' or 'library', got {mamba_decode_kernels!r}")
     try:
@@ -240,7 +247,7 @@ def engine_config(
         # drafts need the latest tokens on the host, so speculation runs synchronously
         async_scheduling=bool(async_scheduling) and spec is None, check_weights=bool(check_weights),
         tensor_parallel_size=tensor_parallel_size, warmup=bool(warmup), cache=cache,
-        generation_config=os.fspath(generation_config))
+        generation_config=os.fspath(generation_config), scheduling_policy=scheduling_policy)
 
 
 def _fused_kernels_available() -> bool:

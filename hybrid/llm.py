@@ -102,6 +102,7 @@ class LLM:
         kv_cache_dtype: str = "auto",  # "auto": the model's dtype; "fp8": e4m3 pages (hybrid/kv_cache_dtype.py)
         warmup: bool | None = None,  # throw-away requests at startup (hybrid/warmup.py); None: on for CUDA
         generation_config: str = "auto",  # default sampling: "auto" the checkpoint's, "vllm" none, or a folder's
+        scheduling_policy: str = "fcfs",  # "priority": requests by generate(priority=...), lower first
         *,
         # vLLM's spellings, for code written against vLLM (see _vllm_spellings)
         mamba_ssm_cache_dtype: str | None = None,  # = mamba_ssm_dtype ("auto": its default)
@@ -124,7 +125,7 @@ class LLM:
             async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
             prefix_cache_entries=prefix_cache_entries, prefix_cache_interval=prefix_cache_interval,
             check_weights=check_weights, tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-            warmup=warmup, generation_config=generation_config))
+            warmup=warmup, generation_config=generation_config, scheduling_policy=scheduling_policy))
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":
@@ -364,6 +365,7 @@ class LLM:
         prompts: str | list[str] | list[int] | list[list[int]] | dict | list[dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids, or as in
         vLLM {"prompt": text} / {"prompt_token_ids": ids}. Every prompt and every parameter (vocabulary-
@@ -372,26 +374,33 @@ class LLM:
         non-finite logits), the others still run to the end and then RequestFailedError is raised:
         its `failed` maps prompt indexes to the errors, its `outputs` holds every output (the failed
         ones finished with finish_reason "error" and `error` set). EngineDeadError if the device is
-        lost (the LLM can then no longer generate)."""
+        lost (the LLM can then no longer generate). `priority` (with scheduling_policy="priority"): one
+        integer per prompt, lower values first (as vLLM's)."""
         prompts = self._prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
+        if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
+            raise InvalidRequestError(f"priority must be a list of one integer per prompt ({len(prompts)}), "
+                                      f"got {priority!r}")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
         prepared = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
                 text, ids = self._prompt_ids(prompt)
                 self.engine.validate_request(ids, params)
+                self.engine.check_priority(priorities[i])
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
-            prepared.append((text, ids, params))
+            prepared.append((text, ids, params, priorities[i]))
         return self._run(prepared, use_tqdm)
 
-    def _run(self, prepared: list[tuple[str | None, list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
-        """Queue the validated (text, ids, params) requests, step until all finish, in order."""
+    def _run(self, prepared: list[tuple[str | None, list[int], SamplingParams, int]],
+             use_tqdm: bool) -> list[RequestOutput]:
+        """Queue the validated (text, ids, params, priority) requests, step until all finish, in order."""
         order = []
         try:
-            for text, ids, params in prepared:
+            for text, ids, params, priority in prepared:
                 rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, ids, params, prompt=text, output_kind="final")
+                self.engine.add_request(rid, ids, params, prompt=text, output_kind="final", priority=priority)
                 order.append(rid)
         except BaseException:  # (validated above: not expected) never leave part of the batch queued
             for rid in order:
@@ -513,5 +522,5 @@ class LLM:
                 self.engine.validate_request(ids, params)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
-            prepared.append((text, ids, params))
+            prepared.append((text, ids, params, 0))
         return self._run(prepared, use_tqdm)

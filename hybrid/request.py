@@ -37,6 +37,8 @@ class Sequence:
     params: SamplingParams
     generator: SampleStream | None  # the branch's random stream (hybrid.sampling), None if greedy
     arrival: int
+    # scheduling_policy "priority": lower runs first (ties by arrival); always 0 under "fcfs"
+    priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     status: Status = Status.WAITING

@@ -52,11 +52,28 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self._prompt_rows_left = PROMPT_LOGPROBS_ROWS_PER_STEP  # this step's logits rows for prompt logprobs
         self.proposer = proposer
+        # "priority": the waiting queue, the running set's order and preemption go by order_key; under
+        # "fcfs" every priority is 0, so the same key is the arrival order
+        self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
+    @staticmethod
+    def order_key(seq: Sequence) -> tuple[int, int]:
+        """Which of two sequences goes first: the lower priority value, then the earlier arrival."""
+        return seq.priority, seq.arrival
+
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._queue(seq)
+
+    def _queue(self, seq: Sequence) -> None:
+        """Into the waiting queue behind every sequence that goes before it (at the end when it is the
+        newest, as every new arrival is under "fcfs")."""
+        key = self.order_key(seq)
+        i = len(self.waiting)
+        while i > 0 and self.order_key(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -84,7 +101,10 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.stats["preemptions"] += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:  # back in its place by priority: a preempted low-priority sequence waits behind
+            self._queue(seq)
+        else:  # first back in
+            self.waiting.appendleft(seq)
 
     def clear(self) -> None:
         self.waiting.clear()
@@ -136,7 +156,7 @@ class Scheduler:
         #    yet replays as many of them as the budget and the free pages allow (a replay chunk: decode
         #    recurrence, sampled only if it reaches the last token); it preempts others only as a
         #    one-token decode would.
-        decoding = sorted([s for s in self.running if s.is_decoding], key=lambda s: s.arrival)
+        decoding = sorted([s for s in self.running if s.is_decoding], key=self.order_key)
         for k, seq in enumerate(decoding):
             if seq.status != Status.RUNNING or budget <= 0:
                 continue
@@ -161,7 +181,7 @@ class Scheduler:
                 budget -= 1 + len(draft)
                 continue
             while not res.grow_pages(seq, seq.num_computed + 1):
-                victim = max(self.running, key=lambda s: (s.arrival, s.index))
+                victim = max(self.running, key=lambda s: (*self.order_key(s), s.index))
                 self.preempt(victim)
                 decodes = [c for c in decodes if c.seq is not victim]
                 verifies = [c for c in verifies if c.seq is not victim]
@@ -173,7 +193,7 @@ class Scheduler:
                 budget -= 1
 
         # 2. continue running prefills
-        for seq in sorted([s for s in self.running if not s.is_decoding], key=lambda s: s.arrival):
+        for seq in sorted([s for s in self.running if not s.is_decoding], key=self.order_key):
             if budget <= 0:
                 break
             chunk = self._fit_chunk(seq, budget)
@@ -217,7 +237,7 @@ class Scheduler:
         if not decodes and not verifies and not replays and not prefills and self.running \
                 and not any(s.pending for s in self.running):
             # Every running sequence is stuck waiting for pages: free the newest and try again.
-            victim = max(self.running, key=lambda s: (s.arrival, s.index))
+            victim = max(self.running, key=lambda s: (*self.order_key(s), s.index))
             self.preempt(victim)
             return self.schedule()
         return SchedulerOutput(decodes + verifies + replays + prefills)

@@ -171,6 +171,27 @@ def test_prompt_tokens_details_count_the_prefix_cache(chat_ckpt):
     assert plain[0].num_cached_tokens == 0 and plain[1].num_cached_tokens >= 8
 
 
+def test_priority_field(served, chat_ckpt):
+    """A request's `priority`: a 400 naming it on a first-come server (as vLLM's), served by one started with
+    scheduling_policy="priority" (both endpoints, streamed too); a non-integer is a 400 either way."""
+    from hybrid import LLM
+    from hybrid.server import build_app
+
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "priority": 3}
+    r = httpx.post(served.base_url + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority" and "scheduling" in r.text
+    llm = LLM(str(chat_ckpt), max_num_seqs=2, max_model_len=MAX_MODEL_LEN, scheduling_policy="priority")
+    with ServerThread(build_app(llm)) as srv:
+        c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        extra = {**GREEDY["extra_body"], "priority": -4}
+        kw = {**GREEDY, "extra_body": extra, "max_tokens": 3}
+        assert c.completions.create(prompt="hi", **kw).usage.completion_tokens == 3
+        chat = list(c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], stream=True, **kw))
+        assert chat[-1].choices[0].finish_reason == "length"
+        r = httpx.post(srv.base_url + "/v1/completions", json={**body, "priority": "high"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+
+
 def test_no_prompt_tokens_details_by_default(served):
     r = httpx.post(served.base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
     assert r.status_code == 200 and "prompt_tokens_details" not in r.json()["usage"]

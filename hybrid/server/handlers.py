@@ -173,6 +173,10 @@ class Handlers:
                 self.engine.validate(p.ids, p.params)
             except InvalidRequestError as e:
                 raise from_invalid(e, param) from None
+            try:
+                self.engine.engine.check_priority(p.priority)
+            except InvalidRequestError as e:
+                raise from_invalid(e, "priority") from None
         self.check_alive()
 
     # ---------------------------------------------------------------- tokens and templates
@@ -240,7 +244,7 @@ class Handlers:
             so, start_after_token_id=self.think_end_id))
 
     async def completion_prompts(self, inputs: list, params: SamplingParams,
-                                 max_tokens_param: str | None) -> list[Prompt]:
+                                 max_tokens_param: str | None, priority: int = 0) -> list[Prompt]:
         out = []
         for x in inputs:
             if isinstance(x, str):
@@ -252,7 +256,7 @@ class Handlers:
                 ids, text = list(x), None
             ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
             self.check_prompt(ids, "prompt")  # right away: before tokenizing the next prompt
-            out.append(Prompt(text, ids, self.fit_max_tokens(params, ids, max_tokens_param)))
+            out.append(Prompt(text, ids, self.fit_max_tokens(params, ids, max_tokens_param), priority))
         return out
 
     def tool_mode(self, req) -> ToolMode | None:
@@ -283,7 +287,7 @@ class Handlers:
         n = req.params.n
         # before the (possibly long) tokenization
         with self.admit(len(req.inputs) * n, "prompt" if len(req.inputs) > 1 else "n") as admission:
-            prompts = await self.completion_prompts(req.inputs, req.params, req.max_tokens_param)
+            prompts = await self.completion_prompts(req.inputs, req.params, req.max_tokens_param, req.priority)
             self.validate(prompts, "prompt")
             fmt = CompletionFormat(n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), echo=req.echo,
                                    echo_only=req.echo_only,
@@ -303,7 +307,7 @@ class Handlers:
         self.check_prompt(ids, input_param)
         reasoning = self.reasoning_mode(text)
         params = self.constrain_after_thought(req.params, reasoning)
-        prompt = Prompt(text, ids, self.fit_max_tokens(params, ids, max_tokens_param))
+        prompt = Prompt(text, ids, self.fit_max_tokens(params, ids, max_tokens_param), req.priority)
         # (a named or "required" tool_choice compiles the tools' schemas here)
         self.validate([prompt], "tools" if req.tool_choice in ("function", "required") else input_param)
         markers = self._markers[(tools is not None and tools.kind == "auto", reasoning is not None)]

@@ -265,6 +265,11 @@ def _stream_usage(body: dict, stream: bool) -> tuple[bool, bool]:
     return include, include and get_bool(so, "continuous_usage_stats", False)
 
 
+def _priority(body: dict) -> int:
+    """vLLM's request priority (with --scheduling-policy priority; lower runs first)."""
+    return get_int(body, "priority", 0, lo=-(2**31), hi=2**31 - 1)
+
+
 def prompt_inputs(body: dict) -> list[str | list[int]]:
     """The completion prompts as sent (strings or token-id lists), shape-checked, not tokenized."""
     p = body.get("prompt")
@@ -336,6 +341,7 @@ class CompletionRequest:
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token is run and dropped)
     continuous_usage: bool = False  # the usage so far on every chunk (stream_options.continuous_usage_stats)
     tokens_as_ids: bool | None = None  # return_tokens_as_token_ids (None: the server's default)
+    priority: int = 0  # --scheduling-policy priority: lower values run first
 
 
 @dataclass(frozen=True)
@@ -355,6 +361,7 @@ class ChatRequest:
     continue_final_message: bool = False  # the reply continues the last (assistant) message
     continuous_usage: bool = False  # the usage so far on every chunk (stream_options.continuous_usage_stats)
     tokens_as_ids: bool | None = None  # return_tokens_as_token_ids (None: the server's default)
+    priority: int = 0  # --scheduling-policy priority: lower values run first
 
 
 def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequest:
@@ -383,7 +390,7 @@ def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequ
         raise bad("best_of", "is not supported (only best_of == n)")
     return CompletionRequest(inputs, params, "max_tokens" if max_tokens is not None else None, k, stream,
                              include_usage, echo, echo_only, continuous_usage,
-                             get_bool(body, "return_tokens_as_token_ids", None))
+                             get_bool(body, "return_tokens_as_token_ids", None), _priority(body))
 
 
 def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> ChatRequest:
@@ -422,7 +429,7 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
             raise bad("continue_final_message", "needs the last message to be the assistant's (the text to continue)")
     return ChatRequest(messages, add_gen, tools, params, param, k, stream, include_usage, tool_kind, tool_name,
                        parallel, template_kwargs, continue_final, continuous_usage,
-                       get_bool(body, "return_tokens_as_token_ids", None))
+                       get_bool(body, "return_tokens_as_token_ids", None), _priority(body))
 
 
 def chat_template_kwargs(body: dict) -> dict | None:

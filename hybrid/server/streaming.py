@@ -25,6 +25,7 @@ class Prompt(NamedTuple):
     text: str | None  # None: sent as token ids
     ids: list[int]
     params: SamplingParams  # per prompt: a default max_tokens is fitted to each prompt's room
+    priority: int = 0  # the request's (--scheduling-policy priority)
 
 
 class ChoiceUpdate(NamedTuple):
@@ -54,7 +55,7 @@ async def run(engine, prompts: list[Prompt], base_id: str):
     A request's generator is advanced only once the caller is done with its previous update:
     AsyncEngine.generate extends the running token and logprob lists of the output it yielded last
     in place, so reading ahead would show the caller tokens (and logprob rows) of a later update."""
-    gens = [engine.generate(p.ids, p.params, request_id=f"{base_id}-{i}", prompt=p.text)
+    gens = [engine.generate(p.ids, p.params, request_id=f"{base_id}-{i}", prompt=p.text, priority=p.priority)
             for i, p in enumerate(prompts)]
     try:
         if len(gens) == 1:  # one request (the usual case): its updates as they come, no task in between
