@@ -46,14 +46,14 @@ def _alone(make_llm, path, requests):
             for rid, p, sp, _ in requests}
 
 
-def _run(llm, requests, aborted):
+def _run(llm, requests, aborted, priorities=None):
     eng = llm.engine
     final, step = {}, 0
     pending = sorted(requests, key=lambda r: r[3])
     while pending or eng.has_unfinished_requests():
         while pending and pending[0][3] <= step:
             rid, prompt, sp, _ = pending.pop(0)
-            eng.add_request(rid, prompt, sp, output_kind="final")
+            eng.add_request(rid, prompt, sp, output_kind="final", priority=(priorities or {}).get(rid, 0))
         for rid, at in aborted.items():
             if at == step:
                 eng.abort_request(rid)
@@ -89,3 +89,26 @@ def test_random_workloads(seed, tiny_ckpt, make_llm):
                 llm.kv_cache.num_pages - 1, label
             assert eng.requests == {} and not eng.running and not eng.waiting, label
     assert {"overlapped_steps", "prefix_cache_evictions"} <= exercised
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_workloads_by_priority(seed, tiny_ckpt, make_llm):
+    """The same workloads scheduled by random priorities (admission and preemption order change, the
+    tokens must not), async scheduling and prefix caching on."""
+    path = tiny_ckpt("nemotron_h")
+    requests, aborted = _workload(seed)
+    rng = random.Random(1000 + seed)
+    priorities = {rid: rng.randrange(-2, 3) for rid, _, _, _ in requests}
+    ref = _alone(make_llm, path, requests)
+    llm = make_llm(path, page_size=4, max_num_seqs=3, max_model_len=64, num_kv_pages=17, max_num_batched_tokens=12,
+                   check_state=True, async_scheduling=True, enable_prefix_caching=True, prefix_cache_entries=2,
+                   scheduling_policy="priority")
+    got = _run(llm, requests, aborted, priorities)
+    for rid, _, _, _ in requests:
+        if rid not in aborted:
+            assert got.get(rid) == ref[rid], f"request {rid}"
+    eng = llm.engine
+    held = eng.prefix_cache.entries.values()
+    assert llm.state_pool.num_free == llm.state_pool.num_slots - len(held)
+    assert llm.kv_cache.allocator.num_free + len({p for e in held for p in e.pages}) == llm.kv_cache.num_pages - 1
+    assert eng.requests == {} and not eng.running and not eng.waiting
