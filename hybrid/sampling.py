@@ -44,7 +44,9 @@ from hybrid.ops import triton_greedy, triton_sampling
 from hybrid.sample_stream import GENERATOR_SEED_RANGE, SampleStream, draw_bits, generator_seed, splitmix64  # noqa: F401
 from hybrid.ops.triton_guard import HAS_TRITON, switch
 from hybrid.outputs import Logprob
-from hybrid.structured_outputs import StructuredOutputsParams  # re-exported: hybrid.sampling.StructuredOutputsParams
+from hybrid.structured_outputs import (  # noqa: F401 (re-exported: hybrid.sampling.StructuredOutputsParams, ...)
+    GuidedDecodingParams, StructuredOutputsParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     # JSON schema / JSON object / regex / choice / grammar the output must match (hybrid/structured_outputs.py)
     structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name for structured_outputs
     # The output text: special tokens kept (False) or dropped (True); stop strings are matched on that text
     skip_special_tokens: bool = True
     # Accepted for vLLM compatibility; the `tokenizers` library's decode has no such switch, so the
@@ -144,6 +147,10 @@ class SamplingParams:
                 raise bad("logit_bias", "must map token ids to numbers") from None
             if any(not (-100.0 <= v <= 100.0) for v in self.logit_bias.values()):
                 raise bad("logit_bias", "values must be in [-100, 100]")
+        if self.guided_decoding is not None:  # (moved to structured_outputs, so a copy made by replace() agrees)
+            if self.structured_outputs is not None:
+                raise bad("guided_decoding", "is the older name of structured_outputs: give one of them")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

@@ -323,3 +323,11 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: torch.Tens
     allowed = allowed[:, :vocab].bool()
     index = to_device(rows, torch.long, dev)
     return logits.index_copy(0, index, logits[index].masked_fill(~allowed, float("-inf")))
+
+
+def GuidedDecodingParams(*, backend: str | None = None, disable_fallback: bool | None = None,  # noqa: N802
+                         **fields) -> StructuredOutputsParams:
+    """vLLM's older name for StructuredOutputsParams (SamplingParams(guided_decoding=...)), for code written
+    against it. Its `backend` and `disable_fallback` are accepted and change nothing: llguidance compiles
+    every constraint here."""
+    return StructuredOutputsParams(**fields)

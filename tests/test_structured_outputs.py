@@ -180,6 +180,21 @@ def test_regex_and_choice_match(llm, temperature):
                 assert ok(c.text) and c.finish_reason == "stop", (c.text, c.finish_reason)
 
 
+def test_vllms_older_guided_decoding_names(llm):
+    """SamplingParams(guided_decoding=GuidedDecodingParams(..., backend=...)), as code written against older
+    vLLM releases says it: the same constraint as structured_outputs; both at once is an error."""
+    from hybrid.sampling import GuidedDecodingParams
+
+    sp = SamplingParams(max_tokens=40, temperature=1.0, seed=3,
+                        guided_decoding=GuidedDecodingParams(choice=CHOICE, backend="xgrammar"))
+    assert sp.structured_outputs == StructuredOutputsParams(choice=CHOICE) and sp.guided_decoding is None
+    for o in llm.generate(PROMPTS, sp, use_tqdm=False):
+        assert o.outputs[0].text in CHOICE
+    with pytest.raises(InvalidRequestError, match="guided_decoding"):
+        SamplingParams(guided_decoding=GuidedDecodingParams(choice=CHOICE),
+                       structured_outputs=StructuredOutputsParams(regex=REGEX))
+
+
 def test_grammar_completion_stops_even_with_ignore_eos(llm):
     so = StructuredOutputsParams(choice=CHOICE)
     for ignore_eos in (False, True):
