@@ -205,7 +205,8 @@ def test_chat_template_flag_reads_a_file_or_takes_the_text(tmp_path):
     assert serve_options(parser.parse_args(["serve", "--chat-template", str(path)]))["chat_template"] == text
     assert "chat_template" not in serve_options(parser.parse_args(["serve"]))
     assert serve_options(parser.parse_args(["serve", "--return-tokens-as-token-ids"]))["return_tokens_as_token_ids"]
-    assert not serve_options(parser.parse_args(["serve"]))["return_tokens_as_token_ids"]
+    assert "return_tokens_as_token_ids" not in serve_options(parser.parse_args(["serve"]))
+    assert serve_options(parser.parse_args(["serve", "--enable-prompt-tokens-details"]))["enable_prompt_tokens_details"]
     with pytest.raises(ValueError, match=r"--chat-template .*nowhere\.jinja: no such file"):
         read_chat_template(str(tmp_path / "nowhere.jinja"))
     bad = tmp_path / "bad.jinja"

@@ -100,9 +100,10 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
                "allowed_origins": origins, "max_request_bytes": args.max_request_bytes,
                "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
                "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
-               "reasoning_parser": args.reasoning_parser,
-               "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
-               "enable_prompt_tokens_details": args.enable_prompt_tokens_details}
+               "reasoning_parser": args.reasoning_parser}
+    for flag in ("return_tokens_as_token_ids", "enable_prompt_tokens_details"):  # on when given (build_app: off)
+        if getattr(args, flag):
+            options[flag] = True
     if args.chat_template is not None:  # only when given: build_app's default is the checkpoint's template
         options["chat_template"] = read_chat_template(args.chat_template)
     return options
