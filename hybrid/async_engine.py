@@ -314,7 +314,8 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         self.validate(prompt_token_ids, params)
-        self.engine.check_priority(priority)
+        if priority != 0:  # (0 is every policy's default)
+            self.engine.check_priority(priority)
         rid = request_id or self.new_request_id()
         loop = asyncio.get_running_loop()
         tr = _Tracked(rid, loop, asyncio.Queue(), len(prompt_token_ids), params, priority)

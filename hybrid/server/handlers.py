@@ -173,10 +173,11 @@ class Handlers:
                 self.engine.validate(p.ids, p.params)
             except InvalidRequestError as e:
                 raise from_invalid(e, param) from None
-            try:
-                self.engine.engine.check_priority(p.priority)
-            except InvalidRequestError as e:
-                raise from_invalid(e, "priority") from None
+            if p.priority != 0:  # (0 is every policy's default)
+                try:
+                    self.engine.engine.check_priority(p.priority)
+                except InvalidRequestError as e:
+                    raise from_invalid(e, "priority") from None
         self.check_alive()
 
     # ---------------------------------------------------------------- tokens and templates
