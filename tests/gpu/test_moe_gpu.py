@@ -145,7 +145,7 @@ def test_graph_replay_equals_eager(T):
         assert torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("E,top_k", [(128, 6), (64, 6), (72, 10)])
+@pytest.mark.parametrize("E,top_k", [(128, 6), (64, 6), (72, 10), (512, 22)])  # (512, 22): Nemotron-3-Super
 def test_route_kernel_vs_torch(E, top_k):
     from hybrid.ops import triton_moe_route
 
@@ -165,7 +165,7 @@ def test_route_kernel_vs_torch(E, top_k):
 
 
 @pytest.mark.parametrize("H,E,top_k,dtype", [(2688, 128, 6, torch.float32), (1536, 64, 6, torch.bfloat16),
-                                               (4096, 72, 10, torch.bfloat16)])
+                                               (4096, 72, 10, torch.bfloat16), (4096, 512, 22, torch.float32)])
 @pytest.mark.parametrize("T", [1, 3, 16, 64])
 def test_route_hidden_vs_router_gemm(H, E, top_k, dtype, T):
     """Router logits from split-K partials (T <= 16) or a GEMM, then routing: NemotronH's fp32 router
