@@ -173,8 +173,8 @@ def test_fused_experts_prefill_config_and_add():
                         device="cpu", config=(64, 32, 16, 2, 1, 1), with_add=True)
 
 
-@pytest.mark.parametrize("top_k", [1, 2, 3, 6])
-@pytest.mark.parametrize("num_experts", [8, 20])
+@pytest.mark.parametrize("top_k,num_experts", [(k, e) for k in (1, 2, 3, 6) for e in (8, 20)]
+                         + [(22, 512)])  # (Nemotron-3-Super's router)
 def test_route_kernel_matches_torch(top_k, num_experts):
     """The one-launch router: NemotronH's sigmoid + correction bias (normalised, scaled) and Granite's
     softmax over the top-k logits, against the torch ops of moe.NemotronMoE / GraniteMoE."""
