@@ -14,13 +14,14 @@ _EXPORTS = {
     "LLM": "hybrid.llm",
     "SamplingParams": "hybrid.sampling",
     "StructuredOutputsParams": "hybrid.structured_outputs",
+    "BeamSearchParams": "hybrid.beam_search",
     "RequestOutput": "hybrid.outputs",
     "CompletionOutput": "hybrid.outputs",
     **{name: "hybrid.errors" for name in ("HybridError", "CheckpointError", "InvalidRequestError",
                                           "ConfigurationError", "CapacityError", "RequestFailedError")},
 }
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "HybridError",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "HybridError",
            "CheckpointError", "InvalidRequestError", "ConfigurationError", "CapacityError", "RequestFailedError"]
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from hybrid.errors import (
         CapacityError, CheckpointError, ConfigurationError, HybridError, InvalidRequestError, RequestFailedError,
     )
+    from hybrid.beam_search import BeamSearchParams
     from hybrid.llm import LLM
     from hybrid.outputs import CompletionOutput, RequestOutput
     from hybrid.sampling import SamplingParams

@@ -11,6 +11,7 @@ import torch
 from attention.backend import select_backend
 from attention.kv_cache import PagedKVCache
 from graphs.runner import ModelRunner
+from hybrid.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hybrid.chat_template import reserved_template_kwargs
 from hybrid.config_parse import load_config
 from hybrid.engine import Engine
@@ -437,6 +438,27 @@ class LLM:
                 f"{len(failed)} of {len(outputs)} requests failed; prompt {first}: {failed[first]}",
                 failed=failed, outputs=outputs)
         return outputs
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's LLM.beam_search; hybrid/beam_search.py): one BeamSearchOutput per prompt (a
+        string, token ids or a {"prompt"} / {"prompt_token_ids"} dict), its beam_width best sequences first;
+        each sequence's `tokens` and `text` hold the prompt and what follows it. Every step runs the live beams
+        through generate: with enable_prefix_caching=True each beam's sequence so far comes from the cache."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError("beam_search takes a BeamSearchParams (from hybrid.beam_search)")
+        prompts = self._prompt_list(prompts)
+        ids_list = []
+        for i, prompt in enumerate(prompts):
+            try:
+                _, ids = self._prompt_ids(prompt)
+                if len(ids) + params.max_tokens > self.max_model_len:
+                    raise InvalidRequestError(f"the prompt's {len(ids)} tokens and max_tokens={params.max_tokens} "
+                                              f"exceed max_model_len={self.max_model_len}")
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+            ids_list.append(ids)
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return beam_search(self, ids_list, params, self.engine.eos_token_ids, decode)
 
     def _generation_defaults(self, setting: str) -> dict:
         """The sampling defaults of generation_config.json ("auto": the checkpoint's; "vllm": none; a
