@@ -465,14 +465,16 @@ fi
 #           GEMM with the sum, residual add and next norm in its last program; HYBRID_SSM_NORM_TAIL=1: the Mamba
 #           gated norm in the state update's last program; <= 200 s), then Granite-Tiny and Nemotron-Nano decode at
 #           batch 1 with each A/B and both (recaptured in the same process), then the 8B at batch 1 with each
-if [[ $what == moe-next || $what == moe-next-lean ]]; then  # (lean: without the 8B's runs, tests in 150 s)
-  gpu_pytest $([[ $what == moe-next ]] && echo 200 || echo 150) gpu_tests_moe_next.log tests/gpu/test_moe_gpu.py tests/gpu/test_triton_fused_ops_gpu.py \
+# moe-ab    the A/B alone (no tests, no 8B): for a call with little device time
+if [[ $what == moe-next || $what == moe-next-lean || $what == moe-ab ]]; then  # (lean: no 8B runs, tests in 150 s)
+  [[ $what == moe-ab ]] || gpu_pytest $([[ $what == moe-next ]] && echo 200 || echo 150) gpu_tests_moe_next.log \
+      tests/gpu/test_moe_gpu.py tests/gpu/test_triton_fused_ops_gpu.py \
       -k "norm_in_its_last_program or ssm_updates_last_program or norm_tail"
   timeout 300 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 --gen-batches 1 --no-peer \
       --no-eager --moe-norm-tail-ab --ssm-norm-tail-ab --norm-tails-ab --out /tmp/moe_out --time-budget 290 2>&1 \
       | tee "$OUT/bench_moe_next.log" | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
   cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_next.md" 2>/dev/null || true
-  [[ $what == moe-next-lean ]] && exit $rc
+  [[ $what != moe-next ]] && exit $rc
   for tail in 0 1; do  # the dense 8B: the gated norm's tail alone matters there
     HYBRID_SSM_NORM_TAIL=$tail timeout 60 python3 bench/bench_decode.py --no-eager --no-prefill --batches 1 \
         --json "$OUT/decode_8b_ssm_norm_tail_$tail.json" 2>&1 | grep -E "tok/s|rror" | tail -1 | sed "s/^/tail=$tail: /" \
