@@ -59,6 +59,12 @@ class StartupPhases:
         return f"startup {total:.1f} s: " + ", ".join(f"{name} {t:.1f} s" for name, t in self.seconds.items())
 
 
+def _no_lora(lora_request) -> None:
+    """vLLM's lora_request argument: None (as code written for vLLM often passes it) is accepted."""
+    if lora_request is not None:
+        raise InvalidRequestError("lora_request: LoRA adapters are not supported by this runtime")
+
+
 def _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size):
     """(mamba_ssm_dtype, page_size) with vLLM's names for them folded in; ConfigurationError when both
     names of one setting are given different values."""
@@ -367,6 +373,7 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids, or as in
         vLLM {"prompt": text} / {"prompt_token_ids": ids}. Every prompt and every parameter (vocabulary-
@@ -377,6 +384,7 @@ class LLM:
         ones finished with finish_reason "error" and `error` set). EngineDeadError if the device is
         lost (the LLM can then no longer generate). `priority` (with scheduling_policy="priority"): one
         integer per prompt, lower values first (as vLLM's)."""
+        _no_lora(lora_request)
         prompts = self._prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
@@ -500,6 +508,7 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
         of conversations, as vLLM's LLM.chat: each is rendered with the checkpoint's chat template
@@ -512,6 +521,7 @@ class LLM:
         starting a new turn; chat_template_kwargs are more template variables (enable_thinking=...);
         tools (OpenAI's [{"type": "function", "function": {...}}]) are rendered by the template, as
         vLLM's LLM.chat does (the calls the model writes are in the output text)."""
+        _no_lora(lora_request)
         if self.tokenizer is None:
             raise InvalidRequestError("this checkpoint has no tokenizer.json, so it cannot chat")
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(c, (list, tuple)) for c in messages):

@@ -37,6 +37,19 @@ def test_prompt_dicts(llm):
             llm.generate([bad], sp, use_tqdm=False)
 
 
+def test_lora_request_none_is_accepted(llm):
+    """Code written for vLLM passes lora_request=None to generate and chat: accepted; an adapter is refused."""
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    ref = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate([PROMPT], sp, use_tqdm=False, lora_request=None)[0].outputs[0].token_ids == ref
+    chat = [{"role": "user", "content": "hi"}]
+    assert llm.chat(chat, sp, use_tqdm=False, lora_request=None)[0].finished
+    for call in (lambda: llm.generate([PROMPT], sp, lora_request=object()),
+                 lambda: llm.chat(chat, sp, lora_request=object())):
+        with pytest.raises(InvalidRequestError, match="LoRA adapters are not supported"):
+            call()
+
+
 def test_logprob_entries_and_cumulative_logprob(llm):
     out = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=1.0, seed=3, logprobs=3),
                        use_tqdm=False)[0].outputs[0]
