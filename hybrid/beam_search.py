@@ -18,9 +18,10 @@ from hybrid.sampling import SamplingParams
 @dataclass
 class BeamSearchParams:
     """vLLM's BeamSearchParams: `beam_width` beams, up to `max_tokens` new tokens each; `ignore_eos`: an
-    end-of-sequence token does not finish a beam; `temperature` scales the logits the log-probabilities are
-    taken from (0: the model's own); `length_penalty`: a beam's score is its cumulative log-probability over
-    its length (prompt included) to this power."""
+    end-of-sequence token does not finish a beam; `temperature` is passed to each step's SamplingParams but
+    does not change the log-probabilities beams are ranked by (they are the model's own, as vLLM's default
+    returns them); `length_penalty`: a beam's score is its cumulative log-probability over its length (prompt
+    included) to this power."""
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
