@@ -72,7 +72,7 @@ def test_parses_to_the_stated_shapes(e):
         mo, xo = cfg.moe, x["moe"]
         assert (mo.num_experts, mo.top_k, mo.intermediate_size, mo.shared_intermediate_size) == \
             (xo["experts"], xo["top_k"], xo["width"], xo["shared_width"])
-        for k in ("n_group", "topk_group", "routed_scaling_factor"):
+        for k in ("n_group", "topk_group", "routed_scaling_factor", "latent_size"):  # latent: Nemotron 3 Super
             if k in xo:
                 assert getattr(mo, k) == xo[k], k
     assert cfg.vocab_size == x["vocab"] and cfg.tie_word_embeddings == x["tie"]
