@@ -434,10 +434,6 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "moe_norm_tail_ab": ("moe_norm_tail", {"HYBRID_MOE_NORM_TAIL": "1"},
                          "a one-token step's second expert GEMM with the sum, residual add and next norm in its last "
                          "program (HYBRID_MOE_NORM_TAIL=1)"),
-    "ssm_norm_tail_ab": ("ssm_norm_tail", {"HYBRID_SSM_NORM_TAIL": "1"},
-                         "a one-row step's Mamba gated norm in the state update's last program (HYBRID_SSM_NORM_TAIL=1)"),
-    "norm_tails_ab": ("norm_tails", {"HYBRID_MOE_NORM_TAIL": "1", "HYBRID_SSM_NORM_TAIL": "1"},
-                      "both last-program norms (HYBRID_MOE_NORM_TAIL=1 HYBRID_SSM_NORM_TAIL=1)"),
     "gated_out_proj_ab": ("gated_out_proj", {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
                           "the Mamba gated norm in the SSM update and out_proj (HYBRID_DECODE_GATED_OUT_PROJ=1)"),
     "decode_fusions_ab": ("decode_fusions", {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"},

@@ -88,7 +88,7 @@ HELPERS = {
                               "_routed_pair", "_expert_rows", "one_token_block"},
     "hybrid.ops.triton_moe_route": {"router_split", "route_token"},
     "hybrid.ops.triton_norm": {"_normalised_cols", "_normalised_row", "_plus_residual", "_added_row",
-                               "_sum_add_norm_row", "gated_norm_group"},
+                               "_sum_add_norm_row"},
     "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed",
                                "_rows_times_slab", "_gated_normed_dot", "_slab_piece", "_preload_slab", "_piece_dot", "slab_pieces", "slab_dot", "_rows_piece",
                                "_preloaded_rows"},

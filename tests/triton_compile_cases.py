@@ -281,18 +281,10 @@ for _bn, _k1, _k2, _k3 in ((8, 1024, 512, 0), (4, 2048, 1024, 0), (4, 2048, 512,
 
 for _inter in (False, True):
     def _mamba(inter=_inter):
-        ptrs = dict(state_ptr="*fp32", A_ptr="*fp32", idx_ptr="*i64", inter_ptr="*fp32", inter_idx_ptr="*i64",
-                    sq_ptr="*fp32", count_ptr="*i32")
         compiles(triton_mamba._ssm_update_kernel,
                  dict(BLOCK_P=16, BLOCK_N=128, HAS_D=True, HAS_DT_BIAS=True, HAS_INTER=inter, HAS_INTER_IDX=False,
-                      HAS_GATE_SQ=False, NORM_TAIL=False, NORM_BLOCK=1, PDL=True), ptrs)
-        if not inter:  # one token a row: the gated norm in the last program (HYBRID_SSM_NORM_TAIL=1), Granite-4.0-H-
-            # Tiny's one group of 3072 and Nemotron-3-Nano's 8 of 512
-            for norm_block in (4096, 512):
-                compiles(triton_mamba._ssm_update_kernel,
-                         dict(BLOCK_P=16, BLOCK_N=128, HAS_D=True, HAS_DT_BIAS=True, HAS_INTER=False,
-                              HAS_INTER_IDX=False, HAS_GATE_SQ=False, NORM_TAIL=True, NORM_BLOCK=norm_block, PDL=True),
-                         ptrs)
+                      PDL=True), dict(state_ptr="*fp32", A_ptr="*fp32", idx_ptr="*i64", inter_ptr="*fp32",
+                                      inter_idx_ptr="*i64"))
         compiles(triton_mamba._conv_update_kernel,
                  dict(K=4, KP=4, BLOCK_C=256, HAS_BIAS=True, SILU=True, HAS_INTER=inter, HAS_INTER_IDX=False,
                       PDL=True), dict(idx_ptr="*i64", inter_idx_ptr="*i64"))

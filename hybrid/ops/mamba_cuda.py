@@ -186,14 +186,6 @@ class MambaCudaKernels:
                     and triton_gemv.gated_norm_block_k(cfg.intermediate_size // cfg.n_groups) is not None)
         return fuse_conv, fuse_out
 
-    @staticmethod
-    def _norm_in_state_update(mixer, rows: int) -> bool:
-        """Whether a decode-only step's gated norm runs in the last program of the state update's launch
-        ("ssm_norm_tail", one row): where project_out would take the fused gated norm and then out_proj."""
-        cfg = mixer.cfg
-        return (switch("ssm_norm_tail") and rows == 1 and mixer.fused and cfg.gate == GATE_THEN_NORM
-                and mixer.norm_stats is None and not switch("decode_linear"))
-
     def _fused_decode(self, mixer, p: dict[str, torch.Tensor], hidden: torch.Tensor, slots: torch.Tensor,
                       conv_state: torch.Tensor, ssm_state: torch.Tensor, fuse_conv: bool,
                       fuse_out: bool) -> torch.Tensor:
@@ -211,12 +203,6 @@ class MambaCudaKernels:
             z, xBC, dt = torch.split(mixer.in_proj(hidden), [inner, conv_dim, nh], dim=-1)
             xbc = self.triton.conv_state_update(xBC, conv_state, mixer.conv_weight, mixer.conv_bias, slots)
         if not fuse_out:
-            if self._norm_in_state_update(mixer, T):  # the gated norm in the state update's last program
-                x, B, C = ssm_operands(cfg, xbc)
-                normed = self.triton.selective_state_update_normed(ssm_state, x, dt, p["A"], B, C, p["D"],
-                                                                   p["dt_bias"], slots, z, mixer.norm_weight,
-                                                                   cfg.norm_eps, cfg.n_groups)
-                return mixer.out_proj(normed.to(hidden.dtype))
             y = triton_ssm_step(self.triton, mixer, p, xbc, dt, ssm_state, slots)
             return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
         x, B, C = ssm_operands(cfg, xbc)

@@ -59,7 +59,6 @@ if HAS_TRITON:
     import inspect
 
     from hybrid.ops.triton_guard import pdl_wait
-    from hybrid.ops.triton_norm import gated_norm_group
 
     # The decode kernels' token count T: 1 (decode), K+1 (verify) or any count (replay of a readmitted
     # sequence). T == 1 stays specialised (see _ssm_update_kernel), but not "a multiple of 16", so a
@@ -82,8 +81,8 @@ if HAS_TRITON:
     @triton.jit(**T_KEEPS_ONLY_ONE)
     def _ssm_update_kernel(
         state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, out_ptr, idx_ptr,
-        inter_ptr, inter_idx_ptr, z_ptr, sq_ptr, count_ptr, nw_ptr, normed_ptr,
-        T, P, N, heads_per_group, n_groups, GROUP, eps,
+        inter_ptr, inter_idx_ptr, z_ptr, sq_ptr,
+        T, P, N, heads_per_group,
         s_st_slot, s_st_h, s_st_p,
         s_x_b, s_x_t, s_x_h,
         s_dt_b, s_dt_t, s_dt_h,
@@ -91,10 +90,10 @@ if HAS_TRITON:
         s_C_b, s_C_t, s_C_g,
         s_o_b, s_o_t, s_o_h,
         s_i_slot, s_i_t, s_i_h, s_i_p,
-        s_z_b, s_z_h, s_sq_b, s_n_b,
+        s_z_b, s_z_h, s_sq_b,
         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_INTER: tl.constexpr, HAS_INTER_IDX: tl.constexpr,
-        HAS_GATE_SQ: tl.constexpr, NORM_TAIL: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+        HAS_GATE_SQ: tl.constexpr, PDL: tl.constexpr,
     ):
         pid_p = tl.program_id(0)
         h = tl.program_id(1)
@@ -162,19 +161,6 @@ if HAS_TRITON:
                          eviction_policy="evict_first")
         if not HAS_INTER:
             tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=smask, eviction_policy="evict_first")
-        if NORM_TAIL:
-            # (one token a row) the launch's last program to finish takes the gated norm of every row
-            # (triton_norm.gated_norm_group, the values of gated_rms_norm bit for bit), so that launch is gone.
-            # The count is taken after every thread's store (barrier, then a release / acquire at GPU scope)
-            # and set back to 0 by the last program, ready for the next launch (a graph replays it)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1:
-                tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
-                for r in range(tl.num_programs(2)):
-                    for gg in range(n_groups):
-                        gated_norm_group(out_ptr, z_ptr, nw_ptr, normed_ptr, r, gg, s_o_b, s_z_b, s_n_b,
-                                         GROUP, eps, NORM_BLOCK, True)
 
     @triton.jit
     def _ext_tile(cs_row, x_row, offs_c, mask_c, start, s_cs_c, s_cs_k, s_x_t, valid,
@@ -339,31 +325,6 @@ def selective_state_update_gated(state: torch.Tensor, x: torch.Tensor, dt: torch
     return _ssm_update(state, x, dt, A, B, C, D, dt_bias, state_indices, None, None, None, block_p, num_warps, z)
 
 
-def selective_state_update_normed(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-                                  B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
-                                  dt_bias: torch.Tensor | None, state_indices: torch.Tensor, z: torch.Tensor,
-                                  norm_weight: torch.Tensor, eps: float, n_groups: int) -> torch.Tensor:
-    """triton_norm.gated_rms_norm(selective_state_update(...) as [b, H * P], z, norm_weight, eps, n_groups) for
-    one token a row (x [b, H, P]; z [b, H * P], last dim contiguous), the norm in the state update's launch: its
-    last program to finish takes it ("ssm_norm_tail"). The same values, bit for bit; returns the normed rows
-    [b, H * P] in norm_weight's dtype (the state is updated as selective_state_update does)."""
-    if x.dim() != 3 or z.dim() != 2 or z.shape != (x.shape[0], x.shape[1] * x.shape[2]) or z.stride(-1) != 1:
-        raise ValueError(f"selective_state_update_normed: one token a row, z [b, H * P]: x {tuple(x.shape)}, "
-                         f"z {tuple(z.shape)} {z.stride()}")
-    inner = z.shape[1]
-    assert norm_weight.shape == (inner,) and inner % n_groups == 0
-    normed = torch.empty(z.shape, dtype=norm_weight.dtype, device=z.device)
-    _ssm_update(state, x, dt, A, B, C, D, dt_bias, state_indices, None, None, None, None, None, None,
-                norm=(z, norm_weight, normed, eps, n_groups))
-    return normed
-
-
-def _tail_count(device: torch.device) -> torch.Tensor:
-    """The arrival count of the state update's launches with the norm in their last program on `device`
-    (triton_guard.arrival_counts)."""
-    return arrival_counts("selective_state_update_normed", device)
-
-
 def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, dt_bias: torch.Tensor | None,
                            state_indices: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -382,9 +343,8 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
 
 
 def _ssm_update(state, x, dt, A, B, C, D, dt_bias, state_indices, out, intermediate_states, intermediate_indices,
-                block_p, num_warps, z, norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The launch of the three: (y, the gated norm's sums of squares a block, or None without z); `norm`
-    (z [b, inner], weight, normed out, eps, groups): the gated norm in the launch's last program."""
+                block_p, num_warps, z) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The launch of both: (y, the gated norm's sums of squares a block, or None without z)."""
     require(__name__)
     single = x.dim() == 3
     if single:
@@ -423,22 +383,11 @@ def _ssm_update(state, x, dt, A, B, C, D, dt_bias, state_indices, out, intermedi
     nw = num_warps or nw_default
     grid = (cdiv(P, bp), H, batch)
     sq = torch.empty(batch, H, grid[0], dtype=torch.float32, device=x.device) if z is not None else None
-    if norm is not None:
-        assert T == 1 and z is None and intermediate_states is None and out.is_contiguous()
-        z_n, norm_w, normed, eps, n_groups = norm
-        group = H * P // n_groups
-        norm_args = (_tail_count(x.device), norm_w, normed, n_groups, group, eps)
-        z_strides = (z_n.stride(0), 0)
-    else:
-        z_n = z
-        norm_args = (A, A, A, 1, 1, 0.0)
-        z_strides = (z.stride(0), z.stride(1)) if z is not None else (0, 0)
-    count, norm_w, normed, n_groups, group, eps = norm_args
     _ssm_update_kernel[grid](
         state, x, dt, A, B, C,
         D.contiguous() if D is not None else A, dt_bias.contiguous() if dt_bias is not None else A,
-        out, idx, inter, ii, z_n if z_n is not None else x, sq if sq is not None else A, count, norm_w, normed,
-        T, P, N, H // G, n_groups, group, eps,
+        out, idx, inter, ii, z if z is not None else x, sq if sq is not None else A,
+        T, P, N, H // G,
         state.stride(0), state.stride(1), state.stride(2),
         x.stride(0), x.stride(1), x.stride(2),
         dt.stride(0), dt.stride(1), dt.stride(2),
@@ -446,12 +395,11 @@ def _ssm_update(state, x, dt, A, B, C, D, dt_bias, state_indices, out, intermedi
         C.stride(0), C.stride(1), C.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         *inter_strides,
-        *z_strides, sq.stride(0) if sq is not None else 0, normed.stride(0) if norm is not None else 0,
+        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0, sq.stride(0) if sq is not None else 0,
         BLOCK_P=bp, BLOCK_N=_next_pow2(N),
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         HAS_INTER=intermediate_states is not None, HAS_INTER_IDX=intermediate_indices is not None,
-        HAS_GATE_SQ=z is not None, NORM_TAIL=norm is not None, NORM_BLOCK=_next_pow2(group),
-        num_warps=nw, **pdl_options(x.device),
+        HAS_GATE_SQ=z is not None, num_warps=nw, **pdl_options(x.device),
     )
     return (out[:, 0] if single else out), sq
 

@@ -194,30 +194,21 @@ if HAS_TRITON:
         tl.store(partial_ptr + (split * T + t) * E + offs_e, acc, mask=e_ok)
 
     @triton.jit
-    def gated_norm_group(y_ptr, z_ptr, w_ptr, out_ptr, row, g, s_y, s_z, s_o, GROUP, eps, BLOCK: tl.constexpr,
-                         FRESH: tl.constexpr):
-        """The Mamba2 gated norm of group g of a row: weight * rms_norm(y * silu(z)) over its GROUP channels.
-        FRESH: y was written by other programs of this launch, so it is read from L2 (".cg")."""
+    def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, eps,
+                               BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         mask = offs < GROUP
         col = g * GROUP + offs
-        if FRESH:
-            y = tl.load(y_ptr + row * s_y + col, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            y = tl.load(y_ptr + row * s_y + col, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row * s_y + col, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + row * s_z + col, mask=mask, other=0.0).to(tl.float32)
         h = y * (z / (1.0 + tl.exp(-z)))
         r = h / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
         w = tl.load(w_ptr + col, mask=mask, other=0.0)
         out = w.to(tl.float32) * r.to(w.dtype).to(tl.float32)
         tl.store(out_ptr + row * s_o + col, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, eps,
-                               BLOCK: tl.constexpr, PDL: tl.constexpr):
-        pdl_wait(PDL)
-        gated_norm_group(y_ptr, z_ptr, w_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), s_y, s_z,
-                         s_o, GROUP, eps, BLOCK, False)
 
 
 def _warps(block: int) -> int:

@@ -247,8 +247,7 @@ SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router
                "moe_three_launches": {"HYBRID_NORM_ROUTER": "1", "HYBRID_MOE_ROUTE_IN_GEMM": "1"},
                "gemv_preload_sites": {"HYBRID_GEMV_PRELOAD": "1"}, "gemv_preload_off": {"HYBRID_GEMV_PRELOAD": "0"},
                "moe_preload_off": {"HYBRID_MOE_PRELOAD": "0"}, "lm_head_preload_off": {"HYBRID_LM_HEAD_PRELOAD": "0"},
-               "moe_norm_tail": {"HYBRID_MOE_NORM_TAIL": "1"}, "ssm_norm_tail": {"HYBRID_SSM_NORM_TAIL": "1"},
-               "norm_tails": {"HYBRID_MOE_NORM_TAIL": "1", "HYBRID_SSM_NORM_TAIL": "1"}}
+               "moe_norm_tail": {"HYBRID_MOE_NORM_TAIL": "1"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
@@ -264,8 +263,7 @@ def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switc
     to the Triton linear's sites (HYBRID_GEMV_PRELOAD=1) and off (=0), a one-token step's expert GEMMs on
     the tiled kernels rather than the one-token preloading kernel (HYBRID_MOE_PRELOAD=0), its LM head on cuBLAS
     rather than the preloading linear (HYBRID_LM_HEAD_PRELOAD=0), a one-token step's second expert GEMM with the
-    sum, residual add and next norm in its last program (HYBRID_MOE_NORM_TAIL=1), a one-row step's Mamba gated
-    norm in the state update's last program (HYBRID_SSM_NORM_TAIL=1), both, under CUDA graphs,
+    sum, residual add and next norm in its last program (HYBRID_MOE_NORM_TAIL=1), under CUDA graphs,
     the prompts together and the first alone (batch-1 decode): every token the default engine's greedy
     choice given the same prefix (or a bf16 near-tie). NemotronH without group masking, so that its
     router is the Triton one."""
@@ -328,53 +326,3 @@ def test_add_rms_norm_route_real_dims(T, H, E, top_k, router_dtype):
     same = (idx == want_idx).all(-1)
     assert bool(same.all()) if sigmoid else same.float().mean().item() >= 0.75
     torch.testing.assert_close(w[same], want_w[same], rtol=1e-5, atol=1e-2 if not sigmoid else 1e-6)
-
-
-@pytest.mark.parametrize("shape", ["granite-tiny", "nemotron-nano", "nemotron-h-8b"])
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_gated_norm_in_the_ssm_updates_last_program(shape, state_dtype):
-    """selective_state_update_normed (HYBRID_SSM_NORM_TAIL=1) at the released Mamba shapes, one row: the gated norm
-    taken by the state update's last program equals gated_rms_norm of selective_state_update's y bit for bit, with
-    the same state, eagerly and in a captured graph replayed on new inputs (the arrival count set back to 0 by
-    each launch's last program)."""
-    from hybrid.ops import triton_mamba as tm
-    from hybrid.ops.triton_norm import gated_rms_norm
-
-    H, P, N, G = {"granite-tiny": (48, 64, 128, 1), "nemotron-nano": (64, 64, 128, 8),
-                  "nemotron-h-8b": (128, 64, 128, 8)}[shape]
-    g = torch.Generator(device="cuda").manual_seed(H + G)
-    dev, bf = "cuda", torch.bfloat16
-    state0 = (torch.randn(3, H, P, N, generator=g, device=dev) * 0.3).to(state_dtype)
-    x = torch.randn(1, H, P, generator=g, device=dev).to(bf)
-    dt = torch.randn(1, H, generator=g, device=dev).to(bf)
-    A = -torch.rand(H, generator=g, device=dev) - 0.5
-    D, dt_bias = torch.randn(H, generator=g, device=dev), torch.randn(H, generator=g, device=dev) * 0.1
-    B = torch.randn(1, G, N, generator=g, device=dev).to(bf)
-    C = torch.randn(1, G, N, generator=g, device=dev).to(bf)
-    zrow = torch.randn(1, 3 * H * P, generator=g, device=dev).to(bf)
-    z = zrow[:, H * P:2 * H * P]
-    nw = (0.5 + torch.rand(H * P, generator=g, device=dev)).to(bf)
-    slots = torch.tensor([1], dtype=torch.int32, device=dev)
-
-    def reference():
-        st = state0.clone()
-        y = tm.selective_state_update(st, x, dt, A, B, C, D, dt_bias, slots)
-        return gated_rms_norm(y.reshape(1, -1), z, nw, 1e-5, G), st
-
-    state = state0.clone()
-    got = tm.selective_state_update_normed(state, x, dt, A, B, C, D, dt_bias, slots, z, nw, 1e-5, G)
-    want, want_state = reference()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want) and torch.equal(state, want_state)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tm.selective_state_update_normed(state, x, dt, A, B, C, D, dt_bias, slots, z, nw, 1e-5, G)
-    for _ in range(8):
-        x.normal_()
-        zrow.normal_()
-        state.copy_(state0)
-        graph.replay()
-        want, want_state = reference()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want) and torch.equal(state, want_state)
-    assert int(tm._tail_count(x.device)[0]) == 0
