@@ -431,9 +431,6 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "moe_three_launches_ab": ("moe_three_launches", {"HYBRID_NORM_ROUTER": "1", "HYBRID_MOE_ROUTE_IN_GEMM": "1"},
                               "the norm in the router's launch and a one-token step routed inside the first expert "
                               "GEMM: an MoE layer in three launches (HYBRID_NORM_ROUTER=1 HYBRID_MOE_ROUTE_IN_GEMM=1)"),
-    "moe_norm_tail_ab": ("moe_norm_tail", {"HYBRID_MOE_NORM_TAIL": "1"},
-                         "a one-token step's second expert GEMM with the sum, residual add and next norm in its last "
-                         "program (HYBRID_MOE_NORM_TAIL=1)"),
     "gated_out_proj_ab": ("gated_out_proj", {"HYBRID_DECODE_GATED_OUT_PROJ": "1"},
                           "the Mamba gated norm in the SSM update and out_proj (HYBRID_DECODE_GATED_OUT_PROJ=1)"),
     "decode_fusions_ab": ("decode_fusions", {"HYBRID_DECODE_IN_PROJ_CONV": "1", "HYBRID_DECODE_GATED_OUT_PROJ": "1"},

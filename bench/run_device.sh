@@ -430,13 +430,9 @@ if [[ $what == latent ]]; then
   gpu_pytest 200 gpu_tests_latent.log tests/gpu/test_moe_gpu.py tests/gpu/test_parity.py tests/gpu/test_fp8_gpu.py \
       -k "latent or 512"
 fi
-# next     what this project's next session measures first: moe-next (the MoE norm-tail switch's tests and A/B)
-# next-2   then: request-features and latent, and on an H200 the issue targets (targets: MoE + FP8 8B), on an H100
-#          fp8-splitk-2 (the sweep in 140 s)
+# next     what this project's next session measures first: request-features and latent, then on an H200 the issue
+#          targets (targets: MoE + FP8 8B), on an H100 fp8-splitk-2 (the sweep in 140 s)
 if [[ $what == next ]]; then
-  bash "$0" moe-next || rc=1
-fi
-if [[ $what == next-2 ]]; then
   bash "$0" request-features || rc=1
   bash "$0" latent || rc=1
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
@@ -460,17 +456,6 @@ if [[ $what == fp8-preload ]]; then
     gpu_pytest 120 gpu_tests_fp8_preload.log tests/gpu/test_fp8_gpu.py -k "preload_gemv"
     HYBRID_FP8_PRELOAD=1 HYBRID_FP8_PRELOAD_ROUND_MAX_K=0 fp8_b1 preload_round_before
   fi
-fi
-# moe-next  the GPU tests of the unmeasured MoE switch (HYBRID_MOE_NORM_TAIL=1: the second expert GEMM with the sum,
-#           residual add and next norm in its last program; <= 150 s), then Granite-Tiny and Nemotron-Nano decode at
-#           batch 1 and 8 with its A/B (recaptured in the same process)
-if [[ $what == moe-next ]]; then
-  gpu_pytest 150 gpu_tests_moe_next.log tests/gpu/test_moe_gpu.py tests/gpu/test_triton_fused_ops_gpu.py \
-      -k "norm_in_its_last_program or moe_norm_tail"
-  timeout 380 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
-      --no-eager --moe-norm-tail-ab --out /tmp/moe_out --time-budget 370 2>&1 | tee "$OUT/bench_moe_next.log" \
-      | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
-  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_next.md" 2>/dev/null || true
 fi
 # targets  the open issues' target figures on whatever card this is, in one call (~8 minutes fresh): moe-targets,
 #          then the 8B shape in FP8 (pcpt, bf16 state, graphs) at batch 1 / 8 / 64 with the 8K TTFT, the defaults

@@ -88,12 +88,8 @@ class RMSNorm(nn.Module):
         over k not taken yet): the fused path folds the sum into the same launch."""
         if isinstance(x, triton_moe.ExpertRows):
             if self.fused and residual is not None:
-                round_for = self._round_for(residual)
-                if x.down is not None and round_for is None:  # the deferred expert GEMM does it all (moe_norm_tail)
-                    return triton_norm.one_token_down_sum_norm(x, residual, self.weight, self.eps,
-                                                               self.weight_in_fp32, scale), residual
                 return triton_norm.sum_add_rms_norm(x, residual, self.weight, self.eps, self.weight_in_fp32, scale,
-                                                    round_for), residual
+                                                    self._round_for(residual)), residual
             x = x.sum()
         if residual is None:
             return self(x), x

@@ -51,7 +51,7 @@ NAMES = ["moe_gemm-decode-act0-early0", "moe_gemm-decode-act0-early1", "moe_gemm
          "mamba_decode-inter0", "mamba_decode-inter1", "mamba_varlen_prefill", "prefill_attention-hd160-bf16", "prefill_attention-hd160-fp8",
          "prefill_attention-hd224-bf16", "prefill_attention-hd224-fp8", "fp8_quantize_rows", "fp8_scale_accumulator", "fp8_splitk", "fp8_small_m-act0",
          "fp8_small_m-act1", "fp8_small_m-act2", "fp8_gemv-m1", "fp8_gemv-m2", "fp8_gemv-m4", "fp8_preload-k4096",
-         "fp8_preload-k8192", "fp8_preload-k21504", "one_token_experts", "one_token_down_norm",
+         "fp8_preload-k8192", "fp8_preload-k21504", "one_token_experts",
          "sampler_fallback"]
 
 

@@ -232,30 +232,3 @@ def test_moe_models_with_the_norm_in_the_router(tiny_ckpt, make_llm, name, route
     for r, o in zip([*ref, *ref_alone], [*got, *alone]):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         assert o.outputs[0].logprobs == r.outputs[0].logprobs
-
-
-@pytest.mark.parametrize("name", ["granite_moe", "nemotron_h"])
-def test_moe_models_with_the_norm_in_the_down_gemm(tiny_ckpt, make_llm, name, monkeypatch, tmp_path):
-    """HYBRID_MOE_NORM_TAIL=1: in one-token steps each MoE layer's second expert GEMM is launched by the next
-    norm, with the sum over k, the residual add and the norm in its last program; the engine gives the same
-    tokens and logprobs (one request alone: one-token steps; three together: the plain launches)."""
-    from hybrid.ops import triton_guard
-
-    path, sp, prompts = _moe_case(tiny_ckpt, name, tmp_path)
-    ref = make_llm(path, fused_ops=True).generate(prompts, sp, use_tqdm=False)
-    ref_alone = make_llm(path, fused_ops=True).generate(prompts[1:2], sp, use_tqdm=False)
-    monkeypatch.setenv("HYBRID_MOE_NORM_TAIL", "1")
-    triton_guard.reset_switches()
-    try:
-        calls = []
-        real = tn.one_token_down_sum_norm
-        monkeypatch.setattr(tn, "one_token_down_sum_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
-        alone = make_llm(path, fused_ops=True).generate(prompts[1:2], sp, use_tqdm=False)
-        got = make_llm(path, fused_ops=True).generate(prompts, sp, use_tqdm=False)
-    finally:
-        monkeypatch.delenv("HYBRID_MOE_NORM_TAIL")
-        triton_guard.reset_switches()
-    assert calls, "the down GEMM with the norm in its last program never ran"
-    for r, o in zip([*ref, *ref_alone], [*got, *alone]):
-        assert o.outputs[0].token_ids == r.outputs[0].token_ids
-        assert o.outputs[0].logprobs == r.outputs[0].logprobs

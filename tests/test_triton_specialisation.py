@@ -34,7 +34,6 @@ KERNELS = {
     ("hybrid.ops.triton_norm", "_rms_norm_kernel"): (),  # rows are the grid; H, row strides: the model's
     ("hybrid.ops.triton_norm", "_add_rms_norm_kernel"): (),
     ("hybrid.ops.triton_norm", "_sum_add_rms_norm_kernel"): (),
-    ("hybrid.ops.triton_norm", "_one_token_down_norm_kernel"): (),  # one token: the pairs are the grid
     ("hybrid.ops.triton_norm", "_add_rms_norm_router_kernel"): ("T",),
     ("hybrid.ops.triton_norm", "_gated_rms_norm_kernel"): (),
     ("hybrid.ops.triton_gemv", "_small_m_linear_kernel"): ("M",),  # the step's rows (<= 16)
@@ -85,10 +84,9 @@ MAMBA_UNALIGNED = {
 HELPERS = {
     "hybrid.ops.triton_moe_align": {"_count_experts", "_store_block_experts", "_place_pairs"},
     "hybrid.ops.triton_moe": {"expert_sum", "_block_tile", "_block_operands", "_mma", "_k_steps", "_store_block",
-                              "_routed_pair", "_expert_rows", "one_token_block"},
+                              "_routed_pair", "_expert_rows"},
     "hybrid.ops.triton_moe_route": {"router_split", "route_token"},
-    "hybrid.ops.triton_norm": {"_normalised_cols", "_normalised_row", "_plus_residual", "_added_row",
-                               "_sum_add_norm_row"},
+    "hybrid.ops.triton_norm": {"_normalised_cols", "_normalised_row", "_plus_residual", "_added_row"},
     "hybrid.ops.triton_gemv": {"_program_slab", "_weight_tile", "_store_rows", "_gated_rows", "_gated_normed",
                                "_rows_times_slab", "_gated_normed_dot", "_slab_piece", "_preload_slab", "_piece_dot", "slab_pieces", "slab_dot", "_rows_piece",
                                "_preloaded_rows"},

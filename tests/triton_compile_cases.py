@@ -200,19 +200,6 @@ def _one_token_experts():
                  dict(w_ptr="*fp32", block_expert_ptr="*i32"))
 
 
-@case("one_token_down_norm")
-def _one_token_down_norm():
-    """The second expert GEMM with the sum, residual add and norm in its last program (HYBRID_MOE_NORM_TAIL=1):
-    Granite-4.0-H-Tiny's (K 512, H 1536, 6 routed + 2 shared slices, bf16 weight) and Nemotron-3-Nano's (K 1856,
-    H 2688, 6 + 2, fp32 weight)."""
-    for bn, k1, k2, k3, top_k, block, w_fp32 in ((32, 512, 0, 0, 8, 2048, False),
-                                                 (8, 1024, 512, 512, 8, 4096, True)):
-        compiles(triton_norm._one_token_down_norm_kernel,
-                 dict(HAS_SHARED=True, BLOCK_N=bn, K1=k1, K2=k2, K3=k3, TOP_K=top_k, HAS_ADD=False, BLOCK=block,
-                      W_FP32=w_fp32, SCALED=not w_fp32, PDL=True),
-                 dict(w_ptr="*fp32", block_expert_ptr="*i32", count_ptr="*i32"))
-
-
 @case("router")
 def _router():
     compiles(triton_moe_route._router_partial_kernel, dict(BLOCK_E=16, BLOCK_K=64, PDL=True),

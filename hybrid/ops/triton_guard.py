@@ -91,10 +91,6 @@ again: benchmarks comparing both):
   the second GEMM's before its PDL wait (the routing was written before the first), as the preloading linears
   do. Measured on an H100 (BENCHMARKS.md): at batch 1 +8.0% on Granite-4.0-H-Tiny's shape, +3.5% on
   Nemotron-3-Nano's;
-- "moe_norm_tail" (HYBRID_MOE_NORM_TAIL=1, not measured yet): a one-token step's second expert GEMM is launched by
-  the next norm, and the launch's last program to finish (an acquire / release count) adds the token's expert
-  rows, the residual and takes the norm (triton_norm.one_token_down_sum_norm): the expert rows' sum + residual +
-  norm launch (5.7 us a layer in the H100 profile of Granite-4.0-H-Tiny's shape) is gone; the same values;
 - "lm_head_preload" (on by default; HYBRID_LM_HEAD_PRELOAD=0 turns it off): a one-token step's 16-bit LM head on
   the preloading linear, its fp32 accumulator stored as the logits (hybrid/layers.logits_fp32; cuBLAS
   otherwise): +1.1% / +0.8% at batch 1 on the same two shapes.
@@ -150,7 +146,7 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
              "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "scan_plans": ("HYBRID_SCAN_PLANS", "1"),
              "fp8_preload": ("HYBRID_FP8_PRELOAD", "1"), "fp8_splitk": ("HYBRID_FP8_SPLITK", "1"),
-             "fp8_norm_rounding": ("HYBRID_FP8_NORM_ROUNDING", "1"), "moe_norm_tail": ("HYBRID_MOE_NORM_TAIL", "1")}
+             "fp8_norm_rounding": ("HYBRID_FP8_NORM_ROUNDING", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
                   "moe_preload", "lm_head_preload", "scan_plans", "fp8_preload",
                   "fp8_norm_rounding"}  # these read as on unless their variable says "0"

@@ -213,18 +213,17 @@ if HAS_TRITON:
                      ACT, MUL_W, W_SCALE)
 
     @triton.jit
-    def one_token_block(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, block_expert_ptr, N, K, a_div, num_experts,
-                        s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr,
-                        HAS_SHARED: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
-                        K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
+    def _one_token_experts_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, block_expert_ptr, N, K, a_div, num_experts,
+                                  s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr,
+                                  HAS_SHARED: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
         # A one-token step's grouped GEMM in the naive layout (pair m alone in block m, its expert
         # block_expert[m]): C[m, n] = act(A[m // a_div] @ W_e[n].T) (* w[m]) for BLOCK_N columns n, the
         # whole [BLOCK_N, K] slab of W_e (and its up rows, SwiGLU) asked for at once, the rows reduced on CUDA
         # cores as triton_gemv's preloading kernels do. EARLY (the second GEMM): the routing (block_expert,
         # w) was written before the first GEMM, and nothing writes W, so the slab loads before the PDL wait;
         # only A (the first GEMM's output) waits. Otherwise (the first GEMM: the routing is the kernel
-        # before) the wait comes first and the slab right after it. (triton_norm's one-token down GEMM with
-        # the sum, residual add and norm in its last program runs this too.)
+        # before) the wait comes first and the slab right after it.
         n_tiles = tl.cdiv(N, BLOCK_N)
         m = tl.program_id(0) // n_tiles
         offs_n = (tl.program_id(0) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -256,26 +255,12 @@ if HAS_TRITON:
         tl.store(c_ptr + m.to(tl.int64) * s_cm + offs_n, acc.to(c_ptr.dtype.element_ty), mask=mask_n)
 
     @triton.jit
-    def _one_token_experts_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, block_expert_ptr, N, K, a_div, num_experts,
-                                  s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr,
-                                  HAS_SHARED: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
-        one_token_block(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, block_expert_ptr, N, K, a_div, num_experts, s_am, s_be,
-                        s_bn, s_sn, s_se, s_up, s_cm, ACT, MUL_W, HAS_SHARED, EARLY, BLOCK_N, K1, K2, K3, PDL)
-
-    @triton.jit
-    def expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
-                   FRESH: tl.constexpr):
+    def expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr):
         """Token t's sum over its TOP_K expert rows of y [T * TOP_K, H] (+ add [T, H]) at columns
-        offs, in fp32 and in a fixed order (also inlined by triton_norm.sum_add_rms_norm). FRESH: y was
-        written by other programs of this launch, so it is read from L2 (".cg"), past this SM's L1."""
+        offs, in fp32 and in a fixed order (also inlined by triton_norm.sum_add_rms_norm)."""
         acc = tl.zeros(offs.shape, dtype=tl.float32)
         for j in tl.static_range(TOP_K):
-            if FRESH:
-                acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0,
-                               cache_modifier=".cg").to(tl.float32)
-            else:
-                acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_ADD:
             acc += tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
         return acc
@@ -287,7 +272,7 @@ if HAS_TRITON:
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < H
-        acc = expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K, HAS_ADD, False)
+        acc = expert_sum(y_ptr, add_ptr, t, offs, mask, H, TOP_K, HAS_ADD)
         tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -451,30 +436,12 @@ class ExpertRows:
     y: torch.Tensor
     add: torch.Tensor | None
     top_k: int
-    # A one-token step's second GEMM not launched yet ("moe_norm_tail"): its operands (h, w_down, the shared
-    # slices, the routing weights, block_expert), for the next norm to launch it with the sum, the residual
-    # add and the norm in its last program (triton_norm.one_token_down_sum_norm); ready() launches it as it is
-    # for any other reader of y
-    down: tuple | None = None
 
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.y.shape[0] // self.top_k, self.y.shape[1]))
 
-    def ready(self) -> "ExpertRows":
-        """The rows with y written (the deferred second GEMM launched, if there is one)."""
-        if self.down is not None:
-            h, w_down, shared, weights, block_expert = self.take_down()
-            _one_token_gemm(h, w_down, shared, self.y, weights, block_expert, 1, ACT_NONE, early=True)
-        return self
-
-    def take_down(self) -> tuple:
-        """The deferred second GEMM's operands, handed to the one launch that will write y."""
-        down, self.down = self.down, None
-        return down
-
     def sum(self) -> torch.Tensor:
-        self.ready()
         T, H = self.shape
         out = torch.empty(T, H, dtype=self.y.dtype, device=self.y.device)
         if T:
@@ -587,10 +554,8 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
         _one_token_gemm(x, w_up, up_shared, h, None, block_expert, top_k, ACT_SILU_MUL if gated else ACT_RELU2,
                         early=False)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)
-        weights = top_w.reshape(-1).contiguous()
-        if defer_sum and switch("moe_norm_tail"):  # the next norm launches it, its work in the last program
-            return ExpertRows(y, add, top_k, down=(h, w_down, down_shared, weights, block_expert))
-        _one_token_gemm(h, w_down, down_shared, y, weights, block_expert, 1, ACT_NONE, early=True)
+        _one_token_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), block_expert, 1, ACT_NONE,
+                        early=True)
     else:
         # (routed: the naive layout, which reads no ids; the first GEMM writes them into block_expert = top_idx)
         pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)

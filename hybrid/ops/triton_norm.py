@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.ops import triton_fp8, triton_moe, triton_moe_route
-from hybrid.ops.triton_guard import HAS_TRITON, arrival_counts, pdl_options, require, tl, triton
+from hybrid.ops import triton_fp8, triton_moe_route
+from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, tl, triton
 
 
 def is_available() -> bool:
@@ -34,7 +34,7 @@ def is_available() -> bool:
 if HAS_TRITON:
     from hybrid.ops.triton_fp8 import round_row_into
     from hybrid.ops.triton_guard import pdl_wait
-    from hybrid.ops.triton_moe import expert_sum, one_token_block
+    from hybrid.ops.triton_moe import expert_sum
     from hybrid.ops.triton_moe_route import router_split
 
     @triton.jit
@@ -105,55 +105,23 @@ if HAS_TRITON:
                            FMA_QUOTIENT, HW_CAST)
 
     @triton.jit
-    def _sum_add_norm_row(y_ptr, add_ptr, res_ptr, w_ptr, out_ptr, row, offs, mask, s_r, s_o, H, eps, scale,
-                          TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr,
-                          FRESH: tl.constexpr):
-        """_sum_k_kernel (hybrid/ops/triton_moe.py) then _add_rms_norm_kernel for one row, rounding where
-        they round (the sum over k in fp32, stored in y's dtype; then the add): the residual row updated in
-        place, the normed row stored and returned. FRESH: y written by this launch (expert_sum)."""
-        x = expert_sum(y_ptr, add_ptr, row, offs, mask, H, TOP_K, HAS_ADD, FRESH).to(y_ptr.dtype.element_ty)
-        h = _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED)
-        tl.store(res_ptr + row * s_r + offs, h, mask=mask)
-        y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
-        stored = y.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * s_o + offs, stored, mask=mask)
-        return stored
-
-    @triton.jit
-    def _one_token_down_norm_kernel(h_ptr, b_ptr, s_ptr, y_ptr, w_ptr, block_expert_ptr, count_ptr, add_ptr,
-                                    res_ptr, nw_ptr, out_ptr, H, K, num_experts, s_hm, s_be, s_bn, s_sn, s_se,
-                                    s_r, s_o, eps, scale, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                                    K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, TOP_K: tl.constexpr,
-                                    HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, W_FP32: tl.constexpr,
-                                    SCALED: tl.constexpr, PDL: tl.constexpr):
-        # A one-token step's second expert GEMM (triton_moe.one_token_block: y = w * down_e(h), a program per
-        # pair and column tile), and in the launch's last program to finish the rest of the layer's output:
-        # the sum of the token's TOP_K rows, the residual add and the next norm (_sum_add_norm_row, the
-        # values of sum_add_rms_norm bit for bit), so that small launch is gone. The count is taken after
-        # every thread's store (barrier, then a release / acquire at GPU scope) and set back to 0 by the
-        # last program, ready for the next launch (a graph replays it).
-        one_token_block(h_ptr, b_ptr, s_ptr, y_ptr, w_ptr, block_expert_ptr, H, K, 1, num_experts, s_hm, s_be, s_bn,
-                        s_sn, s_se, 0, H, 0, True, HAS_SHARED, True, BLOCK_N, K1, K2, K3, PDL)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) - 1:
-            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
-            offs = tl.arange(0, BLOCK)
-            _sum_add_norm_row(y_ptr, add_ptr, res_ptr, nw_ptr, out_ptr, 0, offs, offs < H, s_r, s_o, H, eps, scale,
-                              TOP_K, HAS_ADD, W_FP32, SCALED, True)
-
-    @triton.jit
     def _sum_add_rms_norm_kernel(y_ptr, add_ptr, res_ptr, w_ptr, out_ptr, s_r, s_o, H, eps, scale, q_ptr, s_q,
                                  scale_ptr, in_scale_ptr, min_scale, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
                                  BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr,
                                  QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr,
                                  PDL: tl.constexpr):
         pdl_wait(PDL)
+        # _sum_k_kernel (hybrid/ops/triton_moe.py) then _add_rms_norm_kernel, in one program a row,
+        # rounding where they round: the sum over k in fp32, stored in y's dtype; then the add
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
-        stored = _sum_add_norm_row(y_ptr, add_ptr, res_ptr, w_ptr, out_ptr, row, offs, mask, s_r, s_o, H, eps, scale,
-                                   TOP_K, HAS_ADD, W_FP32, SCALED, False)
+        x = expert_sum(y_ptr, add_ptr, row, offs, mask, H, TOP_K, HAS_ADD).to(y_ptr.dtype.element_ty)
+        h = _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED)
+        tl.store(res_ptr + row * s_r + offs, h, mask=mask)
+        y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
+        stored = y.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * s_o + offs, stored, mask=mask)
         if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
             round_row_into(stored, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale, QUANT,
                            FMA_QUOTIENT, HW_CAST)
@@ -273,7 +241,7 @@ def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: fl
     the same values, bit for bit (residual updated in place); `round_for`: as add_rms_norm's."""
     require(__name__)
     T, H = residual.shape
-    y, add = rows.ready().y, rows.add
+    y, add = rows.y, rows.add
     assert rows.shape == (T, H) and y.is_contiguous() and residual.stride(-1) == 1 and weight.shape == (H,)
     assert add is None or add.is_contiguous()
     out = torch.empty_like(residual)
@@ -285,35 +253,6 @@ def sum_add_rms_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: fl
                                        HAS_ADD=add is not None, BLOCK=block, W_FP32=weight_in_fp32,
                                        SCALED=scale != 1.0, num_warps=_warps(block), **pdl_options(y.device))
     return _with_rounding(out, rounding)
-
-
-def _down_count(device: torch.device) -> torch.Tensor:
-    """The arrival count of one_token_down_sum_norm's launches on `device` (triton_guard.arrival_counts)."""
-    return arrival_counts("one_token_down_sum_norm", device)
-
-
-def one_token_down_sum_norm(rows, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool,
-                            scale: float = 1.0) -> torch.Tensor:
-    """sum_add_rms_norm(rows, residual, ...) for the ExpertRows of a one-token step whose second expert GEMM is
-    deferred (rows.down): that GEMM's launch does it all, the sum, add and norm in its last program. The same
-    values, bit for bit; the residual updated in place."""
-    require(__name__)
-    T, H = residual.shape
-    assert T == 1 and rows.shape == (1, H) and residual.stride(-1) == 1 and weight.shape == (H,)
-    h, w_down, shared, weights, block_expert = rows.take_down()
-    y, add = rows.y, rows.add
-    out = torch.empty_like(residual)
-    K = h.shape[1]
-    block_n, k1, k2, k3 = triton_moe.one_token_tiles(K, False)
-    s_t, s_sn, s_se, _ = shared if shared is not None else (w_down, 0, 0, 0)
-    block = triton.next_power_of_2(H)
-    _one_token_down_norm_kernel[(block_expert.shape[0] * triton.cdiv(H, block_n),)](
-        h, w_down, s_t, y, weights, block_expert, _down_count(y.device), add if add is not None else y, residual,
-        weight, out, H, K, w_down.shape[0], h.stride(0), w_down.stride(0), w_down.stride(1), s_sn, s_se,
-        residual.stride(0), out.stride(0), eps, float(scale), HAS_SHARED=shared is not None, BLOCK_N=block_n,
-        K1=k1, K2=k2, K3=k3, TOP_K=rows.top_k, HAS_ADD=add is not None, BLOCK=block, W_FP32=weight_in_fp32,
-        SCALED=scale != 1.0, num_warps=4, **pdl_options(y.device))
-    return out
 
 
 def add_rms_norm_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
