@@ -332,7 +332,8 @@ def test_mixer_decode_with_fewer_launches(monkeypatch, dtype, fusion):
     (out0, c0, s0), (out1, c1, s1) = results["0"], results["1"]
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(out1.float(), out0.float(), **tol)
-    assert torch.equal(c1, c0)  # the histories: the same in_proj values shifted in
+    # the histories: the same in_proj values shifted in (a fused kernel may sum K in another order: an ulp apart)
+    torch.testing.assert_close(c1.float(), c0.float(), **tol)
     torch.testing.assert_close(s1.float(), s0.float(), **tol)
     untouched = [0, 2, 3, 5]
     assert torch.equal(c1[untouched], conv[untouched]) and torch.equal(s1[untouched], ssm[untouched])
