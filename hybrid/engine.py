@@ -122,6 +122,11 @@ class Engine:
 
     @max_num_seqs.setter
     def max_num_seqs(self, value: int) -> None:
+        # above the config's, a sequence would take a slot the pool keeps for the prefix cache and a verify
+        # scratch row that was never allocated
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self.config.max_num_seqs:
+            raise ValueError(f"max_num_seqs must be an int in [1, {self.config.max_num_seqs}] (the engine's "
+                             f"configured max_num_seqs), got {value!r}")
         self.scheduler.max_num_seqs = value
 
     @property

@@ -36,7 +36,8 @@ def _workload(seed: int):
         if rng.random() < 0.2:
             kw.update(stop_token_ids=[rng.randrange(4, VOCAB_TOP)])
         requests.append((f"r{i}", prompt, SamplingParams(**kw), rng.randrange(0, 12)))  # arrival step
-    aborted = {requests[rng.randrange(len(requests))][0]: rng.randrange(1, 15)}  # request -> step
+    victim = requests[rng.randrange(len(requests))]
+    aborted = {victim[0]: victim[3] + rng.randrange(0, 12)}  # request -> step (once it has arrived)
     return requests, aborted
 
 

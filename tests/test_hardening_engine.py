@@ -543,3 +543,33 @@ def test_tiny_temperatures_sample_the_argmax(temperature):
     assert sp.greedy
     tokens, finite = sample_tokens(logits, [sp, sp], [torch.Generator().manual_seed(0)] * 2)
     assert tokens.tolist() == [1, 3] and finite.all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the admission cap: lowered and raised at run time, never above the configured max_num_seqs
+# ---------------------------------------------------------------------------------------------
+
+def test_max_num_seqs_cap_stays_within_the_config(tiny_ckpt, make_llm):
+    """Engine.max_num_seqs may be lowered (and raised back) at run time; a value above the configured one
+    would hand a sequence the prefix cache's slot and a verify scratch row never allocated: a clear error,
+    the cap unchanged and the engine serving as before."""
+    llm = make_llm(tiny_ckpt("nemotron_h"), max_num_seqs=2, enable_prefix_caching=True,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=5, **GREEDY)
+    prompts = [[5, 6, 7, 5, 6, 7], [8, 9, 8, 9, 8], [11, 12, 13]]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    for bad in (3, 0, -1, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            eng.max_num_seqs = bad
+        assert eng.max_num_seqs == 2
+    eng.max_num_seqs = 1
+    seen = []
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, sp, output_kind="final")
+    while eng.has_unfinished_requests():
+        eng.step()
+        seen.append(len(eng.running))
+    assert max(seen) == 1  # the lowered cap admits one at a time
+    eng.max_num_seqs = 2
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
