@@ -66,6 +66,20 @@ def _run(llm, requests, aborted, priorities=None):
     return final
 
 
+def _check(llm, requests, aborted, got, ref, label: str = "") -> None:
+    """Every request not aborted produced its tokens alone; the engine is empty and every slot and page is
+    free again or held by the prefix cache."""
+    for rid, _, _, _ in requests:
+        if rid not in aborted:
+            assert got.get(rid) == ref[rid], f"{label}: request {rid}"
+    eng = llm.engine
+    held = eng.prefix_cache.entries.values() if eng.prefix_cache is not None else []
+    assert llm.state_pool.num_free == llm.state_pool.num_slots - len(held), label
+    assert llm.kv_cache.allocator.num_free + len({p for e in held for p in e.pages}) == \
+        llm.kv_cache.num_pages - 1, label
+    assert eng.requests == {} and not eng.running and not eng.waiting, label
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_workloads(seed, tiny_ckpt, make_llm):
     path = tiny_ckpt("nemotron_h")
@@ -79,16 +93,7 @@ def test_random_workloads(seed, tiny_ckpt, make_llm):
                            enable_prefix_caching=caching, prefix_cache_entries=2)
             got = _run(llm, requests, aborted)
             exercised.update(k for k, v in llm.engine.stats.items() if v)
-            label = f"async={async_scheduling} prefix_caching={caching}"
-            for rid, _, _, _ in requests:
-                if rid not in aborted:
-                    assert got.get(rid) == ref[rid], f"{label}: request {rid}"
-            eng = llm.engine
-            held = eng.prefix_cache.entries.values() if eng.prefix_cache is not None else []
-            assert llm.state_pool.num_free == llm.state_pool.num_slots - len(held), label
-            assert llm.kv_cache.allocator.num_free + len({p for e in held for p in e.pages}) == \
-                llm.kv_cache.num_pages - 1, label
-            assert eng.requests == {} and not eng.running and not eng.waiting, label
+            _check(llm, requests, aborted, got, ref, f"async={async_scheduling} prefix_caching={caching}")
     assert {"overlapped_steps", "prefix_cache_evictions"} <= exercised
 
 
@@ -105,14 +110,7 @@ def test_random_workloads_by_priority(seed, tiny_ckpt, make_llm):
                    check_state=True, async_scheduling=True, enable_prefix_caching=True, prefix_cache_entries=2,
                    scheduling_policy="priority")
     got = _run(llm, requests, aborted, priorities)
-    for rid, _, _, _ in requests:
-        if rid not in aborted:
-            assert got.get(rid) == ref[rid], f"request {rid}"
-    eng = llm.engine
-    held = eng.prefix_cache.entries.values()
-    assert llm.state_pool.num_free == llm.state_pool.num_slots - len(held)
-    assert llm.kv_cache.allocator.num_free + len({p for e in held for p in e.pages}) == llm.kv_cache.num_pages - 1
-    assert eng.requests == {} and not eng.running and not eng.waiting
+    _check(llm, requests, aborted, got, ref)
 
 
 @pytest.mark.parametrize("name", ["granite_moe", "bamba", "falcon_h1", "zamba2", "nemotron_h_latent"])
@@ -128,12 +126,6 @@ def test_random_workloads_across_families(name, tiny_ckpt, make_llm):
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                                        "prompt_lookup_min": 1})
     got = _run(llm, requests, aborted)
-    for rid, _, _, _ in requests:
-        if rid not in aborted:
-            assert got.get(rid) == ref[rid], f"request {rid}"
-    eng = llm.engine
-    held = eng.prefix_cache.entries.values()
-    assert llm.state_pool.num_free == llm.state_pool.num_slots - len(held)
-    assert llm.kv_cache.allocator.num_free + len({p for e in held for p in e.pages}) == llm.kv_cache.num_pages - 1
-    assert eng.requests == {} and not eng.running and not eng.waiting
-    assert eng.stats["spec_verify_rows"] and (eng.stats["preemptions"] or eng.stats["prefix_cache_evictions"])
+    _check(llm, requests, aborted, got, ref)
+    stats = llm.engine.stats
+    assert stats["spec_verify_rows"] and (stats["preemptions"] or stats["prefix_cache_evictions"])
