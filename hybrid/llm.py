@@ -391,16 +391,25 @@ class LLM:
             raise InvalidRequestError(f"priority must be a list of one integer per prompt ({len(prompts)}), "
                                       f"got {priority!r}")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
-        prepared = []
+        prepared = [(text, ids, params, prio) for (text, ids), params, prio
+                    in zip(self._validated_prompts(prompts, params_list, priorities), params_list, priorities)]
+        return self._run(prepared, use_tqdm)
+
+    def _validated_prompts(self, prompts: list, params_list: list[SamplingParams],
+                           priorities: list[int] | None = None) -> list[tuple[str | None, list[int]]]:
+        """Each prompt's (text, token ids), every prompt checked with its parameters (and priority) before
+        anything is queued; the first problem raises InvalidRequestError naming its prompt's index."""
+        validated = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
                 text, ids = self._prompt_ids(prompt)
                 self.engine.validate_request(ids, params)
-                self.engine.check_priority(priorities[i])
+                if priorities is not None:
+                    self.engine.check_priority(priorities[i])
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
-            prepared.append((text, ids, params, priorities[i]))
-        return self._run(prepared, use_tqdm)
+            validated.append((text, ids))
+        return validated
 
     def _run(self, prepared: list[tuple[str | None, list[int], SamplingParams, int]],
              use_tqdm: bool) -> list[RequestOutput]:
@@ -455,16 +464,15 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError("beam_search takes a BeamSearchParams (from hybrid.beam_search)")
         prompts = self._prompt_list(prompts)
-        ids_list = []
-        for i, prompt in enumerate(prompts):
-            try:
-                _, ids = self._prompt_ids(prompt)
-                if len(ids) + params.max_tokens > self.max_model_len:
-                    raise InvalidRequestError(f"the prompt's {len(ids)} tokens and max_tokens={params.max_tokens} "
-                                              f"exceed max_model_len={self.max_model_len}")
-            except InvalidRequestError as e:
-                raise InvalidRequestError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
-            ids_list.append(ids)
+        # the whole search checked up front as one request per prompt: its full length, and the steps' logprobs
+        whole = SamplingParams(max_tokens=params.max_tokens, logprobs=2 * params.beam_width,
+                               temperature=params.temperature, ignore_eos=True)
+        ids_list = [ids for _, ids in self._validated_prompts(prompts, [whole] * len(prompts))]
+        for i, ids in enumerate(ids_list):  # (generate stops at the context; a beam must fit its max_tokens)
+            if len(ids) + params.max_tokens > self.max_model_len:
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                raise InvalidRequestError(f"{where}the prompt's {len(ids)} tokens and max_tokens={params.max_tokens} "
+                                          f"exceed max_model_len={self.max_model_len}")
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         return beam_search(self, ids_list, params, self.engine.eos_token_ids, decode)
 

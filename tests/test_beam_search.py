@@ -82,3 +82,9 @@ def test_bad_parameters(tiny_ckpt, make_llm):
         llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=30))
     with pytest.raises(InvalidRequestError, match="BeamSearchParams"):
         llm.beam_search([PROMPTS[0]], SamplingParams())
+    # the prompts are checked as generate checks them, before any step runs, naming the prompt
+    with pytest.raises(InvalidRequestError, match="prompt 1: prompt token id .* outside the vocabulary"):
+        llm.beam_search([PROMPTS[0], [1, 10**9]], BeamSearchParams(beam_width=2, max_tokens=3))
+    with pytest.raises(InvalidRequestError, match="empty prompt"):
+        llm.beam_search([[]], BeamSearchParams(beam_width=2, max_tokens=3))
+    assert not llm.engine.has_unfinished_requests()
