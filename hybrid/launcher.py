@@ -45,15 +45,16 @@ class StepResult:
     bad_rows: list[bool] | None  # per logits row: logits not finite; None when every row is finite
     made_nan: list[bool] | None  # sanitizer: per batch row, state NaN after the step
     state_nan: torch.Tensor | None  # sanitizer: per batch row, state NaN before the step
-    logprobs: dict[int, tuple[float, list[float], list[int]]]  # logits row -> (token's, top values, top ids)
-    # prompt logprobs: (first prompt logits row, each row's prompt-token logprob, top values, top ids)
-    prompt_lp: tuple[int, list[float], list[list[float]], list[list[int]]] | None = None
+    # logits row -> (token's logprob, top values, top ids, token's rank)
+    logprobs: dict[int, tuple[float, list[float], list[int], int]]
+    # prompt logprobs: (first prompt logits row, each row's prompt-token logprob, top values, top ids, token ranks)
+    prompt_lp: tuple[int, list[float], list[list[float]], list[list[int]], list[int]] | None = None
     checks: dict[str, list] | None = None  # sanitizer: device-side check results (StepSanitizer.device_checks)
 
     def prompt_logprobs_at(self, row: int, token: int, k: int) -> dict[int, float]:
-        first, token_lp, values, ids = self.prompt_lp
+        first, token_lp, values, ids, ranks = self.prompt_lp
         j = row - first
-        return logprob_dict(token, token_lp[j], values[j][:k], ids[j][:k])
+        return logprob_dict(token, token_lp[j], values[j][:k], ids[j][:k], ranks[j])
 
     def failure(self, c: ScheduledChunk, row: int) -> str | None:
         """Why batch row `row` (chunk `c`) fails its request, or None if it does not."""
@@ -66,9 +67,9 @@ class StepResult:
     def logprobs_of(self, c: ScheduledChunk, token: int) -> dict[int, float] | None:
         if c.seq.logprobs is None:
             return None
-        token_lp, values, ids = self.logprobs[c.logits_row]
+        token_lp, values, ids, rank = self.logprobs[c.logits_row]
         k = c.seq.params.logprobs
-        return logprob_dict(token, token_lp, values[:k], ids[:k])
+        return logprob_dict(token, token_lp, values[:k], ids[:k], rank)
 
 
 def nonfinite_reason(seq: Sequence, row: int, state_nan: torch.Tensor | None) -> str:
@@ -231,7 +232,7 @@ class StepLauncher:
             device_out[f"check:{name}"] = value
         if lp_rows:
             rows = to_device(lp_rows, torch.long, logits.device)
-            device_out["lp_token"], device_out["lp_values"], device_out["lp_ids"] = \
+            device_out["lp_token"], device_out["lp_rank"], device_out["lp_values"], device_out["lp_ids"] = \
                 logprob_rows(logits[rows], tokens[rows], lp_ks)
         if scoring:  # prompt logprobs: each row scores the prompt token after its position (raw logits)
             targets, ks = [], []
@@ -239,7 +240,7 @@ class StepLauncher:
                 _, lo, count = c.prompt_rows
                 targets.extend(c.seq.prompt_token_ids[lo + 1:lo + 1 + count])
                 ks.extend([c.seq.params.prompt_logprobs] * count)
-            device_out["plp_token"], device_out["plp_values"], device_out["plp_ids"] = \
+            device_out["plp_token"], device_out["plp_rank"], device_out["plp_values"], device_out["plp_ids"] = \
                 logprob_rows(logits[num_rows:], to_device(targets, torch.long, logits.device), ks)
         done = None
         if logits.is_cuda:
@@ -325,10 +326,12 @@ class StepLauncher:
             rows = [c.logits_row for c in step.chunks
                     if c.samples and not c.draft and c.seq.params.logprobs is not None]
             token_lp, values, ids = host["lp_token"].tolist(), host["lp_values"].tolist(), host["lp_ids"].tolist()
-            lp = {r: (token_lp[j], values[j], ids[j]) for j, r in enumerate(rows)}
+            ranks = host["lp_rank"].tolist()
+            lp = {r: (token_lp[j], values[j], ids[j], ranks[j]) for j, r in enumerate(rows)}
         prompt_lp = None
         if "plp_token" in host:
             first = next(c.prompt_rows[0] for c in step.chunks if c.prompt_rows is not None)
-            prompt_lp = (first, host["plp_token"].tolist(), host["plp_values"].tolist(), host["plp_ids"].tolist())
+            prompt_lp = (first, host["plp_token"].tolist(), host["plp_values"].tolist(), host["plp_ids"].tolist(),
+                         host["plp_rank"].tolist())
         checks = {k[len("check:"):]: v.tolist() for k, v in host.items() if k.startswith("check:")}
         return StepResult(host["tokens"].tolist(), bad, made_nan, host.get("state_nan"), lp, prompt_lp, checks)

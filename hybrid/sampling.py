@@ -518,29 +518,34 @@ def warm_up_fallback_kernel(device: torch.device, vocab_size: int) -> None:
         _fallback_kernel_launch(scaled, probs, covered, _Cuts(kth, None, None), _Knobs(top_k, None, None), u, tokens)
 
 
-def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor,
+                 ks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For rows that want logprobs (ks[j] top entries for logits row j): the sampled token's logprob
-    [R], and the top max(ks) logprobs and their ids [R, max(ks)], all on the device (no sync)."""
+    [R] and its rank [R] (1 + the tokens more likely than it, as vLLM ranks), and the top max(ks)
+    logprobs and their ids [R, max(ks)], all on the device (no sync)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    rank = (logprobs > chosen[:, None]).sum(dim=-1) + 1
     k = min(max(ks), logprobs.shape[-1]) if ks else 0
     if k > 0:
         values, ids = torch.topk(logprobs, k, dim=-1)
     else:
         values = logprobs.new_empty(logprobs.shape[0], 0)
         ids = tokens.new_empty(logprobs.shape[0], 0)
-    return chosen, values, ids
+    return chosen, rank, values, ids
 
 
 def top_logprobs(logits: torch.Tensor, token: int, k: int) -> dict[int, float]:
     """{token: logprob} plus the top k entries of one logits row [V] (syncs)."""
     tok = torch.tensor([token], dtype=torch.long, device=logits.device)
-    chosen, values, ids = logprob_rows(logits[None], tok, [k])
-    return logprob_dict(token, float(chosen[0]), values[0, :k].tolist(), ids[0, :k].tolist())
+    chosen, rank, values, ids = logprob_rows(logits[None], tok, [k])
+    return logprob_dict(token, float(chosen[0]), values[0, :k].tolist(), ids[0, :k].tolist(), int(rank[0]))
 
 
-def logprob_dict(token: int, token_logprob: float, top_values: list[float], top_ids: list[int]) -> dict[int, float]:
-    """{token: its logprob} and the top entries, as Logprob floats ranked 1.. in the top's order."""
-    out = {token: Logprob(token_logprob)}
+def logprob_dict(token: int, token_logprob: float, top_values: list[float], top_ids: list[int],
+                 token_rank: int | None = None) -> dict[int, float]:
+    """{token: its logprob} and the top entries, as Logprob floats ranked 1.. in the top's order
+    (the token itself, outside them, with `token_rank`)."""
+    out = {token: Logprob(token_logprob, token_rank)}
     out.update({int(i): Logprob(v, rank) for rank, (i, v) in enumerate(zip(top_ids, top_values), 1)})
     return out

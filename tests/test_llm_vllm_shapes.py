@@ -57,9 +57,11 @@ def test_logprob_entries_and_cumulative_logprob(llm):
     for tid, entries in zip(out.token_ids, out.logprobs):
         lp = entries[tid]
         assert isinstance(lp, Logprob) and isinstance(lp, float) and lp.logprob == float(lp) <= 0.0
-        top = sorted((e for t, e in entries.items() if e.rank is not None), key=lambda e: e.rank)
+        # the top 3 ranked 1..3, and the sampled token with its own rank (outside them: > 3, less likely)
+        assert isinstance(lp.rank, int) and lp.rank >= 1
+        top = sorted((e for t, e in entries.items() if t != tid or lp.rank <= 3), key=lambda e: e.rank)
         assert [e.rank for e in top] == [1, 2, 3] and top[0].logprob >= top[1].logprob >= top[2].logprob
-        assert lp.rank is None or entries[tid] is top[lp.rank - 1]
+        assert entries[tid] is top[lp.rank - 1] if lp.rank <= 3 else lp.logprob <= top[2].logprob
         total += lp.logprob
     assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-9)
     plain = llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]

@@ -33,6 +33,10 @@ def check_against_oracle(path, ids: list[int], plp, k: int) -> None:
         for t, v in entry.items():
             assert abs(v - float(ref[i - 1, t])) < 1e-4
         assert min(others.values()) >= float(top.values[-1]) - 1e-4  # they are the top k
+        # the prompt token's rank: 1 + the tokens more likely than it (within the logits' tolerance)
+        v = float(ref[i - 1, ids[i]])
+        lo, hi = 1 + int((ref[i - 1] > v + 1e-4).sum()), 1 + int((ref[i - 1] > v - 1e-4).sum())
+        assert lo <= entry[ids[i]].rank <= hi, (i, entry[ids[i]].rank, lo, hi)
 
 
 @pytest.mark.parametrize("name", ["nemotron_h", "granite_moe", "zamba2"])

@@ -261,7 +261,9 @@ def test_sampling_fields_and_logprobs(client):
     assert a.choices[0].text == b.choices[0].text
     lp = a.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
-    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    # the 2 most likely and always the sampled token (OpenAI's up to logprobs + 1 entries)
+    assert all(2 <= len(t) <= 3 for t in lp.top_logprobs)
+    assert all(t[tok] == pytest.approx(v) for t, tok, v in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
     assert all(v <= 0 for v in lp.token_logprobs)
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], max_tokens=5, logprobs=True,
                                           top_logprobs=3, **GREEDY)

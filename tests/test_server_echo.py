@@ -53,7 +53,8 @@ def test_echo_scores_the_prompt(served):
     want = ref.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2, temperature=0), use_tqdm=False)[0]
     for i in range(1, len(ids)):
         assert math.isclose(lp["token_logprobs"][i], want.prompt_logprobs[i][ids[i]], abs_tol=1e-5)
-        assert len(lp["top_logprobs"][i]) == 2
+        top = lp["top_logprobs"][i]  # the 2 most likely, and the prompt's own token where it is not among them
+        assert 2 <= len(top) <= 3 and math.isclose(top[lp["tokens"][i]], lp["token_logprobs"][i], abs_tol=1e-6)
     assert r.json()["usage"]["completion_tokens"] == 0
 
     # echo with generation: prompt, then the completion; logprobs cover both, offsets run on
@@ -71,3 +72,67 @@ def test_echo_scores_the_prompt(served):
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     r = _post(srv, model=model, prompt=text, max_tokens=0)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_prompt_logprobs_field(served):
+    """vLLM's `prompt_logprobs` extra: each prompt token's logprob (null for the first), its rank and the top
+    k, as {token id: {logprob, rank, decoded_token}}: on each completion choice and on the chat response;
+    the values equal the Python API's; refused with stream."""
+    from hybrid import LLM, SamplingParams
+
+    llm, srv = served
+    model = httpx.get(srv.base_url + "/v1/models").json()["data"][0]["id"]
+    text = "hello there"
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    ref = LLM(llm.model_dir, device="cpu", max_num_seqs=2, max_model_len=128, max_num_batched_tokens=64)
+    want = ref.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2, temperature=0),
+                        use_tqdm=False)[0].prompt_logprobs
+    r = _post(srv, model=model, prompt=[text, text], max_tokens=2, prompt_logprobs=2)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        rows = choice["prompt_logprobs"]
+        assert len(rows) == len(ids) and rows[0] is None
+        for i in range(1, len(ids)):
+            row = {int(t): e for t, e in rows[i].items()}
+            assert ids[i] in row and next(iter(row)) == ids[i]  # the prompt token first
+            assert {t for t, e in row.items() if e["rank"] <= 2} >= {t for t, v in want[i].items() if v.rank <= 2}
+            for t, e in row.items():
+                assert math.isclose(e["logprob"], want[i][t], abs_tol=1e-5) and e["rank"] == want[i][t].rank
+                assert e["decoded_token"] == llm.tokenizer.decode([t], skip_special_tokens=False)
+    assert r.json()["choices"][0]["logprobs"] is None  # (prompt_logprobs alone asks no output logprobs)
+
+    chat = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                            "prompt_logprobs": 1, "temperature": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(1 <= len(row) <= 2 for row in chat["prompt_logprobs"][1:])
+    r = _post(srv, model=model, prompt=text, max_tokens=2, prompt_logprobs=1, stream=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    assert "prompt_logprobs" not in _post(srv, model=model, prompt=text, max_tokens=2).json()["choices"][0]
+
+
+def test_stop_reason_and_constraint_errors(served):
+    """vLLM's stop_reason: the stop string (or token id) that ended a choice, None otherwise, streamed on the
+    finishing chunk too; a grammar that does not compile is blamed on the field that carried it."""
+    llm, srv = served
+    model = httpx.get(srv.base_url + "/v1/models").json()["data"][0]["id"]
+    free = _post(srv, model=model, prompt="hello", max_tokens=6, ignore_eos=True).json()["choices"][0]
+    assert free["finish_reason"] == "length" and free["stop_reason"] is None
+    stop = free["text"][2:4]
+    cut = _post(srv, model=model, prompt="hello", max_tokens=6, ignore_eos=True, stop=[stop]).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=60,
+                      json={"model": model, "prompt": "hello", "max_tokens": 6, "ignore_eos": True, "stop": [stop],
+                            "stream": True, "temperature": 0}) as s:
+        import json as _json
+        chunks = [_json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    last = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert last and last[-1]["stop_reason"] == stop
+    for field, value in (("guided_regex", "(["), ("response_format", {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "nonsense"}}})):
+        r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,
+                       json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                             field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        r = _post(srv, model=model, prompt="hi", max_tokens=2, **{field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -4,6 +4,7 @@ events), with reasoning items, function calls, structured text and input items o
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -169,11 +170,16 @@ def test_a_conversation_with_calls_runs(client, served):
     ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
     ({"input": "hi", "tools": [{"type": "function", "name": ""}]}, "tools[0].name"),
     ({"input": "hi", "temperature": -1}, "temperature"),
+    ({"input": "hi", "guided_regex": "(["}, "guided_regex"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+     "text.format"),
 ])
 def test_bad_requests_are_400_naming_the_field(served, body, param):
     r = httpx.post(served.base_url + "/v1/responses", json={"model": MODEL, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+    if r.json()["error"]["message"].startswith("'"):  # a message that names the field names this one
+        assert r.json()["error"]["message"].startswith(f"'{param}'"), r.json()
     assert httpx.post(served.base_url + "/v1/responses", json={"model": "other", "input": "hi"}).status_code == 404
 
 
@@ -195,3 +201,17 @@ def test_sdk_parse_helpers(client):
     chat = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Capital of France?"}],
                                          response_format=City, max_tokens=200, temperature=0, extra_body=NO_THINKING)
     assert chat.choices[0].message.parsed == parsed
+
+
+def test_vllm_constraint_fields_and_the_sampling_used(served):
+    """vLLM's guided_* fields constrain a Responses output as they do a chat one, and the response reports
+    the temperature and top_p it ran with (the model's defaults where the request gives none)."""
+    r = httpx.post(served.base_url + "/v1/responses", timeout=60, json={
+        "model": MODEL, "input": "Say yes or no", "guided_choice": ["yes", "no"], "max_output_tokens": 20,
+        **NO_THINKING}).json()
+    assert r["output"][-1]["content"][0]["text"] in ("yes", "no"), r
+    assert isinstance(r["temperature"], float) and isinstance(r["top_p"], float)
+    r = httpx.post(served.base_url + "/v1/responses", timeout=60, json={
+        "model": MODEL, "input": "hi", "guided_regex": "[ab]{3}", "max_output_tokens": 20, "temperature": 0.5,
+        **NO_THINKING}).json()
+    assert re.fullmatch("[ab]{3}", r["output"][-1]["content"][0]["text"]) and r["temperature"] == 0.5, r

@@ -165,14 +165,16 @@ class Handlers:
         except InvalidRequestError as e:  # e.g. min_tokens > the room left
             raise from_invalid(e) from None
 
-    def validate(self, prompts: list[Prompt], param: str) -> None:
+    def validate(self, prompts: list[Prompt], param: str, constraint_param: str | None = None) -> None:
         """Everything Engine.add_request would reject later, on the worker, where a streamed
-        request has its 200 already: run it now."""
+        request has its 200 already: run it now. A grammar that does not compile is blamed on
+        `constraint_param` (the field it came from) where given, anything else on `param`."""
         for p in prompts:
             try:  # AsyncEngine.validate: every check of Engine.add_request, the vocabulary's too
                 self.engine.validate(p.ids, p.params)
             except InvalidRequestError as e:
-                raise from_invalid(e, param) from None
+                grammar = constraint_param is not None and str(e).startswith("structured outputs")
+                raise from_invalid(e, constraint_param if grammar else param) from None
             if p.priority != 0:  # (0 is every policy's default)
                 try:
                     self.engine.engine.check_priority(p.priority)
@@ -279,7 +281,7 @@ class Handlers:
     def _respond(self, request, prompts: list[Prompt], fmt: ResponseFormat, req, admission: Admission):
         return respond(self.engine, request, prompts, fmt, model=self.model_name, stream=req.stream,
                        include_usage=req.include_usage, continuous_usage=req.continuous_usage, admission=admission,
-                       prompt_tokens_details=self.enable_prompt_tokens_details,
+                       prompt_tokens_details=self.enable_prompt_tokens_details, prompt_logprobs=req.prompt_logprobs,
                        request_id=f"{fmt.id_prefix}-{uuid.uuid4().hex}")
 
     async def completions(self, request, body: dict):
@@ -289,7 +291,7 @@ class Handlers:
         # before the (possibly long) tokenization
         with self.admit(len(req.inputs) * n, "prompt" if len(req.inputs) > 1 else "n") as admission:
             prompts = await self.completion_prompts(req.inputs, req.params, req.max_tokens_param, req.priority)
-            self.validate(prompts, "prompt")
+            self.validate(prompts, "prompt", req.constraint_field)
             fmt = CompletionFormat(n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), echo=req.echo,
                                    echo_only=req.echo_only,
                                    decode=self.decode)
@@ -310,7 +312,8 @@ class Handlers:
         params = self.constrain_after_thought(req.params, reasoning)
         prompt = Prompt(text, ids, self.fit_max_tokens(params, ids, max_tokens_param), req.priority)
         # (a named or "required" tool_choice compiles the tools' schemas here)
-        self.validate([prompt], "tools" if req.tool_choice in ("function", "required") else input_param)
+        tool_schemas = req.tool_choice in ("function", "required")
+        self.validate([prompt], "tools" if tool_schemas else input_param, None if tool_schemas else req.constraint_field)
         markers = self._markers[(tools is not None and tools.kind == "auto", reasoning is not None)]
         return prompt, reasoning, markers
 

@@ -218,6 +218,26 @@ def _response_format(body: dict) -> dict | None:
     return {"json": schema}
 
 
+def _prompt_logprobs(body: dict, stream: bool, params: SamplingParams) -> tuple[int | None, SamplingParams]:
+    """vLLM's prompt_logprobs (k: the prompt tokens' logprobs with the top k each, in the non-streamed
+    response); the params then score the prompt with at least k top entries."""
+    k = get_int(body, "prompt_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if k is None:
+        return None, params
+    if stream:
+        raise bad("prompt_logprobs", "is not available with stream")
+    return k, dataclasses.replace(params, prompt_logprobs=max(k, params.prompt_logprobs or 0))
+
+
+def constraint_field(body: dict) -> str | None:
+    """The field that carries the request's output constraint (what a grammar that fails to compile is
+    blamed on), None without one."""
+    names = ("response_format", "structured_outputs", *_GUIDED)
+    if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") == "text":
+        names = names[1:]
+    return next((name for name in names if body.get(name) is not None), None)
+
+
 def structured_outputs(body: dict) -> StructuredOutputsParams | None:
     """The request's output constraint, from OpenAI's `response_format` ({"type": "json_object"} or
     {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}), vLLM's `structured_outputs`
@@ -342,6 +362,8 @@ class CompletionRequest:
     continuous_usage: bool = False  # the usage so far on every chunk (stream_options.continuous_usage_stats)
     tokens_as_ids: bool | None = None  # return_tokens_as_token_ids (None: the server's default)
     priority: int = 0  # --scheduling-policy priority: lower values run first
+    constraint_field: str | None = None  # the field of the output constraint (constraint_field)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each prompt token's logprob and the top k
 
 
 @dataclass(frozen=True)
@@ -362,6 +384,8 @@ class ChatRequest:
     continuous_usage: bool = False  # the usage so far on every chunk (stream_options.continuous_usage_stats)
     tokens_as_ids: bool | None = None  # return_tokens_as_token_ids (None: the server's default)
     priority: int = 0  # --scheduling-policy priority: lower values run first
+    constraint_field: str | None = None  # the field of the output constraint (constraint_field)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each prompt token's logprob and the top k
 
 
 def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequest:
@@ -385,12 +409,14 @@ def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequ
         params = dataclasses.replace(params, prompt_logprobs=k)
     if echo and params.truncate_prompt_tokens is not None:  # the echoed prompt would not be the one run
         raise bad("truncate_prompt_tokens", "is not supported with echo")
+    plp, params = _prompt_logprobs(body, stream, params)
     best_of = get_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != params.n:
         raise bad("best_of", "is not supported (only best_of == n)")
     return CompletionRequest(inputs, params, "max_tokens" if max_tokens is not None else None, k, stream,
                              include_usage, echo, echo_only, continuous_usage,
-                             get_bool(body, "return_tokens_as_token_ids", None), _priority(body))
+                             get_bool(body, "return_tokens_as_token_ids", None), _priority(body),
+                             constraint_field(body), plp)
 
 
 def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> ChatRequest:
@@ -419,6 +445,7 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
     params = sampling_params(body, max_tokens=max_tokens or default_max, logprobs=k, defaults=defaults)
     params = tool_constraint(tool_kind, tool_name, tools, params, body,
                              ("response_format", "structured_outputs", *_GUIDED), parallel)
+    plp, params = _prompt_logprobs(body, stream, params)
     template_kwargs = chat_template_kwargs(body)
     continue_final = get_bool(body, "continue_final_message", False)
     if continue_final:
@@ -429,7 +456,8 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
             raise bad("continue_final_message", "needs the last message to be the assistant's (the text to continue)")
     return ChatRequest(messages, add_gen, tools, params, param, k, stream, include_usage, tool_kind, tool_name,
                        parallel, template_kwargs, continue_final, continuous_usage,
-                       get_bool(body, "return_tokens_as_token_ids", None), _priority(body))
+                       get_bool(body, "return_tokens_as_token_ids", None), _priority(body), constraint_field(body),
+                       plp)
 
 
 def chat_template_kwargs(body: dict) -> dict | None:

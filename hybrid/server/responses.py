@@ -16,6 +16,7 @@ Nothing is stored: `previous_response_id` is refused (send the conversation in `
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -38,7 +39,8 @@ _RENAMED = (("response_format.json_schema.", "text.format."), ("response_format"
 _PASSED = ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "min_tokens", "repetition_penalty",
            "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "logit_bias",
            "structured_outputs", "chat_template_kwargs", "parallel_tool_calls", "skip_special_tokens",
-           "include_stop_str_in_output", "allowed_token_ids", "bad_words")
+           "include_stop_str_in_output", "allowed_token_ids", "bad_words", "guided_json", "guided_regex",
+           "guided_choice", "guided_grammar", "truncate_prompt_tokens")
 
 
 def _responses_param(param: str) -> str:
@@ -202,11 +204,17 @@ def parse_responses(body: dict, max_model_len: int, defaults: dict | None = None
         req = parse_chat(chat, max_model_len, defaults)
     except APIError as e:
         if e.param is not None:
-            e.param = _responses_param(e.param)
+            renamed = _responses_param(e.param)
+            if renamed != e.param and e.message.startswith(f"'{e.param}'"):  # the message names the field too
+                e.message = f"'{renamed}'" + e.message[len(e.param) + 2:]
+                e.args = (e.message,)
+            e.param = renamed
         raise
+    if req.constraint_field is not None:  # (a grammar that fails later is blamed on the Responses field)
+        req = dataclasses.replace(req, constraint_field=_responses_param(req.constraint_field))
     echo = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "metadata": metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+            "temperature": req.params.temperature, "top_p": req.params.top_p,  # (the values used)
             "tool_choice": body.get("tool_choice", "auto" if tools else "none"), "tools": body.get("tools") or [],
             "text": body.get("text") or {"format": {"type": "text"}}, "user": body.get("user"),
             "reasoning": body.get("reasoning") or {"effort": None, "summary": None}}

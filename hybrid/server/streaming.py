@@ -36,6 +36,7 @@ class ChoiceUpdate(NamedTuple):
     text_offset: int  # characters of this choice sent before `delta`
     finish_reason: str | None
     num_tokens: int
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM's field)
 
 
 class _ChoiceState:
@@ -115,7 +116,8 @@ async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logpr
                         rows = (c.logprobs[st.lp_sent:upto], c.token_ids[st.lp_sent:upto])
                         st.lp_sent = upto
                 update = ChoiceUpdate(pi, c.index, delta, rows, st.text_len,
-                                      c.finish_reason if finished else None, len(c.token_ids))
+                                      c.finish_reason if finished else None, len(c.token_ids),
+                                      c.stop_reason if finished else None)
                 st.text_len += len(delta)
                 st.done = finished
                 updates.append(update)
@@ -195,8 +197,9 @@ class ResponseFormat:
         """The text of choice `key` ((prompt index, choice index)) in its output `c` so far."""
         return c.text
 
-    def choice(self, index: int, text: str, lp: dict | None, reason: str | None) -> dict:
-        """A choice of the non-streamed response."""
+    def choice(self, index: int, text: str, lp: dict | None, reason: str | None,
+               stop_reason: int | str | None = None) -> dict:
+        """A choice of the non-streamed response; stop_reason: the stop string or token id that ended it."""
         raise NotImplementedError
 
     def opening(self) -> list[list[dict]]:
@@ -242,18 +245,21 @@ class CompletionFormat(ResponseFormat):
             s = self.token_str(tid)
             tokens.append(s)
             token_lps.append(d.get(tid))
-            top = sorted(d.items(), key=lambda kv: -kv[1])[:self.k] if self.k else [(tid, d.get(tid))]
+            # the k most likely and, as the OpenAI API promises, always the chosen token (up to k + 1 entries)
+            top = sorted(d.items(), key=lambda kv: -kv[1])[:self.k] if self.k else []
+            if tid in d and all(t != tid for t, _ in top):
+                top = sorted(top + [(tid, d[tid])], key=lambda kv: -kv[1])
             tops.append({self.token_str(t): v for t, v in top})
             offsets.append(off)
             off += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def choice(self, index, text, lp, reason):
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+    def choice(self, index, text, lp, reason, stop_reason=None):
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason}
 
     def deltas(self, u, index, lp):
         if u.delta or u.finish_reason is not None or lp is not None:
-            return [[self.choice(index, u.delta, lp, finish_reason(u.finish_reason))]]
+            return [[self.choice(index, u.delta, lp, finish_reason(u.finish_reason), u.stop_reason)]]
         return []
 
 
@@ -295,7 +301,7 @@ class ChatFormat(ResponseFormat):
             content.append({**self._entry(tid, d.get(tid)), "top_logprobs": [self._entry(t, v) for t, v in top]})
         return {"content": content}
 
-    def choice(self, index, text, lp, reason):
+    def choice(self, index, text, lp, reason, stop_reason=None):
         thought = None
         if self.reasoning is not None:
             thought, text = self.reasoning.split(text)
@@ -311,7 +317,8 @@ class ChatFormat(ResponseFormat):
             reason = self.tools.finish_reason(reason, bool(calls))
         if self.reasoning is not None:
             message["reasoning"] = message["reasoning_content"] = thought
-        return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason,
+                "stop_reason": stop_reason}
 
     def opening(self):
         return [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
@@ -325,7 +332,7 @@ class ChatFormat(ResponseFormat):
             chunks.append([{"index": index, "delta": {"content": u.delta}, "logprobs": lp, "finish_reason": None}])
         if u.finish_reason is not None:
             chunks.append([{"index": index, "delta": {}, "logprobs": None,
-                            "finish_reason": finish_reason(u.finish_reason)}])
+                            "finish_reason": finish_reason(u.finish_reason), "stop_reason": u.stop_reason}])
         return chunks
 
     def _parsed_deltas(self, u, index, lp):
@@ -371,7 +378,8 @@ class ChatFormat(ResponseFormat):
             reason = finish_reason(u.finish_reason)
             if self.tools is not None:
                 reason = self.tools.finish_reason(reason, stream.called)
-            chunks.append([{"index": index, "delta": {}, "logprobs": take_lp(), "finish_reason": reason}])
+            chunks.append([{"index": index, "delta": {}, "logprobs": take_lp(), "finish_reason": reason,
+                            "stop_reason": u.stop_reason}])
         return chunks
 
 
@@ -413,9 +421,25 @@ class AdmittedStream(StreamingResponse):
             self.admission.release()
 
 
+def prompt_logprob_rows(rows: list[dict | None], ids: list[int], k: int,
+                        token_str: Callable[[int], str]) -> list[dict | None]:
+    """vLLM's prompt_logprobs in JSON: per prompt token (None for the first) {token id: {"logprob",
+    "rank", "decoded_token"}} of the token itself and the k most likely."""
+    out: list[dict | None] = []
+    for tid, d in zip(ids, rows):
+        if d is None:
+            out.append(None)
+            continue
+        kept = sorted(((t, v) for t, v in d.items() if t == tid or (v.rank is not None and v.rank <= k)),
+                      key=lambda kv: (kv[0] != tid, kv[1].rank or 0))  # (the token itself first, as vLLM's)
+        out.append({str(t): {"logprob": max(float(v), -9999.0), "rank": v.rank, "decoded_token": token_str(t)}
+                    for t, v in kept})
+    return out
+
+
 async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *, model: str, stream: bool,
                   include_usage: bool, admission, request_id: str, continuous_usage: bool = False,
-                  prompt_tokens_details: bool = False):
+                  prompt_tokens_details: bool = False, prompt_logprobs: int | None = None):
     """The response to validated prompts, for either endpoint: the whole JSON body once every
     choice is done (499 if the client went away first), or the stream of SSE chunks (with
     `continuous_usage`, each carries the usage so far: the prompts' tokens and every choice's tokens
@@ -433,16 +457,26 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
                 if fmt.echo:
                     text, lp, tokens = fmt.echoed(prompts[pi], out, c)
                     completion_tokens += tokens
-                    choices.append(fmt.choice(pi * n + c.index, text, lp, finish_reason(c.finish_reason)))
+                    choices.append(fmt.choice(pi * n + c.index, text, lp, finish_reason(c.finish_reason),
+                                              c.stop_reason))
                     continue
                 completion_tokens += len(c.token_ids)
                 lp = fmt.logprobs(c.logprobs, c.token_ids, 0) if fmt.k is not None and c.logprobs is not None \
                     else None
                 choices.append(fmt.choice(pi * n + c.index, fmt.text((pi, c.index), c), lp,
-                                          finish_reason(c.finish_reason)))
+                                          finish_reason(c.finish_reason), c.stop_reason))
         cached_tokens = sum(out.num_cached_tokens for out in finals) if prompt_tokens_details else None
-        return JSONResponse({"id": request_id, "object": fmt.object_name, "created": created, "model": model,
-                             "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
+        body = {"id": request_id, "object": fmt.object_name, "created": created, "model": model,
+                "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+        if prompt_logprobs is not None:  # (vLLM's places: on each completion choice, on the chat response)
+            rows = [prompt_logprob_rows(out.prompt_logprobs, out.prompt_token_ids, prompt_logprobs, fmt.token_str)
+                    for out in finals]
+            if isinstance(fmt, ChatFormat):
+                body["prompt_logprobs"] = rows[0]
+            else:
+                for choice in choices:
+                    choice["prompt_logprobs"] = rows[choice["index"] // n]
+        return JSONResponse(body)
 
     # Every chunk is {"id", "object", "created", "model", "choices"[, "usage"]}: the fields around the
     # choices are the same in each, so they are serialised once (json.dumps writes a dict's items in
