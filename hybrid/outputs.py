@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 class Logprob(float):
     """A token's log-probability. A float (what this package's own code and the server read), with
     vLLM's Logprob fields for code written against vLLM: `.logprob`, `.rank` (1 for the most
-    likely token, among the top entries; None for a sampled token outside them) and
+    likely token; a sampled or prompt token outside the top entries has its own rank, 1 + the tokens more
+    likely than it) and
     `.decoded_token` (None: the token's text is tokenizer.decode([id]))."""
     __slots__ = ("rank",)
     decoded_token = None
