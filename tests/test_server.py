@@ -440,7 +440,7 @@ def test_queue_limit_answers_429(chat_ckpt):
             assert wait_until(lambda: app.state.async_engine.num_inflight == 2)
             r = h.post(srv.base_url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
             assert r.status_code == 429, r.text
-            assert r.json()["error"]["code"] == "queue_full"
+            assert r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1"
         finally:
             for cm in streams:
                 cm.__exit__(None, None, None)

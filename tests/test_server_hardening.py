@@ -325,6 +325,12 @@ def test_roles_max_tokens_and_unknown_models(served):
         with pytest.raises(openai.NotFoundError) as ei:
             call()
         assert ei.value.code == "model_not_found"
+    # another kind of model's endpoint: a 404 that says why, through the client too
+    err = _err(_post(served, "/v1/embeddings", {"model": MODEL, "input": "a"}), 404, "not_found", None)
+    assert "text-generation model" in err["message"] and "pooling" in err["message"]
+    with pytest.raises(openai.NotFoundError, match="is not served"):
+        c.embeddings.create(model=MODEL, input="a")
+    assert _post(served, "/v1/nothing-here", {}).json()["error"]["message"] == "Not Found"
     assert _no_leaks(served)
 
 

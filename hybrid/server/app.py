@@ -160,6 +160,15 @@ async def _read_json(request, max_bytes: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------- the app factory
+# the OpenAI / vLLM endpoints of other kinds of model, which a client may try: a 404 that says why
+NOT_SERVED = {**{path: "embeddings need a pooling model" for path in ("/v1/embeddings", "/pooling", "/classify")},
+              **{path: "scoring needs a cross-encoder or pooling model"
+                 for path in ("/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank")},
+              **{path: "it has no audio or image input or output" for path in (
+                  "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/speech",
+                  "/v1/images/generations")}}
+
+
 def build_app(llm_or_engine, served_model_name: str | None = None,
               max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS, *,
               api_key: str | None = None, allowed_origins: list[str] | None = None,
@@ -235,7 +244,9 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     def error_response(e: APIError) -> JSONResponse:
         if e.status >= 400:
             metrics.on_reject(e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        # a full queue: a client's retry logic (the openai client's among them) reads when to try again
+        headers = {"Retry-After": "1"} if e.status == 429 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -252,7 +263,11 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(APIError(str(e.detail), e.status_code, None, code).body(), status_code=e.status_code)
+        message = str(e.detail)
+        if e.status_code == 404 and request.url.path in NOT_SERVED:  # say why, not just "Not Found"
+            message = (f"{request.url.path} is not served: this server runs a text-generation model "
+                       f"({NOT_SERVED[request.url.path]}); use /v1/completions or /v1/chat/completions")
+        return JSONResponse(APIError(message, e.status_code, None, code).body(), status_code=e.status_code)
 
     @app.exception_handler(HybridError)
     async def _hybrid(request: Request, e: HybridError):  # EngineDeadError, a failed request, ...
