@@ -136,3 +136,33 @@ def test_stop_reason_and_constraint_errors(served):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         r = _post(srv, model=model, prompt="hi", max_tokens=2, **{field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_ignored_fields_are_logged_once(served, caplog):
+    """A field the server never reads is logged (vLLM's habit: a misspelt field does not pass unnoticed),
+    once per endpoint and field; the fields it does read, and OpenAI's bookkeeping ones, are not."""
+    import logging
+
+    llm, srv = served
+    model = httpx.get(srv.base_url + "/v1/models").json()["data"][0]["id"]
+    known = {"model": model, "max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.0, "seed": 1,
+             "n": 1, "stop": ["zz"], "stop_token_ids": [3], "ignore_eos": True, "presence_penalty": 0.1,
+             "frequency_penalty": 0.1, "repetition_penalty": 1.1, "logit_bias": {"5": 1}, "min_tokens": 1,
+             "skip_special_tokens": True, "include_stop_str_in_output": False, "user": "u", "stream": False,
+             "priority": 0, "return_tokens_as_token_ids": False, "truncate_prompt_tokens": 8, "metadata": {}}
+    chat_msgs = [{"role": "user", "content": "hi"}]
+    with caplog.at_level(logging.WARNING, logger="hybrid.server.handlers"):
+        assert _post(srv, prompt="hi", logprobs=1, best_of=1, **known).status_code == 200
+        r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,
+                       json={**{k: v for k, v in known.items() if k != "max_tokens"}, "messages": chat_msgs,
+                             "logprobs": True, "top_logprobs": 1, "max_completion_tokens": 2, "parallel_tool_calls": True, "add_generation_prompt": True,
+                             "chat_template_kwargs": {"x": 1}, "stream_options": None, "store": False})
+        assert r.status_code == 200, r.text
+        assert not [rec for rec in caplog.records if "ignored" in rec.getMessage()], caplog.text
+        for _ in range(2):  # a misspelt field and one this server does not do: logged, the first time only
+            r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,
+                           json={"model": model, "messages": chat_msgs, "max_tokens": 2, "temprature": 0,
+                                 "echo": True})
+            assert r.status_code == 200, r.text
+    logged = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert len(logged) == 1 and "echo, temprature" in logged[0] and "/v1/chat/completions" in logged[0], logged

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 
@@ -17,12 +18,21 @@ from hybrid.errors import InvalidRequestError
 from hybrid.request import truncate_prompt
 from hybrid.sampling import SamplingParams
 from hybrid.server.api_errors import APIError, bad, engine_dead_error, from_invalid
-from hybrid.server.protocol import chat_messages, chat_template_kwargs, get_bool, parse_chat, parse_completion
+from hybrid.server.protocol import (
+    ReadFields,
+    chat_messages,
+    chat_template_kwargs,
+    get_bool,
+    parse_chat,
+    parse_completion,
+)
 from hybrid.server.reasoning import THINK_END, THINK_START, ReasoningMode, check_reasoning_parser, prompt_opens_reasoning
 from hybrid.server.streaming import ChatFormat, CompletionFormat, Prompt, ResponseFormat, respond
 from hybrid.server.tool_calls import ToolMode
 from hybrid.server.tool_parsers import check_tool_options
 from hybrid.server.tool_tags import MarkerTokens
+
+logger = logging.getLogger(__name__)
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -100,6 +110,7 @@ class Handlers:
         self.metrics = metrics
         self.created = int(time.time())
         self._token_str: dict[int, str] = {}
+        self._warned_fields: set[tuple[str, str]] = set()  # (endpoint, field) ignored fields already logged
         # Admission: sequences (prompts x n) of the requests being served. Checked and reserved in
         # one synchronous step on the event loop when a request arrives, so concurrent requests
         # (streamed ones included, whose engine work starts only with the response) cannot all
@@ -284,9 +295,20 @@ class Handlers:
                        prompt_tokens_details=self.enable_prompt_tokens_details, prompt_logprobs=req.prompt_logprobs,
                        request_id=f"{fmt.id_prefix}-{uuid.uuid4().hex}")
 
+    def warn_ignored(self, endpoint: str, body: ReadFields) -> None:
+        """Log the fields a request sent that its parser never read (once per endpoint and field: a
+        client sends the same ones with every request)."""
+        new = [k for k in body.ignored() if (endpoint, k) not in self._warned_fields]
+        if new:
+            self._warned_fields.update((endpoint, k) for k in new)
+            logger.warning("%s: these request fields were ignored (not supported here): %s (logged once each)",
+                           endpoint, ", ".join(new))
+
     async def completions(self, request, body: dict):
+        body = ReadFields(body)
         self.check_model(body)
         req = parse_completion(body, self.sampling_defaults)
+        self.warn_ignored("/v1/completions", body)
         n = req.params.n
         # before the (possibly long) tokenization
         with self.admit(len(req.inputs) * n, "prompt" if len(req.inputs) > 1 else "n") as admission:
@@ -318,8 +340,10 @@ class Handlers:
         return prompt, reasoning, markers
 
     async def chat(self, request, body: dict):
+        body = ReadFields(body)
         self.check_model(body)
         req = parse_chat(body, self.max_model_len, self.sampling_defaults)
+        self.warn_ignored("/v1/chat/completions", body)
         tools, template = self.tool_mode(req), self.chat_template()  # (their 400s before anything is reserved)
         with self.admit(req.params.n, "n") as admission:  # before rendering and tokenizing
             prompt, reasoning, markers = await self.chat_prompt(req, tools, template, "messages",
@@ -333,8 +357,10 @@ class Handlers:
         output items (hybrid/server/responses.py)."""
         from hybrid.server.responses import ResponsesWriter, parse_responses, respond_responses
 
+        body = ReadFields(body)
         self.check_model(body)
         rreq = parse_responses(body, self.max_model_len, self.sampling_defaults)
+        self.warn_ignored("/v1/responses", body)
         req = rreq.chat
         tools, template = self.tool_mode(req), self.chat_template()
         with self.admit(1, "input") as admission:

@@ -9,7 +9,6 @@ What needs the model (tokenizing, the context length, the vocabulary) is checked
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import re
 from dataclasses import dataclass
@@ -27,6 +26,35 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's
 
 
 # ---------------------------------------------------------------------------------- the body
+# fields a client may send that change nothing here (OpenAI's bookkeeping): not reported as ignored
+ACCEPTED_UNUSED = frozenset({"user", "store", "metadata", "service_tier"})
+
+
+class ReadFields(dict):
+    """A request body that records the fields its parser read: the others were ignored, which the
+    server logs (as vLLM does), so that a misspelt or unsupported field does not pass unnoticed."""
+
+    def __init__(self, body: dict) -> None:
+        super().__init__(body)
+        self.read: set = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def ignored(self) -> list[str]:
+        """The fields never read, but those in ACCEPTED_UNUSED."""
+        return sorted(k for k in self if k not in self.read and k not in ACCEPTED_UNUSED)
+
+
 def _lone_surrogate_path(obj) -> str | None:
     """The JSON path of the first string (or key) holding a lone UTF-16 surrogate, or None.
     json.loads turns "\\ud800" into such a string; it is not Unicode text, the tokenizer cannot
