@@ -329,7 +329,7 @@ def test_the_fallback_kernel_draws_the_tokens_of_the_torch_redo(monkeypatch, mas
     """The Triton redo of uncovered rows (CUDA's path, no host sync) against the torch redo (CPU's),
     through Triton's interpreter: the same token for every row, covered rows left alone. Vocabularies
     of one tile and (with a 512-token tile) of several and not a multiple of one; top-k with ties past the
-    candidates; flat rows."""
+    candidates; flat rows. (Vocabularies of ~1.3K tokens: the interpreter's time grows with them.)"""
     import os
 
     import hybrid.sampling as sampling
@@ -344,7 +344,7 @@ def test_the_fallback_kernel_draws_the_tokens_of_the_torch_redo(monkeypatch, mas
     combos = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, top_k=30), SamplingParams(top_k=3),
               SamplingParams(min_p=0.02), SamplingParams(top_p=0.97, min_p=0.001, temperature=0.7),
               SamplingParams(top_p=0.3, top_k=200, min_p=0.2)]
-    for c, (V, flat, ties) in enumerate([(2500, True, False), (2500, False, True), (700, True, True)]):
+    for c, (V, flat, ties) in enumerate([(1300, True, False), (1300, False, True), (700, True, True)]):
         logits = _random_rows(c, 12, V, flat=flat, ties=ties).to(dev)
         logits[3] = 0.0  # every token tied
         logits[4, : V // 2] = 1.0  # a top-k tie run past the candidates
@@ -426,7 +426,7 @@ def test_the_fallback_kernel_search_at_its_edges(monkeypatch, masses):
     Triton's interpreter: rows of _search_rows, top-p from keeping one token to just below 1 (the target
     above the row's whole fixed-point mass: the search ends below every token), with and without top-k
     (a top-k above the 5 finite logits: kth -inf) and min-p (looser than the cut: the kept mass comes from
-    the search; tighter: its own pass); two tiles, the second partial."""
+    the search; tighter: its own pass); two tiles of 512 tokens, the second partial."""
     import os
 
     import hybrid.sampling as sampling
@@ -436,7 +436,8 @@ def test_the_fallback_kernel_search_at_its_edges(monkeypatch, masses):
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton's interpreter must be on before triton is imported (tests/conftest.py)")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    V = sampling.FALLBACK_TILE[0] * sampling.FALLBACK_TILE[1] + 900
+    monkeypatch.setattr(sampling, "FALLBACK_TILE", (32, 16))  # (small tiles: the interpreter's time grows with V)
+    V = sampling.FALLBACK_TILE[0] * sampling.FALLBACK_TILE[1] + 300
     logits = _search_rows(V, 5).to(dev)
     combos = [SamplingParams(top_p=1e-6), SamplingParams(top_p=0.5), SamplingParams(top_p=0.95),
               SamplingParams(top_p=1 - 1e-12), SamplingParams(top_p=0.999999, temperature=0.5),
