@@ -159,10 +159,30 @@ def test_ignored_fields_are_logged_once(served, caplog):
                              "chat_template_kwargs": {"x": 1}, "stream_options": None, "store": False})
         assert r.status_code == 200, r.text
         assert not [rec for rec in caplog.records if "ignored" in rec.getMessage()], caplog.text
-        for _ in range(2):  # a misspelt field and one this server does not do: logged, the first time only
+        for _ in range(2):  # two misspelt fields: logged, the first time only
             r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,
                            json={"model": model, "messages": chat_msgs, "max_tokens": 2, "temprature": 0,
-                                 "echo": True})
+                                 "logprob": True})
             assert r.status_code == 200, r.text
     logged = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
-    assert len(logged) == 1 and "echo, temprature" in logged[0] and "/v1/chat/completions" in logged[0], logged
+    assert len(logged) == 1 and "logprob, temprature" in logged[0] and "/v1/chat/completions" in logged[0], logged
+
+
+def test_chat_echo(served):
+    """vLLM's chat `echo`: with the last message the assistant's (continued), the reply's content starts
+    with it, whole and streamed; otherwise nothing is added."""
+    llm, srv = served
+    model = httpx.get(srv.base_url + "/v1/models").json()["data"][0]["id"]
+    base = {"model": model, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "continue_final_message": True,
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well, "}]}
+    url = srv.base_url + "/v1/chat/completions"
+    plain = httpx.post(url, timeout=60, json=base).json()["choices"][0]["message"]["content"]
+    echoed = httpx.post(url, timeout=60, json={**base, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "Well, " + plain
+    import json as _json
+    with httpx.stream("POST", url, timeout=60, json={**base, "echo": True, "stream": True}) as s:
+        chunks = [_json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == echoed
+    user_last = {**base, "continue_final_message": False, "echo": True, "messages": base["messages"][:1]}
+    fresh = httpx.post(url, timeout=60, json={**user_last, "echo": False}).json()["choices"][0]["message"]["content"]
+    assert httpx.post(url, timeout=60, json=user_last).json()["choices"][0]["message"]["content"] == fresh

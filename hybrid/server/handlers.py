@@ -348,8 +348,10 @@ class Handlers:
         with self.admit(req.params.n, "n") as admission:  # before rendering and tokenizing
             prompt, reasoning, markers = await self.chat_prompt(req, tools, template, "messages",
                                                                 req.max_tokens_param)
+            last = req.messages[-1]
+            echo = last["content"] if req.echo and last["role"] == "assistant" else ""
             fmt = ChatFormat(req.params.n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), tools, markers,
-                             reasoning)
+                             reasoning, echo=echo or "")
             return await self._respond(request, [prompt], fmt, req, admission)
 
     async def responses(self, request, body: dict):

@@ -414,6 +414,7 @@ class ChatRequest:
     priority: int = 0  # --scheduling-policy priority: lower values run first
     constraint_field: str | None = None  # the field of the output constraint (constraint_field)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each prompt token's logprob and the top k
+    echo: bool = False  # vLLM's chat echo: the reply's content starts with the last (assistant) message's
 
 
 def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequest:
@@ -485,7 +486,7 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
     return ChatRequest(messages, add_gen, tools, params, param, k, stream, include_usage, tool_kind, tool_name,
                        parallel, template_kwargs, continue_final, continuous_usage,
                        get_bool(body, "return_tokens_as_token_ids", None), _priority(body), constraint_field(body),
-                       plp)
+                       plp, get_bool(body, "echo", False))
 
 
 def chat_template_kwargs(body: dict) -> dict | None:

@@ -268,12 +268,14 @@ class ChatFormat(ResponseFormat):
     the thought apart from it, as `reasoning` and `reasoning_content`; with a ToolMode
     (hybrid/server/tool_calls.py) the tool calls read from the content. `markers` (tool_tags.MarkerTokens,
     active): tags to parse are special tokens of the tokenizer, so the text parsed is rebuilt from the
-    token ids with them kept."""
+    token ids with them kept. `echo` (vLLM's chat echo): the text the reply's content starts with (the
+    last message's, when it is the assistant's: the reply continues it)."""
     id_prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, n: int, logprobs: int | None, token_str: Callable[[int], str], tools: ToolMode | None = None,
-                 markers: MarkerTokens | None = None, reasoning: ReasoningMode | None = None) -> None:
+                 markers: MarkerTokens | None = None, reasoning: ReasoningMode | None = None, echo: str = "") -> None:
         super().__init__(n, logprobs, token_str)
+        self.echo_text = echo
         self.tools = tools
         self.reasoning = reasoning
         self.markers = markers if markers is not None and markers.ids else None
@@ -317,12 +319,14 @@ class ChatFormat(ResponseFormat):
             reason = self.tools.finish_reason(reason, bool(calls))
         if self.reasoning is not None:
             message["reasoning"] = message["reasoning_content"] = thought
+        if self.echo_text:
+            message["content"] = self.echo_text + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason,
                 "stop_reason": stop_reason}
 
     def opening(self):
-        return [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-                for i in range(self.n)]
+        return [[{"index": i, "delta": {"role": "assistant", "content": self.echo_text}, "logprobs": None,
+                  "finish_reason": None}] for i in range(self.n)]
 
     def deltas(self, u, index, lp):
         if self.tools is not None or self.reasoning is not None:
