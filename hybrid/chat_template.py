@@ -80,17 +80,32 @@ def render_chat(template: str, messages: list[dict], tokenizer_config: dict | No
         variables["continue_final_message"] = True
     try:
         text = _compiled(template).render(**variables)
+        if continue_final_message:
+            return _cut_after_final_message(template, variables, text, messages)
     except jinja2.exceptions.TemplateError as e:
         raise InvalidRequestError(f"the chat template could not be rendered: {e}") from None
-    return _cut_after_final_message(text, messages) if continue_final_message else text
+    return text
 
 
-def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+# marks the end of the last message's content in a second rendering (continue_final_message)
+_FINAL_MESSAGE_END = "\x00hybrid-final-message-end\x00"
+
+
+def _cut_after_final_message(template: str, variables: dict, text: str, messages: list[dict]) -> str:
     """The rendered conversation up to the end of its last message's content: what the template
-    writes after it (the end-of-turn tokens) is cut, so generation continues the message."""
+    writes after it (the end-of-turn tokens) is cut, so generation continues the message. The end is
+    found by rendering again with a marker after the content: searching the text for the content
+    itself can land on a later copy of it (a content "end" inside an end-of-turn token)."""
     content = messages[-1].get("content") if messages else None
     if not isinstance(content, str) or not content.strip():
         raise InvalidRequestError("continue_final_message needs a last message with text to continue")
+    marked = _compiled(template).render(**{**variables, "messages": [
+        *messages[:-1], {**messages[-1], "content": content + _FINAL_MESSAGE_END}]})
+    at = marked.rfind(_FINAL_MESSAGE_END)
+    if at != -1:
+        for prefix in (marked[:at], marked[:at].rstrip()):  # (a template that strips the content it writes)
+            if text.startswith(prefix):
+                return prefix
     for needle in (content, content.strip()):  # a template may strip the content it writes
         at = text.rfind(needle)
         if at != -1:

@@ -167,6 +167,16 @@ class Engine:
         for key in self.stats:
             self.stats[key] = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix, giving back its slot and pages (vLLM's reset_prefix_cache: e.g.
+        between benchmark runs). False, and nothing dropped, while requests are in the engine."""
+        if self.has_unfinished_requests():
+            logger.warning("reset_prefix_cache: requests are running; the prefix cache is kept")
+            return False
+        while self.resources.evict_cached_prefix():
+            pass
+        return True
+
     def spec_acceptance_rate(self) -> float | None:
         """Accepted / proposed draft tokens so far (None before any draft was verified)."""
         drafted = self.stats["spec_draft_tokens"]
@@ -186,6 +196,10 @@ class Engine:
         validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         # bad words are tokenized here, where the tokenizer is (the tokens, not the words, are masked)
         bad_words = bad_words_token_ids(params.bad_words, self.tokenizer, self.vocab_size) if params.bad_words else None
+        if params.stop and self.tokenizer is None:  # (no text is made, so a stop string could never match)
+            raise InvalidRequestError("invalid sampling parameter stop=...: stop strings need the checkpoint's "
+                                      "tokenizer (tokenizer.json) to read the text; this model has none: "
+                                      "use stop_token_ids")
         if params.allowed_token_ids is not None and params.min_tokens > 0:
             # min_tokens masks the end tokens: allowed ids that are all end tokens leave nothing to sample
             ends = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))

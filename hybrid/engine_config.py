@@ -26,8 +26,8 @@ logger = logging.getLogger("hybrid")
 __all__ = ["EngineConfig", "CacheConfig", "engine_config", "resolve_device", "resolve_dtype", "EngineSizes",
            "default_sizes", "smaller_sizes", "fit_max_model_len", "plan_cuda_sizes"]
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 # Defaults that suit the device (explicit arguments always win). CPU: a few sequences, small
 # steps, at most 4096 tokens of context. CUDA: as vLLM, 256 sequences and 8192-token steps (less
@@ -156,7 +156,7 @@ def engine_config(
     dtype: str | torch.dtype | None = "auto",
     max_num_seqs: int | None = None,
     page_size: int = 16,
-    seed: int = 0,
+    seed: int | None = 0,
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
     num_kv_pages: int | None = None,
@@ -189,8 +189,10 @@ def engine_config(
     _check_int("prefix_cache_entries", prefix_cache_entries, 0, optional=True)
     _check_int("prefix_cache_interval", prefix_cache_interval, 0)
     _check_int("tensor_parallel_size", tensor_parallel_size, 1)
+    if seed is None:  # (vLLM's None: unseeded requests differ from one run to the next)
+        seed = int.from_bytes(os.urandom(8), "little")
     if not isinstance(seed, int) or isinstance(seed, bool):  # any int (reduced as sampling seeds are)
-        raise ConfigurationError(f"seed must be an integer, got {seed!r}")
+        raise ConfigurationError(f"seed must be an integer or None, got {seed!r}")
     if not isinstance(gpu_memory_utilization, (int, float)) or not 0.0 < gpu_memory_utilization <= 1.0:
         raise ConfigurationError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
     if scheduling_policy not in SCHEDULING_POLICIES:

@@ -88,7 +88,7 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         max_num_seqs: int | None = None,  # None: 256 on CUDA (fewer if memory is short), 8 on CPU
         page_size: int = 16,
-        seed: int = 0,
+        seed: int | None = 0,  # None: a random seed (unseeded requests differ from run to run)
         max_model_len: int | None = None,  # None: the checkpoint's (CUDA: capped by memory; CPU: at most 4096)
         max_num_batched_tokens: int | None = None,  # None: 8192 on CUDA (fewer if memory is short), 256 on CPU
         num_kv_pages: int | None = None,
@@ -172,6 +172,10 @@ class LLM:
         sizes = default_sizes(self.device.type, cfg.max_position_embeddings, max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               max_model_len=config.max_model_len)
+        if config.max_model_len is not None and config.max_model_len > cfg.max_position_embeddings:
+            logger.warning("max_model_len=%d is longer than the checkpoint's max_position_embeddings=%d: the model "
+                           "was not trained on positions past it, and its outputs there may degrade",
+                           config.max_model_len, cfg.max_position_embeddings)
 
         from hybrid.tokenizer import Tokenizer
 
@@ -501,6 +505,35 @@ class LLM:
         recommendations (see generation_config), else SamplingParams()'s defaults, as vLLM's."""
         return SamplingParams(**self.default_sampling)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (vLLM's LLM.reset_prefix_cache, e.g. between benchmark runs); False
+        while requests run."""
+        return self.engine.reset_prefix_cache()
+
+    def _pooling_only(self, name: str):
+        raise InvalidRequestError(f"LLM.{name}() needs a pooling or scoring model; this runtime serves generative "
+                                  "models only: use generate() or chat()")
+
+    def encode(self, *args, **kwargs):
+        """Not served (vLLM's pooling API): raises InvalidRequestError saying so."""
+        self._pooling_only("encode")
+
+    def embed(self, *args, **kwargs):
+        """Not served (vLLM's pooling API): raises InvalidRequestError saying so."""
+        self._pooling_only("embed")
+
+    def classify(self, *args, **kwargs):
+        """Not served (vLLM's pooling API): raises InvalidRequestError saying so."""
+        self._pooling_only("classify")
+
+    def score(self, *args, **kwargs):
+        """Not served (vLLM's scoring API): raises InvalidRequestError saying so."""
+        self._pooling_only("score")
+
+    def reward(self, *args, **kwargs):
+        """Not served (vLLM's pooling API): raises InvalidRequestError saying so."""
+        self._pooling_only("reward")
+
     def get_tokenizer(self):
         """The checkpoint's tokenizer (hybrid.tokenizer.Tokenizer: encode, decode,
         apply_chat_template, eos_token_ids), or None if the checkpoint has no tokenizer.json."""
@@ -554,7 +587,7 @@ class LLM:
         for i, (conv, params) in enumerate(zip(conversations, params_list)):
             try:
                 text = self.tokenizer.apply_chat_template(
-                    conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                    conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=False,
                     continue_final_message=continue_final_message, **template_vars)
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
                 if not ids:

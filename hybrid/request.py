@@ -176,8 +176,11 @@ def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len:
     # anything else is found, and named, by the loop
     if not (set(map(type, prompt_token_ids)) == {int}
             and 0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab_size):
-        for t in prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+        for i, t in enumerate(prompt_token_ids):
+            if type(t) is not int:  # (bool, float, a numpy integer: the type is the problem, not the value)
+                raise InvalidRequestError(f"prompt token ids must be Python ints: position {i} holds {t!r} "
+                                          f"({type(t).__name__}); a numpy array or tensor converts with .tolist()")
+            if not 0 <= t < vocab_size:
                 raise InvalidRequestError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
     if len(prompt_token_ids) >= max_model_len:
         raise InvalidRequestError(

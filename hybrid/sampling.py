@@ -31,6 +31,7 @@ does not depend on C or on the path. Rows without top-k/top-p/min-p draw over th
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -62,13 +63,16 @@ PREFILTER_CANDIDATES = 1024
 # at most 2**52 + rounding, far from overflow).
 FIXED_ONE = 1 << 52
 
+# SamplingParams(max_tokens=None): the output runs until the context is full, which every bound on it reaches first
+UNBOUNDED_MAX_TOKENS = 2**62
+
 @dataclass
 class SamplingParams:
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None (as vLLM's): until the context is full
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1: off
+    top_k: int = -1  # -1 or 0: off
     seed: int | None = None  # any int (negative or huge too): reduced modulo 2**64, see generator_seed
     stop_token_ids: list[int] | None = None
     stop: list[str] | str | None = None
@@ -104,13 +108,21 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.validate()
 
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's SamplingParams.clone), to change without touching this one."""
+        return copy.deepcopy(self)
+
     def validate(self) -> None:
         def bad(field_name: str, why: str) -> InvalidRequestError:
             value = getattr(self, field_name)
             return InvalidRequestError(f"invalid sampling parameter {field_name}={value!r}: {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
+        if self.max_tokens is None:  # (every use is a bound next to the context's: this one never binds)
+            self.max_tokens = UNBOUNDED_MAX_TOKENS
+        if self.top_k == 0 and not isinstance(self.top_k, bool):  # vLLM's and transformers' "off"
+            self.top_k = -1
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
         if not isinstance(self.temperature, (int, float)) or not (self.temperature >= 0.0) or self.temperature == float("inf"):

@@ -1,7 +1,13 @@
-"""Tokenizer over the `tokenizers` library: tokenizer.json plus tokenizer_config.json."""
+"""Tokenizer over the `tokenizers` library: tokenizer.json plus tokenizer_config.json.
+
+Besides its own methods it has the part of Hugging Face's PreTrainedTokenizer surface that vLLM
+users write against (LLM.get_tokenizer() returns it): eos_token_id, len(), tokenizer(text),
+convert_ids_to_tokens, batch_decode, apply_chat_template(tokenize=True) ...; names and defaults
+are transformers' unless a docstring says otherwise."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from hybrid.config_fields import read_json
 from hybrid.errors import CheckpointError, InvalidRequestError
@@ -30,6 +36,29 @@ def _chat_template(value, cfg_path: str) -> str | None:
     raise CheckpointError(f"{cfg_path}: 'chat_template' must be a string or a list of named templates")
 
 
+class BatchEncoding(dict):
+    """What tokenizer(text) returns, as transformers' BatchEncoding: a dict ("input_ids",
+    "attention_mask") whose keys also read as attributes (enc.input_ids)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+# transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES), in its order
+SPECIAL_TOKENS_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _token_str(value) -> str | None:
+    """A special token of tokenizer_config.json (a string or an AddedToken dict) as its string; None
+    if absent or malformed (only eos/bos are checked strictly, as before: the others are optional)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
 class Tokenizer:
     def __init__(self, model_dir: str, eos_token_ids: tuple[int, ...] = ()) -> None:
         from tokenizers import Tokenizer as _Tokenizer
@@ -49,6 +78,22 @@ class Tokenizer:
             self.eos_token_ids.add(eos)
         self.bos_token_id = self._special(self.config.get("bos_token"), cfg_path, "bos_token")
         self.chat_template: str | None = _chat_template(self.config.get("chat_template"), cfg_path)
+        # HF's special_tokens_map: the named special tokens tokenizer_config.json sets
+        self.special_tokens_map: dict[str, str] = {
+            k: t for k in SPECIAL_TOKENS_ATTRIBUTES if (t := _token_str(self.config.get(k))) is not None}
+        # HF's eos_token_id is tokenizer_config.json's eos_token; without one, a single EOS id that
+        # config.json / generation_config.json name is as good (HF would say None)
+        if eos is None and len(self.eos_token_ids) == 1:
+            eos = next(iter(self.eos_token_ids))
+            if (eos_str := self._tok.id_to_token(eos)) is not None:
+                self.special_tokens_map.setdefault("eos_token", eos_str)
+        self.eos_token_id: int | None = eos
+        self.eos_token: str | None = self.special_tokens_map.get("eos_token")
+        self.bos_token: str | None = self.special_tokens_map.get("bos_token")
+        self.pad_token: str | None = self.special_tokens_map.get("pad_token")
+        self.unk_token: str | None = self.special_tokens_map.get("unk_token")
+        self.pad_token_id: int | None = self.token_to_id(self.pad_token) if self.pad_token else None
+        self.unk_token_id: int | None = self.token_to_id(self.unk_token) if self.unk_token else None
 
     def _special(self, token, cfg_path: str, key: str) -> int | None:
         if isinstance(token, dict):
@@ -61,7 +106,35 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """The number of ids, added tokens included (= len(tokenizer)). Unlike HF's vocab_size,
+        which leaves the added tokens out: the structured-output engine relies on every id."""
         return self._tok.get_vocab_size()
+
+    def __len__(self) -> int:
+        """The vocabulary size with the added tokens, as HF's len(tokenizer)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def __bool__(self) -> bool:
+        """Always true, as HF's: with __len__ defined, `if tokenizer:` would otherwise ask len()."""
+        return True
+
+    def get_vocab(self) -> dict[str, int]:
+        """token -> id, added tokens included (as HF's get_vocab)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """As HF's: the named special tokens (bos, eos, unk, sep, pad, cls, mask order), then the
+        config's extra/additional special tokens, each once."""
+        extra = self.config.get("extra_special_tokens") or self.config.get("additional_special_tokens") or []
+        tokens = list(self.special_tokens_map.values())
+        if isinstance(extra, list):
+            tokens += [t for t in map(_token_str, extra) if t is not None]
+        return list(dict.fromkeys(tokens))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return [i for i in self.convert_tokens_to_ids(self.all_special_tokens) if i is not None]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. InvalidRequestError for a non-str or for text that is not valid Unicode
@@ -69,8 +142,39 @@ class Tokenizer:
         check_text(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> BatchEncoding:
+        """HF's tokenizer(text) / tokenizer([texts]): {"input_ids", "attention_mask"} (all ones: no
+        padding), a list per text for a list of texts."""
+        if isinstance(text, (list, tuple)):
+            ids: list[int] | list[list[int]] = [self.encode(t, add_special_tokens) for t in text]
+            return BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
+        one = self.encode(text, add_special_tokens)
+        return BatchEncoding(input_ids=one, attention_mask=[1] * len(one))
+
+    def decode(self, ids: int | list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids` (or of one id). NB skip_special_tokens defaults to True here (HF: False):
+        the server and the engine rely on that."""
+        return self._tok.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        """decode() of each sequence; skip_special_tokens defaults to False, as HF's batch_decode."""
+        return self._tok.decode_batch([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: int | list[int],
+                              skip_special_tokens: bool = False) -> str | None | list[str | None]:
+        """The token string of an id (None for an id outside the vocabulary), or a list of them."""
+        if isinstance(ids, int):
+            return self._tok.id_to_token(ids)
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self._tok.id_to_token(int(i)) for i in ids if int(i) not in skip]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        """The id of a token string, or a list of them; an unknown token gives the unk token's id
+        (None without one), as HF's."""
+        if isinstance(tokens, str):
+            tid = self._tok.token_to_id(tokens)
+            return self.unk_token_id if tid is None else tid
+        return [self.convert_tokens_to_ids(t) for t in tokens]
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (what the structured-output grammar engine reads)."""
@@ -79,20 +183,34 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
-                            chat_template: str | None = None, continue_final_message: bool = False,
-                            **kwargs) -> str | list[int]:
-        """One conversation rendered with the checkpoint's chat template (or `chat_template`), as
-        transformers' apply_chat_template: the text, or with tokenize=True its token ids (no special
-        tokens added: the template writes those it wants). continue_final_message: the text stops
-        after the last message's content, to be continued. `kwargs` are more template variables
-        (e.g. tools=[...]). InvalidRequestError if there is no template or it refuses the messages."""
+    def apply_chat_template(self, conversation: list[dict] | list[list[dict]], *, tools: list[dict] | None = None,
+                            documents: list[dict] | None = None, chat_template: str | None = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            tokenize: bool = True, return_dict: bool = False,
+                            **kwargs) -> str | list[int] | list[str] | list[list[int]] | BatchEncoding:
+        """One conversation (or a list of them) rendered with the checkpoint's chat template (or
+        `chat_template`), as transformers' apply_chat_template: by default its token ids (no special
+        tokens added: the template writes those it wants), with tokenize=False the text, with
+        return_dict=True (and tokenize) tokenizer()'s {"input_ids", "attention_mask"}.
+        Differences from transformers 5: add_generation_prompt defaults to True (vLLM's chat does so)
+        and return_dict to False (transformers 4's default, which vLLM-era code expects).
+        continue_final_message: the text stops after the last message's content, to be continued.
+        tools / documents (when given) and `kwargs` are template variables (e.g. enable_thinking=False).
+        InvalidRequestError if there is no template or it refuses the messages."""
         from hybrid.chat_template import normalize_messages, render_chat
 
         template = chat_template if chat_template is not None else self.chat_template
         if not template:
             raise InvalidRequestError("this checkpoint has no chat template (tokenizer_config.json has no "
                                       "'chat_template'): pass chat_template=..., or prompts to generate()")
-        text = render_chat(template, normalize_messages(messages), self.config, add_generation_prompt, kwargs,
-                           continue_final_message)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        # only given ones are defined in the template, as LLM.chat and the server render them
+        variables = {**kwargs, **{k: v for k, v in (("tools", tools), ("documents", documents)) if v is not None}}
+        batched = (isinstance(conversation, (list, tuple)) and bool(conversation)
+                   and all(isinstance(c, (list, tuple)) for c in conversation))
+        texts = [render_chat(template, normalize_messages(c), self.config, add_generation_prompt, variables,
+                             continue_final_message) for c in (conversation if batched else [conversation])]
+        rendered: str | list[str] = texts if batched else texts[0]
+        if not tokenize:
+            return rendered
+        enc = self(rendered, add_special_tokens=False)
+        return enc if return_dict else enc["input_ids"]

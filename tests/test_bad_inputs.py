@@ -206,7 +206,7 @@ def _bad_param_cases():
         ("top_p", dict(top_p=0.0)),
         ("top_p", dict(top_p=-0.5)),
         ("top_p", dict(top_p=1.01)),
-        ("top_k", dict(top_k=0)),
+        ("top_k", dict(top_k=-5)),
         ("top_k", dict(top_k=-2)),
         ("max_tokens", dict(max_tokens=0)),
         ("max_tokens", dict(max_tokens=-3)),
@@ -230,7 +230,8 @@ def test_invalid_sampling_params(field, kwargs, served, good_prompts):
 
 
 @pytest.mark.parametrize("what", ["empty_ids", "empty_text", "too_long", "much_too_long",
-                                  "too_long_text", "negative_id", "id_out_of_vocab"])
+                                  "too_long_text", "negative_id", "id_out_of_vocab", "float_id", "bool_id",
+                                  "numpy_id"])
 def test_invalid_prompts(what, served):
     from hybrid.errors import InvalidRequestError
 
@@ -242,6 +243,9 @@ def test_invalid_prompts(what, served):
         "too_long_text": "abcdefghij" * 20,  # 200 single-character tokens at most
         "negative_id": [5, 6, -1, 7],
         "id_out_of_vocab": [5, 6, 160, 7],
+        "float_id": [5, 6.0, 7],
+        "bool_id": [5, True, 7],
+        "numpy_id": [5, __import__("numpy").int64(6), 7],
     }[what]
     with pytest.raises(InvalidRequestError) as ei:
         served.generate([prompt], _greedy(), use_tqdm=False)
@@ -250,6 +254,8 @@ def test_invalid_prompts(what, served):
         assert "empty" in str(ei.value).lower()
     if "too_long" in what:
         assert str(MAX_LEN) in str(ei.value) or "max_model_len" in str(ei.value)
+    if what in ("float_id", "bool_id", "numpy_id"):  # the type is named, not a vocabulary it is inside of
+        assert "must be Python ints: position 1" in str(ei.value), str(ei.value)
     assert not served.engine.has_unfinished_requests()
 
 
@@ -260,7 +266,7 @@ def test_good_request_after_bad_ones(served, tiny_ckpt, make_llm, good_prompts):
 
     path = tiny_ckpt("nemotron_h")
     # one more round of bad requests right here, so the test also stands alone
-    for bad in (dict(temperature=-1.0), dict(top_k=0), dict(max_tokens=0)):
+    for bad in (dict(temperature=-1.0), dict(top_k=-2), dict(max_tokens=0)):
         with pytest.raises(InvalidRequestError):
             served.generate([good_prompts[0]], SamplingParams(**bad), use_tqdm=False)
     with pytest.raises(InvalidRequestError):
@@ -316,7 +322,7 @@ def test_bad_request_while_others_decode(tiny_ckpt, make_llm, good_prompts):
         with pytest.raises(InvalidRequestError):
             eng.add_request(rid, ids, params)
     with pytest.raises(InvalidRequestError):
-        eng.add_request("f", good[0], SamplingParams(top_k=0))
+        eng.add_request("f", good[0], SamplingParams(top_k=-2))
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:

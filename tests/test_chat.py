@@ -43,16 +43,16 @@ def test_renders_as_transformers(llm, hf_tokenizer):
     for conv in CONVERSATIONS:
         for gen in (True, False):
             want = hf_tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
-            assert tok.apply_chat_template(conv, add_generation_prompt=gen) == want
+            assert tok.apply_chat_template(conv, add_generation_prompt=gen, tokenize=False) == want
             ids = tok.apply_chat_template(conv, add_generation_prompt=gen, tokenize=True)
             assert ids == hf_tokenizer.encode(want, add_special_tokens=False)
 
 
 def test_bundled_template_ends_the_generation_prompt_with_a_newline(llm):
-    text = llm.get_tokenizer().apply_chat_template(CONVERSATIONS[0])
+    text = llm.get_tokenizer().apply_chat_template(CONVERSATIONS[0], tokenize=False)
     assert text == "User: Who made the earth?\nAssistant:\n"
     # a past reply is laid out the same way, closed by EOS
-    text = llm.get_tokenizer().apply_chat_template(CONVERSATIONS[2], add_generation_prompt=False)
+    text = llm.get_tokenizer().apply_chat_template(CONVERSATIONS[2], add_generation_prompt=False, tokenize=False)
     assert "\nAssistant:\nHe led Israel out of Egypt.<|endoftext|>\n" in text
 
 
@@ -73,7 +73,7 @@ def test_chat_is_generate_on_the_rendered_prompt(llm):
     batch = llm.chat(CONVERSATIONS, GREEDY, use_tqdm=False)
     assert len(batch) == len(CONVERSATIONS)
     for conv, out in zip(CONVERSATIONS, batch):
-        text = tok.apply_chat_template(conv)
+        text = tok.apply_chat_template(conv, tokenize=False)
         assert out.prompt == text
         assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
         [ref] = llm.generate([out.prompt_token_ids], GREEDY, use_tqdm=False)
@@ -100,7 +100,7 @@ def test_chat_options(llm):
     assert out.prompt == "Hail. [user] Who made the earth?\n<|endoftext|>"
     # content given as text parts, as the OpenAI API allows
     parts = [{"role": "user", "content": [{"type": "text", "text": "Who made "}, {"type": "text", "text": "the earth?"}]}]
-    assert llm.get_tokenizer().apply_chat_template(parts) == "User: Who made the earth?\nAssistant:\n"
+    assert llm.get_tokenizer().apply_chat_template(parts, tokenize=False) == "User: Who made the earth?\nAssistant:\n"
 
 
 @pytest.mark.parametrize("messages", [[], "hello", [{"content": "no role"}], [{"role": 1, "content": "x"}],
@@ -159,3 +159,18 @@ def test_chat_template_kwargs_cannot_shadow_arguments(llm):
     for name in ("bos_token", "tools"):
         with pytest.raises(InvalidRequestError, match=name):
             llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False, chat_template_kwargs={name: "x"})
+
+
+def test_continue_final_message_cuts_at_the_message_end(llm):
+    """continue_final_message: the prompt ends right after the last message's content, found by rendering
+    with a marker after it, not by searching for the content (which can also be inside a later token:
+    "text" in <|endoftext|>)."""
+    for content in ("text", "of", "Moses was"):
+        conversation = [{"role": "user", "content": "Who was Moses?"}, {"role": "assistant", "content": content}]
+        [out] = llm.chat(conversation, GREEDY, use_tqdm=False, add_generation_prompt=False,
+                         continue_final_message=True)
+        assert out.prompt.endswith("Assistant:\n" + content), out.prompt
+    # a template that strips the content: the stripped content is the end
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</s>{% endfor %}"
+    assert render_chat(template, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " s "}],
+                       add_generation_prompt=False, continue_final_message=True) == "<user>hi</s><assistant>s"

@@ -107,3 +107,47 @@ def test_chat_renders_tools(tmp_path):
     assert llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt == "Hi\n"
     with pytest.raises(InvalidRequestError, match="tools must be"):
         llm.chat([{"role": "user", "content": "Hi"}], tools="get_weather", use_tqdm=False)
+
+
+def test_pooling_methods_say_they_are_not_served(llm):
+    for name in ("encode", "embed", "classify", "score", "reward"):
+        with pytest.raises(InvalidRequestError, match=f"LLM.{name}\\(\\) needs a pooling"):
+            getattr(llm, name)(["a"])
+
+
+def test_reset_prefix_cache(tmp_path):
+    """reset_prefix_cache drops every cached prefix and gives back its slot and pages: the next run of the
+    same prompt finds nothing cached, and its tokens are the same."""
+    llm = LLM(None, max_num_seqs=2, enable_prefix_caching=True)
+    ids = list(range(5, 5 + 40))
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    first = llm.generate([ids], greedy, use_tqdm=False)[0]
+    hit = llm.generate([ids], greedy, use_tqdm=False)[0]
+    assert hit.num_cached_tokens > 0 and len(llm.engine.prefix_cache) > 0
+    free_slots = llm.state_pool.num_free
+    assert llm.reset_prefix_cache() is True
+    assert len(llm.engine.prefix_cache) == 0 and llm.state_pool.num_free > free_slots
+    again = llm.generate([ids], greedy, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == hit.outputs[0].token_ids == again.outputs[0].token_ids
+    llm.engine.add_request("busy", ids, greedy)  # refused while a request is in the engine
+    assert llm.reset_prefix_cache() is False
+    llm.engine.abort_request("busy")
+
+
+def test_vllm_construction_spellings(caplog):
+    """dtype "half" / "float", seed=None (a random engine seed), and a max_model_len past the checkpoint's
+    max_position_embeddings is served with a warning."""
+    import logging
+
+    assert LLM(None, max_num_seqs=2, dtype="float").dtype == torch.float32
+    assert LLM(None, max_num_seqs=2, dtype="half").dtype == torch.float16
+    a, b = (LLM(None, max_num_seqs=2, seed=None) for _ in range(2))
+    sp = SamplingParams(max_tokens=8, temperature=1.0)
+    assert a.engine.seed != b.engine.seed
+    assert len(a.generate(["In the"], sp, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    limit = a.config.max_position_embeddings
+    with caplog.at_level(logging.WARNING, logger="hybrid"):
+        longer = LLM(None, max_num_seqs=1, max_model_len=limit + 64)
+    assert longer.max_model_len == limit + 64
+    assert any("longer than the checkpoint's max_position_embeddings" in r.getMessage() for r in caplog.records)

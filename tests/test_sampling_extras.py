@@ -198,6 +198,23 @@ def test_bad_values_are_named(kwargs, name):
         SamplingParams(**kwargs)
 
 
+def test_vllm_spellings(llm):
+    """vLLM's spellings: top_k=0 is off (as -1), max_tokens=None runs to the end of the context, clone()
+    is a deep copy; n must be an int, not a bool."""
+    assert SamplingParams(top_k=0).top_k == -1
+    ids = [5, 6, 7]
+    short = LLM(None, max_num_seqs=2, max_model_len=40)
+    whole = short.generate([ids], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert whole.outputs[0].finish_reason == "length"
+    assert len(ids) + len(whole.outputs[0].token_ids) == 40
+    sp = SamplingParams(stop=["a"], logit_bias={3: 1.0})
+    twin = sp.clone()
+    assert twin == sp and twin is not sp and twin.stop is not sp.stop and twin.logit_bias is not sp.logit_bias
+    with pytest.raises(InvalidRequestError, match="n=True"):
+        SamplingParams(n=True)
+
+
 def test_vocabulary_checks(llm):
     with pytest.raises(InvalidRequestError, match="allowed_token_ids.*2048 is outside the vocabulary"):
         _one(llm, allowed_token_ids=[5, 2048])
@@ -205,6 +222,9 @@ def test_vocabulary_checks(llm):
     nvocab.engine.tokenizer = None  # as a checkpoint without tokenizer.json
     with pytest.raises(InvalidRequestError, match="bad_words.*no tokenizer"):
         nvocab.generate([[5, 6]], SamplingParams(bad_words=["LORD"]), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="stop.*tokenizer.*use stop_token_ids"):  # (no text to match)
+        nvocab.generate([[5, 6]], SamplingParams(stop=["x"]), use_tqdm=False)
+    assert nvocab.generate([[5, 6]], SamplingParams(max_tokens=2, stop_token_ids=[7]), use_tqdm=False)[0].finished
 
 
 # ---------------------------------------------------------------------------------- the OpenAI server

@@ -187,7 +187,7 @@ def test_a_thought_the_template_opens_is_reasoning_until_it_ends(client, served,
     msg = r.choices[0].message
     extra = msg.model_extra
     assert msg.content is None and extra["reasoning"] == extra["reasoning_content"]
-    prompt = llm.get_tokenizer().apply_chat_template(USER)
+    prompt = llm.get_tokenizer().apply_chat_template(USER, tokenize=False)
     assert prompt.endswith("<think>\n")
     raw = _complete(served, prompt, max_tokens=12, temperature=0, logit_bias={"193": -100})["choices"][0]["text"]
     assert extra["reasoning"] == (raw.strip() or None)
@@ -303,7 +303,7 @@ def test_tokenize_detokenize_version_ping(served, llm):
     assert httpx.post(url + "/tokenize", json={"prompt": "hi"}).json()["token_strs"] is None
     assert httpx.post(url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "hello there"}
     chat = httpx.post(url + "/tokenize", json={"messages": USER}).json()["tokens"]
-    assert chat == tok.encode(tok.apply_chat_template(USER), add_special_tokens=False)
+    assert chat == tok.encode(tok.apply_chat_template(USER, tokenize=False), add_special_tokens=False)
     for path, body, param in [("/detokenize", {"tokens": [5, 194]}, "tokens"),
                               ("/detokenize", {"tokens": [-1]}, "tokens"),
                               ("/detokenize", {"tokens": "abc"}, "tokens"),
