@@ -25,12 +25,15 @@ from hybrid.kv_cache_dtype import kv_cache_dtype_note
 from hybrid.loader import load_model
 from hybrid.model import ForwardContext, use_fused_ops
 from hybrid.model_source import DEFAULT_MODEL_DIR, resolve_model
-from hybrid.outputs import RequestOutput
+from hybrid.outputs import Logprob, RequestOutput
 from hybrid.sampling import SamplingParams, generation_defaults
 from state_pool.pool import MambaStatePool, StateShapes
 from state_pool.util import cdiv
 
 logger = logging.getLogger("hybrid")
+
+# vLLM prompt-dict keys of inputs this runtime has no use for: accepted when None or empty
+_EMPTY_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"})
 
 __all__ = ["LLM", "DEFAULT_MODEL_DIR", "EngineConfig", "engine_config", "resolve_device", "EngineSizes",
            "default_sizes", "smaller_sizes", "fit_max_model_len", "plan_cuda_sizes", "CPU_MAX_NUM_SEQS",
@@ -323,7 +326,9 @@ class LLM:
 
     def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):  # vLLM's TextPrompt {"prompt": text} / TokensPrompt {"prompt_token_ids": ids}
-            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            # (vLLM's other keys are accepted when empty: code built for several model kinds sends them as None)
+            unknown = sorted(k for k in set(prompt) - {"prompt", "prompt_token_ids"}
+                             if not (k in _EMPTY_PROMPT_KEYS and not prompt[k]))
             if unknown:
                 raise InvalidRequestError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids'; "
                                           f"{', '.join(map(repr, unknown))} is not supported")
@@ -452,6 +457,7 @@ class LLM:
             if bar is not None:
                 bar.close()
         outputs = [results[rid] for rid in order]
+        self._name_logprob_tokens(outputs)
         failed = {i: out.error for i, out in enumerate(outputs) if out.error is not None}
         if failed:  # the others completed: they come with the error, in e.outputs
             first = next(iter(failed))
@@ -459,6 +465,21 @@ class LLM:
                 f"{len(failed)} of {len(outputs)} requests failed; prompt {first}: {failed[first]}",
                 failed=failed, outputs=outputs)
         return outputs
+
+    def _name_logprob_tokens(self, outputs: list[RequestOutput]) -> None:
+        """Each Logprob's decoded_token (vLLM's): the token's text, special tokens kept."""
+        if self.tokenizer is None:
+            return
+        texts: dict[int, str] = {}
+        for out in outputs:
+            rows = [*(out.prompt_logprobs or ()), *(r for c in out.outputs for r in (c.logprobs or ()))]
+            for row in rows:
+                for tid, lp in (row or {}).items():
+                    if isinstance(lp, Logprob) and lp.decoded_token is None:
+                        text = texts.get(tid)
+                        if text is None:
+                            text = texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+                        lp.decoded_token = text
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search (vLLM's LLM.beam_search; hybrid/beam_search.py): one BeamSearchOutput per prompt (a

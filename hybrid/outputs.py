@@ -9,17 +9,17 @@ class Logprob(float):
     vLLM's Logprob fields for code written against vLLM: `.logprob`, `.rank` (1 for the most
     likely token; a sampled or prompt token outside the top entries has its own rank, 1 + the tokens more
     likely than it) and
-    `.decoded_token` (None: the token's text is tokenizer.decode([id]))."""
-    __slots__ = ("rank",)
-    decoded_token = None
+    `.decoded_token` (the token's text; LLM.generate fills it in, None where no tokenizer is known)."""
+    __slots__ = ("rank", "decoded_token")
 
-    def __new__(cls, value: float, rank: int | None = None) -> "Logprob":
+    def __new__(cls, value: float, rank: int | None = None, decoded_token: str | None = None) -> "Logprob":
         obj = super().__new__(cls, value)
         obj.rank = rank
+        obj.decoded_token = decoded_token
         return obj
 
-    def __reduce__(self):  # (pickled with its rank, for the tensor-parallel workers' pipes)
-        return Logprob, (float(self), self.rank)
+    def __reduce__(self):  # (pickled with its rank and text, for the tensor-parallel workers' pipes)
+        return Logprob, (float(self), self.rank, self.decoded_token)
 
     @property
     def logprob(self) -> float:

@@ -63,6 +63,8 @@ def test_logprob_entries_and_cumulative_logprob(llm):
         assert [e.rank for e in top] == [1, 2, 3] and top[0].logprob >= top[1].logprob >= top[2].logprob
         assert entries[tid] is top[lp.rank - 1] if lp.rank <= 3 else lp.logprob <= top[2].logprob
         total += lp.logprob
+        # each entry names its token's text, as vLLM's decoded_token
+        assert all(e.decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False) for t, e in entries.items())
     assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-9)
     plain = llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]
     assert plain.logprobs is None and plain.cumulative_logprob is None
@@ -151,3 +153,13 @@ def test_vllm_construction_spellings(caplog):
         longer = LLM(None, max_num_seqs=1, max_model_len=limit + 64)
     assert longer.max_model_len == limit + 64
     assert any("longer than the checkpoint's max_position_embeddings" in r.getMessage() for r in caplog.records)
+
+
+def test_empty_multimodal_keys_in_prompt_dicts(llm):
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    plain = llm.generate([{"prompt": "In the"}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    same = llm.generate([{"prompt": "In the", "multi_modal_data": None, "mm_processor_kwargs": {}}], greedy,
+                        use_tqdm=False)[0].outputs[0].token_ids
+    assert same == plain
+    with pytest.raises(InvalidRequestError, match="'multi_modal_data' is not supported"):
+        llm.generate([{"prompt": "In the", "multi_modal_data": {"image": object()}}], greedy, use_tqdm=False)
