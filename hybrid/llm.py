@@ -121,10 +121,16 @@ class LLM:
         trust_remote_code: bool = False,  # no effect: no code from a checkpoint is ever run
         enable_chunked_prefill: bool | None = None,  # no effect: prefill is always chunked
         disable_log_stats: bool = False,  # no effect
+        swap_space: float | None = None,  # no effect: a preempted request is recomputed, never swapped to the host
+        tokenizer: str | None = None,  # must be the checkpoint itself (model cards repeat the model's name here)
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
         # engine_config takes the same keywords: the one place they are checked and resolved.
         mamba_ssm_dtype, page_size = _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size)
+        if tokenizer is not None and tokenizer != model and (model is None or os.path.abspath(str(tokenizer))
+                                                             != os.path.abspath(str(model))):
+            raise ConfigurationError(f"tokenizer={tokenizer!r}: only the checkpoint's own tokenizer is supported "
+                                     f"(model={model!r}); leave tokenizer out or give the model's name")
         self._quantization = quantization
         self._start(engine_config(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, page_size=page_size, seed=seed,

@@ -163,3 +163,14 @@ def test_empty_multimodal_keys_in_prompt_dicts(llm):
     assert same == plain
     with pytest.raises(InvalidRequestError, match="'multi_modal_data' is not supported"):
         llm.generate([{"prompt": "In the", "multi_modal_data": {"image": object()}}], greedy, use_tqdm=False)
+
+
+def test_tokenizer_and_swap_space_keywords():
+    from hybrid import ConfigurationError
+    from hybrid.model_source import DEFAULT_MODEL_DIR
+
+    path = str(DEFAULT_MODEL_DIR)
+    llm = LLM(path, max_num_seqs=1, tokenizer=path, swap_space=4)
+    assert llm.generate(["In the"], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    with pytest.raises(ConfigurationError, match="only the checkpoint's own tokenizer"):
+        LLM(path, max_num_seqs=1, tokenizer="/somewhere/else")
