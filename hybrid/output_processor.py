@@ -68,7 +68,7 @@ class OutputProcessor:
 
     def _check_stop(self, seq: Sequence, token: int) -> Stop | None:
         p = seq.params
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and p.detokenize:
             self.update_text(seq)
         if (not p.ignore_eos and token in self.eos_token_ids) or (p.stop_token_ids and token in p.stop_token_ids):
             # as vLLM: the stopping token's text (a special token's when skip_special_tokens=False) is
@@ -87,7 +87,7 @@ class OutputProcessor:
         return None
 
     def _final_text(self, seq: Sequence, reason: str, stop_reason: int | None = None, drop_last: bool = False) -> Stop:
-        if self.tokenizer is not None:  # the final text is the plain decode of every output token (but a stop token)
+        if self.tokenizer is not None and seq.params.detokenize:  # the plain decode of every output token (but a stop token)
             ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
             seq.text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
         return reason, stop_reason

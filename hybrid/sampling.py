@@ -104,6 +104,7 @@ class SamplingParams:
     # Keep only the last k prompt tokens (k >= 1); -1: the longest prompt the context takes (max_model_len - 1,
     # one token must still be generated)
     truncate_prompt_tokens: int | None = None
+    detokenize: bool = True  # False (vLLM's): token ids only, no text is made (and no stop strings)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -176,7 +177,10 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+        if self.stop and self.detokenize is False:
+            raise bad("stop", "stop strings are matched on the text: they need detokenize=True")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                     "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
         if self.allowed_token_ids is not None:

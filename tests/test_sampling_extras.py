@@ -213,6 +213,13 @@ def test_vllm_spellings(llm):
     assert twin == sp and twin is not sp and twin.stop is not sp.stop and twin.logit_bias is not sp.logit_bias
     with pytest.raises(InvalidRequestError, match="n=True"):
         SamplingParams(n=True)
+    # detokenize=False: the same tokens, no text; stop strings need the text
+    kw = dict(max_tokens=6, temperature=0, ignore_eos=True)
+    [text_out, ids_out] = [llm.generate([ids], SamplingParams(**kw, detokenize=d), use_tqdm=False)[0].outputs[0]
+                           for d in (True, False)]
+    assert ids_out.token_ids == text_out.token_ids and text_out.text and ids_out.text == ""
+    with pytest.raises(InvalidRequestError, match="need detokenize=True"):
+        SamplingParams(stop=["a"], detokenize=False)
 
 
 def test_vocabulary_checks(llm):
