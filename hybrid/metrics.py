@@ -53,6 +53,22 @@ class ServerMetrics:
                               names, buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.e2e = Histogram("hybrid_e2e_request_latency_seconds", "End-to-end request latency.", names,
                              buckets=_E2E_BUCKETS, registry=r).labels(**labels)
+        # The same figures under vLLM's names (its dashboards and alerts read these), kept beside ours
+        self.vllm_running = gauge("vllm:num_requests_running", "vLLM's name: sequences running in the engine.")
+        self.vllm_waiting = gauge("vllm:num_requests_waiting", "vLLM's name: sequences waiting for a slot.")
+        self.vllm_kv_usage = gauge("vllm:kv_cache_usage_perc", "vLLM's name: KV cache pages in use (1 = all).")
+        self.vllm_gen_tokens = Counter("vllm:generation_tokens", "vLLM's name: generated tokens.", names,
+                                       registry=r).labels(**labels)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "vLLM's name: prompt tokens of finished requests.",
+                                          names, registry=r).labels(**labels)
+        self._vllm_success = Counter("vllm:request_success", "vLLM's name: finished requests by finish reason.",
+                                     names + ["finished_reason"], registry=r)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "vLLM's name: time to first token.", names,
+                                   buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "vLLM's name: time between output tokens.",
+                                  names, buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "vLLM's name: end-to-end request latency.",
+                                  names, buckets=_E2E_BUCKETS, registry=r).labels(**labels)
 
     def bind(self, async_engine, admitted_requests=None, admitted_seqs=None) -> None:
         """Read the engine gauges from the worker's published snapshot at scrape time; who holds
@@ -63,6 +79,10 @@ class ServerMetrics:
         engine = async_engine.engine
         self.running.set_function(snap("running"))
         self.waiting.set_function(snap("waiting"))
+        self.vllm_running.set_function(snap("running"))
+        self.vllm_waiting.set_function(snap("waiting"))
+        pages_total = max(async_engine._pages_total, 1)
+        self.vllm_kv_usage.set_function(lambda: async_engine.snapshot["pages_used"] / pages_total)
         self.slots_used.set_function(snap("slots_used"))
         self.pages_used.set_function(snap("pages_used"))
         self.prefix_hit_tokens.set_function(snap("prefix_cache_hit_tokens"))
@@ -78,18 +98,25 @@ class ServerMetrics:
     # called from the engine worker thread (prometheus_client metrics are thread-safe)
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+        self.vllm_ttft.observe(seconds)
 
     def observe_tpot(self, seconds: float) -> None:
         self.tpot.observe(seconds)
+        self.vllm_itl.observe(seconds)
 
     def add_tokens(self, n: int) -> None:
         self.gen_tokens.inc(n)
+        self.vllm_gen_tokens.inc(n)
 
     def on_finish(self, out, seconds: float, num_prompt_tokens: int) -> None:
         self.e2e.observe(seconds)
+        self.vllm_e2e.observe(seconds)
         self.prompt_tokens.inc(num_prompt_tokens)
+        self.vllm_prompt_tokens.inc(num_prompt_tokens)
         for c in out.outputs:
-            self._success.labels(finished_reason=c.finish_reason or "unknown", **self._labels).inc()
+            reason = c.finish_reason or "unknown"
+            self._success.labels(finished_reason=reason, **self._labels).inc()
+            self._vllm_success.labels(finished_reason=reason, **self._labels).inc()
 
     def on_abort(self) -> None:
         self.aborted.inc()

@@ -352,6 +352,17 @@ def test_metrics_prometheus_text(served, client):
     assert ttft_count[0] >= 1
     tpot_count = [s.value for s in fams["hybrid_time_per_output_token_seconds"].samples if s.name.endswith("_count")]
     assert tpot_count[0] >= 3
+    # vLLM's names carry the same figures (dashboards built for vLLM read them)
+    def value(family: str, suffix: str = "") -> float:
+        return next(s.value for s in fams[family].samples if s.name == family + suffix)
+
+    assert value("vllm:generation_tokens", "_total") == value("hybrid_generation_tokens", "_total")
+    assert value("vllm:prompt_tokens", "_total") == value("hybrid_prompt_tokens", "_total") > 0
+    assert value("vllm:time_to_first_token_seconds", "_count") == ttft_count[0]
+    assert value("vllm:inter_token_latency_seconds", "_count") == tpot_count[0]
+    assert value("vllm:num_requests_running") == value("hybrid_num_requests_running")
+    assert 0.0 <= value("vllm:kv_cache_usage_perc") <= 1.0
+    assert sum(s.value for s in fams["vllm:request_success"].samples if s.name.endswith("_total")) >= 1
 
 
 def test_disconnect_frees_slot_and_pages(served, client):
