@@ -573,7 +573,8 @@ def test_fp8_replay_equals_eager(fp8_llm, slots):
     assert torch.equal(s_graph[0][:, other], s0[0][:, other]) and torch.equal(s_graph[1][:, other], s0[1][:, other])
 
 
-@pytest.mark.parametrize("family,scheme", CASES[:2])
+# (and LatentMoE: its bf16 run's one 2.07-nat token is rounding if this fp32-activation run holds its bounds)
+@pytest.mark.parametrize("family,scheme", CASES[:2] + CASES[4:5])
 def test_fp8_checkpoint_fp32_gpu_matches_cpu(family, scheme, fp8_path):
     """fp32 activations on CUDA take the reference path (_scaled_mm only for bf16). Not token for token
     with the CPU as the unquantized fp32 parity tests are: quantizing an activation to e4m3 is a step
