@@ -9,6 +9,21 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+class Twin:
+    """One figure kept under two names (ours and vLLM's): every update goes to both series."""
+
+    def __init__(self, *series) -> None:
+        self.series = series
+
+    def inc(self, amount: float = 1) -> None:
+        for m in self.series:
+            m.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for m in self.series:
+            m.observe(value)
+
+
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -38,37 +53,33 @@ class ServerMetrics:
         self.pages_total = gauge("hybrid_kv_pages_total", "KV cache pages (without the reserved dummy page).")
         self.prefix_hit_tokens = gauge("hybrid_prefix_cache_hit_tokens",
                                        "Prompt tokens taken from the prefix cache instead of prefilled (total).")
-        self.gen_tokens = Counter("hybrid_generation_tokens", "Generated tokens.", names, registry=r).labels(**labels)
-        self.prompt_tokens = Counter("hybrid_prompt_tokens", "Prompt tokens of finished requests.", names,
-                                     registry=r).labels(**labels)
-        self._success = Counter("hybrid_request_success", "Finished requests by finish reason.",
-                                names + ["finished_reason"], registry=r)
+
+        # The main figures also under vLLM's names (its dashboards and alerts read these): each update
+        # goes to both series (Twin)
+        def counter(name, vllm_name, doc):
+            return Twin(*(Counter(n, doc, names, registry=r).labels(**labels) for n in (name, vllm_name)))
+
+        def histogram(name, vllm_name, doc, buckets):
+            return Twin(*(Histogram(n, doc, names, buckets=buckets, registry=r).labels(**labels)
+                          for n in (name, vllm_name)))
+
+        self.gen_tokens = counter("hybrid_generation_tokens", "vllm:generation_tokens", "Generated tokens.")
+        self.prompt_tokens = counter("hybrid_prompt_tokens", "vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self._success = [Counter(n, "Finished requests by finish reason.", names + ["finished_reason"], registry=r)
+                         for n in ("hybrid_request_success", "vllm:request_success")]
         self.aborted = Counter("hybrid_request_aborted", "Requests aborted (client gone).", names,
                                registry=r).labels(**labels)
         self._rejected = Counter("hybrid_request_rejected", "Requests rejected by status code.",
                                  names + ["status"], registry=r)
-        self.ttft = Histogram("hybrid_time_to_first_token_seconds", "Time to first token.", names,
-                              buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
-        self.tpot = Histogram("hybrid_time_per_output_token_seconds", "Time between consecutive output tokens.",
-                              names, buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
-        self.e2e = Histogram("hybrid_e2e_request_latency_seconds", "End-to-end request latency.", names,
-                             buckets=_E2E_BUCKETS, registry=r).labels(**labels)
-        # The same figures under vLLM's names (its dashboards and alerts read these), kept beside ours
+        self.ttft = histogram("hybrid_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
+                              "Time to first token.", _LATENCY_BUCKETS)
+        self.tpot = histogram("hybrid_time_per_output_token_seconds", "vllm:inter_token_latency_seconds",
+                              "Time between consecutive output tokens.", _LATENCY_BUCKETS)
+        self.e2e = histogram("hybrid_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
+                             "End-to-end request latency.", _E2E_BUCKETS)
         self.vllm_running = gauge("vllm:num_requests_running", "vLLM's name: sequences running in the engine.")
         self.vllm_waiting = gauge("vllm:num_requests_waiting", "vLLM's name: sequences waiting for a slot.")
         self.vllm_kv_usage = gauge("vllm:kv_cache_usage_perc", "vLLM's name: KV cache pages in use (1 = all).")
-        self.vllm_gen_tokens = Counter("vllm:generation_tokens", "vLLM's name: generated tokens.", names,
-                                       registry=r).labels(**labels)
-        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "vLLM's name: prompt tokens of finished requests.",
-                                          names, registry=r).labels(**labels)
-        self._vllm_success = Counter("vllm:request_success", "vLLM's name: finished requests by finish reason.",
-                                     names + ["finished_reason"], registry=r)
-        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "vLLM's name: time to first token.", names,
-                                   buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
-        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "vLLM's name: time between output tokens.",
-                                  names, buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
-        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "vLLM's name: end-to-end request latency.",
-                                  names, buckets=_E2E_BUCKETS, registry=r).labels(**labels)
 
     def bind(self, async_engine, admitted_requests=None, admitted_seqs=None) -> None:
         """Read the engine gauges from the worker's published snapshot at scrape time; who holds
@@ -98,25 +109,19 @@ class ServerMetrics:
     # called from the engine worker thread (prometheus_client metrics are thread-safe)
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
-        self.vllm_ttft.observe(seconds)
 
     def observe_tpot(self, seconds: float) -> None:
         self.tpot.observe(seconds)
-        self.vllm_itl.observe(seconds)
 
     def add_tokens(self, n: int) -> None:
         self.gen_tokens.inc(n)
-        self.vllm_gen_tokens.inc(n)
 
     def on_finish(self, out, seconds: float, num_prompt_tokens: int) -> None:
         self.e2e.observe(seconds)
-        self.vllm_e2e.observe(seconds)
         self.prompt_tokens.inc(num_prompt_tokens)
-        self.vllm_prompt_tokens.inc(num_prompt_tokens)
         for c in out.outputs:
-            reason = c.finish_reason or "unknown"
-            self._success.labels(finished_reason=reason, **self._labels).inc()
-            self._vllm_success.labels(finished_reason=reason, **self._labels).inc()
+            for success in self._success:
+                success.labels(finished_reason=c.finish_reason or "unknown", **self._labels).inc()
 
     def on_abort(self) -> None:
         self.aborted.inc()
