@@ -351,7 +351,7 @@ class Handlers:
             last = req.messages[-1]
             echo = last["content"] if req.echo and last["role"] == "assistant" else ""
             fmt = ChatFormat(req.params.n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), tools, markers,
-                             reasoning, echo=echo or "")
+                             reasoning, echo=echo)
             return await self._respond(request, [prompt], fmt, req, admission)
 
     async def responses(self, request, body: dict):

@@ -257,21 +257,13 @@ def _prompt_logprobs(body: dict, stream: bool, params: SamplingParams) -> tuple[
     return k, dataclasses.replace(params, prompt_logprobs=max(k, params.prompt_logprobs or 0))
 
 
-def constraint_field(body: dict) -> str | None:
-    """The field that carries the request's output constraint (what a grammar that fails to compile is
-    blamed on), None without one."""
-    names = ("response_format", "structured_outputs", *_GUIDED)
-    if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") == "text":
-        names = names[1:]
-    return next((name for name in names if body.get(name) is not None), None)
+# the request fields that constrain the output, in the order they are looked for
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
 
 
-def structured_outputs(body: dict) -> StructuredOutputsParams | None:
-    """The request's output constraint, from OpenAI's `response_format` ({"type": "json_object"} or
-    {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}), vLLM's `structured_outputs`
-    ({"json" | "regex" | "choice" | "grammar" | "json_object", and its options}) or vLLM's older
-    `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`: at most one of them. Shape
-    checks here (400 naming the field); the grammar itself is compiled by the engine's check."""
+def _constraints(body: dict) -> list[tuple[str, dict]]:
+    """(field, StructuredOutputsParams fields) of every output constraint the request gives, shape-checked
+    (400 naming the field); a response_format of type text constrains nothing."""
     found: list[tuple[str, dict]] = []
     rf = _response_format(body)
     if rf is not None:
@@ -288,6 +280,23 @@ def structured_outputs(body: dict) -> StructuredOutputsParams | None:
     for name, field in _GUIDED.items():
         if body.get(name) is not None:
             found.append((name, {field: body[name]}))
+    return found
+
+
+def constraint_field(body: dict) -> str | None:
+    """The field that carries the request's output constraint (what a grammar that fails to compile is
+    blamed on), None without one."""
+    found = _constraints(body)
+    return found[0][0] if found else None
+
+
+def structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """The request's output constraint, from OpenAI's `response_format` ({"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}), vLLM's `structured_outputs`
+    ({"json" | "regex" | "choice" | "grammar" | "json_object", and its options}) or vLLM's older
+    `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`: at most one of them. Shape
+    checks here (400 naming the field); the grammar itself is compiled by the engine's check."""
+    found = _constraints(body)
     if not found:
         return None
     if len(found) > 1:
@@ -472,8 +481,7 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
         param = None  # default: the rest of the context
     default_max = min((defaults or {}).get("max_tokens", max_model_len), max_model_len)
     params = sampling_params(body, max_tokens=max_tokens or default_max, logprobs=k, defaults=defaults)
-    params = tool_constraint(tool_kind, tool_name, tools, params, body,
-                             ("response_format", "structured_outputs", *_GUIDED), parallel)
+    params = tool_constraint(tool_kind, tool_name, tools, params, body, CONSTRAINT_FIELDS, parallel)
     plp, params = _prompt_logprobs(body, stream, params)
     template_kwargs = chat_template_kwargs(body)
     continue_final = get_bool(body, "continue_final_message", False)
