@@ -519,6 +519,12 @@ def _regrets(cpu, prompts, got) -> list[float]:
 # to the exact product at the 8B shapes above.
 FP8_NEAR_TIE = 2.0  # nats below the CPU reference's greedy choice
 FP8_MIN_EXACT = 0.6
+# LatentMoE's tiny checkpoint moves 6x more than nemotron_h under bf16 rounding alone (tests/test_fp8.py's
+# CLOSE_BOUND). On the H100 (2026-12-07, two runs, same figures) its bf16 + graphs run was greedy under the
+# reference for 0.75 of the tokens with one token 2.07 nats below, while its fp32-activation run through the
+# same fused FP8 kernels held the tight fp32 bounds below: so rounding, not the FP8 latent path. The greedy
+# share still separates a broken path (near 1/vocab) from this one.
+FP8_NEAR_TIE_OF = {"nemotron_h_latent": 3.0}
 FP32_FP8_NEAR_TIE = 0.5
 FP32_FP8_MIN_EXACT = 0.75
 
@@ -548,7 +554,7 @@ def test_fp8_checkpoint_under_cuda_graphs_vs_cpu(family, scheme, fp8_path):
     exact = sum(r == 0 for r in regret) / len(regret)
     print(f"{family} {scheme}: FP8 bf16+graphs vs CPU fp32 of the same checkpoint: first {first:.2f}, "
           f"agree {agree:.2f}, greedy under the reference {exact:.2f}, max regret {max(regret):.3f} nats")
-    assert first >= 0.5 and exact >= FP8_MIN_EXACT and max(regret) <= FP8_NEAR_TIE
+    assert first >= 0.5 and exact >= FP8_MIN_EXACT and max(regret) <= FP8_NEAR_TIE_OF.get(family, FP8_NEAR_TIE)
 
 
 @pytest.fixture(scope="module", params=CASES[:3])
@@ -573,7 +579,7 @@ def test_fp8_replay_equals_eager(fp8_llm, slots):
     assert torch.equal(s_graph[0][:, other], s0[0][:, other]) and torch.equal(s_graph[1][:, other], s0[1][:, other])
 
 
-# (and LatentMoE: its bf16 run's one 2.07-nat token is rounding if this fp32-activation run holds its bounds)
+# (and LatentMoE: this run holding its bounds is what says its bf16 run's 2.07-nat token is rounding)
 @pytest.mark.parametrize("family,scheme", CASES[:2] + CASES[4:5])
 def test_fp8_checkpoint_fp32_gpu_matches_cpu(family, scheme, fp8_path):
     """fp32 activations on CUDA take the reference path (_scaled_mm only for bf16). Not token for token

@@ -29,21 +29,25 @@ def test_fused_experts_vs_reference(shape, T, kind, dtype):
     check_fused_experts(kind, gated, None, T=T, dtype=dtype, device="cuda", with_add=T % 2 == 0, seed=T, **s)
 
 
+# Nemotron-3-Super's LatentMoE experts: 512 of them, top-22, reading and writing the 1024-wide latent (their
+# width narrowed from 2688 for the float64 reference), no shared expert in their launches
+LATENT = dict(E=512, H=1024, inter=512, top_k=22, gated=False)
+
+
 @pytest.mark.parametrize("T", [1, 3, 8, 64, 1500])
 def test_latent_experts_vs_reference(T):
-    """Nemotron-3-Super's LatentMoE experts: 512 of them, top-22, reading and writing the 1024-wide latent
-    (their width narrowed from 2688 for the float64 reference), no shared expert in their launches."""
-    check_fused_experts("random", False, None, T=T, dtype=torch.bfloat16, device="cuda", with_add=False, seed=T,
-                        E=512, H=1024, inter=512, top_k=22)
+    s = dict(LATENT)
+    gated = s.pop("gated")
+    check_fused_experts("random", gated, None, T=T, dtype=torch.bfloat16, device="cuda", with_add=False, seed=T, **s)
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", list(SHAPES) + ["latent"])
 @pytest.mark.parametrize("T", [1, 8, 64, 1500])
 @pytest.mark.parametrize("per_row", [False, True])
 def test_fp8_experts_vs_dequantized_reference(shape, T, per_row):
     """FP8 (e4m3) experts, weight-only, bf16 activations: against the float64 loop over the
-    dequantized weights, decode and prefill tiles."""
-    s = dict(SHAPES[shape])
+    dequantized weights, decode and prefill tiles (and LatentMoE's 512 experts, top-22)."""
+    s = dict(LATENT if shape == "latent" else SHAPES[shape])
     E, H, inter, top_k, gated = s["E"], s["H"], s["inter"], s["top_k"], s["gated"]
     from hybrid.ops import triton_moe
 
