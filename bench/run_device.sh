@@ -59,6 +59,10 @@ save_jit() {
   split -b 15m /tmp/jit.txz "$OUT/jit.txz." && echo "JIT_SAVE: $((size >> 20)) MiB in $OUT/jit.txz.*"
 }
 trap save_jit EXIT
+# Pure-Python or abi3 packages of the CPU install that the device image lacks (llguidance, for the structured
+# outputs the request-feature tests ask for), copied from a CPU venv's site-packages into .devextra/ (ignored by
+# git; `carry` names it): `cp -r .venv/lib/python3*/site-packages/llguidance* .devextra/`
+if [[ -d .devextra ]]; then export PYTHONPATH=$PWD/.devextra:$PYTHONPATH; fi
 python3 -c "import torch; print(torch.cuda.get_device_name(0), torch.__version__)"
 # tests: one line per test (-v), so a run cut by its time limit still names what passed and failed;
 # the tracebacks of failures print as they happen (tests/gpu/conftest.py), and again in -rfE's summary

@@ -122,7 +122,10 @@ def test_speculation_over_long_contexts(ssm_dtype, ckpt):
     llm = make(path, mamba_ssm_dtype=ssm_dtype, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     got = tokens(llm.generate(prompts, sp, use_tqdm=False))
     assert llm.engine.stats["spec_draft_tokens"] > 0
-    assert_greedy_under_reference(reference(path, mamba_ssm_dtype=ssm_dtype), prompts, got)
+    # Each verify computes K+1 tokens as one chunk over the 8K context, the reference each prefix as a prefill:
+    # other kernels, other bf16 roundings, as a replay (above). Measured on the H100 (2026-12-07, fp32 state): one
+    # choice 0.106 nats below the reference's; a verify that kept a rejected token's state is off by whole tokens.
+    assert_greedy_under_reference(reference(path, mamba_ssm_dtype=ssm_dtype), prompts, got, near_tie=0.25)
     assert_clean(llm)
 
 

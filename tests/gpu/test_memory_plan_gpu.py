@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from graphs.padding import verify_graph_sizes
+from graphs.padding import CONTEXT_BUCKET_MAX_BATCH, verify_graph_sizes
 from hybrid import LLM, SamplingParams
 from hybrid.errors import CapacityError
 from model_shapes import NEMOTRON_H_8B
@@ -67,7 +67,12 @@ def test_8b_spec_that_fits_has_the_scratch_in_the_plan(model_8b):
     verify = verify_graph_sizes(sizes, 32)
     assert verify and max(verify) <= 32
     assert sorted(llm.runner.verify_graphs) == verify  # captured: the reserve is for graphs that exist
-    assert plan.graph_reserve_bytes == 512 * 2**20 + (sum(sizes) + sum(verify) * (k + 1)) * 131072 * 4
+    # and the buckets of at most CONTEXT_BUCKET_MAX_BATCH rows once more for each narrower context they are
+    # captured at (16K here: 4K and 8K tables too)
+    widths = llm.runner.context_widths
+    assert [w * llm.runner.page_size for w in widths] == [4096, 8192, 16384]
+    narrow = sum(s for s in sizes if s <= CONTEXT_BUCKET_MAX_BATCH) * (len(widths) - 1)
+    assert plan.graph_reserve_bytes == 512 * 2**20 + (sum(sizes) + narrow + sum(verify) * (k + 1)) * 131072 * 4
     assert pool.spec_ssm is not None and pool.spec_ssm.shape[1:3] == (32, 4)
     out = llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)
