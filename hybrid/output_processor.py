@@ -30,6 +30,9 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, stats: dict[str, int]) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        # the tokenizer's own end-of-sequence token: ending on it leaves stop_reason None, as vLLM reports it (the
+        # checkpoint's other EOS ids, from config.json / generation_config.json, are reported as stop tokens)
+        self.primary_eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.max_model_len = max_model_len
         self.stats = stats
 
@@ -73,7 +76,8 @@ class OutputProcessor:
         if (not p.ignore_eos and token in self.eos_token_ids) or (p.stop_token_ids and token in p.stop_token_ids):
             # as vLLM: the stopping token's text (a special token's when skip_special_tokens=False) is
             # part of the output only with include_stop_str_in_output
-            return self._final_text(seq, "stop", token, drop_last=not p.include_stop_str_in_output)
+            stop_reason = None if token == self.primary_eos_token_id and not p.ignore_eos else token
+            return self._final_text(seq, "stop", stop_reason, drop_last=not p.include_stop_str_in_output)
         if p.stop and self.tokenizer is not None:
             for s in p.stop:
                 at = seq.text.find(s)

@@ -65,10 +65,11 @@ def test_echo_scores_the_prompt(served):
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(ids) + 3 and lp["text_offset"][len(ids)] == len(text)
 
-    # echo without logprobs: the text only; echo when streaming is refused
+    # echo without logprobs: the text only; streamed with logprobs it is refused (tests/test_server_vllm_fields.py
+    # streams it without)
     r = _post(srv, model=model, prompt=text, echo=True, max_tokens=2)
     assert r.json()["choices"][0]["text"].startswith(text) and r.json()["choices"][0]["logprobs"] is None
-    r = _post(srv, model=model, prompt=text, echo=True, stream=True)
+    r = _post(srv, model=model, prompt=text, echo=True, stream=True, logprobs=1)
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     r = _post(srv, model=model, prompt=text, max_tokens=0)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
@@ -128,6 +129,15 @@ def test_stop_reason_and_constraint_errors(served):
         chunks = [_json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     last = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert last and last[-1]["stop_reason"] == stop
+    # the model's own end-of-sequence token: stop_reason None (as vLLM); a stop token the request names: its id
+    eos = llm.tokenizer.eos_token_id
+    assert eos is not None
+    ended = _post(srv, model=model, prompt="hello", max_tokens=6, logit_bias={str(eos): 100}).json()["choices"][0]
+    assert ended["finish_reason"] == "stop" and ended["stop_reason"] is None
+    other = (eos + 1) % llm.config.vocab_size
+    named = _post(srv, model=model, prompt="hello", max_tokens=6, logit_bias={str(other): 100},
+                  stop_token_ids=[other]).json()["choices"][0]
+    assert named["finish_reason"] == "stop" and named["stop_reason"] == other
     for field, value in (("guided_regex", "(["), ("response_format", {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "nonsense"}}})):
         r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,

@@ -175,7 +175,8 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
               reasoning_parser: str | None = None, chat_template: str | None = None,
-              return_tokens_as_token_ids: bool = False, enable_prompt_tokens_details: bool = False):
+              return_tokens_as_token_ids: bool = False, enable_prompt_tokens_details: bool = False,
+              trust_request_chat_template: bool = False):
     """A FastAPI app serving `llm_or_engine` (an LLM, an Engine or an AsyncEngine).
 
     The engine worker thread starts with the app (lifespan) and stops with it.
@@ -189,7 +190,8 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     no tools into the prompt. reasoning_parser (a name of hybrid.server.reasoning.REASONING_PARSERS;
     ValueError for another): chat replies carry the model's thought apart from its answer.
     chat_template: a jinja2 chat template (its text) used instead of the checkpoint's (ValueError if it
-    does not compile). A request's sampling fields that it leaves out take the LLM's default_sampling
+    does not compile); trust_request_chat_template: a request's own `chat_template` renders its prompt (else
+    such a request is a 400, as vLLM's flag of that name). A request's sampling fields that it leaves out take the LLM's default_sampling
     (its generation_config.json's recommendations, as vLLM applies them). return_tokens_as_token_ids:
     logprobs name tokens "token_id:ID" unless a request says otherwise (its field of that name).
     enable_prompt_tokens_details: usage.prompt_tokens_details.cached_tokens, the prompt tokens the prefix
@@ -221,7 +223,8 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
                    reasoning_parser=reasoning_parser, chat_template=chat_template,
                    sampling_defaults=getattr(llm, "default_sampling", None),
                    return_tokens_as_token_ids=return_tokens_as_token_ids,
-                   enable_prompt_tokens_details=enable_prompt_tokens_details)
+                   enable_prompt_tokens_details=enable_prompt_tokens_details,
+                   trust_request_chat_template=trust_request_chat_template)
     metrics.bind(async_engine, admitted_requests=lambda: srv.admitted_requests,
                  admitted_seqs=lambda: srv.reserved_seqs)
 

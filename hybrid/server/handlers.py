@@ -13,7 +13,7 @@ import time
 import uuid
 
 from hybrid.async_engine import AsyncEngine
-from hybrid.chat_template import render_chat
+from hybrid.chat_template import check_chat_template, render_chat
 from hybrid.errors import InvalidRequestError
 from hybrid.request import truncate_prompt
 from hybrid.sampling import SamplingParams
@@ -21,10 +21,10 @@ from hybrid.server.api_errors import APIError, bad, engine_dead_error, from_inva
 from hybrid.server.protocol import (
     ReadFields,
     chat_messages,
-    chat_template_kwargs,
     get_bool,
     parse_chat,
     parse_completion,
+    template_variables,
 )
 from hybrid.server.reasoning import THINK_END, THINK_START, ReasoningMode, check_reasoning_parser, prompt_opens_reasoning
 from hybrid.server.streaming import ChatFormat, CompletionFormat, Prompt, ResponseFormat, respond
@@ -33,6 +33,24 @@ from hybrid.server.tool_parsers import check_tool_options
 from hybrid.server.tool_tags import MarkerTokens
 
 logger = logging.getLogger(__name__)
+
+
+MAX_CLIENT_REQUEST_ID = 256  # characters
+
+
+def client_request_id(request, body: dict) -> str | None:
+    """The id a client gives its request, as vLLM takes it: the X-Request-Id header, else the body's request_id
+    field; None if neither. It names the response (chatcmpl-<id>) for the client's own tracing."""
+    value = request.headers.get("x-request-id") if request is not None else None
+    field = "X-Request-Id"
+    if value is None:
+        value, field = body.get("request_id"), "request_id"
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_CLIENT_REQUEST_ID or not value.isprintable():
+        raise bad("request_id", f"{field} must be a non-empty printable string of at most {MAX_CLIENT_REQUEST_ID} "
+                                "characters")
+    return value
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -79,7 +97,8 @@ class Handlers:
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  exclude_tools_when_tool_choice_none: bool = False, reasoning_parser: str | None = None,
                  chat_template: str | None = None, sampling_defaults: dict | None = None,
-                 return_tokens_as_token_ids: bool = False, enable_prompt_tokens_details: bool = False) -> None:
+                 return_tokens_as_token_ids: bool = False, enable_prompt_tokens_details: bool = False,
+                 trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         # logprobs' tokens as "token_id:ID" (vLLM's flag; a request's own field wins): exact for clients that
         # map them back to ids, where a text can stand for several tokens or for none (a byte of a character)
@@ -89,6 +108,8 @@ class Handlers:
         # the model's recommended sampling (generation_config.json, LLM.default_sampling) for fields a request omits
         self.sampling_defaults = dict(sampling_defaults or {})
         self.chat_template_override = chat_template  # --chat-template: used instead of the checkpoint's
+        # a request's own chat_template: only where the operator allows it (a template decides the whole prompt)
+        self.trust_request_chat_template = trust_request_chat_template
         # tool calling: tool_choice "auto" needs enable_auto_tool_choice and a parser (as vLLM's
         # --enable-auto-tool-choice --tool-call-parser); a named or "required" choice needs neither
         self.tool_parser_cls = check_tool_options(enable_auto_tool_choice, tool_call_parser)
@@ -218,11 +239,21 @@ class Handlers:
         # off the event loop: a long prompt must not stall other requests and /health
         return await asyncio.to_thread(_encode, self.tokenizer, text, add_special_tokens)
 
-    def chat_template(self) -> str:
-        """The server's --chat-template, else the checkpoint's (hybrid.tokenizer.Tokenizer has picked
-        one from a list)."""
+    def chat_template(self, body: dict | None = None) -> str:
+        """The request's own `chat_template` (with --trust-request-chat-template), else the server's
+        --chat-template, else the checkpoint's (hybrid.tokenizer.Tokenizer has picked one from a list)."""
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so it cannot chat", 400, "messages", "invalid_value")
+        own = body.get("chat_template") if body is not None else None
+        if own is not None:
+            if not self.trust_request_chat_template:
+                raise bad("chat_template", "a request's own chat template is refused unless the server is started "
+                                           "with --trust-request-chat-template")
+            try:
+                check_chat_template(own)
+            except ValueError as e:
+                raise bad("chat_template", str(e)) from None
+            return own
         template = self.chat_template_override or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError("this model has no chat template (tokenizer_config.json has no 'chat_template'); "
@@ -289,11 +320,17 @@ class Handlers:
         return ToolMode(kind, req.tools, function=req.tool_name, parallel=req.parallel_tool_calls)
 
     # ---------------------------------------------------------------- the endpoints
-    def _respond(self, request, prompts: list[Prompt], fmt: ResponseFormat, req, admission: Admission):
+    def _respond(self, request, prompts: list[Prompt], fmt: ResponseFormat, req, admission: Admission,
+                 client_id: str | None = None):
+        """client_id: the request's own id (vLLM's X-Request-Id header or request_id field), the base of the
+        response's id; its engine requests still get ids of their own, so two clients sending the same id
+        cannot mix their outputs."""
+        unique = uuid.uuid4().hex
+        request_id = f"{fmt.id_prefix}-{client_id or unique}"
         return respond(self.engine, request, prompts, fmt, model=self.model_name, stream=req.stream,
                        include_usage=req.include_usage, continuous_usage=req.continuous_usage, admission=admission,
                        prompt_tokens_details=self.enable_prompt_tokens_details, prompt_logprobs=req.prompt_logprobs,
-                       request_id=f"{fmt.id_prefix}-{uuid.uuid4().hex}")
+                       request_id=request_id, engine_id=f"{request_id}-{unique}" if client_id else None)
 
     def warn_ignored(self, endpoint: str, body: ReadFields) -> None:
         """Log the fields a request sent that its parser never read (once per endpoint and field: a
@@ -307,6 +344,7 @@ class Handlers:
     async def completions(self, request, body: dict):
         body = ReadFields(body)
         self.check_model(body)
+        client_id = client_request_id(request, body)
         req = parse_completion(body, self.sampling_defaults)
         self.warn_ignored("/v1/completions", body)
         n = req.params.n
@@ -317,7 +355,7 @@ class Handlers:
             fmt = CompletionFormat(n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), echo=req.echo,
                                    echo_only=req.echo_only,
                                    decode=self.decode)
-            return await self._respond(request, prompts, fmt, req, admission)
+            return await self._respond(request, prompts, fmt, req, admission, client_id)
 
     async def chat_prompt(self, req, tools: ToolMode | None, template: str, input_param: str,
                           max_tokens_param: str | None):
@@ -328,7 +366,8 @@ class Handlers:
         shown = None if req.tool_choice == "none" and self.exclude_tools_when_tool_choice_none else req.tools
         text = await asyncio.to_thread(self.render, template, req.messages, req.add_generation_prompt,
                                        shown, req.chat_template_kwargs, req.continue_final_message)
-        ids = truncate_prompt(await self.encode(text, False), req.params.truncate_prompt_tokens, self.max_model_len)
+        ids = truncate_prompt(await self.encode(text, req.add_special_tokens), req.params.truncate_prompt_tokens,
+                              self.max_model_len)
         self.check_prompt(ids, input_param)
         reasoning = self.reasoning_mode(text)
         params = self.constrain_after_thought(req.params, reasoning)
@@ -342,9 +381,10 @@ class Handlers:
     async def chat(self, request, body: dict):
         body = ReadFields(body)
         self.check_model(body)
+        client_id = client_request_id(request, body)
         req = parse_chat(body, self.max_model_len, self.sampling_defaults)
         self.warn_ignored("/v1/chat/completions", body)
-        tools, template = self.tool_mode(req), self.chat_template()  # (their 400s before anything is reserved)
+        tools, template = self.tool_mode(req), self.chat_template(body)  # (their 400s before anything is reserved)
         with self.admit(req.params.n, "n") as admission:  # before rendering and tokenizing
             prompt, reasoning, markers = await self.chat_prompt(req, tools, template, "messages",
                                                                 req.max_tokens_param)
@@ -352,7 +392,7 @@ class Handlers:
             echo = last["content"] if req.echo and last["role"] == "assistant" else ""
             fmt = ChatFormat(req.params.n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), tools, markers,
                              reasoning, echo=echo)
-            return await self._respond(request, [prompt], fmt, req, admission)
+            return await self._respond(request, [prompt], fmt, req, admission, client_id)
 
     async def responses(self, request, body: dict):
         """/v1/responses: the request read as the chat request it amounts to, answered as Responses
@@ -376,7 +416,7 @@ class Handlers:
     async def tokenize(self, body: dict) -> dict:
         """/tokenize: a prompt's token ids ({"prompt": text, "add_special_tokens": true}) or a
         conversation's as the chat endpoint renders it ({"messages": [...], "add_generation_prompt",
-        "continue_final_message", "chat_template_kwargs", "tools"}); "return_token_strs" adds each
+        "continue_final_message", "chat_template_kwargs", "documents", "tools", "chat_template"}); "return_token_strs" adds each
         token's text."""
         self.check_model(body)
         if self.tokenizer is None:
@@ -393,8 +433,8 @@ class Handlers:
             tools = body.get("tools")
             if tools is not None and not isinstance(tools, list):
                 raise bad("tools", "expected a list of tools")
-            text = await asyncio.to_thread(self.render, self.chat_template(), messages, add_gen, tools or None,
-                                           chat_template_kwargs(body), continue_final)
+            text = await asyncio.to_thread(self.render, self.chat_template(body), messages, add_gen, tools or None,
+                                           template_variables(body), continue_final)
             ids = await self.encode(text, get_bool(body, "add_special_tokens", False))
         else:
             prompt = body.get("prompt")

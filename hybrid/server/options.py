@@ -53,6 +53,8 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
                    help="usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache")
     p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="a jinja2 chat template used instead of the checkpoint's: a file, or the template text itself")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request's own chat_template field render its prompt (refused with a 400 otherwise)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--uvicorn-log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -101,7 +103,7 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
                "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
                "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
                "reasoning_parser": args.reasoning_parser}
-    for flag in ("return_tokens_as_token_ids", "enable_prompt_tokens_details"):  # on when given (build_app: off)
+    for flag in ("return_tokens_as_token_ids", "enable_prompt_tokens_details", "trust_request_chat_template"):  # on when given (build_app: off)
         if getattr(args, flag):
             options[flag] = True
     if args.chat_template is not None:  # only when given: build_app's default is the checkpoint's template

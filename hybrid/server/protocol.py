@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hybrid.chat_template import normalize_messages, reserved_template_kwargs
 from hybrid.errors import InvalidRequestError
-from hybrid.sampling import SamplingParams, StructuredOutputsParams
+from hybrid.sampling import UNBOUNDED_MAX_TOKENS, SamplingParams, StructuredOutputsParams
 from hybrid.server.api_errors import APIError, bad, from_invalid
 from hybrid.server.tool_protocol import chat_tool_choice, chat_tools, message_tool_calls, tool_constraint
 
@@ -356,7 +356,8 @@ _MESSAGE_PATH = re.compile(r"^(messages(?:\[\d+\])?(?:\.content)?)(?=[:\s]|$)")
 
 def chat_messages(body: dict) -> list[dict]:
     """The conversation, normalised for the chat template (hybrid.chat_template.normalize_messages:
-    text content parts joined, None content -> ""), each role one of OpenAI's; an assistant
+    text content parts joined, None content -> ""), each role one of OpenAI's (the deprecated "function"
+    result read as a "tool" message); an assistant
     message's tool_calls with their arguments as objects (see tool_protocol.message_tool_calls), a tool
     message's tool_call_id kept."""
     try:
@@ -365,6 +366,8 @@ def chat_messages(body: dict) -> list[dict]:
         m = _MESSAGE_PATH.match(str(e))
         raise APIError(str(e), 400, m.group(1) if m else "messages", "invalid_value") from None
     for i, m in enumerate(messages):
+        if m["role"] == "function":  # OpenAI's deprecated function result: a tool reply, which templates know
+            messages[i] = m = {**m, "role": "tool"}
         if m["role"] not in CHAT_ROLES:
             raise bad(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {json.dumps(m['role'])}")
         if m.get("tool_calls") is not None:
@@ -424,6 +427,7 @@ class ChatRequest:
     constraint_field: str | None = None  # the field of the output constraint (constraint_field)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each prompt token's logprob and the top k
     echo: bool = False  # vLLM's chat echo: the reply's content starts with the last (assistant) message's
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens (BOS) added to the rendered prompt
 
 
 def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequest:
@@ -432,15 +436,18 @@ def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequ
     if body.get("suffix"):
         raise bad("suffix", "is not supported")
     stream = get_bool(body, "stream", False)
-    if echo and stream:
-        raise bad("echo", "is not supported with stream")
     include_usage, continuous_usage = _stream_usage(body, stream)
     inputs = prompt_inputs(body)
     k = get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     # echo with max_tokens 0 (how evaluation harnesses score a text): the prompt and its logprobs only
     max_tokens = get_int(body, "max_tokens", None, lo=0 if echo else 1)
     echo_only = echo and max_tokens == 0
-    default_max = (defaults or {}).get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+    # streamed, the prompt's text opens each choice; its logprobs (and the prompt alone) only come whole
+    if echo and stream and (k is not None or echo_only):
+        raise bad("echo", "with stream is supported without logprobs and with max_tokens of at least 1")
+    # left out: OpenAI's 16; sent as null: the rest of the context, as vLLM reads it (the model's default if any)
+    null_max = "max_tokens" in body and body.get("max_tokens") is None
+    default_max = (defaults or {}).get("max_tokens", UNBOUNDED_MAX_TOKENS if null_max else DEFAULT_COMPLETION_MAX_TOKENS)
     params = sampling_params(body, max_tokens=1 if echo_only else max_tokens or default_max, logprobs=k,
                              defaults=defaults)
     if echo and k is not None:
@@ -483,7 +490,7 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
     params = sampling_params(body, max_tokens=max_tokens or default_max, logprobs=k, defaults=defaults)
     params = tool_constraint(tool_kind, tool_name, tools, params, body, CONSTRAINT_FIELDS, parallel)
     plp, params = _prompt_logprobs(body, stream, params)
-    template_kwargs = chat_template_kwargs(body)
+    template_kwargs = template_variables(body)
     continue_final = get_bool(body, "continue_final_message", False)
     if continue_final:
         if add_gen and "add_generation_prompt" in body:
@@ -494,7 +501,19 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
     return ChatRequest(messages, add_gen, tools, params, param, k, stream, include_usage, tool_kind, tool_name,
                        parallel, template_kwargs, continue_final, continuous_usage,
                        get_bool(body, "return_tokens_as_token_ids", None), _priority(body), constraint_field(body),
-                       plp, get_bool(body, "echo", False))
+                       plp, get_bool(body, "echo", False), get_bool(body, "add_special_tokens", False))
+
+
+def template_variables(body: dict) -> dict | None:
+    """The chat template's variables a request adds: its chat_template_kwargs, and vLLM's `documents` (a list of
+    objects, for templates of retrieval-augmented generation)."""
+    kw = chat_template_kwargs(body)
+    docs = body.get("documents")
+    if docs is None:
+        return kw
+    if not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs):
+        raise bad("documents", "expected a list of objects (each document's fields, e.g. title and text)")
+    return {**(kw or {}), "documents": docs}
 
 
 def chat_template_kwargs(body: dict) -> dict | None:

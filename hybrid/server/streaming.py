@@ -202,7 +202,7 @@ class ResponseFormat:
         """A choice of the non-streamed response; stop_reason: the stop string or token id that ended it."""
         raise NotImplementedError
 
-    def opening(self) -> list[list[dict]]:
+    def opening(self, prompts: list["Prompt"]) -> list[list[dict]]:
         """The choices of the chunks a stream starts with."""
         return []
 
@@ -218,6 +218,13 @@ class CompletionFormat(ResponseFormat):
                  echo: bool = False, echo_only: bool = False, decode: Callable[[list[int]], str] | None = None) -> None:
         super().__init__(n, logprobs, token_str)
         self.echo, self.echo_only, self.decode = echo, echo_only, decode
+
+    def opening(self, prompts):
+        """echo, streamed: each choice starts with its prompt's text (vLLM's order: prompt by prompt, n each)."""
+        if not self.echo:
+            return []
+        texts = [p.text if p.text is not None else self.decode(p.ids) for p in prompts]
+        return [[self.choice(pi * self.n + j, text, None, None)] for pi, text in enumerate(texts) for j in range(self.n)]
 
     def echoed(self, prompt: "Prompt", out, c) -> tuple[str, dict | None, int]:
         """echo: (text, logprobs, completion tokens) of a choice with the prompt before it; the prompt's
@@ -324,7 +331,7 @@ class ChatFormat(ResponseFormat):
         return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason,
                 "stop_reason": stop_reason}
 
-    def opening(self):
+    def opening(self, prompts):
         return [[{"index": i, "delta": {"role": "assistant", "content": self.echo_text}, "logprobs": None,
                   "finish_reason": None}] for i in range(self.n)]
 
@@ -443,16 +450,20 @@ def prompt_logprob_rows(rows: list[dict | None], ids: list[int], k: int,
 
 async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *, model: str, stream: bool,
                   include_usage: bool, admission, request_id: str, continuous_usage: bool = False,
-                  prompt_tokens_details: bool = False, prompt_logprobs: int | None = None):
+                  prompt_tokens_details: bool = False, prompt_logprobs: int | None = None,
+                  engine_id: str | None = None):
     """The response to validated prompts, for either endpoint: the whole JSON body once every
     choice is done (499 if the client went away first), or the stream of SSE chunks (with
     `continuous_usage`, each carries the usage so far: the prompts' tokens and every choice's tokens
-    generated up to it). prompt_tokens_details: the usage says how many prompt tokens the prefix cache gave."""
+    generated up to it). prompt_tokens_details: the usage says how many prompt tokens the prefix cache gave.
+    request_id: the response's id; engine_id: the base of its engine requests' ids (default request_id), unique
+    where the response id is the client's own."""
     created = int(time.time())
+    engine_id = engine_id or request_id
     n = fmt.n
     prompt_tokens = sum(len(p.ids) for p in prompts)
     if not stream:
-        finals = await collect(engine, request, prompts, request_id)
+        finals = await collect(engine, request, prompts, engine_id)
         if finals is None:
             return JSONResponse({}, status_code=499)
         choices, completion_tokens = [], 0
@@ -503,9 +514,9 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
         return sse({"id": request_id, "object": fmt.chunk_object_name, "created": created, "model": model,
                     "choices": choices, "usage": usage_})
 
-    updates = choice_updates(engine, prompts, request_id, fmt.k is not None, fmt.text, cached)
+    updates = choice_updates(engine, prompts, engine_id, fmt.k is not None, fmt.text, cached)
     has_update = getattr(engine, "has_update", None)
-    rids = [f"{request_id}-{i}" for i in range(len(prompts))]
+    rids = [f"{engine_id}-{i}" for i in range(len(prompts))]
 
     def more_ready() -> bool:  # the next engine output is queued already: generate() returns it without waiting
         return has_update is not None and any(has_update(rid) for rid in rids)
@@ -515,7 +526,7 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
         fell behind the engine) are written together, so the cost of a write (the send chain, the
         socket call) is paid once for them; the bytes are the same."""
         completion_tokens = 0
-        for choices in fmt.opening():
+        for choices in fmt.opening(prompts):
             yield chunk(choices)
         parts: list[str] = []
         try:
