@@ -158,9 +158,9 @@ async def beam_search_async(generate_one: Callable[[list[int], SamplingParams], 
     generate_one propagates, once the step's other beams are cancelled."""
     search = BeamSearch(prompts, params, eos_token_ids)
     while seqs := search.next_sequences():
-        tasks = []
+        tasks = [asyncio.ensure_future(generate_one(s, search.step_params)) for s in seqs]
         try:
-            tops = [await generate_one(s, search.step_params) for s in seqs]
+            tops = await asyncio.gather(*tasks)
         except Exception:
             # gather leaves the other beams running when one fails: stop them (an engine aborts their
             # requests), so that nothing outlives the failed search
