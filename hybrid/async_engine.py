@@ -26,6 +26,7 @@ from typing import AsyncIterator
 
 from hybrid.errors import EngineDeadError, HybridError, RequestFailedError
 from hybrid.outputs import RequestOutput
+from hybrid.request import check_cache_salt
 from hybrid.sampling import SamplingParams
 
 logger = logging.getLogger("hybrid.async_engine")
@@ -209,7 +210,7 @@ class AsyncEngine:
                 return
             kind = cmd[0]
             if kind == "add":
-                tr, prompt_ids, prompt = cmd[1], cmd[2], cmd[3]
+                tr, prompt_ids, prompt, cache_salt = cmd[1], cmd[2], cmd[3], cmd[4]
                 if self.dead is not None:
                     self._deliver(tr, EngineDeadError(str(self.dead)))
                     continue
@@ -217,7 +218,7 @@ class AsyncEngine:
                     # deltas: the per-step cost stays flat however long the output grows; generate()
                     # turns them back into running totals on the caller's side
                     self.engine.add_request(tr.request_id, prompt_ids, tr.params, prompt=prompt, output_kind="delta",
-                                            priority=tr.priority)
+                                            priority=tr.priority, cache_salt=cache_salt)
                 except BaseException as e:
                     self._deliver(tr, e)
                     continue
@@ -303,17 +304,19 @@ class AsyncEngine:
             )
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's RequestOutput after every step that changed it; the last one has
         finished=True. Each output holds everything so far (text, token_ids, logprobs); the token_ids
         and logprobs lists are this iteration's running totals, extended in place when the next
         output arrives (copy them to keep a snapshot). Leaving the iteration early (client gone, task
         cancelled) aborts the request. A request that fails inside the engine raises
         RequestFailedError here (its slot and pages are already freed; other requests carry on);
-        EngineDeadError if the engine stopped for good."""
+        EngineDeadError if the engine stopped for good. `cache_salt`: Engine.add_request's."""
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         self.validate(prompt_token_ids, params)
+        check_cache_salt(cache_salt)
         if priority != 0:  # (0 is every policy's default)
             self.engine.check_priority(priority)
         rid = request_id or self.new_request_id()
@@ -324,7 +327,7 @@ class AsyncEngine:
         totals: dict[int, tuple[list[int], list | None]] = {}  # per completion index: tokens, logprobs
         prompt_logprobs = None  # sent once (the first delta after the prompt is done), kept on every output
         try:
-            self._commands.put(("add", tr, list(prompt_token_ids), prompt))
+            self._commands.put(("add", tr, list(prompt_token_ids), prompt, cache_salt))
             self._wakeup.set()
             while True:
                 item = await tr.queue.get()

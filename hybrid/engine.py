@@ -37,8 +37,8 @@ from hybrid.logits_processing import bad_words_token_ids
 from hybrid.output_processor import OUTPUT_KINDS, OutputProcessor
 from hybrid.outputs import RequestOutput
 from hybrid.prefix_cache import PrefixCache
-from hybrid.request import (Request, ScheduledChunk, Sequence, Status, make_generator, truncate_prompt,
-                            validate_params, validate_prompt)
+from hybrid.request import (Request, ScheduledChunk, Sequence, Status, check_cache_salt, make_generator,
+                            truncate_prompt, validate_params, validate_prompt)
 from hybrid.resources import ResourceManager
 from hybrid.sampling import SamplingParams
 from hybrid.scheduler import Scheduler, SchedulerOutput
@@ -214,10 +214,13 @@ class Engine:
         return list(prompt_token_ids), bad_words
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, output_kind: str = "cumulative", priority: int = 0) -> None:
+                    prompt: str | None = None, output_kind: str = "cumulative", priority: int = 0,
+                    cache_salt: str | None = None) -> None:
         """Queue a request. `priority` (scheduling_policy "priority" only): lower values run first and are
-        preempted last; ties go by arrival."""
+        preempted last; ties go by arrival. `cache_salt` (vLLM's): the request shares cached prefixes only
+        with requests of the same salt (hybrid/prefix_cache.py)."""
         self._check_alive()
+        check_cache_salt(cache_salt)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         if output_kind not in OUTPUT_KINDS:
@@ -231,7 +234,7 @@ class Engine:
         arrival = next(self._arrivals)
         seqs = [Sequence(request_id=request_id, index=i, prompt_token_ids=prompt_token_ids, params=params,
                          generator=make_generator(params, self.seed, arrival, i, self.device), arrival=arrival,
-                         priority=priority,
+                         priority=priority, cache_salt=cache_salt,
                          logprobs=[] if params.logprobs is not None else None, grammar=grammars[i],
                          prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
                          bad_words_ids=bad_words)
@@ -474,7 +477,7 @@ class Engine:
         for seq in req.seqs:
             if seq.status != Status.FINISHED:
                 self.scheduler.finish(seq, "error")
-        self.resources.forget_prefixes_of(req.prompt_token_ids)
+        self.resources.forget_prefixes_of(req.prompt_token_ids, req.seqs[0].cache_salt)
 
     def _die(self, error: BaseException) -> None:
         """An unrecoverable device error: record why, fail every request and raise EngineDeadError.

@@ -26,6 +26,7 @@ from hybrid.loader import load_model
 from hybrid.model import ForwardContext, use_fused_ops
 from hybrid.model_source import DEFAULT_MODEL_DIR, resolve_model
 from hybrid.outputs import Logprob, RequestOutput
+from hybrid.request import check_cache_salt
 from hybrid.sampling import SamplingParams, generation_defaults
 from state_pool.pool import MambaStatePool, StateShapes
 from state_pool.util import cdiv
@@ -333,7 +334,7 @@ class LLM:
     def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):  # vLLM's TextPrompt {"prompt": text} / TokensPrompt {"prompt_token_ids": ids}
             # (vLLM's other keys are accepted when empty: code built for several model kinds sends them as None)
-            unknown = sorted(k for k in set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = sorted(k for k in set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
                              if not (k in _EMPTY_PROMPT_KEYS and not prompt[k]))
             if unknown:
                 raise InvalidRequestError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids'; "
@@ -391,7 +392,8 @@ class LLM:
         lora_request=None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids, or as in
-        vLLM {"prompt": text} / {"prompt_token_ids": ids}. Every prompt and every parameter (vocabulary-
+        vLLM {"prompt": text} / {"prompt_token_ids": ids}, with vLLM's "cache_salt" (a string: the prompt shares
+        cached prefixes only with prompts of the same salt). Every prompt and every parameter (vocabulary-
         dependent ones too) is validated before anything is queued: an InvalidRequestError leaves
         nothing behind. If some requests fail inside the engine (an exception in their step,
         non-finite logits), the others still run to the end and then RequestFailedError is raised:
@@ -406,8 +408,9 @@ class LLM:
             raise InvalidRequestError(f"priority must be a list of one integer per prompt ({len(prompts)}), "
                                       f"got {priority!r}")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
-        prepared = [(text, ids, params, prio) for (text, ids), params, prio
-                    in zip(self._validated_prompts(prompts, params_list, priorities), params_list, priorities)]
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        prepared = [(text, ids, params, prio, salt) for (text, ids), params, prio, salt
+                    in zip(self._validated_prompts(prompts, params_list, priorities), params_list, priorities, salts)]
         return self._run(prepared, use_tqdm)
 
     def _validated_prompts(self, prompts: list, params_list: list[SamplingParams],
@@ -419,6 +422,8 @@ class LLM:
             try:
                 text, ids = self._prompt_ids(prompt)
                 self.engine.validate_request(ids, params)
+                if isinstance(prompt, dict):
+                    check_cache_salt(prompt.get("cache_salt"))
                 if priorities is not None:
                     self.engine.check_priority(priorities[i])
             except InvalidRequestError as e:
@@ -426,14 +431,15 @@ class LLM:
             validated.append((text, ids))
         return validated
 
-    def _run(self, prepared: list[tuple[str | None, list[int], SamplingParams, int]],
+    def _run(self, prepared: list[tuple[str | None, list[int], SamplingParams, int, str | None]],
              use_tqdm: bool) -> list[RequestOutput]:
-        """Queue the validated (text, ids, params, priority) requests, step until all finish, in order."""
+        """Queue the validated (text, ids, params, priority, cache salt) requests, step until all finish, in order."""
         order = []
         try:
-            for text, ids, params, priority in prepared:
+            for text, ids, params, priority, salt in prepared:
                 rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, ids, params, prompt=text, output_kind="final", priority=priority)
+                self.engine.add_request(rid, ids, params, prompt=text, output_kind="final", priority=priority,
+                                        cache_salt=salt)
                 order.append(rid)
         except BaseException:  # (validated above: not expected) never leave part of the batch queued
             for rid in order:
@@ -622,5 +628,5 @@ class LLM:
                 self.engine.validate_request(ids, params)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
-            prepared.append((text, ids, params, 0))
+            prepared.append((text, ids, params, 0, None))
         return self._run(prepared, use_tqdm)

@@ -12,7 +12,9 @@ point in the cache's slot as they go (StepBatch.state_snapshots), so caching cos
 
 Entries are keyed by a hash chained over the prefix's pages (vLLM-style block hashes), verified
 against the stored tokens on a hit, and evicted least recently used when their slots or pages are
-needed.
+needed. A request's `cache_salt` (vLLM's) starts the chain and is verified with the tokens: requests
+of different salts never share a prefix, so one tenant cannot learn from another's hit timing what it
+sent.
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ class CachedPrefix:
     slot: int  # state-pool slot: every Mamba layer's state after the prefix
     pages: list[int]  # KV pages of the prefix; the cache holds one reference to each
     last_used: int
+    salt: str | None = None  # the cache_salt of the request it came from
+
+    def holds(self, tokens: list[int], salt: str | None) -> bool:
+        """Whether this entry is the prefix `tokens` (a whole number of pages) of a request salted `salt`."""
+        return self.salt == salt and self.tokens == tuple(tokens)
 
 
 class PrefixCache:
@@ -46,9 +53,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def page_hashes(self, tokens: list[int], num_pages: int) -> list[int]:
-        """Hash of tokens[: (i + 1) * page_size] for i < num_pages, each chained on the previous one."""
-        ps, h, out = self.page_size, 0, []
+    def page_hashes(self, tokens: list[int], num_pages: int, salt: str | None = None) -> list[int]:
+        """Hash of tokens[: (i + 1) * page_size] for i < num_pages, each chained on the previous one (the
+        first on the salt)."""
+        ps, h, out = self.page_size, (0 if salt is None else hash(("cache_salt", salt))), []
         for i in range(num_pages):
             h = hash((h, tuple(tokens[i * ps:(i + 1) * ps])))
             out.append(h)
@@ -69,51 +77,52 @@ class PrefixCache:
                 return step
         return end if end > after else 0
 
-    def lookup(self, prompt: list[int]) -> CachedPrefix | None:
-        """The longest cached prefix of `prompt` that leaves at least its last token to compute."""
+    def lookup(self, prompt: list[int], salt: str | None = None) -> CachedPrefix | None:
+        """The longest cached prefix of `prompt` (of a request salted `salt`) that leaves at least its last
+        token to compute."""
         n = self.caching_point(prompt) // self.page_size
-        for i, h in reversed(list(enumerate(self.page_hashes(prompt, n)))):
+        for i, h in reversed(list(enumerate(self.page_hashes(prompt, n, salt)))):
             entry = self.entries.get(h)
-            if entry is not None and entry.tokens == tuple(prompt[:(i + 1) * self.page_size]):
+            if entry is not None and entry.holds(prompt[:(i + 1) * self.page_size], salt):
                 self._clock += 1
                 entry.last_used = self._clock
                 return entry
         return None
 
-    def contains(self, tokens: list[int]) -> bool:
+    def contains(self, tokens: list[int], salt: str | None = None) -> bool:
         n = len(tokens) // self.page_size
         if n == 0:
             return False
-        entry = self.entries.get(self.page_hashes(tokens, n)[-1])
-        return entry is not None and entry.tokens == tuple(tokens[:n * self.page_size])
+        entry = self.entries.get(self.page_hashes(tokens, n, salt)[-1])
+        return entry is not None and entry.holds(tokens[:n * self.page_size], salt)
 
-    def insert(self, tokens: list[int], slot: int, pages: list[int]) -> CachedPrefix | None:
+    def insert(self, tokens: list[int], slot: int, pages: list[int], salt: str | None = None) -> CachedPrefix | None:
         """Cache `tokens` (a whole number of pages): the caller gives the entry its slot and one
         reference to each page, and has made room (is_full / pop_lru) beforehand. Returns the entry
         this one displaced (same key: a prefix whose hash collides, or these tokens again), whose
         slot and pages go back to the caller as pop_lru's do, so that nothing leaks; None if none."""
         if len(tokens) % self.page_size or len(pages) != len(tokens) // self.page_size:
             raise ValueError("a cached prefix covers whole pages")
-        key = self.page_hashes(tokens, len(pages))[-1]
+        key = self.page_hashes(tokens, len(pages), salt)[-1]
         old = self.entries.pop(key, None)
         if self.is_full:
             raise RuntimeError("prefix cache full: pop an entry first")
         self._clock += 1
-        self.entries[key] = CachedPrefix(tuple(tokens), slot, list(pages), self._clock)
+        self.entries[key] = CachedPrefix(tuple(tokens), slot, list(pages), self._clock, salt)
         return old
 
     @property
     def is_full(self) -> bool:
         return len(self.entries) >= self.max_entries
 
-    def remove_prefixes_of(self, prompt: list[int]) -> list[CachedPrefix]:
+    def remove_prefixes_of(self, prompt: list[int], salt: str | None = None) -> list[CachedPrefix]:
         """Remove and return every cached prefix of `prompt` (their slots and pages go back to the
         caller): after a request failed, a prefix cached from its steps may hold its bad state."""
         n = len(prompt) // self.page_size
         out = []
-        for i, h in enumerate(self.page_hashes(prompt, n)):
+        for i, h in enumerate(self.page_hashes(prompt, n, salt)):
             entry = self.entries.get(h)
-            if entry is not None and entry.tokens == tuple(prompt[:(i + 1) * self.page_size]):
+            if entry is not None and entry.holds(prompt[:(i + 1) * self.page_size], salt):
                 out.append(self.entries.pop(h))
         return out
 

@@ -39,6 +39,7 @@ class Sequence:
     arrival: int
     # scheduling_policy "priority": lower runs first (ties by arrival); always 0 under "fcfs"
     priority: int = 0
+    cache_salt: str | None = None  # vLLM's: only requests of the same salt share cached prefixes
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     status: Status = Status.WAITING
@@ -202,3 +203,9 @@ def validate_params(params: SamplingParams, vocab_size: int) -> None:
     if bad:
         raise InvalidRequestError(f"invalid sampling parameter allowed_token_ids=[..., {bad[0]}, ...]: "
                                   f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_cache_salt(salt) -> None:
+    """InvalidRequestError unless `salt` is None or a non-empty string (vLLM's cache_salt)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequestError(f"cache_salt must be a non-empty string, got {salt!r}")

@@ -213,7 +213,7 @@ class ResourceManager:
         if cache is None:
             return 0
         # prompt logprobs need the logits of every prompt position: a cached prefix would skip them
-        entry = None if seq.scores_prompt else cache.lookup(seq.prompt_token_ids)
+        entry = None if seq.scores_prompt else cache.lookup(seq.prompt_token_ids, seq.cache_salt)
         if entry is not None:
             self.state_pool.copy_slot(entry.slot, seq.slot)
             self._copy_state_tokens(entry.slot, seq.slot)
@@ -240,7 +240,7 @@ class ResourceManager:
             while seq.num_computed < seq.cache_at < end:
                 point = seq.cache_at
                 seq.cache_at = cache.next_point(seq.prompt_token_ids, point)
-                if cache.contains(seq.prompt_token_ids[:point]):
+                if cache.contains(seq.prompt_token_ids[:point], seq.cache_salt):
                     continue
                 self._make_room(planned)
                 slot = self.state_pool.allocate() if len(cache) + planned < cache.max_entries else None
@@ -266,7 +266,8 @@ class ResourceManager:
             for point, slot in c.snapshots:
                 if self.state_tokens is not None:
                     self.state_tokens[slot] = point
-                self._insert(c.seq.prompt_token_ids[:point], slot, c.seq.pages[:point // self.page_size])
+                self._insert(c.seq.prompt_token_ids[:point], slot, c.seq.pages[:point // self.page_size],
+                             c.seq.cache_salt)
             c.snapshots = []
             if c.seq.cache_at and not c.is_decode and c.seq.num_computed + c.num_tokens == c.seq.cache_at:
                 self._cache_prefix(c.seq)
@@ -276,7 +277,7 @@ class ResourceManager:
         tokens = seq.prompt_token_ids[:seq.cache_at]
         cache = self.prefix_cache
         seq.cache_at = cache.next_point(seq.prompt_token_ids, seq.cache_at)
-        if cache.contains(tokens):
+        if cache.contains(tokens, seq.cache_salt):
             return
         if self.state_tokens is not None and self.state_tokens.get(seq.slot, len(tokens)) != len(tokens):
             raise StateCorruptionError(
@@ -288,7 +289,7 @@ class ResourceManager:
             return  # every slot runs a sequence: not cached
         self.state_pool.copy_slot(seq.slot, slot)
         self._copy_state_tokens(seq.slot, slot)
-        self._insert(tokens, slot, seq.pages[:len(tokens) // self.page_size])
+        self._insert(tokens, slot, seq.pages[:len(tokens) // self.page_size], seq.cache_salt)
 
     def _make_room(self, pending: int = 0) -> None:
         """Evict least recently used prefixes until the cache has room for `pending` + 1 more entries
@@ -297,11 +298,11 @@ class ResourceManager:
         while len(cache) + pending >= cache.max_entries and self.evict_cached_prefix():
             pass
 
-    def _insert(self, tokens: list[int], slot: int, pages: list[int]) -> None:
-        """A new cache entry: `slot` (the cache's now) holds the state after `tokens`, whose KV pages get
-        one more reference."""
+    def _insert(self, tokens: list[int], slot: int, pages: list[int], salt: str | None) -> None:
+        """A new cache entry: `slot` (the cache's now) holds the state after `tokens` (of a request salted
+        `salt`), whose KV pages get one more reference."""
         self.pages.share(pages)
-        displaced = self.prefix_cache.insert(tokens, slot, pages)
+        displaced = self.prefix_cache.insert(tokens, slot, pages, salt)
         if displaced is not None:  # a hash collision: the older prefix gives its slot and pages back
             self.free(displaced.slot, displaced.pages)
             self.stats["prefix_cache_evictions"] += 1
@@ -317,10 +318,10 @@ class ResourceManager:
         self.stats["prefix_cache_evictions"] += 1
         return True
 
-    def forget_prefixes_of(self, prompt: list[int]) -> None:
+    def forget_prefixes_of(self, prompt: list[int], salt: str | None = None) -> None:
         """Drop the prefixes cached from a failed request's prompt: their state came from its steps."""
         if self.prefix_cache is not None:
-            for entry in self.prefix_cache.remove_prefixes_of(prompt):
+            for entry in self.prefix_cache.remove_prefixes_of(prompt, salt):
                 self.free(entry.slot, entry.pages)
 
     # ------------------------------------------------------------------ sanitizer

@@ -124,7 +124,7 @@ def test_colliding_prefix_keys_leak_nothing(tiny_ckpt, make_llm, monkeypatch):
     from hybrid.prefix_cache import PrefixCache
 
     path = tiny_ckpt("nemotron_h")
-    monkeypatch.setattr(PrefixCache, "page_hashes", lambda self, tokens, n: list(range(n)))  # key = page count
+    monkeypatch.setattr(PrefixCache, "page_hashes", lambda self, tokens, n, salt=None: list(range(n)))  # key: the count
     llm = make_llm(path, page_size=4, enable_prefix_caching=True, check_state=True)
     eng, pool, pages = llm.engine, llm.state_pool, llm.kv_cache.allocator
     free_slots, free_pages = pool.num_free, pages.num_free
@@ -285,3 +285,35 @@ def test_mixer_segments_a_row_at_its_snapshots(state_dtype):
     bad = batch([11, 5], [1, 2], [False, True], {0: [(7, 4), (3, 5)]})
     with pytest.raises(ValueError, match="ascending"):
         mixer(hidden, dataclasses.replace(bad), conv.clone(), ssm.clone())
+
+
+def test_cache_salt_keeps_prefixes_apart(tiny_ckpt, make_llm):
+    """vLLM's cache_salt: a prompt shares cached prefixes only with prompts of the same salt (no salt is a
+    salt of its own); the tokens are the same whatever the salt; a salt that is not a non-empty string is
+    refused before anything is queued."""
+    from hybrid.errors import InvalidRequestError
+    from hybrid.prefix_cache import PrefixCache
+
+    cache = PrefixCache(page_size=4, max_entries=4)
+    cache.insert(BASE[:12], 0, [0, 1, 2], salt="a")
+    assert cache.contains(BASE[:12], "a") and not cache.contains(BASE[:12], "b") and not cache.contains(BASE[:12])
+    assert cache.lookup(BASE, "a") is not None and cache.lookup(BASE, "b") is None and cache.lookup(BASE) is None
+    assert cache.remove_prefixes_of(BASE, "b") == [] and len(cache.remove_prefixes_of(BASE, "a")) == 1
+
+    llm = make_llm(tiny_ckpt("nemotron_h"), page_size=4, enable_prefix_caching=True, check_state=True)
+
+    def run(salt):
+        prompt = {"prompt_token_ids": BASE} if salt is None else {"prompt_token_ids": BASE, "cache_salt": salt}
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    first, cached = run("tenant-a")
+    assert cached == 0
+    assert run("tenant-a") == (first, 12)  # the same salt: a hit
+    assert run("tenant-b") == (first, 0)  # another salt: computed again (and cached under its own)
+    assert run(None) == (first, 0)
+    assert run("tenant-b") == (first, 12)
+    for bad in ("", 5):
+        with pytest.raises(InvalidRequestError, match="cache_salt"):
+            llm.generate([{"prompt_token_ids": BASE, "cache_salt": bad}], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

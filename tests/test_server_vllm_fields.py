@@ -151,3 +151,42 @@ def test_echo_streamed(plain):
     for body in ({"logprobs": 1}, {"max_tokens": 0}):
         r = _post(srv, "/v1/completions", prompt="hi", echo=True, stream=True, **{"max_tokens": 5, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory):
+    import torch
+
+    from hybrid import LLM
+    from hybrid.server import build_app
+
+    torch.set_num_threads(1)
+    llm = LLM(str(shared_tiny_chat_checkpoint(tmp_path_factory)), device="cpu", max_num_seqs=4, max_model_len=256,
+              max_num_batched_tokens=64, enable_prefix_caching=True, page_size=16)
+    with ServerThread(build_app(llm, enable_prompt_tokens_details=True)) as srv:
+        yield llm, srv
+
+
+def test_cache_salt_keeps_tenants_apart(cached):
+    """vLLM's cache_salt: a request reuses cached prefixes only of requests with the same salt."""
+    llm, srv = cached
+    prompt = "the same long system prompt that every tenant sends before its question, " * 2
+
+    def hit(path, salt, **body):
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = _post(srv, path, max_tokens=2, **body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert hit("/v1/completions", "a", prompt=prompt) == 0
+    assert hit("/v1/completions", "a", prompt=prompt) > 0
+    assert hit("/v1/completions", "b", prompt=prompt) == 0
+    assert hit("/v1/completions", None, prompt=prompt) == 0
+    messages = [{"role": "user", "content": prompt}]
+    assert hit("/v1/chat/completions", "c", messages=messages) == 0
+    assert hit("/v1/chat/completions", "c", messages=messages) > 0
+    assert hit("/v1/chat/completions", "d", messages=messages) == 0
+    for path, body in (("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {"messages": messages})):
+        r = _post(srv, path, max_tokens=2, cache_salt="", **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

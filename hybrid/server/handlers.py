@@ -20,6 +20,7 @@ from hybrid.sampling import SamplingParams
 from hybrid.server.api_errors import APIError, bad, engine_dead_error, from_invalid
 from hybrid.server.protocol import (
     ReadFields,
+    cache_salt,
     chat_messages,
     get_bool,
     parse_chat,
@@ -345,12 +346,14 @@ class Handlers:
         body = ReadFields(body)
         self.check_model(body)
         client_id = client_request_id(request, body)
+        salt = cache_salt(body)
         req = parse_completion(body, self.sampling_defaults)
         self.warn_ignored("/v1/completions", body)
         n = req.params.n
         # before the (possibly long) tokenization
         with self.admit(len(req.inputs) * n, "prompt" if len(req.inputs) > 1 else "n") as admission:
             prompts = await self.completion_prompts(req.inputs, req.params, req.max_tokens_param, req.priority)
+            prompts = [p._replace(cache_salt=salt) for p in prompts]
             self.validate(prompts, "prompt", req.constraint_field)
             fmt = CompletionFormat(n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), echo=req.echo,
                                    echo_only=req.echo_only,
@@ -382,6 +385,7 @@ class Handlers:
         body = ReadFields(body)
         self.check_model(body)
         client_id = client_request_id(request, body)
+        salt = cache_salt(body)
         req = parse_chat(body, self.max_model_len, self.sampling_defaults)
         self.warn_ignored("/v1/chat/completions", body)
         tools, template = self.tool_mode(req), self.chat_template(body)  # (their 400s before anything is reserved)
@@ -392,7 +396,7 @@ class Handlers:
             echo = last["content"] if req.echo and last["role"] == "assistant" else ""
             fmt = ChatFormat(req.params.n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), tools, markers,
                              reasoning, echo=echo)
-            return await self._respond(request, [prompt], fmt, req, admission, client_id)
+            return await self._respond(request, [prompt._replace(cache_salt=salt)], fmt, req, admission, client_id)
 
     async def responses(self, request, body: dict):
         """/v1/responses: the request read as the chat request it amounts to, answered as Responses
@@ -401,6 +405,7 @@ class Handlers:
 
         body = ReadFields(body)
         self.check_model(body)
+        salt = cache_salt(body)
         rreq = parse_responses(body, self.max_model_len, self.sampling_defaults)
         self.warn_ignored("/v1/responses", body)
         req = rreq.chat
@@ -410,7 +415,8 @@ class Handlers:
                                                                 req.max_tokens_param and "max_output_tokens")
             writer = ResponsesWriter(f"resp_{uuid.uuid4().hex}", self.model_name, rreq, tools, reasoning,
                                      self.think_end_id, markers)
-            return await respond_responses(self.engine, request, prompt, writer, admission, req.stream)
+            return await respond_responses(self.engine, request, prompt._replace(cache_salt=salt), writer, admission,
+                                           req.stream)
 
     # ---------------------------------------------------------------- tokenizer endpoints (vLLM's)
     async def tokenize(self, body: dict) -> dict:

@@ -504,6 +504,15 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
                        plp, get_bool(body, "echo", False), get_bool(body, "add_special_tokens", False))
 
 
+def cache_salt(body: dict) -> str | None:
+    """vLLM's cache_salt: a request shares cached prefixes only with requests of the same salt (a tenant's
+    prompts are not sped up, nor their timing revealed, by another's)."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad("cache_salt", "expected a non-empty string")
+    return salt
+
+
 def template_variables(body: dict) -> dict | None:
     """The chat template's variables a request adds: its chat_template_kwargs, and vLLM's `documents` (a list of
     objects, for templates of retrieval-augmented generation)."""

@@ -26,6 +26,7 @@ class Prompt(NamedTuple):
     ids: list[int]
     params: SamplingParams  # per prompt: a default max_tokens is fitted to each prompt's room
     priority: int = 0  # the request's (--scheduling-policy priority)
+    cache_salt: str | None = None  # vLLM's: shares cached prefixes only with requests of the same salt
 
 
 class ChoiceUpdate(NamedTuple):
@@ -56,7 +57,8 @@ async def run(engine, prompts: list[Prompt], base_id: str):
     A request's generator is advanced only once the caller is done with its previous update:
     AsyncEngine.generate extends the running token and logprob lists of the output it yielded last
     in place, so reading ahead would show the caller tokens (and logprob rows) of a later update."""
-    gens = [engine.generate(p.ids, p.params, request_id=f"{base_id}-{i}", prompt=p.text, priority=p.priority)
+    gens = [engine.generate(p.ids, p.params, request_id=f"{base_id}-{i}", prompt=p.text, priority=p.priority,
+                            cache_salt=p.cache_salt)
             for i, p in enumerate(prompts)]
     try:
         if len(gens) == 1:  # one request (the usual case): its updates as they come, no task in between
