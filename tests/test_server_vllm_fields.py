@@ -190,3 +190,40 @@ def test_cache_salt_keeps_tenants_apart(cached):
     for path, body in (("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {"messages": messages})):
         r = _post(srv, path, max_tokens=2, cache_salt="", **body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_use_beam_search_answers_with_the_beams(plain, tmp_path_factory):
+    """vLLM's use_beam_search: the n choices are LLM.beam_search's n beams, best first (streamed: each beam
+    whole once the search is done); what the beams would silently drop is a 400."""
+    from hybrid import BeamSearchParams
+
+    llm, srv = plain
+    ref = _llm(tmp_path_factory)  # (the served LLM's engine belongs to the server's thread)
+    ids = ref.tokenizer.encode("hello", add_special_tokens=True)
+    for width, penalty in ((3, 1.0), (2, 0.5)):
+        want = ref.beam_search([ids], BeamSearchParams(beam_width=width, max_tokens=6, length_penalty=penalty))[0]
+        texts = [ref.tokenizer.decode(b.tokens[len(ids):]) for b in want.sequences]
+        r = _post(srv, "/v1/completions", prompt="hello", max_tokens=6, n=width, use_beam_search=True,
+                  length_penalty=penalty)
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == texts
+        assert [c["index"] for c in r.json()["choices"]] == list(range(width))
+        with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=60,
+                          json={"prompt": "hello", "max_tokens": 6, "n": width, "use_beam_search": True,
+                                "length_penalty": penalty, "stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        streamed = [""] * width
+        for c in chunks:
+            for ch in c["choices"]:
+                streamed[ch["index"]] += ch["text"]
+        assert streamed == texts
+    text = ref.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    chat_ids = ref.tokenizer.encode(text, add_special_tokens=False)
+    want = ref.beam_search([chat_ids], BeamSearchParams(beam_width=2, max_tokens=5))[0]
+    r = _post(srv, "/v1/chat/completions", messages=MESSAGES, max_tokens=5, n=2, use_beam_search=True)
+    assert [c["message"]["content"] for c in r.json()["choices"]] == \
+        [ref.tokenizer.decode(b.tokens[len(chat_ids):]) for b in want.sequences]
+    for extra in ({"stop": ["a"]}, {"response_format": {"type": "json_object"}}):
+        r = _post(srv, "/v1/completions", prompt="hello", max_tokens=4, n=2, use_beam_search=True, **extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search", extra
+    assert not llm.engine.has_unfinished_requests()

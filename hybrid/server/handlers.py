@@ -18,8 +18,10 @@ from hybrid.errors import InvalidRequestError
 from hybrid.request import truncate_prompt
 from hybrid.sampling import SamplingParams
 from hybrid.server.api_errors import APIError, bad, engine_dead_error, from_invalid
+from hybrid.server.beam import BeamSearchEngine, check_beam_request
 from hybrid.server.protocol import (
     ReadFields,
+    beam_options,
     cache_salt,
     chat_messages,
     get_bool,
@@ -322,13 +324,18 @@ class Handlers:
 
     # ---------------------------------------------------------------- the endpoints
     def _respond(self, request, prompts: list[Prompt], fmt: ResponseFormat, req, admission: Admission,
-                 client_id: str | None = None):
+                 client_id: str | None = None, beam_length_penalty: float | None = None):
         """client_id: the request's own id (vLLM's X-Request-Id header or request_id field), the base of the
         response's id; its engine requests still get ids of their own, so two clients sending the same id
-        cannot mix their outputs."""
+        cannot mix their outputs. beam_length_penalty: set for vLLM's use_beam_search (beam_options), whose
+        n beams answer instead of n samples (hybrid/server/beam.py)."""
         unique = uuid.uuid4().hex
         request_id = f"{fmt.id_prefix}-{client_id or unique}"
-        return respond(self.engine, request, prompts, fmt, model=self.model_name, stream=req.stream,
+        engine = self.engine
+        if beam_length_penalty is not None:
+            check_beam_request(req.params)
+            engine = BeamSearchEngine(self.engine, self.tokenizer, beam_length_penalty)
+        return respond(engine, request, prompts, fmt, model=self.model_name, stream=req.stream,
                        include_usage=req.include_usage, continuous_usage=req.continuous_usage, admission=admission,
                        prompt_tokens_details=self.enable_prompt_tokens_details, prompt_logprobs=req.prompt_logprobs,
                        request_id=request_id, engine_id=f"{request_id}-{unique}" if client_id else None)
@@ -346,7 +353,7 @@ class Handlers:
         body = ReadFields(body)
         self.check_model(body)
         client_id = client_request_id(request, body)
-        salt = cache_salt(body)
+        salt, beam = cache_salt(body), beam_options(body)
         req = parse_completion(body, self.sampling_defaults)
         self.warn_ignored("/v1/completions", body)
         n = req.params.n
@@ -358,7 +365,7 @@ class Handlers:
             fmt = CompletionFormat(n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), echo=req.echo,
                                    echo_only=req.echo_only,
                                    decode=self.decode)
-            return await self._respond(request, prompts, fmt, req, admission, client_id)
+            return await self._respond(request, prompts, fmt, req, admission, client_id, beam)
 
     async def chat_prompt(self, req, tools: ToolMode | None, template: str, input_param: str,
                           max_tokens_param: str | None):
@@ -385,7 +392,7 @@ class Handlers:
         body = ReadFields(body)
         self.check_model(body)
         client_id = client_request_id(request, body)
-        salt = cache_salt(body)
+        salt, beam = cache_salt(body), beam_options(body)
         req = parse_chat(body, self.max_model_len, self.sampling_defaults)
         self.warn_ignored("/v1/chat/completions", body)
         tools, template = self.tool_mode(req), self.chat_template(body)  # (their 400s before anything is reserved)
@@ -396,7 +403,8 @@ class Handlers:
             echo = last["content"] if req.echo and last["role"] == "assistant" else ""
             fmt = ChatFormat(req.params.n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), tools, markers,
                              reasoning, echo=echo)
-            return await self._respond(request, [prompt._replace(cache_salt=salt)], fmt, req, admission, client_id)
+            return await self._respond(request, [prompt._replace(cache_salt=salt)], fmt, req, admission, client_id,
+                                       beam)
 
     async def responses(self, request, body: dict):
         """/v1/responses: the request read as the chat request it amounts to, answered as Responses

@@ -504,6 +504,13 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
                        plp, get_bool(body, "echo", False), get_bool(body, "add_special_tokens", False))
 
 
+def beam_options(body: dict) -> float | None:
+    """vLLM's use_beam_search: the request's length_penalty (default 1.0) if it asks for beam search, else None."""
+    if not get_bool(body, "use_beam_search", False):
+        return None
+    return get_num(body, "length_penalty", 1.0)
+
+
 def cache_salt(body: dict) -> str | None:
     """vLLM's cache_salt: a request shares cached prefixes only with requests of the same salt (a tenant's
     prompts are not sped up, nor their timing revealed, by another's)."""
