@@ -433,6 +433,8 @@ def test_no_internals_in_responses(ckpt):
     with thread as srv:
         models = httpx.get(srv.base_url + "/v1/models").json()
         assert models["data"][0]["root"] == MODEL
+        perm = models["data"][0]["permission"]  # vLLM's card carries one permission object
+        assert len(perm) == 1 and perm[0]["object"] == "model_permission" and perm[0]["allow_sampling"] is True
         assert str(ckpt) not in json.dumps(models) and "/" not in json.dumps(models["data"][0]["root"])
         assert str(ckpt) not in httpx.get(srv.base_url + f"/v1/models/{MODEL}").text
 

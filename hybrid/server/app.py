@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hmac
 import os
+import uuid
 
 from fastapi import Request  # noqa: F401 - module level: FastAPI resolves the endpoints' annotations here
 from starlette.datastructures import Headers
@@ -291,10 +292,16 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
             return JSONResponse({"status": "error", "error": why}, status_code=503)
         return {"status": "ok"}
 
+    # vLLM's model card lists one permission object (OpenAI's old schema); clients that read it find it
+    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": srv.created,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                  "group": None, "is_blocking": False}
+
     def model_card() -> dict:
         # root: the served name, never the checkpoint's path on this machine
         return {"id": name, "object": "model", "created": srv.created, "owned_by": "hybrid", "root": name,
-                "parent": None, "max_model_len": engine.max_model_len}
+                "parent": None, "max_model_len": engine.max_model_len, "permission": [permission]}
 
     @app.get("/v1/models")
     async def models():
