@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 
@@ -45,6 +46,76 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _only(allowed: tuple, why: str):
+    """argparse type of a vLLM flag whose other values this runtime cannot honour: the value if it is one of
+    `allowed` (compared as text), else argparse's `error: argument --flag: ...` naming why."""
+    def parse(text: str):
+        if text not in tuple(str(a) for a in allowed):
+            raise argparse.ArgumentTypeError(f"{text!r} is not supported: {why}")
+        return text
+    return parse
+
+
+class _Unsupported(argparse.Action):
+    """A vLLM flag of a feature this runtime does not have: argparse's error naming it, so that a vLLM command
+    fails at once instead of serving without what it asked for."""
+
+    def __init__(self, option_strings, dest, why: str, nargs=None, **kw) -> None:
+        super().__init__(option_strings, dest, nargs=nargs, default=None, **kw)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string}: {self.why}")
+
+
+def _add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM engine flags that vLLM commands carry: the ones with an effect here map to LLM keywords (engine_kwargs),
+    the others are accepted with no effect, or refused where ignoring them would serve something else."""
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step N+1 while step N runs (the default on CUDA; see --no-async-scheduling)")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs (default 1, 2, 4, 8, 16, ... max-num-seqs)")
+    p.add_argument("--compilation-config", "-O", type=_json_object, default=None, metavar="JSON",
+                   help="vLLM's: only cudagraph_capture_sizes has an effect here (as --cuda-graph-sizes)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="no effect: long prompts are always prefilled in chunks of --max-num-batched-tokens")
+    p.add_argument("--tokenizer", default=None,
+                   help="the checkpoint's own tokenizer only (model cards repeat the model's name here)")
+    p.add_argument("--swap-space", type=float, default=None,
+                   help="no effect: a preempted request is recomputed, never swapped to the host")
+    p.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                   help="sampling defaults over generation_config.json's, e.g. '{\"temperature\": 0.6}' "
+                        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
+    p.add_argument("--revision", default=None,
+                   help="the revision of a hub repo id in the local cache (as MODEL@REVISION)")
+    p.add_argument("--load-format", default="auto", type=_only(("auto", "safetensors"), "weights load from safetensors"))
+    p.add_argument("--tokenizer-mode", default="auto",
+                   type=_only(("auto", "hf", "slow"), "the checkpoint's tokenizer.json is read with tokenizers"))
+    p.add_argument("--logprobs-mode", default="raw_logprobs",
+                   type=_only(("raw_logprobs",), "logprobs are the model's own, before any sampling setting"))
+    for flag, what in (("--data-parallel-size", "data parallelism"), ("--pipeline-parallel-size", "pipeline "
+                       "parallelism (--tensor-parallel-size shards the model)"), ("--api-server-count", "several "
+                       "API server processes")):
+        p.add_argument(flag, default="1", type=_only((1,), f"{what} is not implemented"), help="1 only")
+    p.add_argument("--cpu-offload-gb", default="0", type=_only((0, 0.0), "weights stay on the device"), help="0 only")
+    p.add_argument("--hf-overrides", default="{}", type=_only(("{}",), "the checkpoint's config.json is read as it is"),
+                   help="{} only")
+    for flag in ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"):
+        p.add_argument(flag, action=_Unsupported, nargs=0 if flag == "--enable-lora" else "+",
+                       why="LoRA adapters are not supported", help=argparse.SUPPRESS)
+    p.add_argument("--kv-cache-memory-bytes", action=_Unsupported, nargs=1, help=argparse.SUPPRESS,
+                   why="not supported: size the KV cache with --gpu-memory-utilization")
+    noop = p.add_argument_group("more vLLM engine flags accepted with no effect")
+    for flag in ("--max-seq-len-to-capture", "--distributed-executor-backend", "--max-parallel-loading-workers",
+                 "--prefix-caching-hash-algo", "--long-prefill-token-threshold", "--max-num-partial-prefills",
+                 "--max-long-partial-prefills", "--model-impl", "--limit-mm-per-prompt", "--mm-processor-kwargs",
+                 "--allowed-local-media-path", "--max-logprobs", "--download-dir"):
+        noop.add_argument(flag, default=None, help="no effect")
+    for flag in ("--calculate-kv-scales", "--disable-cascade-attn", "--enable-expert-parallel",
+                 "--disable-custom-all-reduce", "--disable-sliding-window"):
+        noop.add_argument(flag, action="store_true", help="no effect")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from hybrid.quantization import QUANTIZATION_NAMES
     from hybrid.engine_config import (CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS,
@@ -70,8 +141,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default 0.9)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV and Mamba state of prompt prefixes seen before")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="reuse the KV and Mamba state of prompt prefixes seen before (default off)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step before scheduling the next (default on CUDA: overlap them)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -100,6 +171,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     noop.add_argument("--trust-remote-code", action="store_true",
                       help="no code from a checkpoint is ever run: the architectures are implemented here")
     noop.add_argument("--disable-log-stats", action="store_true", help="no effect")
+    _add_vllm_engine_flags(p)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -108,7 +180,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = dict(model=args.model, device=args.device or "auto", dtype=args.dtype or "auto",
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
-              enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
+              enforce_eager=args.enforce_eager, async_scheduling=_async_scheduling(args),
               enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
               kv_cache_dtype=args.kv_cache_dtype, warmup=False if args.no_warmup else None)
     # the vLLM-named flags: passed only when given, so LLM's signature stays the one home of their defaults
@@ -122,7 +194,26 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kw["generation_config"] = args.generation_config
     if args.scheduling_policy is not None:
         kw["scheduling_policy"] = args.scheduling_policy
+    sizes = args.cuda_graph_sizes
+    if sizes is None and args.compilation_config is not None:
+        sizes = args.compilation_config.get("cudagraph_capture_sizes")
+    if sizes is not None:
+        kw["cuda_graph_sizes"] = sizes
+    for flag in ("tokenizer", "swap_space", "enable_chunked_prefill"):
+        if getattr(args, flag) is not None:
+            kw[flag] = getattr(args, flag)
+    if args.revision is not None and args.model is not None and "@" not in args.model \
+            and not os.path.isdir(args.model):
+        kw["model"] = f"{args.model}@{args.revision}"  # (resolve_model reads a hub repo id's revision so)
     return kw
+
+
+def _async_scheduling(args: argparse.Namespace) -> bool | None:
+    from hybrid.errors import ConfigurationError
+
+    if args.async_scheduling and args.no_async_scheduling:
+        raise ConfigurationError("--async-scheduling and --no-async-scheduling contradict each other")
+    return True if args.async_scheduling else False if args.no_async_scheduling else None
 
 
 def check_quantization(name: str, model: str | None) -> str:
@@ -142,13 +233,36 @@ def build_llm(args: argparse.Namespace):
     from hybrid.llm import LLM
 
     config = engine_config(**engine_kwargs(args))  # the flags' values checked before anything is read
+    overrides = None
+    if args.override_generation_config is not None:
+        overrides = generation_overrides(args.override_generation_config)
     if args.trust_remote_code:
         logger.info("--trust-remote-code has no effect: the model architectures are implemented in this runtime, "
                     "which never runs code from a checkpoint")
     if args.quantization is not None:
         found = check_quantization(args.quantization, args.model)
         logger.info("--quantization %s: the checkpoint is %s", args.quantization, found)
-    return LLM.from_engine_config(config)
+    llm = LLM.from_engine_config(config)
+    if overrides:  # over the checkpoint's generation_config.json: the defaults of LLM.generate and the server
+        llm.default_sampling.update(overrides)
+        logger.info("--override-generation-config: sampling defaults now %s", llm.default_sampling)
+    return llm
+
+
+def generation_overrides(value: dict) -> dict:
+    """--override-generation-config's SamplingParams defaults (generation_config.json's names);
+    ConfigurationError for a key that is not a sampling default or a bad value."""
+    from hybrid.errors import ConfigurationError, InvalidRequestError
+    from hybrid.sampling import GENERATION_FIELDS, generation_defaults
+
+    unknown = sorted(set(value) - set(GENERATION_FIELDS))
+    if unknown:
+        raise ConfigurationError(f"--override-generation-config: {', '.join(unknown)} not among the sampling "
+                                 f"defaults it sets ({', '.join(GENERATION_FIELDS)})")
+    try:
+        return generation_defaults(value, "--override-generation-config")
+    except InvalidRequestError as e:
+        raise ConfigurationError(str(e)) from None
 
 
 def _generate(args: argparse.Namespace) -> int:

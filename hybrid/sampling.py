@@ -219,7 +219,7 @@ class SamplingParams:
 
 
 # generation_config.json's sampling fields and what they are here (HF max_new_tokens is max_tokens), as vLLM reads them
-_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
@@ -229,7 +229,7 @@ def generation_defaults(gen: dict | None, where: str = "generation_config.json")
     repetition_penalty and max_new_tokens (as max_tokens). InvalidRequestError naming the field if
     one is not a valid value."""
     out: dict = {}
-    for name, field_name in _GENERATION_FIELDS.items():
+    for name, field_name in GENERATION_FIELDS.items():
         value = (gen or {}).get(name)
         if value is None:
             continue

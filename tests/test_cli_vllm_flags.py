@@ -282,3 +282,102 @@ def test_uvicorn_log_level_defaults_to_log_level(monkeypatch):
         state=types.SimpleNamespace(served_model_name="m")))
     options.run_server(None, parsed[0], {"api_key": None})
     assert runs[0]["log_level"] == "debug"
+
+
+# ------------------------------------------------------------------------------------------ more vLLM flags
+def test_more_vllm_engine_flags_map_to_llm_keywords():
+    kw = engine_kwargs(_parse("--cuda-graph-sizes", "1", "2", "8", "--tokenizer", "m", "--swap-space", "4",
+                              "--enable-chunked-prefill", "--async-scheduling", "--no-enable-prefix-caching"))
+    assert kw["cuda_graph_sizes"] == [1, 2, 8] and kw["tokenizer"] == "m" and kw["swap_space"] == 4.0
+    assert kw["enable_chunked_prefill"] is True and kw["async_scheduling"] is True
+    assert kw["enable_prefix_caching"] is False
+    assert engine_kwargs(_parse("--enable-prefix-caching"))["enable_prefix_caching"] is True
+    assert engine_kwargs(_parse("--no-async-scheduling"))["async_scheduling"] is False
+    assert engine_kwargs(_parse())["async_scheduling"] is None
+    # vLLM's -O / --compilation-config: its capture sizes are --cuda-graph-sizes
+    assert engine_kwargs(_parse("-O", '{"cudagraph_capture_sizes": [1, 4], "level": 3}'))["cuda_graph_sizes"] == [1, 4]
+    assert "cuda_graph_sizes" not in engine_kwargs(_parse("--compilation-config", '{"level": 3}'))
+    # --revision: a hub repo id's revision, as MODEL@REVISION; a directory is itself
+    assert engine_kwargs(_parse("--model", "owner/name", "--revision", "abc"))["model"] == "owner/name@abc"
+    assert engine_kwargs(_parse("--model", DEFAULT_MODEL_DIR, "--revision", "abc"))["model"] == DEFAULT_MODEL_DIR
+    # accepted, no effect (a vLLM command runs as written)
+    for argv in (["--max-seq-len-to-capture", "8192"], ["--distributed-executor-backend", "mp"], ["--load-format",
+                 "safetensors"], ["--data-parallel-size", "1"], ["--cpu-offload-gb", "0"], ["--hf-overrides", "{}"],
+                 ["--calculate-kv-scales"], ["--enable-expert-parallel"], ["--tokenizer-mode", "auto"],
+                 ["--logprobs-mode", "raw_logprobs"], ["--max-logprobs", "20"]):
+        assert engine_kwargs(_parse(*argv)) == engine_kwargs(_parse()), argv
+
+
+def test_vllm_flags_this_runtime_cannot_honour_are_refused(capsys):
+    for argv, wanted in ((["--enable-lora"], "--enable-lora: LoRA adapters are not supported"),
+                         (["--lora-modules", "a=b"], "--lora-modules: LoRA adapters are not supported"),
+                         (["--data-parallel-size", "2"], "data parallelism is not implemented"),
+                         (["--pipeline-parallel-size", "2"], "pipeline parallelism"),
+                         (["--load-format", "pt"], "weights load from safetensors"),
+                         (["--hf-overrides", '{"num_hidden_layers": 2}'], "config.json is read as it is"),
+                         (["--cpu-offload-gb", "4"], "weights stay on the device"),
+                         (["--kv-cache-memory-bytes", "1000"], "--gpu-memory-utilization"),
+                         (["--logprobs-mode", "processed_logprobs"], "the model's own")):
+        with pytest.raises(SystemExit) as e:
+            _parse(*argv)
+        assert e.value.code == 2 and wanted in capsys.readouterr().err, argv
+    assert main(["generate", "--prompt", "x", "--device", "cpu", "--async-scheduling", "--no-async-scheduling"]) == 2
+    assert "contradict" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--device", "cpu", "--override-generation-config",
+                 '{"temperature": 0.5, "do_sample": true}']) == 2
+    assert "do_sample not among the sampling defaults" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--device", "cpu", "--override-generation-config",
+                 '{"top_p": 7}']) == 2
+    assert "--override-generation-config" in capsys.readouterr().err
+
+
+def test_override_generation_config_sets_the_sampling_defaults(monkeypatch):
+    import hybrid.cli
+
+    built = []
+    build = hybrid.cli.build_llm
+    monkeypatch.setattr(hybrid.cli, "build_llm", lambda args: built.append(build(args)) or built[-1])
+    assert main(["generate", "--prompt", "In the", "--device", "cpu", "--max-tokens", "2",
+                 "--override-generation-config", '{"temperature": 0.25, "max_new_tokens": 7, "top_k": 0}']) == 0
+    llm = built[0]
+    assert llm.default_sampling["temperature"] == 0.25 and llm.default_sampling["max_tokens"] == 7
+    assert llm.default_sampling["top_k"] == -1  # (generation_config's 0: off)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.max_tokens) == (0.25, 7)
+
+
+@needs_serve
+def test_more_vllm_server_flags(monkeypatch, capsys):
+    """--served-model-name with several names, --enable-force-include-usage, --enable-request-id-headers,
+    --disable-fastapi-docs, and the TLS / root-path flags passed to uvicorn."""
+    import httpx
+    import uvicorn
+
+    from server_utils import ServerThread
+
+    runs = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
+    argv = ["serve", "--device", "cpu", "--max-num-seqs", "2", "--served-model-name", "first", "second",
+            "--enable-force-include-usage", "--enable-request-id-headers", "--disable-fastapi-docs",
+            "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--root-path", "/api", "--max-log-len", "10",
+            "--guided-decoding-backend", "xgrammar", "--chat-template-content-format", "string",
+            "--enable-log-outputs", "--response-role", "assistant"]
+    assert main(argv) == 0
+    [(app, kw)] = runs
+    assert (kw["ssl_keyfile"], kw["ssl_certfile"], kw["root_path"]) == ("k.pem", "c.pem", "/api")
+    with ServerThread(app) as srv:
+        models = httpx.get(srv.base_url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["first", "second"]
+        body = {"model": "second", "prompt": "In the", "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=60,
+                          headers={"X-Request-Id": "abc"}) as s:
+            assert s.headers["x-request-id"] == "abc"
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert chunks[0]["model"] == "first" and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+        r = httpx.post(srv.base_url + "/v1/completions", json={**body, "model": "third", "stream": False})
+        assert r.status_code == 404 and len(r.headers["x-request-id"]) == 32  # a new id, on refusals too
+        assert httpx.get(srv.base_url + "/docs").status_code == 404
+        assert httpx.get(srv.base_url + "/openapi.json").status_code == 404
+    with pytest.raises(SystemExit):
+        main(["serve", "--response-role", "user"])
+    assert "--response-role 'user' is not supported" in capsys.readouterr().err

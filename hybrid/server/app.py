@@ -73,12 +73,15 @@ class _Guard:
 
     Cross-origin: a browser request carries an Origin header; one from an origin not in
     `allowed_origins` is refused (403), so no web page can drive the server, and allowed ones get
-    CORS headers (preflights answered here). Clients outside a browser send no Origin.
+    CORS headers (preflights answered here). Clients outside a browser send no Origin. With
+    `request_id_headers`, every response carries X-Request-Id (the request's own, else a new one).
     API key: with `api_key` set, every /v1 route needs `Authorization: Bearer <key>` (401
     otherwise); /health and /metrics stay open."""
 
-    def __init__(self, app, *, api_key: str | None, allowed_origins: list[str] | None, metrics) -> None:
+    def __init__(self, app, *, api_key: str | None, allowed_origins: list[str] | None, metrics,
+                 request_id_headers: bool = False) -> None:
         self.app = app
+        self.request_id_headers = request_id_headers  # (vLLM's --enable-request-id-headers)
         self.api_key = api_key.encode("utf-8") if api_key else None
         origins = [o.strip().rstrip("/").lower() for o in (allowed_origins or []) if o.strip()]
         self.any_origin = "*" in origins
@@ -105,19 +108,21 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        cors: dict[str, str] = {}
+        added: dict[str, str] = {}  # headers of every answer: CORS, X-Request-Id
+        if self.request_id_headers:  # (on every answer, refusals included: a client's trace finds them all)
+            added["X-Request-Id"] = headers.get("x-request-id") or uuid.uuid4().hex
         origin = headers.get("origin")
         if origin is not None:
             if not self.origin_allowed(origin):
                 await self.reject(scope, receive, send, APIError(
                     f"cross-origin requests from {origin!r} are not allowed (see --allowed-origins)", 403, None,
-                    "origin_not_allowed", type="permission_error"), {"Vary": "Origin"})
+                    "origin_not_allowed", type="permission_error"), {**added, "Vary": "Origin"})
                 return
-            cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+            added.update({"Access-Control-Allow-Origin": origin, "Vary": "Origin"})
             if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
                 # a preflight: answered here, without the key (browsers never send it on one)
                 await Response(status_code=204, headers={
-                    **cors, "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    **added, "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                     "Access-Control-Allow-Headers": headers.get("access-control-request-headers")
                     or "Authorization, Content-Type",
                     "Access-Control-Max-Age": "600"})(scope, receive, send)
@@ -127,9 +132,9 @@ class _Guard:
             if not self.authorized(headers.get("authorization")):
                 await self.reject(scope, receive, send, APIError(
                     "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401, None,
-                    "invalid_api_key"), {**cors, "WWW-Authenticate": "Bearer"})
+                    "invalid_api_key"), {**added, "WWW-Authenticate": "Bearer"})
                 return
-        await self.app(scope, receive, _with_headers(send, cors) if cors else send)
+        await self.app(scope, receive, _with_headers(send, added) if added else send)
 
 
 async def _read_json(request, max_bytes: int) -> dict:
@@ -170,14 +175,15 @@ NOT_SERVED = {**{path: "embeddings need a pooling model" for path in ("/v1/embed
                   "/v1/images/generations")}}
 
 
-def build_app(llm_or_engine, served_model_name: str | None = None,
+def build_app(llm_or_engine, served_model_name: str | list[str] | None = None,
               max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS, *,
               api_key: str | None = None, allowed_origins: list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
               reasoning_parser: str | None = None, chat_template: str | None = None,
               return_tokens_as_token_ids: bool = False, enable_prompt_tokens_details: bool = False,
-              trust_request_chat_template: bool = False):
+              trust_request_chat_template: bool = False, enable_force_include_usage: bool = False,
+              enable_request_id_headers: bool = False, disable_fastapi_docs: bool = False):
     """A FastAPI app serving `llm_or_engine` (an LLM, an Engine or an AsyncEngine).
 
     The engine worker thread starts with the app (lifespan) and stops with it.
@@ -196,7 +202,10 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     (its generation_config.json's recommendations, as vLLM applies them). return_tokens_as_token_ids:
     logprobs name tokens "token_id:ID" unless a request says otherwise (its field of that name).
     enable_prompt_tokens_details: usage.prompt_tokens_details.cached_tokens, the prompt tokens the prefix
-    cache gave (/v1/responses always reports them, as input_tokens_details)."""
+    cache gave (/v1/responses always reports them, as input_tokens_details). served_model_name: a name, or
+    several (vLLM's): requests may name any, responses carry the first. enable_force_include_usage: every
+    stream ends with its usage chunk; enable_request_id_headers: every response carries X-Request-Id (the
+    request's own, else a new one); disable_fastapi_docs: no /docs, /redoc, /openapi.json (vLLM's flags)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -210,7 +219,11 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
     if chat_template is not None:
         check_chat_template(chat_template)
     async_engine, engine, tokenizer, llm = _unwrap(llm_or_engine)
-    name = served_model_name or model_name_of(llm)
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"served_model_name must be a name or a list of names, got {served_model_name!r}")
+    names = names or [model_name_of(llm)]
+    name = names[0]
     metrics = ServerMetrics(name)
     if async_engine is None:
         async_engine = AsyncEngine(engine, tokenizer, max_queued_requests=max_queued_requests, metrics=metrics)
@@ -225,7 +238,8 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
                    sampling_defaults=getattr(llm, "default_sampling", None),
                    return_tokens_as_token_ids=return_tokens_as_token_ids,
                    enable_prompt_tokens_details=enable_prompt_tokens_details,
-                   trust_request_chat_template=trust_request_chat_template)
+                   trust_request_chat_template=trust_request_chat_template,
+                   force_include_usage=enable_force_include_usage, model_aliases=names)
     metrics.bind(async_engine, admitted_requests=lambda: srv.admitted_requests,
                  admitted_seqs=lambda: srv.reserved_seqs)
 
@@ -237,13 +251,15 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
         finally:
             async_engine.shutdown()
 
-    app = FastAPI(title="hybrid", version="0.1.0", lifespan=lifespan)
+    docs = dict(docs_url=None, redoc_url=None, openapi_url=None) if disable_fastapi_docs else {}
+    app = FastAPI(title="hybrid", version="0.1.0", lifespan=lifespan, **docs)
     app.state.async_engine = async_engine
     app.state.engine = engine
     app.state.served_model_name = name
     app.state.metrics = metrics
     app.state.server = srv
-    app.add_middleware(_Guard, api_key=api_key, allowed_origins=allowed_origins, metrics=metrics)
+    app.add_middleware(_Guard, api_key=api_key, allowed_origins=allowed_origins, metrics=metrics,
+                       request_id_headers=enable_request_id_headers)
 
     def error_response(e: APIError) -> JSONResponse:
         if e.status >= 400:
@@ -298,21 +314,21 @@ def build_app(llm_or_engine, served_model_name: str | None = None,
                   "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
                   "group": None, "is_blocking": False}
 
-    def model_card() -> dict:
+    def model_card(served: str) -> dict:
         # root: the served name, never the checkpoint's path on this machine
-        return {"id": name, "object": "model", "created": srv.created, "owned_by": "hybrid", "root": name,
+        return {"id": served, "object": "model", "created": srv.created, "owned_by": "hybrid", "root": name,
                 "parent": None, "max_model_len": engine.max_model_len, "permission": [permission]}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(n) for n in names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != name:
+        if model_id not in names:
             raise APIError(f"The model '{model_id}' does not exist; this server serves '{name}'.", 404, "model",
                            "model_not_found")
-        return model_card()
+        return model_card(model_id)
 
     @app.get("/metrics")
     async def metrics_endpoint():

@@ -101,7 +101,8 @@ class Handlers:
                  exclude_tools_when_tool_choice_none: bool = False, reasoning_parser: str | None = None,
                  chat_template: str | None = None, sampling_defaults: dict | None = None,
                  return_tokens_as_token_ids: bool = False, enable_prompt_tokens_details: bool = False,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, force_include_usage: bool = False,
+                 model_aliases: list[str] | None = None) -> None:
         self.engine = engine
         # logprobs' tokens as "token_id:ID" (vLLM's flag; a request's own field wins): exact for clients that
         # map them back to ids, where a text can stand for several tokens or for none (a byte of a character)
@@ -113,6 +114,8 @@ class Handlers:
         self.chat_template_override = chat_template  # --chat-template: used instead of the checkpoint's
         # a request's own chat_template: only where the operator allows it (a template decides the whole prompt)
         self.trust_request_chat_template = trust_request_chat_template
+        self.force_include_usage = force_include_usage  # every stream ends with its usage (vLLM's flag)
+        self.model_names = frozenset(model_aliases or [model_name])  # what requests may name (responses: model_name)
         # tool calling: tool_choice "auto" needs enable_auto_tool_choice and a parser (as vLLM's
         # --enable-auto-tool-choice --tool-call-parser); a named or "required" choice needs neither
         self.tool_parser_cls = check_tool_options(enable_auto_tool_choice, tool_call_parser)
@@ -148,7 +151,7 @@ class Handlers:
     # ---------------------------------------------------------------- checks
     def check_model(self, body: dict) -> None:
         model = body.get("model")
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
                            404, "model", "model_not_found")
 
@@ -336,7 +339,7 @@ class Handlers:
             check_beam_request(req.params)
             engine = BeamSearchEngine(self.engine, self.tokenizer, beam_length_penalty)
         return respond(engine, request, prompts, fmt, model=self.model_name, stream=req.stream,
-                       include_usage=req.include_usage, continuous_usage=req.continuous_usage, admission=admission,
+                       include_usage=req.include_usage or (req.stream and self.force_include_usage), continuous_usage=req.continuous_usage, admission=admission,
                        prompt_tokens_details=self.enable_prompt_tokens_details, prompt_logprobs=req.prompt_logprobs,
                        request_id=request_id, engine_id=f"{request_id}-{unique}" if client_id else None)
 

@@ -20,9 +20,9 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help="model name clients pass (default: the hub repo id owner/name of a cached model, "
-                        "else the checkpoint directory's name)")
+    p.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="model name(s) clients pass; responses carry the first (default: the hub repo id "
+                        "owner/name of a cached model, else the checkpoint directory's name)")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help="sequences allowed to wait beyond --max-num-seqs running ones; more get 429 "
                         f"(default {DEFAULT_MAX_QUEUED_REQUESTS}; -1: no limit)")
@@ -61,11 +61,35 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
                    help="uvicorn's log level (default: --log-level's)")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no line per HTTP request in the log (the startup phases and warnings stay)")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file (and --ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, help="the certificate file of HTTPS")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA certificates for client verification")
+    p.add_argument("--root-path", default=None, help="the path prefix a proxy in front of the server strips")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed response ends with a usage chunk, whether or not its request asked")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="responses carry X-Request-Id: the request's own, else a new one")
+    p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    p.add_argument("--response-role", default="assistant", help="assistant only (the chat replies' role)",
+                   type=lambda v: v if v == "assistant" else _bad_value("--response-role", v, "replies are the "
+                                                                        "assistant's"))
     # flags of vLLM's server that model cards pass: accepted so their commands run, changing nothing here
     noop = p.add_argument_group("vLLM server flags accepted with no effect")
-    for flag in ("--disable-log-requests", "--enable-log-requests", "--disable-frontend-multiprocessing"):
+    for flag in ("--disable-log-requests", "--enable-log-requests", "--disable-frontend-multiprocessing",
+                 "--enable-log-outputs", "--enable-server-load-tracking"):
         noop.add_argument(flag, action="store_true", help="no effect")
+    for flag, why in (("--max-log-len", "requests are not logged"),
+                      ("--chat-template-content-format", "text parts are joined into one string for every template"),
+                      ("--guided-decoding-backend", "structured outputs use llguidance"),
+                      ("--structured-outputs-config", "structured outputs use llguidance"),
+                      ("--collect-detailed-traces", "no tracing"), ("--otlp-traces-endpoint", "no tracing"),
+                      ("--show-hidden-metrics-for-version", "every metric is shown")):
+        noop.add_argument(flag, default=None, help=f"no effect: {why}")
     return p
+
+
+def _bad_value(flag: str, value: str, why: str):
+    raise argparse.ArgumentTypeError(f"{flag} {value!r} is not supported: {why}")
 
 
 def read_chat_template(value: str) -> str:
@@ -103,7 +127,8 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
                "enable_auto_tool_choice": args.enable_auto_tool_choice, "tool_call_parser": args.tool_call_parser,
                "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
                "reasoning_parser": args.reasoning_parser}
-    for flag in ("return_tokens_as_token_ids", "enable_prompt_tokens_details", "trust_request_chat_template"):  # on when given (build_app: off)
+    for flag in ("return_tokens_as_token_ids", "enable_prompt_tokens_details", "trust_request_chat_template",
+                 "enable_force_include_usage", "enable_request_id_headers", "disable_fastapi_docs"):  # on when given (build_app: off)
         if getattr(args, flag):
             options[flag] = True
     if args.chat_template is not None:  # only when given: build_app's default is the checkpoint's template
@@ -120,5 +145,7 @@ def run_server(llm, args: argparse.Namespace, options: dict) -> None:
                 " (API key required)" if options["api_key"] else "",
                 f" (auto tool choice: {options['tool_call_parser']})" if options.get("enable_auto_tool_choice") else "",
                 f" (reasoning parser: {options['reasoning_parser']})" if options.get("reasoning_parser") else "")
+    tls = {k: getattr(args, k) for k in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "root_path")
+           if getattr(args, k, None) is not None}
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
-                access_log=not args.disable_uvicorn_access_log)
+                access_log=not args.disable_uvicorn_access_log, **tls)
