@@ -89,12 +89,13 @@ def kv_cache_dtype_note(model: torch.nn.Module, model_dir: str, cfg, kv_dtype: t
     """Prepare `model` for a `kv_dtype` cache (an FP8 one: its scales from the checkpoint); what the
     log says about it."""
     from hybrid.loader import weight_files
-    from hybrid.tensor_plan import tensor_plan
+    from hybrid.tensor_plan import checkpoint_plan
 
     if kv_dtype != FP8_KV_DTYPE:
         return ""
-    modules = attention_disk_prefixes(model, tensor_plan(cfg))
-    found = load_kv_scales(modules, weight_files(model_dir))
+    files = weight_files(model_dir)
+    modules = attention_disk_prefixes(model, checkpoint_plan(cfg, files))
+    found = load_kv_scales(modules, files)
     if found:
         return (f"KV cache in FP8 (e4m3) with the checkpoint's K/V scales for {found} of {len(modules)} "
                 f"attention modules")

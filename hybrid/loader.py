@@ -26,7 +26,7 @@ from hybrid.fp8_linear import (
     FP8_EXPERT_PARAMS, build_fp8_linear, check_scale, dequantize, keep_fp8_experts, row_scales, settle_fp8_experts,
 )
 from hybrid.quantization import FP8_DTYPE, FP8_STORED, plan_quantized, read_quant_config
-from hybrid.tensor_plan import Source, tensor_plan
+from hybrid.tensor_plan import Source, checkpoint_plan
 
 logger = logging.getLogger("hybrid")
 
@@ -156,11 +156,11 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
 
         raise ConfigurationError("tensor parallelism does not load quantized (FP8) checkpoints yet")
     model = HybridModel(cfg) if shard is None else shard.build()
-    plan = tensor_plan(cfg)
+    files = weight_files(model_dir)
+    plan = checkpoint_plan(cfg, files)  # (the released names, or transformers' in-memory ones)
     params = dict(model.named_parameters())
     if set(plan) != set(params):  # a bug in the plan, not in the checkpoint
         raise AssertionError(f"tensor plan and model disagree: {sorted(set(plan) ^ set(params))}")
-    files = weight_files(model_dir)
     handles: dict[str, object] = {}
 
     def handle(name: str):

@@ -9,6 +9,8 @@ loader (hybrid/loader.py) checks a checkpoint's file set against it and reads it
 """
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
 from hybrid.config import ATTENTION, GATE_ONLY, HYBRID, MAMBA, MLP, MOE, ModelConfig
@@ -216,3 +218,55 @@ def _zamba2_plan(cfg: ModelConfig) -> dict[str, Source]:
     if not cfg.tie_word_embeddings:
         plan["lm_head.weight"] = Source(["lm_head.weight"], "whole")
     return plan
+
+
+# transformers' own module names for the released tensor names that its load renames (its conversion_mapping):
+# NemotronH's `backbone.` is `model.` and each layer's experts are one stacked tensor a projection; Granite
+# 4.0's MoE tensors take the experts' and router's module names. save_pretrained(save_original_format=False)
+# writes these names; the layouts are the same ([E, rows, cols] experts).
+_IN_MEMORY_RENAMES = {
+    "nemotron_h": [(re.compile(r"^backbone\."), "model.")],
+    "granitemoehybrid": [(re.compile(r"\.block_sparse_moe\.input_linear\.weight$"), ".block_sparse_moe.experts.gate_up_proj"),
+                         (re.compile(r"\.block_sparse_moe\.output_linear\.weight$"), ".block_sparse_moe.experts.down_proj"),
+                         (re.compile(r"\.block_sparse_moe\.router\.layer\.weight$"), ".block_sparse_moe.router.weight")],
+}
+_ONE_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.\d+\.(up_proj|down_proj)\.weight$")
+
+
+def in_memory_names(plan: dict[str, Source], family: str) -> dict[str, Source]:
+    """`plan` with its disk names as transformers' modules name them (_IN_MEMORY_RENAMES); the plan itself
+    for a family whose names do not change."""
+    renames = _IN_MEMORY_RENAMES.get(family)
+    if not renames:
+        return plan
+
+    def rename(name: str) -> str:
+        for pattern, new in renames:
+            name = pattern.sub(new, name)
+        return name
+
+    out = {}
+    for pname, src in plan.items():
+        names = [rename(n) for n in src.disk_names]
+        experts = [_ONE_EXPERT.match(n) for n in names] if src.how == "stack" else []
+        if experts and all(experts):  # NemotronH's experts, one by one on disk: one stacked tensor in memory
+            out[pname] = dataclasses.replace(src, disk_names=[f"{experts[0][1]}.{experts[0][2]}"], how="whole")
+        else:
+            out[pname] = dataclasses.replace(src, disk_names=names)
+    return out
+
+
+def checkpoint_plan(cfg: ModelConfig, names) -> dict[str, Source]:
+    """The tensor plan of a checkpoint holding the tensors `names`: under the released names (tensor_plan), or
+    under transformers' in-memory ones (in_memory_names) where the checkpoint has more of those."""
+    plan = tensor_plan(cfg)
+    other = in_memory_names(plan, cfg.family)
+    if other is plan:
+        return plan
+    names = set(names)
+
+    def found(p: dict[str, Source]) -> int:
+        return sum(n in names for src in p.values() for n in src.disk_names)
+
+    return other if found(other) > found(plan) else plan
+
