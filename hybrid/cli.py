@@ -88,7 +88,8 @@ def _add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
     p.add_argument("--revision", default=None,
                    help="the revision of a hub repo id in the local cache (as MODEL@REVISION)")
-    p.add_argument("--load-format", default="auto", type=_only(("auto", "safetensors"), "weights load from safetensors"))
+    p.add_argument("--load-format", default="auto",
+                   type=_only(("auto", "safetensors"), "weights load from safetensors"))
     p.add_argument("--tokenizer-mode", default="auto",
                    type=_only(("auto", "hf", "slow"), "the checkpoint's tokenizer.json is read with tokenizers"))
     p.add_argument("--logprobs-mode", default="raw_logprobs",

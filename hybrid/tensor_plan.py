@@ -226,9 +226,10 @@ def _zamba2_plan(cfg: ModelConfig) -> dict[str, Source]:
 # writes these names; the layouts are the same ([E, rows, cols] experts).
 _IN_MEMORY_RENAMES = {
     "nemotron_h": [(re.compile(r"^backbone\."), "model.")],
-    "granitemoehybrid": [(re.compile(r"\.block_sparse_moe\.input_linear\.weight$"), ".block_sparse_moe.experts.gate_up_proj"),
-                         (re.compile(r"\.block_sparse_moe\.output_linear\.weight$"), ".block_sparse_moe.experts.down_proj"),
-                         (re.compile(r"\.block_sparse_moe\.router\.layer\.weight$"), ".block_sparse_moe.router.weight")],
+    "granitemoehybrid": [
+        (re.compile(r"\.block_sparse_moe\.input_linear\.weight$"), ".block_sparse_moe.experts.gate_up_proj"),
+        (re.compile(r"\.block_sparse_moe\.output_linear\.weight$"), ".block_sparse_moe.experts.down_proj"),
+        (re.compile(r"\.block_sparse_moe\.router\.layer\.weight$"), ".block_sparse_moe.router.weight")],
 }
 _ONE_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.\d+\.(up_proj|down_proj)\.weight$")
 

@@ -338,8 +338,9 @@ class Handlers:
         if beam_length_penalty is not None:
             check_beam_request(req.params)
             engine = BeamSearchEngine(self.engine, self.tokenizer, beam_length_penalty)
+        include_usage = req.include_usage or (req.stream and self.force_include_usage)
         return respond(engine, request, prompts, fmt, model=self.model_name, stream=req.stream,
-                       include_usage=req.include_usage or (req.stream and self.force_include_usage), continuous_usage=req.continuous_usage, admission=admission,
+                       include_usage=include_usage, continuous_usage=req.continuous_usage, admission=admission,
                        prompt_tokens_details=self.enable_prompt_tokens_details, prompt_logprobs=req.prompt_logprobs,
                        request_id=request_id, engine_id=f"{request_id}-{unique}" if client_id else None)
 
@@ -433,8 +434,8 @@ class Handlers:
     async def tokenize(self, body: dict) -> dict:
         """/tokenize: a prompt's token ids ({"prompt": text, "add_special_tokens": true}) or a
         conversation's as the chat endpoint renders it ({"messages": [...], "add_generation_prompt",
-        "continue_final_message", "chat_template_kwargs", "documents", "tools", "chat_template"}); "return_token_strs" adds each
-        token's text."""
+        "continue_final_message", "chat_template_kwargs", "documents", "tools", "chat_template"});
+        "return_token_strs" adds each token's text."""
         self.check_model(body)
         if self.tokenizer is None:
             raise bad("prompt", "this model has no tokenizer")

@@ -128,7 +128,8 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
                "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
                "reasoning_parser": args.reasoning_parser}
     for flag in ("return_tokens_as_token_ids", "enable_prompt_tokens_details", "trust_request_chat_template",
-                 "enable_force_include_usage", "enable_request_id_headers", "disable_fastapi_docs"):  # on when given (build_app: off)
+                 "enable_force_include_usage", "enable_request_id_headers",
+                 "disable_fastapi_docs"):  # on when given (build_app: off)
         if getattr(args, flag):
             options[flag] = True
     if args.chat_template is not None:  # only when given: build_app's default is the checkpoint's template

@@ -447,7 +447,8 @@ def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequ
         raise bad("echo", "with stream is supported without logprobs and with max_tokens of at least 1")
     # left out: OpenAI's 16; sent as null: the rest of the context, as vLLM reads it (the model's default if any)
     null_max = "max_tokens" in body and body.get("max_tokens") is None
-    default_max = (defaults or {}).get("max_tokens", UNBOUNDED_MAX_TOKENS if null_max else DEFAULT_COMPLETION_MAX_TOKENS)
+    default_max = (defaults or {}).get("max_tokens",
+                                       UNBOUNDED_MAX_TOKENS if null_max else DEFAULT_COMPLETION_MAX_TOKENS)
     params = sampling_params(body, max_tokens=1 if echo_only else max_tokens or default_max, logprobs=k,
                              defaults=defaults)
     if echo and k is not None:

@@ -226,7 +226,8 @@ class CompletionFormat(ResponseFormat):
         if not self.echo:
             return []
         texts = [p.text if p.text is not None else self.decode(p.ids) for p in prompts]
-        return [[self.choice(pi * self.n + j, text, None, None)] for pi, text in enumerate(texts) for j in range(self.n)]
+        return [[self.choice(pi * self.n + j, text, None, None)]
+                for pi, text in enumerate(texts) for j in range(self.n)]
 
     def echoed(self, prompt: "Prompt", out, c) -> tuple[str, dict | None, int]:
         """echo: (text, logprobs, completion tokens) of a choice with the prompt before it; the prompt's
