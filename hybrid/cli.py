@@ -236,7 +236,9 @@ def build_llm(args: argparse.Namespace):
     config = engine_config(**engine_kwargs(args))  # the flags' values checked before anything is read
     overrides = None
     if args.override_generation_config is not None:
-        overrides = generation_overrides(args.override_generation_config)
+        from hybrid.sampling import generation_overrides
+
+        overrides = generation_overrides(args.override_generation_config, "--override-generation-config")
     if args.trust_remote_code:
         logger.info("--trust-remote-code has no effect: the model architectures are implemented in this runtime, "
                     "which never runs code from a checkpoint")
@@ -248,22 +250,6 @@ def build_llm(args: argparse.Namespace):
         llm.default_sampling.update(overrides)
         logger.info("--override-generation-config: sampling defaults now %s", llm.default_sampling)
     return llm
-
-
-def generation_overrides(value: dict) -> dict:
-    """--override-generation-config's SamplingParams defaults (generation_config.json's names);
-    ConfigurationError for a key that is not a sampling default or a bad value."""
-    from hybrid.errors import ConfigurationError, InvalidRequestError
-    from hybrid.sampling import GENERATION_FIELDS, generation_defaults
-
-    unknown = sorted(set(value) - set(GENERATION_FIELDS))
-    if unknown:
-        raise ConfigurationError(f"--override-generation-config: {', '.join(unknown)} not among the sampling "
-                                 f"defaults it sets ({', '.join(GENERATION_FIELDS)})")
-    try:
-        return generation_defaults(value, "--override-generation-config")
-    except InvalidRequestError as e:
-        raise ConfigurationError(str(e)) from None
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ from hybrid.model import ForwardContext, use_fused_ops
 from hybrid.model_source import DEFAULT_MODEL_DIR, resolve_model
 from hybrid.outputs import Logprob, RequestOutput
 from hybrid.request import check_cache_salt
-from hybrid.sampling import SamplingParams, generation_defaults
+from hybrid.sampling import SamplingParams, generation_defaults, generation_overrides
 from state_pool.pool import MambaStatePool, StateShapes
 from state_pool.util import cdiv
 
@@ -67,6 +67,29 @@ def _no_lora(lora_request) -> None:
     """vLLM's lora_request argument: None (as code written for vLLM often passes it) is accepted."""
     if lora_request is not None:
         raise InvalidRequestError("lora_request: LoRA adapters are not supported by this runtime")
+
+
+def _vllm_settings(model, cuda_graph_sizes, *, revision, compilation_config, override_generation_config, load_format,
+                   tokenizer_mode, cpu_offload_gb, hf_overrides, enable_lora) -> tuple:
+    """vLLM's engine keywords that code written for vLLM passes: (model, cuda_graph_sizes, sampling overrides)
+    with those that have an effect here folded in; ConfigurationError for a value this runtime cannot honour
+    (instead of running without it)."""
+    if revision is not None and model is not None and "@" not in str(model) and not os.path.isdir(str(model)):
+        model = f"{model}@{revision}"  # (resolve_model reads a hub repo id's revision so)
+    if compilation_config is not None and not isinstance(compilation_config, (dict, int)):
+        raise ConfigurationError(f"compilation_config must be a dict (or a level), got {compilation_config!r}")
+    if isinstance(compilation_config, dict) and cuda_graph_sizes is None:
+        cuda_graph_sizes = compilation_config.get("cudagraph_capture_sizes")
+    overrides = generation_overrides(override_generation_config) if override_generation_config is not None else {}
+    for name, value, allowed, why in (
+            ("load_format", load_format, ("auto", "safetensors"), "weights load from safetensors"),
+            ("tokenizer_mode", tokenizer_mode, ("auto", "hf", "slow"), "tokenizer.json is read with tokenizers"),
+            ("cpu_offload_gb", cpu_offload_gb, (0,), "weights stay on the device"),
+            ("hf_overrides", hf_overrides or None, (None,), "config.json is read as it is"),
+            ("enable_lora", enable_lora, (False,), "LoRA adapters are not supported")):
+        if value not in allowed:
+            raise ConfigurationError(f"{name}={value!r} is not supported: {why}")
+    return model, cuda_graph_sizes, overrides
 
 
 def _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size):
@@ -124,6 +147,17 @@ class LLM:
         disable_log_stats: bool = False,  # no effect
         swap_space: float | None = None,  # no effect: a preempted request is recomputed, never swapped to the host
         tokenizer: str | None = None,  # must be the checkpoint itself (model cards repeat the model's name here)
+        revision: str | None = None,  # a cached hub repo id's revision (model@revision)
+        compilation_config: dict | int | None = None,  # only cudagraph_capture_sizes has an effect (cuda_graph_sizes)
+        override_generation_config: dict | None = None,  # sampling defaults over generation_config.json's
+        max_logprobs: int | None = None,  # no effect: logprobs of any count are returned
+        load_format: str = "auto",  # "auto" / "safetensors" only
+        tokenizer_mode: str = "auto",  # "auto" / "hf" / "slow": tokenizer.json read with tokenizers
+        cpu_offload_gb: float = 0,  # 0 only: weights stay on the device
+        hf_overrides: dict | None = None,  # None / {} only: config.json is read as it is
+        enable_lora: bool = False,  # False only: no LoRA adapters
+        disable_custom_all_reduce: bool = False,  # no effect
+        max_seq_len_to_capture: int | None = None,  # no effect: graphs are captured per context width
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
         # engine_config takes the same keywords: the one place they are checked and resolved.
@@ -133,6 +167,11 @@ class LLM:
             raise ConfigurationError(f"tokenizer={tokenizer!r}: only the checkpoint's own tokenizer is supported "
                                      f"(model={model!r}); leave tokenizer out or give the model's name")
         self._quantization = quantization
+        model, cuda_graph_sizes, overrides = _vllm_settings(
+            model, cuda_graph_sizes, revision=revision, compilation_config=compilation_config,
+            override_generation_config=override_generation_config, load_format=load_format,
+            tokenizer_mode=tokenizer_mode, cpu_offload_gb=cpu_offload_gb, hf_overrides=hf_overrides,
+            enable_lora=enable_lora)
         self._start(engine_config(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, page_size=page_size, seed=seed,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=num_kv_pages,
@@ -143,6 +182,7 @@ class LLM:
             prefix_cache_entries=prefix_cache_entries, prefix_cache_interval=prefix_cache_interval,
             check_weights=check_weights, tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
             warmup=warmup, generation_config=generation_config, scheduling_policy=scheduling_policy))
+        self.default_sampling.update(overrides)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":

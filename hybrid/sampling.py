@@ -243,6 +243,24 @@ def generation_defaults(gen: dict | None, where: str = "generation_config.json")
     return out
 
 
+def generation_overrides(value, where: str = "override_generation_config") -> dict:
+    """vLLM's override_generation_config: SamplingParams defaults in generation_config.json's names (over the
+    checkpoint's own). ConfigurationError for something else than such a dict, a key that is not one of
+    GENERATION_FIELDS, or a bad value."""
+    from hybrid.errors import ConfigurationError
+
+    if not isinstance(value, dict):
+        raise ConfigurationError(f"{where} must be a dict of sampling defaults, got {value!r}")
+    unknown = sorted(set(value) - set(GENERATION_FIELDS))
+    if unknown:
+        raise ConfigurationError(f"{where}: {', '.join(map(str, unknown))} not among the sampling defaults it sets "
+                                 f"({', '.join(GENERATION_FIELDS)})")
+    try:
+        return generation_defaults(value, where)
+    except InvalidRequestError as e:
+        raise ConfigurationError(str(e)) from None
+
+
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: "SampleStream | torch.Generator | None") -> int:
     """Next token for one request from its fp32 logits row [V] (syncs: for the rare per-row paths).
     Takes one draw from `generator`, as sample_tokens does for the row."""

@@ -22,7 +22,9 @@ def test_engine_config_takes_llms_keywords_and_defaults():
     assert own == list(cfg_params)
     assert [p for p, v in llm_params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY] == [
         "mamba_ssm_cache_dtype", "block_size", "quantization", "trust_remote_code", "enable_chunked_prefill",
-        "disable_log_stats", "swap_space", "tokenizer"]
+        "disable_log_stats", "swap_space", "tokenizer", "revision", "compilation_config", "override_generation_config",
+        "max_logprobs", "load_format", "tokenizer_mode", "cpu_offload_gb", "hf_overrides", "enable_lora",
+        "disable_custom_all_reduce", "max_seq_len_to_capture"]
     for name, p in cfg_params.items():
         assert p.default == llm_params[name].default, name
 

@@ -174,3 +174,27 @@ def test_tokenizer_and_swap_space_keywords():
     assert llm.generate(["In the"], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
     with pytest.raises(ConfigurationError, match="only the checkpoint's own tokenizer"):
         LLM(path, max_num_seqs=1, tokenizer="/somewhere/else")
+
+
+def test_more_vllm_engine_keywords():
+    """vLLM's LLM keywords: override_generation_config sets the sampling defaults, compilation_config's capture
+    sizes are cuda_graph_sizes, the ones with no effect are accepted, and the values this runtime cannot honour
+    are a ConfigurationError before anything loads."""
+    from hybrid import ConfigurationError
+
+    llm = LLM(None, max_num_seqs=1, override_generation_config={"temperature": 0.3, "max_new_tokens": 5},
+              compilation_config={"cudagraph_capture_sizes": [1, 2], "level": 3}, max_logprobs=20,
+              disable_custom_all_reduce=True, max_seq_len_to_capture=8192, tokenizer_mode="auto",
+              load_format="safetensors", hf_overrides={}, enable_lora=False, cpu_offload_gb=0)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.max_tokens) == (0.3, 5)
+    assert llm.engine_config.cuda_graph_sizes == (1, 2)
+    assert len(llm.generate(["In the"], use_tqdm=False)[0].outputs[0].token_ids) == 5  # the defaults apply
+    for kw, wanted in (({"enable_lora": True}, "LoRA"), ({"load_format": "pt"}, "safetensors"),
+                       ({"hf_overrides": {"num_hidden_layers": 1}}, "config.json"),
+                       ({"cpu_offload_gb": 4}, "on the device"), ({"tokenizer_mode": "mistral"}, "tokenizers"),
+                       ({"override_generation_config": {"do_sample": True}}, "do_sample"),
+                       ({"override_generation_config": {"top_p": 3}}, "top_p"),
+                       ({"compilation_config": "fast"}, "compilation_config")):
+        with pytest.raises(ConfigurationError, match=wanted):
+            LLM(None, max_num_seqs=1, **kw)
