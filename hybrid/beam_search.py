@@ -42,8 +42,10 @@ class BeamSearchParams:
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < float("inf"):
             raise InvalidRequestError(f"invalid beam search parameter temperature={self.temperature!r}: "
                                       "must be a finite number >= 0")
-        if not isinstance(self.length_penalty, (int, float)):
-            raise InvalidRequestError(f"invalid beam search parameter length_penalty={self.length_penalty!r}")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool) \
+                or not abs(self.length_penalty) <= 10:  # (a length to a larger power overflows a float)
+            raise InvalidRequestError(f"invalid beam search parameter length_penalty={self.length_penalty!r}: "
+                                      "must be a number in [-10, 10]")
 
 
 @dataclass

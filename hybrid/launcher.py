@@ -15,7 +15,7 @@ import torch
 
 from attention.kv_cache import DUMMY_PAGE
 from hybrid.batch import StepBatch, to_device
-from hybrid.errors import NonFiniteLogitsError, StateCorruptionError
+from hybrid.errors import InvalidRequestError, NonFiniteLogitsError, StateCorruptionError
 from hybrid.logits_processing import process_logits
 from hybrid.request import ScheduledChunk, Sequence
 from hybrid.resources import ResourceManager
@@ -50,6 +50,8 @@ class StepResult:
     # prompt logprobs: (first prompt logits row, each row's prompt-token logprob, top values, top ids, token ranks)
     prompt_lp: tuple[int, list[float], list[list[float]], list[list[int]], list[int]] | None = None
     checks: dict[str, list] | None = None  # sanitizer: device-side check results (StepSanitizer.device_checks)
+    # per logits row: the model's logits were finite, the request's own constraints left no token (set with bad_rows)
+    excluded: list[bool] | None = None
 
     def prompt_logprobs_at(self, row: int, token: int, k: int) -> dict[int, float]:
         first, token_lp, values, ids, ranks = self.prompt_lp
@@ -61,6 +63,11 @@ class StepResult:
         rows = c.num_tokens if c.draft else 1
         if (c.samples and self.bad_rows is not None and any(self.bad_rows[c.logits_row:c.logits_row + rows])) \
                 or (self.made_nan is not None and self.made_nan[row]):
+            if self.excluded is not None and c.samples and self.excluded[c.logits_row] \
+                    and not (self.made_nan is not None and self.made_nan[row]):
+                return (f"{InvalidRequestError.__name__}: no token is left to sample for {c.seq.label}: its "
+                        "allowed_token_ids, bad_words, logit_bias, min_tokens and structured output together "
+                        "exclude every token")
             return nonfinite_reason(c.seq, row, self.state_nan)
         return None
 
@@ -218,13 +225,19 @@ class StepLauncher:
                 if c.seq.params.logprobs is not None:
                     lp_rows.append(c.logits_row)
                     lp_ks.append(c.seq.params.logprobs)
-        tokens, finite = sample_tokens(self._processed(sampled, chunks, in_flight), row_params, row_generators)
-        if any(c.samples and c.seq.grammar is not None for c in chunks):  # masked rows: check the raw logits
-            finite = finite & torch.isfinite(sampled.max(dim=-1).values)
+        processed = self._processed(sampled, chunks, in_flight)
+        tokens, finite = sample_tokens(processed, row_params, row_generators)
+        excluded = None  # rows whose raw logits are finite but whose request's constraints leave no token
+        if processed is not sampled:  # masked rows: check the raw logits
+            raw_finite = torch.isfinite(sampled.max(dim=-1).values)
+            excluded = raw_finite & ~finite
+            finite = finite & raw_finite
         if self.check_state:  # the sanitizer looks at every raw logit, not just each row's maximum
             finite = finite & torch.isfinite(sampled).all(dim=-1)
         # finite: one flag per logits row, read with the tokens; a row that is not finite fails its request
         device_out = {"tokens": tokens, "finite": finite}  # logprobs: of the model's own distribution (raw logits)
+        if excluded is not None:
+            device_out["excluded"] = excluded
         if state_nan is not None:  # NaN in a row's state before the forward: it read poisoned state;
             # NaN only after it: this forward made it (rows that sample nothing are caught here too)
             device_out["state_nan"], device_out["state_nan_after"] = state_nan
@@ -320,6 +333,7 @@ class StepLauncher:
             step.done.synchronize()
         host = step.host
         bad = None if bool(host["finite"].all()) else (~host["finite"]).tolist()
+        excluded = host["excluded"].tolist() if bad is not None and "excluded" in host else None
         made_nan = host["state_nan_after"].tolist() if "state_nan_after" in host else None  # (sanitizer)
         lp = {}
         if "lp_token" in host:
@@ -334,4 +348,5 @@ class StepLauncher:
             prompt_lp = (first, host["plp_token"].tolist(), host["plp_values"].tolist(), host["plp_ids"].tolist(),
                          host["plp_rank"].tolist())
         checks = {k[len("check:"):]: v.tolist() for k, v in host.items() if k.startswith("check:")}
-        return StepResult(host["tokens"].tolist(), bad, made_nan, host.get("state_nan"), lp, prompt_lp, checks)
+        return StepResult(host["tokens"].tolist(), bad, made_nan, host.get("state_nan"), lp, prompt_lp, checks,
+                          excluded)

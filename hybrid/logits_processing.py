@@ -23,12 +23,13 @@ def bad_words_token_ids(words: list[str], tokenizer, vocab_size: int) -> list[li
     its leading whitespace removed, and that with one leading space (how a word is tokenized in the
     middle of a text by most BPE tokenizers), without special tokens; the same sequence once.
     InvalidRequestError (naming bad_words) for a word that has no tokens or a token outside the vocabulary."""
-    def bad(why: str) -> InvalidRequestError:
-        return InvalidRequestError(f"invalid sampling parameter bad_words={words!r}: {why}")
+    def bad(why: str) -> InvalidRequestError:  # (the word, not the whole list: a list may hold thousands)
+        return InvalidRequestError(f"invalid sampling parameter bad_words: {why}")
 
     if tokenizer is None:
         raise bad("this model has no tokenizer to turn the words into tokens")
     seqs: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()  # (a set: a list's membership test made long lists quadratic)
     for word in words:
         found = False
         for text in (word.lstrip(), " " + word.lstrip()):
@@ -40,7 +41,8 @@ def bad_words_token_ids(words: list[str], tokenizer, vocab_size: int) -> list[li
             if outside:
                 raise bad(f"{word!r} has token id {outside[0]}, outside the vocabulary [0, {vocab_size})")
             found = found or bool(ids)
-            if ids and ids not in seqs:
+            if ids and tuple(ids) not in seen:
+                seen.add(tuple(ids))
                 seqs.append(ids)
         if not found:
             raise bad(f"{word!r} has no tokens")

@@ -65,6 +65,7 @@ FIXED_ONE = 1 << 52
 
 # SamplingParams(max_tokens=None): the output runs until the context is full, which every bound on it reaches first
 UNBOUNDED_MAX_TOKENS = 2**62
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
 
 @dataclass
 class SamplingParams:
@@ -149,8 +150,12 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not (-2.0 <= v <= 2.0):
                 raise bad(name, "must be in [-2, 2]")
-        if not isinstance(self.repetition_penalty, (int, float)) or not (0.0 < self.repetition_penalty < float("inf")):
-            raise bad("repetition_penalty", "must be a finite number > 0")
+        # (> 0 as vLLM asks, within what keeps the penalised fp32 logits finite: 1e-300 is 0 in fp32, and a
+        # logit over it is inf)
+        if not isinstance(self.repetition_penalty, (int, float)) or isinstance(self.repetition_penalty, bool) \
+                or not (MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise bad("repetition_penalty", f"must be a number in [{MIN_REPETITION_PENALTY:g}, "
+                                            f"{MAX_REPETITION_PENALTY:g}] (1.0: off)")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", "must map token ids to numbers")

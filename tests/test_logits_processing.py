@@ -108,7 +108,8 @@ def test_same_tokens_with_async_scheduling(tiny_ckpt, make_llm):
 @pytest.mark.parametrize("kwargs, name", [
     ({"min_p": 1.5}, "min_p"), ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
     ({"presence_penalty": 3.0}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logit_bias": {5: 101.0}}, "logit_bias"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    ({"repetition_penalty": 1e9}, "repetition_penalty"), ({"logit_bias": {5: 101.0}}, "logit_bias"),
     ({"logit_bias": [1, 2]}, "logit_bias"),
 ])
 def test_bad_values_are_named(kwargs, name):

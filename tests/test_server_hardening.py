@@ -545,3 +545,36 @@ def test_metrics_tell_prefix_cache_slots_from_request_slots(ckpt):
         assert m("hybrid_state_slots_prefix_cache") == 1
         assert m("hybrid_kv_pages_prefix_cache") == m("hybrid_kv_pages_in_use") >= 1
         assert m("hybrid_num_sequences_admitted") == 0
+
+
+def test_fuzzed_bodies_are_400s_and_harm_nothing(served):
+    """Bodies a fuzzer found 500s with: nesting past the JSON parser's depth, NaN / Infinity (not JSON; a
+    response echoing one would not be JSON), a model that is not a string, a repetition penalty that is 0 in
+    fp32, constraints that exclude every token; a list of 10,000 bad words is served without stalling the
+    others (its token sequences were deduplicated in quadratic time)."""
+    import time
+
+    deep = '{"model": "tiny-chat", "prompt": "Hi", "x": ' + "[" * 1000 + "]" * 1000 + "}"
+    _err(_raw(served, "/v1/completions", deep), 400, "invalid_json")
+    for text in ('{"model": "tiny-chat", "prompt": "Hi", "temperature": NaN}',
+                 '{"model": "tiny-chat", "input": "Hi", "user": Infinity}'):
+        assert "not a JSON number" in _err(_raw(served, "/v1/completions", text), 400, "invalid_json")["message"]
+    for model in ([], {}, 5):
+        _err(_post(served, "/v1/completions", {"model": model, "prompt": "Hi"}), 400, param="model")
+    _err(_post(served, "/v1/completions", _greedy(prompt="Hi", max_tokens=2, repetition_penalty=1e-300)), 400,
+         param="repetition_penalty")
+    # a request's own constraints that leave no token: a 400 that says so (not "non-finite logits", not a 500)
+    one = served.llm.tokenizer.encode("a", add_special_tokens=False)[0]
+    for stream in (False, True):
+        r = _post(served, "/v1/completions", _greedy(prompt="Hi", max_tokens=3, allowed_token_ids=[one],
+                                                     bad_words=["a"], stream=stream))
+        if stream:  # (its 200 had gone out: the error comes as the stream's error event)
+            assert r.status_code == 200 and "exclude every token" in r.text, r.text
+        else:
+            assert "exclude every token" in _err(r, 400, "invalid_value")["message"], r.text
+    start = time.monotonic()
+    words = [f"w{i}" for i in range(10000)]
+    assert _post(served, "/v1/completions", _greedy(prompt="Hi", max_tokens=2, bad_words=words)).status_code == 200
+    assert time.monotonic() - start < 20
+    assert _post(served, "/v1/completions", _greedy(prompt="Hi", max_tokens=2)).status_code == 200
+    assert _no_leaks(served)

@@ -564,3 +564,28 @@ def test_build_app_and_cli_refuse_an_unknown_parser(llm, capsys):
     assert main(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "nope"]) == 2
     err = capsys.readouterr().err
     assert "unknown tool call parser 'nope'" in err and "hermes" in err and "nemotron_json" in err
+
+
+def test_required_tool_choice_with_pydantic_defs(client):
+    """tool_choice "required" over tools whose parameters use `$defs` / `$ref` (pydantic's schemas): the
+    definitions move to the top of the calls' schema, where the references resolve, and the calls validate
+    against each tool's own schema; two tools defining one name differently are a 400 naming `tools`."""
+    address = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+    params = {"$defs": {"Address": address}, "type": "object",
+              "properties": {"address": {"$ref": "#/$defs/Address"}}, "required": ["address"]}
+    tool = {"type": "function", "function": {"name": "add_user", "parameters": params}}
+    r = client.chat.completions.create(model=MODEL, messages=USER, tools=[tool], tool_choice="required",
+                                       max_tokens=400, temperature=0, parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), params)
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "$defs": {"Address": {"type": "string"}}, "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/Address"}}}}}
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=USER, tools=[tool, other], tool_choice="required",
+                                       max_tokens=20)
+    assert e.value.body["param"] == "tools" and "Address" in e.value.body["message"]

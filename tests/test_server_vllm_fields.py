@@ -223,7 +223,13 @@ def test_use_beam_search_answers_with_the_beams(plain, tmp_path_factory):
     r = _post(srv, "/v1/chat/completions", messages=MESSAGES, max_tokens=5, n=2, use_beam_search=True)
     assert [c["message"]["content"] for c in r.json()["choices"]] == \
         [ref.tokenizer.decode(b.tokens[len(chat_ids):]) for b in want.sequences]
-    for extra in ({"stop": ["a"]}, {"response_format": {"type": "json_object"}}):
-        r = _post(srv, "/v1/completions", prompt="hello", max_tokens=4, n=2, use_beam_search=True, **extra)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search", extra
+    for extra, param in (({"stop": ["a"]}, "use_beam_search"), ({"response_format": {"type": "json_object"}},
+                         "use_beam_search"), ({"prompt_logprobs": 2}, "use_beam_search"),
+                         ({"echo": True, "logprobs": 1}, "use_beam_search"), ({"length_penalty": 1e308},
+                         "length_penalty"), ({"length_penalty": "long"}, "length_penalty")):
+        for stream in (False, True):
+            r = _post(srv, "/v1/completions", prompt="hello", max_tokens=4, n=2, use_beam_search=True, stream=stream,
+                      **extra)
+            # (prompt_logprobs and echo with logprobs are refused with stream anyway, naming themselves)
+            assert r.status_code == 400 and r.json()["error"]["param"] in (param, *extra), (extra, stream)
     assert not llm.engine.has_unfinished_requests()

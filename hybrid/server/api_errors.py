@@ -60,9 +60,12 @@ def request_failed_error(e: RequestFailedError, where: str) -> APIError:
     """A request that failed inside the engine (the engine and the other requests carried on).
     The engine's reason starts with the error's class name; only the non-finite logits case is
     told to the client (it is about the model, not the code); any other cause stays in the log."""
+    reasons = [str(r) for r in e.failed.values()]
+    prefix = f"{InvalidRequestError.__name__}: "
+    if reasons and all(r.startswith(prefix) for r in reasons):  # the request's own settings: the client's to fix
+        return APIError(reasons[0][len(prefix):], 400, None, "invalid_value")
     ref = uuid.uuid4().hex[:12]
     logger.error("%s: %s (error id %s)", where, e, ref)
-    reasons = [str(r) for r in e.failed.values()]
     if reasons and all(r.startswith(NonFiniteLogitsError.__name__) for r in reasons):
         why = "the model produced non-finite logits (NaN or Inf) for it"
     else:

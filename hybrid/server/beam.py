@@ -15,9 +15,12 @@ from hybrid.sampling import SamplingParams
 from hybrid.server.api_errors import bad
 
 
-def check_beam_request(params: SamplingParams) -> None:
+def check_beam_request(params: SamplingParams, prompt_logprobs: int | None) -> None:
     """A 400 naming use_beam_search for what the beams would silently drop: an output constraint (structured
-    outputs, a tool choice that compiles one) or stop strings; the beams rank the model's own log-probabilities."""
+    outputs, a tool choice that compiles one), stop strings or prompt logprobs (echo's too); the beams rank the
+    model's own log-probabilities."""
+    if prompt_logprobs is not None or params.prompt_logprobs is not None:
+        raise bad("use_beam_search", "is not supported with prompt_logprobs (or echo with logprobs)")
     if params.structured_outputs is not None:
         raise bad("use_beam_search", "is not supported with structured outputs or tools")
     if params.stop:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -151,6 +152,8 @@ class Handlers:
     # ---------------------------------------------------------------- checks
     def check_model(self, body: dict) -> None:
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad("model", f"expected a string, got {json.dumps(model)[:100]}")
         if model is not None and model not in self.model_names:
             raise APIError(f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
                            404, "model", "model_not_found")
@@ -336,7 +339,7 @@ class Handlers:
         request_id = f"{fmt.id_prefix}-{client_id or unique}"
         engine = self.engine
         if beam_length_penalty is not None:
-            check_beam_request(req.params)
+            check_beam_request(req.params, req.prompt_logprobs)
             engine = BeamSearchEngine(self.engine, self.tokenizer, beam_length_penalty)
         include_usage = req.include_usage or (req.stream and self.force_include_usage)
         return respond(engine, request, prompts, fmt, model=self.model_name, stream=req.stream,

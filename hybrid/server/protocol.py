@@ -77,12 +77,36 @@ def _lone_surrogate_path(obj) -> str | None:
     return None
 
 
+MAX_JSON_DEPTH = 128  # nesting levels of a request body: far past any schema or message, far from the parsers' limits
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _nesting_depth(obj, limit: int) -> int:
+    """How deep `obj` nests (stopping once past `limit`), without recursion."""
+    stack, deepest = [(obj, 1)], 0
+    while stack and deepest <= limit:
+        x, depth = stack.pop()
+        if isinstance(x, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
 def parse_body(raw: bytes) -> dict:
-    """The request body: a JSON object of Unicode text (400 otherwise)."""
+    """The request body: a JSON object of Unicode text, no NaN or Infinity (not JSON: a response echoing one
+    would not be JSON either), nested at most MAX_JSON_DEPTH deep (400 otherwise)."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        body = json.loads(raw, parse_constant=_not_json)
+    except (UnicodeDecodeError, ValueError) as e:  # (json.JSONDecodeError is a ValueError)
         raise APIError(f"the request body is not valid JSON: {e}", 400, None, "invalid_json") from None
+    except RecursionError:
+        raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", 400, None,
+                       "invalid_json") from None
+    if _nesting_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", 400, None, "invalid_json")
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", 400, None, "invalid_json")
     bad_path = _lone_surrogate_path(body)
@@ -505,11 +529,14 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
                        plp, get_bool(body, "echo", False), get_bool(body, "add_special_tokens", False))
 
 
+MAX_LENGTH_PENALTY = 10.0  # |length_penalty| of beam search: a length to a larger power overflows a float
+
+
 def beam_options(body: dict) -> float | None:
     """vLLM's use_beam_search: the request's length_penalty (default 1.0) if it asks for beam search, else None."""
     if not get_bool(body, "use_beam_search", False):
         return None
-    return get_num(body, "length_penalty", 1.0)
+    return get_num(body, "length_penalty", 1.0, lo=-MAX_LENGTH_PENALTY, hi=MAX_LENGTH_PENALTY)
 
 
 def cache_salt(body: dict) -> str | None:

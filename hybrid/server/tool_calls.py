@@ -29,17 +29,29 @@ def named_function_schema(tool: dict) -> dict:
 
 def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     """The JSON schema of tool_choice "required": a non-empty list of calls of the given tools, each
-    {"name": <one of them>, "parameters": <its parameter schema>} (one call only if not parallel)."""
+    {"name": <one of them>, "parameters": <its parameter schema>} (one call only if not parallel).
+    The tools' own `$defs` move to the top, where their `#/$defs/...` references (pydantic's) resolve once
+    the parameters are nested here, as vLLM merges them; two tools defining one name differently are a
+    ValueError."""
+    defs: dict = {}
+
     def one(tool: dict) -> dict:
         fn = tool["function"]
+        params = fn.get("parameters") or dict(_EMPTY_OBJECT)
+        if isinstance(params, dict) and isinstance(params.get("$defs"), dict):
+            for name, definition in params["$defs"].items():
+                if defs.setdefault(name, definition) != definition:
+                    raise ValueError(f"tools define '$defs/{name}' differently: give the definitions distinct names")
+            params = {k: v for k, v in params.items() if k != "$defs"}
         return {"type": "object",
-                "properties": {"name": {"type": "string", "enum": [fn["name"]]},
-                               "parameters": fn.get("parameters") or dict(_EMPTY_OBJECT)},
+                "properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": params},
                 "required": ["name", "parameters"], "additionalProperties": False}
 
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": [one(t) for t in tools]}}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 

@@ -55,11 +55,16 @@ def make_call(name: Any, arguments: Any) -> ToolCall | None:
     elif isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: JSON nested past the parser's depth)
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(name.strip(), json.dumps(arguments, ensure_ascii=False), new_call_id())
+    text = json.dumps(arguments, ensure_ascii=False)
+    try:  # a "\ud800" escape in the model's JSON is a lone surrogate, which no response can carry
+        (name + text).encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return ToolCall(name.strip(), text, new_call_id())
 
 
 def calls_of_json(value: Any) -> list[ToolCall] | None:
@@ -143,7 +148,7 @@ def _calls_of_json_text(body: str) -> list[ToolCall] | None:
     """The calls of a block's JSON text (one call object or a list of them), None if it is not JSON."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return calls_of_json(value)
 
@@ -245,7 +250,7 @@ class Qwen3CoderToolParser(TaggedJsonParser):
             return value
         try:
             parsed = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: JSON nested past the parser's depth)
             if "boolean" in types and value.strip().lower() in ("true", "false"):
                 return value.strip().lower() == "true"
             return value

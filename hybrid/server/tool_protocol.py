@@ -37,7 +37,7 @@ def message_tool_calls(calls, where: str) -> list[dict]:
         elif isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise bad(f"{at}.function.arguments", f"is not valid JSON text: {e}") from None
         elif not isinstance(args, (dict, list)):
             raise bad(f"{at}.function.arguments", "expected JSON text (a string) of the arguments")
@@ -123,7 +123,10 @@ def tool_constraint(kind: str, name: str | None, tools: list[dict] | None, param
     if kind == "function":
         schema = named_function_schema(next(t for t in tools if t["function"]["name"] == name))
     else:
-        schema = required_schema(tools, parallel)
+        try:
+            schema = required_schema(tools, parallel)
+        except ValueError as e:
+            raise bad("tools", str(e)) from None
     try:
         return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
     except InvalidRequestError as e:
