@@ -384,9 +384,13 @@ class Engine:
         return changed
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
-        if seq.grammar is not None and not seq.grammar.accept(token):  # (the mask allowed it: not expected)
-            self._fail_request(self.requests[seq.request_id],
-                               f"structured outputs: token {token} does not match the grammar: {seq.grammar.error()}")
+        # A matcher error, before the token or on it (the mask allowed it): the request's grammar exceeds what
+        # the matcher can follow (e.g. "lexer error: too many expressions constructed" for a{1000000}), so
+        # the request fails as the client's to fix, never stopping as if its output were complete.
+        if seq.grammar is not None and (seq.grammar.failed or not seq.grammar.accept(token)):
+            why = (seq.grammar.error().strip().splitlines() or ["unknown"])[0][:300]
+            self._fail_request(self.requests[seq.request_id], f"{InvalidRequestError.__name__}: structured outputs: "
+                                                               f"the grammar failed at token {token}: {why}")
             return
         stop = self.outputs.append_token(seq, token, logprobs)
         if stop is not None:

@@ -202,6 +202,12 @@ class SequenceGrammar:
     def error(self) -> str:
         return self.matcher.get_error()
 
+    @property
+    def failed(self) -> bool:
+        """The matcher hit an error of its own (e.g. a grammar too large to lex at this position): its mask
+        then allows only the end, so the output would stop as if complete."""
+        return self.waiting_for is None and self.matcher.is_error()
+
     def fork(self) -> SequenceGrammar:
         return SequenceGrammar(self.matcher.deep_copy(), self.waiting_for)
 

@@ -578,3 +578,14 @@ def test_fuzzed_bodies_are_400s_and_harm_nothing(served):
     assert time.monotonic() - start < 20
     assert _post(served, "/v1/completions", _greedy(prompt="Hi", max_tokens=2)).status_code == 200
     assert _no_leaks(served)
+
+
+def test_nested_fields_are_named_where_they_are(served):
+    """A bad value inside stream_options or a message is blamed on its own path."""
+    body = _greedy(prompt="Hi", max_tokens=2, stream=True, stream_options={"include_usage": "yes"})
+    _err(_post(served, "/v1/completions", body), 400, param="stream_options.include_usage")
+    for thought, param in (({"reasoning_content": 5}, "messages[1].reasoning_content"),
+                           ({"reasoning_content": None, "reasoning": 5}, "messages[1].reasoning")):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a", **thought},
+                    {"role": "user", "content": "again"}]
+        _err(_post(served, "/v1/chat/completions", _greedy(messages=messages, max_tokens=2)), 400, param=param)

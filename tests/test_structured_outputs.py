@@ -350,3 +350,18 @@ def test_apply_token_bitmask():
     assert torch.isfinite(out[2]).tolist() == [i in (1, 3) for i in range(70)]
     assert torch.isfinite(out[0]).tolist() == [i == 64 for i in range(70)]
     assert out[2, 3] == logits[2, 3]
+
+
+def test_a_grammar_the_matcher_cannot_follow_fails_its_request_only(llm):
+    """a{1000000} compiles but exceeds what the matcher can lex at its first token: the request fails naming
+    the grammar (a client error), never stopping as if its output were complete; a request beside it is served."""
+    from hybrid.errors import RequestFailedError
+
+    huge = SamplingParams(max_tokens=4, seed=1, structured_outputs=StructuredOutputsParams(regex="a{1000000}"))
+    free = SamplingParams(max_tokens=4, temperature=0.0)
+    with pytest.raises(RequestFailedError) as e:
+        llm.generate(["Hi", "In the"], [huge, free], use_tqdm=False)
+    assert list(e.value.failed) == [0] and "InvalidRequestError: structured outputs: the grammar failed" in \
+        e.value.failed[0]
+    assert e.value.outputs[1].outputs[0].finish_reason == "length"
+    assert not llm.engine.has_unfinished_requests()

@@ -342,8 +342,11 @@ def _stream_usage(body: dict, stream: bool) -> tuple[bool, bool]:
         raise bad("stream_options", "expected an object")
     if not stream:
         raise bad("stream_options", "is only allowed with 'stream': true")
-    include = get_bool(so, "include_usage", False)
-    return include, include and get_bool(so, "continuous_usage_stats", False)
+    for name in ("include_usage", "continuous_usage_stats"):  # (blamed on their place in the body)
+        if so.get(name) is not None and not isinstance(so[name], bool):
+            raise bad(f"stream_options.{name}", f"expected a boolean, got {json.dumps(so[name])}")
+    include = bool(so.get("include_usage"))
+    return include, include and bool(so.get("continuous_usage_stats"))
 
 
 def _priority(body: dict) -> int:
@@ -404,10 +407,11 @@ def chat_messages(body: dict) -> list[dict]:
             raise bad(f"messages[{i}].tool_call_id", "expected a string")
         # an earlier reply's thought, under either name a client may send it back with: templates
         # that render it (Nemotron 3's) read reasoning_content
-        thought = m.get("reasoning_content", m.get("reasoning"))
+        for name in ("reasoning_content", "reasoning"):
+            if m.get(name) is not None and not isinstance(m[name], str):
+                raise bad(f"messages[{i}].{name}", "expected a string")
+        thought = m.get("reasoning_content") if m.get("reasoning_content") is not None else m.get("reasoning")
         if thought is not None:
-            if not isinstance(thought, str):
-                raise bad(f"messages[{i}].reasoning", "expected a string")
             messages[i] = {**messages[i], "reasoning_content": thought, "reasoning": thought}
     return messages
 
