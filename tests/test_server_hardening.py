@@ -589,3 +589,43 @@ def test_nested_fields_are_named_where_they_are(served):
         messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a", **thought},
                     {"role": "user", "content": "again"}]
         _err(_post(served, "/v1/chat/completions", _greedy(messages=messages, max_tokens=2)), 400, param=param)
+
+
+def test_fields_read_in_some_modes_are_checked_in_all(served):
+    """user is a string (as OpenAI and vLLM type it), length_penalty a number without beam search too, and
+    max_tokens an integer where max_completion_tokens wins; /v1/responses' echoed user and reasoning keep
+    their types."""
+    messages = [{"role": "user", "content": "hi"}]
+    for body, param in ((_greedy(prompt="Hi", max_tokens=1, user=[1]), "user"),
+                        (_greedy(prompt="Hi", max_tokens=1, length_penalty="long"), "length_penalty")):
+        _err(_post(served, "/v1/completions", body), 400, param=param)
+    _err(_post(served, "/v1/chat/completions", _greedy(messages=messages, max_completion_tokens=1, max_tokens="abc")),
+         400, param="max_tokens")
+    for field, value in (("user", [1]), ("reasoning", 5)):
+        _err(_post(served, "/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, field: value}),
+             400, param=field)
+    assert _post(served, "/v1/completions", _greedy(prompt="Hi", max_tokens=1, user="u-1")).status_code == 200
+
+
+def test_responses_input_items_are_blamed_by_their_own_fields(served):
+    def post(items):
+        return _post(served, "/v1/responses", {"model": MODEL, "input": items, "max_output_tokens": 2})
+
+    call = {"type": "function_call", "name": "f", "call_id": "c1", "arguments": "{}"}
+    _err(post([{"role": "user", "content": "hi"}, call, {"type": "function_call_output", "call_id": "c1",
+                                                          "output": 5}]), 400, param="input[2].output")
+    _err(post([{"role": "user", "content": "hi"}, {**call, "arguments": "{oops"}]), 400, param="input[1].arguments")
+    err = _err(post([{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]}]), 400,
+               param="input")
+    assert "messages" not in err["message"]
+
+
+def test_tokenize_checks_a_conversation_as_chat_does(served):
+    messages = [{"role": "user", "content": "hi"}]
+    for body, param in (({"tools": [1, "a"]}, "tools[0]"),
+                        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function"),
+                        ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+                        ({"continue_final_message": True}, "continue_final_message")):
+        err = _err(_post(served, "/tokenize", {"model": MODEL, "messages": messages, **body}), 400)
+        assert err["param"].startswith(param), (body, err)
+    assert _post(served, "/tokenize", {"model": MODEL, "messages": messages}).status_code == 200

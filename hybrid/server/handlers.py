@@ -33,6 +33,7 @@ from hybrid.server.protocol import (
 from hybrid.server.reasoning import THINK_END, THINK_START, ReasoningMode, check_reasoning_parser, prompt_opens_reasoning
 from hybrid.server.streaming import ChatFormat, CompletionFormat, Prompt, ResponseFormat, respond
 from hybrid.server.tool_calls import ToolMode
+from hybrid.server.tool_protocol import chat_tools
 from hybrid.server.tool_parsers import check_tool_options
 from hybrid.server.tool_tags import MarkerTokens
 
@@ -446,14 +447,17 @@ class Handlers:
         if body.get("messages") is not None:
             if body.get("prompt") is not None:
                 raise bad("prompt", "send either 'prompt' or 'messages', not both")
+            # (the chat endpoint's checks: a conversation /tokenize takes, the chat endpoint takes too)
             messages = chat_messages(body)
             add_gen = get_bool(body, "add_generation_prompt", True)
             continue_final = get_bool(body, "continue_final_message", False)
             if continue_final:
+                if add_gen and "add_generation_prompt" in body:
+                    raise bad("continue_final_message", "cannot be combined with 'add_generation_prompt': true")
+                if messages[-1]["role"] != "assistant":
+                    raise bad("continue_final_message", "needs the last message to be the assistant's")
                 add_gen = False
-            tools = body.get("tools")
-            if tools is not None and not isinstance(tools, list):
-                raise bad("tools", "expected a list of tools")
+            tools = chat_tools(body)
             text = await asyncio.to_thread(self.render, self.chat_template(body), messages, add_gen, tools or None,
                                            template_variables(body), continue_final)
             ids = await self.encode(text, get_bool(body, "add_special_tokens", False))

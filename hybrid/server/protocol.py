@@ -458,8 +458,15 @@ class ChatRequest:
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens (BOS) added to the rendered prompt
 
 
+def _check_user(body: dict) -> None:
+    """OpenAI's `user` (an end user's id; no effect here): a string, as OpenAI and vLLM type it."""
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad("user", "expected a string")
+
+
 def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequest:
     """A /v1/completions request; `defaults`: the model's sampling defaults (generation_config.json)."""
+    _check_user(body)
     echo = get_bool(body, "echo", False)
     if body.get("suffix"):
         raise bad("suffix", "is not supported")
@@ -495,6 +502,7 @@ def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequ
 
 def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> ChatRequest:
     """A /v1/chat/completions request; `defaults`: the model's sampling defaults (generation_config.json)."""
+    _check_user(body)
     stream = get_bool(body, "stream", False)
     include_usage, continuous_usage = _stream_usage(body, stream)
     messages = chat_messages(body)
@@ -511,8 +519,9 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
         raise bad("top_logprobs", "needs 'logprobs': true")
     k = (top or 0) if want_lp else None
     max_tokens, param = get_int(body, "max_completion_tokens", None, lo=1), "max_completion_tokens"
+    older = get_int(body, "max_tokens", None, lo=1)  # (checked even where max_completion_tokens wins)
     if max_tokens is None:
-        max_tokens, param = get_int(body, "max_tokens", None, lo=1), "max_tokens"
+        max_tokens, param = older, "max_tokens"
     if max_tokens is None:
         param = None  # default: the rest of the context
     default_max = min((defaults or {}).get("max_tokens", max_model_len), max_model_len)
@@ -538,9 +547,8 @@ MAX_LENGTH_PENALTY = 10.0  # |length_penalty| of beam search: a length to a larg
 
 def beam_options(body: dict) -> float | None:
     """vLLM's use_beam_search: the request's length_penalty (default 1.0) if it asks for beam search, else None."""
-    if not get_bool(body, "use_beam_search", False):
-        return None
-    return get_num(body, "length_penalty", 1.0, lo=-MAX_LENGTH_PENALTY, hi=MAX_LENGTH_PENALTY)
+    penalty = get_num(body, "length_penalty", 1.0, lo=-MAX_LENGTH_PENALTY, hi=MAX_LENGTH_PENALTY)  # (checked always)
+    return penalty if get_bool(body, "use_beam_search", False) else None
 
 
 def cache_salt(body: dict) -> str | None:

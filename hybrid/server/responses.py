@@ -58,17 +58,18 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_of(content: Any, at: str) -> str:
-    """A Responses message's content as text: a string, or input_text / output_text parts joined."""
+def _text_of(content: Any, at: str, field: str = "content") -> str:
+    """A Responses message's content (or a function_call_output's `output`) as text: a string, or
+    input_text / output_text parts joined; errors name `{at}.{field}`."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad(f"{at}.content", "expected a string or a list of input_text parts")
+        raise bad(f"{at}.{field}", "expected a string or a list of input_text parts")
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
                 or not isinstance(part.get("text"), str):
-            raise bad(f"{at}.content[{j}]", 'only text parts are supported ({"type": "input_text", "text": ...})')
+            raise bad(f"{at}.{field}[{j}]", 'only text parts are supported ({"type": "input_text", "text": ...})')
         texts.append(part["text"])
     return "".join(texts)
 
@@ -104,6 +105,10 @@ def input_messages(body: dict) -> list[dict]:
             name, args, call_id = item.get("name"), item.get("arguments", "{}"), item.get("call_id")
             if not isinstance(name, str) or not name or not isinstance(call_id, str) or not isinstance(args, str):
                 raise bad(at, "a function_call item needs 'name', 'call_id' and 'arguments' (JSON text)")
+            try:
+                json.loads(args or "{}")
+            except (ValueError, RecursionError) as e:
+                raise bad(f"{at}.arguments", f"is not valid JSON text: {e}") from None
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None \
@@ -118,8 +123,7 @@ def input_messages(body: dict) -> list[dict]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise bad(f"{at}.call_id", "is required: the call_id of the function_call it answers")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, at)
-                             if not isinstance(output, str) else output})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, at, "output")})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list):
@@ -128,6 +132,8 @@ def input_messages(body: dict) -> list[dict]:
         else:
             raise bad(f"{at}.type", f'must be "message", "function_call", "function_call_output" or "reasoning"; '
                                     f"got {json.dumps(kind)}")
+    if not any(m["role"] != "system" for m in messages):  # (e.g. only a reasoning item: nothing to answer)
+        raise bad("input", "needs at least one message or function call item")
     return messages
 
 
@@ -188,6 +194,12 @@ def parse_responses(body: dict, max_model_len: int, defaults: dict | None = None
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise bad("metadata", "expected an object")
+    # the fields the response object repeats: their own types only, so the echo keeps OpenAI's schema
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad("user", "expected a string")
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise bad("reasoning", 'expected an object such as {"effort": "low"}')
     chat = {"messages": input_messages(body), "stream": body.get("stream", False)}
     chat.update({k: body[k] for k in _PASSED if k in body})
     if body.get("max_output_tokens") is not None:
