@@ -142,7 +142,11 @@ async def _read_json(request, max_bytes: int) -> dict:
     refused), at most max_bytes read (413 past it, before reading more), parsed off the event
     loop when large."""
     ctype = request.headers.get("content-type")
-    if (ctype or "").split(";")[0].strip().lower() != "application/json":
+    media = (ctype or "").split(";")[0].strip().lower()
+    # JSON, a JSON-based type, or none said (what FastAPI parses as JSON too; a browser always sends one, so
+    # the form and text/plain types a cross-site page can send stay refused)
+    if ctype is not None and media != "application/json" and not (media.startswith("application/")
+                                                                   and media.endswith("+json")):
         raise APIError(f"the request body must be 'application/json', got {ctype!r}", 415, None,
                        "unsupported_media_type")
     too_large = APIError(f"the request body is larger than the limit of {max_bytes} bytes (--max-request-bytes)",

@@ -403,8 +403,9 @@ def chat_messages(body: dict) -> list[dict]:
             messages[i] = {**m, "tool_calls": message_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")}
         elif "tool_calls" in m:
             messages[i] = {k: v for k, v in m.items() if k != "tool_calls"}
-        if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
-            raise bad(f"messages[{i}].tool_call_id", "expected a string")
+        for name in ("tool_call_id", "name"):
+            if m.get(name) is not None and not isinstance(m[name], str):
+                raise bad(f"messages[{i}].{name}", "expected a string")
         # an earlier reply's thought, under either name a client may send it back with: templates
         # that render it (Nemotron 3's) read reasoning_content
         for name in ("reasoning_content", "reasoning"):
