@@ -447,7 +447,12 @@ def test_no_internals_in_responses(ckpt):
         r = _post(srv, "/v1/completions", {"model": MODEL, "prompt": "a"})
         err = _err(r, 500)
         assert "secret" not in r.text and str(ckpt) not in r.text and err["type"] == "server_error"
-        del srv_obj.completions
+        # ... and the connection stays open: a pooled client's next request on it is served
+        with httpx.Client(base_url=srv.base_url, timeout=60) as client:
+            for _ in range(3):
+                assert client.post("/v1/completions", json={"model": MODEL, "prompt": "a"}).status_code == 500
+            del srv_obj.completions
+            assert client.post("/v1/completions", json=_greedy(prompt="a", max_tokens=1)).status_code == 200
 
         # a failure in the middle of a stream: an in-band error event, generic as well
         real = app.state.async_engine.generate

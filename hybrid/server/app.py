@@ -134,7 +134,24 @@ class _Guard:
                     "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", 401, None,
                     "invalid_api_key"), {**added, "WWW-Authenticate": "Bearer"})
                 return
-        await self.app(scope, receive, _with_headers(send, added) if added else send)
+        out = _with_headers(send, added) if added else send
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await out(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            # a bug in a route: the generic 500 answered here, the exception kept from the server, which
+            # would otherwise close the connection after it (a pooled client's next request then fails too)
+            if started:
+                raise
+            err = internal_error(f"{scope['method']} {scope['path']}", e)
+            self.metrics.on_reject(err.status)
+            await JSONResponse(err.body(), status_code=err.status)(scope, receive, out)
 
 
 async def _read_json(request, max_bytes: int) -> dict:
