@@ -215,3 +215,38 @@ def test_vllm_constraint_fields_and_the_sampling_used(served):
         "model": MODEL, "input": "hi", "guided_regex": "[ab]{3}", "max_output_tokens": 20, "temperature": 0.5,
         **NO_THINKING}).json()
     assert re.fullmatch("[ab]{3}", r["output"][-1]["content"][0]["text"]) and r["temperature"] == 0.5, r
+
+
+def test_previous_response_id_continues_a_stored_conversation(client, served):
+    """OpenAI's store / previous_response_id: a later turn starts from the stored conversation (the earlier
+    input and output items) before its own input, exactly as if it had sent them all; streamed turns are stored
+    too; GET and DELETE /v1/responses/{id}; store false keeps nothing; an unknown id is a 400 naming it."""
+    kw = dict(model=MODEL, max_output_tokens=6, temperature=0, extra_body={**END_FIRST, "ignore_eos": True})
+    first = client.responses.create(input="Capital of France?", **kw)
+    second = client.responses.create(input="And of Italy?", previous_response_id=first.id, **kw)
+    assert second.previous_response_id == first.id
+    whole = [{"role": "user", "content": "Capital of France?"}] + [i.model_dump(exclude_none=True)
+                                                                   for i in first.output]
+    whole.append({"role": "user", "content": "And of Italy?"})
+    stateless = client.responses.create(input=whole, **kw)
+    assert second.usage.input_tokens == stateless.usage.input_tokens > first.usage.input_tokens
+    assert _items(second.output) == _items(stateless.output)
+    # a function call answered in the next turn by its call_id alone
+    call = client.responses.create(input="Capital of France?", tools=TOOLS, tool_choice="required",
+                                   **{**kw, "max_output_tokens": 240})
+    (fc,) = call.output[-1:]
+    answer = client.responses.create(input=[{"type": "function_call_output", "call_id": fc.call_id,
+                                             "output": "Paris"}], previous_response_id=call.id, tools=TOOLS, **kw)
+    assert answer.status in ("completed", "incomplete")
+    # streamed turns are stored as well, and can be read back and deleted
+    events = _events(client, input="Capital of Spain?", previous_response_id=second.id, **kw)
+    streamed = events[-1].response
+    assert client.responses.retrieve(streamed.id).output[0].id == streamed.output[0].id
+    client.responses.delete(streamed.id)
+    for gone in (lambda: client.responses.retrieve(streamed.id), lambda: client.responses.delete(streamed.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    unstored = client.responses.create(input="Hi", store=False, **kw)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input="More", previous_response_id=unstored.id, **kw)
+    assert e.value.body["param"] == "previous_response_id"

@@ -368,6 +368,19 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None,
         return await srv.responses(request, await _read_json(request, max_request_bytes))
 
     # vLLM's other routes that clients and load balancers call
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        response = srv.response_store.get(response_id)
+        if response is None:
+            raise APIError(f"No response with id '{response_id}' is stored", 404, "response_id", "not_found")
+        return response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if not srv.response_store.delete(response_id):
+            raise APIError(f"No response with id '{response_id}' is stored", 404, "response_id", "not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         return await srv.tokenize(await _read_json(request, max_request_bytes))

@@ -117,6 +117,9 @@ class Handlers:
         # a request's own chat_template: only where the operator allows it (a template decides the whole prompt)
         self.trust_request_chat_template = trust_request_chat_template
         self.force_include_usage = force_include_usage  # every stream ends with its usage (vLLM's flag)
+        from hybrid.server.responses import ResponseStore
+
+        self.response_store = ResponseStore()  # /v1/responses kept for previous_response_id (OpenAI's store)
         self.model_names = frozenset(model_aliases or [model_name])  # what requests may name (responses: model_name)
         # tool calling: tool_choice "auto" needs enable_auto_tool_choice and a parser (as vLLM's
         # --enable-auto-tool-choice --tool-call-parser); a named or "required" choice needs neither
@@ -417,11 +420,19 @@ class Handlers:
     async def responses(self, request, body: dict):
         """/v1/responses: the request read as the chat request it amounts to, answered as Responses
         output items (hybrid/server/responses.py)."""
-        from hybrid.server.responses import ResponsesWriter, parse_responses, respond_responses
+        from hybrid.server.responses import ResponsesWriter, input_items, parse_responses, respond_responses
 
         body = ReadFields(body)
         self.check_model(body)
         salt = cache_salt(body)
+        # a later turn: the stored conversation before its own input (OpenAI's previous_response_id)
+        own = input_items(body)
+        conversation = own
+        if body.get("previous_response_id") is not None:
+            if not isinstance(own, list):
+                raise bad("input", "expected a string or a list of input items")
+            conversation = self.response_store.conversation(body["previous_response_id"]) + own
+            body["input"] = conversation
         rreq = parse_responses(body, self.max_model_len, self.sampling_defaults)
         self.warn_ignored("/v1/responses", body)
         req = rreq.chat
@@ -431,8 +442,10 @@ class Handlers:
                                                                 req.max_tokens_param and "max_output_tokens")
             writer = ResponsesWriter(f"resp_{uuid.uuid4().hex}", self.model_name, rreq, tools, reasoning,
                                      self.think_end_id, markers)
+            store = rreq.echo["store"]
             return await respond_responses(self.engine, request, prompt._replace(cache_salt=salt), writer, admission,
-                                           req.stream)
+                                           req.stream, (lambda r: self.response_store.put(r, conversation))
+                                           if store else None)
 
     # ---------------------------------------------------------------- tokenizer endpoints (vLLM's)
     async def tokenize(self, body: dict) -> dict:

@@ -20,13 +20,14 @@ import dataclasses
 import json
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import JSONResponse
 
 from hybrid.server.api_errors import APIError, bad, error_for
-from hybrid.server.protocol import ChatRequest, parse_chat
+from hybrid.server.protocol import ChatRequest, get_bool, parse_chat
 from hybrid.server.reasoning import ReasoningMode
 from hybrid.server.streaming import AdmittedStream, Prompt, choice_updates, collect, finish_reason
 from hybrid.server.tool_calls import ToolMode
@@ -181,9 +182,7 @@ class ResponsesRequest:
 
 
 def parse_responses(body: dict, max_model_len: int, defaults: dict | None = None) -> ResponsesRequest:
-    if body.get("previous_response_id") is not None:
-        raise bad("previous_response_id", "is not supported: responses are not stored; send the whole "
-                                          "conversation in 'input'")
+    """`body` with a previous_response_id has its stored conversation in `input` already (ResponseStore)."""
     if body.get("background"):
         raise bad("background", "is not supported")
     if body.get("top_logprobs"):
@@ -229,7 +228,8 @@ def parse_responses(body: dict, max_model_len: int, defaults: dict | None = None
             "temperature": req.params.temperature, "top_p": req.params.top_p,  # (the values used)
             "tool_choice": body.get("tool_choice", "auto" if tools else "none"), "tools": body.get("tools") or [],
             "text": body.get("text") or {"format": {"type": "text"}}, "user": body.get("user"),
-            "reasoning": body.get("reasoning") or {"effort": None, "summary": None}}
+            "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
+            "previous_response_id": body.get("previous_response_id"), "store": get_bool(body, "store", True)}
     return ResponsesRequest(req, echo)
 
 
@@ -409,9 +409,53 @@ class _StreamState:
                 self._call_delta(call, events)
 
 
-async def respond_responses(engine, request, prompt: Prompt, writer: ResponsesWriter, admission, stream: bool):
+class ResponseStore:
+    """Responses kept for `previous_response_id` and GET /v1/responses/{id} (OpenAI's `store`, on unless a
+    request says false): each response object, and its conversation as input items (the items before it,
+    its own input, its output items, which are valid input items too). In memory, the newest MAX_ENTRIES: a
+    later turn naming an evicted one is a 400 saying so."""
+
+    MAX_ENTRIES = 512
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[str, tuple[dict, list]] = OrderedDict()
+
+    def conversation(self, response_id) -> list:
+        """The input items a response continues from; a 400 naming previous_response_id if unknown."""
+        if not isinstance(response_id, str):
+            raise bad("previous_response_id", "expected a string")
+        entry = self._entries.get(response_id)
+        if entry is None:
+            raise bad("previous_response_id", f"Previous response with id '{response_id}' not found (responses "
+                                              f"are kept in memory, the newest {self.MAX_ENTRIES}, and only with "
+                                              "store true)")
+        self._entries.move_to_end(response_id)
+        return list(entry[1])
+
+    def get(self, response_id: str) -> dict | None:
+        entry = self._entries.get(response_id)
+        return None if entry is None else entry[0]
+
+    def delete(self, response_id: str) -> bool:
+        return self._entries.pop(response_id, None) is not None
+
+    def put(self, response: dict, input_items: list) -> None:
+        self._entries[response["id"]] = (response, list(input_items) + list(response.get("output") or []))
+        while len(self._entries) > self.MAX_ENTRIES:
+            self._entries.popitem(last=False)
+
+
+def input_items(body: dict) -> list:
+    """A request's `input` as a list of items (a string is one user message); as given otherwise (checked later)."""
+    items = body.get("input")
+    return [{"role": "user", "content": items}] if isinstance(items, str) else items
+
+
+async def respond_responses(engine, request, prompt: Prompt, writer: ResponsesWriter, admission, stream: bool,
+                            on_done=None):
     """The response object (JSON), or its stream of events ending with response.completed (or
-    response.incomplete / response.failed)."""
+    response.incomplete / response.failed). `on_done(response)`: called with a completed or incomplete
+    response object (to store it)."""
     prompt_tokens = len(prompt.ids)
     if not stream:
         finals = await collect(engine, request, [prompt], writer.id)
@@ -421,7 +465,10 @@ async def respond_responses(engine, request, prompt: Prompt, writer: ResponsesWr
         text = writer.text_of((0, 0), c)
         status = "incomplete" if c.finish_reason == "length" else "completed"
         usage = writer.usage(prompt_tokens, c.token_ids, finals[0].num_cached_tokens)
-        return JSONResponse(writer.response(status, writer.output(text), usage, c.finish_reason))
+        response = writer.response(status, writer.output(text), usage, c.finish_reason)
+        if on_done is not None:
+            on_done(response)
+        return JSONResponse(response)
 
     state = writer.stream_state()
     cached: dict[int, int] = {}
@@ -450,9 +497,13 @@ async def respond_responses(engine, request, prompt: Prompt, writer: ResponsesWr
         reason = finish_reason(last.finish_reason) if last is not None else None
         usage = writer.usage(prompt_tokens, writer.token_ids, cached.get(0, 0))
         if reason == "length":
-            yield writer.event("response.incomplete", response=writer.response("incomplete", state.done, usage, reason))
+            response = writer.response("incomplete", state.done, usage, reason)
+            yield writer.event("response.incomplete", response=response)
         else:
-            yield writer.event("response.completed", response=writer.response("completed", state.done, usage))
+            response = writer.response("completed", state.done, usage)
+            yield writer.event("response.completed", response=response)
+        if on_done is not None:
+            on_done(response)
 
     return AdmittedStream(events(), admission, media_type="text/event-stream",
                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
