@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import sys
 
@@ -88,22 +87,21 @@ def _add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
     p.add_argument("--revision", default=None,
                    help="the revision of a hub repo id in the local cache (as MODEL@REVISION)")
-    p.add_argument("--load-format", default="auto",
-                   type=_only(("auto", "safetensors"), "weights load from safetensors"))
-    p.add_argument("--tokenizer-mode", default="auto",
-                   type=_only(("auto", "hf", "slow"), "the checkpoint's tokenizer.json is read with tokenizers"))
+    # (these five are checked by hybrid.llm.vllm_engine_settings, as LLM's keywords of the same names)
+    p.add_argument("--load-format", default="auto", help="auto or safetensors")
+    p.add_argument("--tokenizer-mode", default="auto", help="auto, hf or slow")
     p.add_argument("--logprobs-mode", default="raw_logprobs",
                    type=_only(("raw_logprobs",), "logprobs are the model's own, before any sampling setting"))
     for flag, what in (("--data-parallel-size", "data parallelism"), ("--pipeline-parallel-size", "pipeline "
                        "parallelism (--tensor-parallel-size shards the model)"), ("--api-server-count", "several "
                        "API server processes")):
         p.add_argument(flag, default="1", type=_only((1,), f"{what} is not implemented"), help="1 only")
-    p.add_argument("--cpu-offload-gb", default="0", type=_only((0, 0.0), "weights stay on the device"), help="0 only")
-    p.add_argument("--hf-overrides", default="{}", type=_only(("{}",), "the checkpoint's config.json is read as it is"),
-                   help="{} only")
-    for flag in ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"):
-        p.add_argument(flag, action=_Unsupported, nargs=0 if flag == "--enable-lora" else "+",
-                       why="LoRA adapters are not supported", help=argparse.SUPPRESS)
+    p.add_argument("--cpu-offload-gb", type=float, default=0, help="0 only")
+    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON", help="{} only")
+    p.add_argument("--enable-lora", action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--lora-modules", "--max-loras", "--max-lora-rank"):
+        p.add_argument(flag, action=_Unsupported, nargs="+", why="LoRA adapters are not supported",
+                       help=argparse.SUPPRESS)
     p.add_argument("--kv-cache-memory-bytes", action=_Unsupported, nargs=1, help=argparse.SUPPRESS,
                    why="not supported: size the KV cache with --gpu-memory-utilization")
     noop = p.add_argument_group("more vLLM engine flags accepted with no effect")
@@ -195,17 +193,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kw["generation_config"] = args.generation_config
     if args.scheduling_policy is not None:
         kw["scheduling_policy"] = args.scheduling_policy
-    sizes = args.cuda_graph_sizes
-    if sizes is None and args.compilation_config is not None:
-        sizes = args.compilation_config.get("cudagraph_capture_sizes")
+    from hybrid.llm import vllm_engine_settings
+
+    kw["model"], sizes = vllm_engine_settings(
+        args.model, args.cuda_graph_sizes, revision=args.revision, compilation_config=args.compilation_config,
+        load_format=args.load_format, tokenizer_mode=args.tokenizer_mode, cpu_offload_gb=args.cpu_offload_gb,
+        hf_overrides=args.hf_overrides, enable_lora=args.enable_lora)
     if sizes is not None:
         kw["cuda_graph_sizes"] = sizes
     for flag in ("tokenizer", "swap_space", "enable_chunked_prefill"):
         if getattr(args, flag) is not None:
             kw[flag] = getattr(args, flag)
-    if args.revision is not None and args.model is not None and "@" not in args.model \
-            and not os.path.isdir(args.model):
-        kw["model"] = f"{args.model}@{args.revision}"  # (resolve_model reads a hub repo id's revision so)
     return kw
 
 

@@ -69,18 +69,18 @@ def _no_lora(lora_request) -> None:
         raise InvalidRequestError("lora_request: LoRA adapters are not supported by this runtime")
 
 
-def _vllm_settings(model, cuda_graph_sizes, *, revision, compilation_config, override_generation_config, load_format,
-                   tokenizer_mode, cpu_offload_gb, hf_overrides, enable_lora) -> tuple:
-    """vLLM's engine keywords that code written for vLLM passes: (model, cuda_graph_sizes, sampling overrides)
-    with those that have an effect here folded in; ConfigurationError for a value this runtime cannot honour
-    (instead of running without it)."""
+def vllm_engine_settings(model, cuda_graph_sizes, *, revision=None, compilation_config=None, load_format="auto",
+                         tokenizer_mode="auto", cpu_offload_gb=0, hf_overrides=None, enable_lora=False) -> tuple:
+    """vLLM's engine settings that code and commands written for vLLM pass (LLM's keywords, the CLI's flags):
+    (model, cuda_graph_sizes) with those that have an effect here folded in (a hub repo id's revision, the
+    compilation config's capture sizes); ConfigurationError for a value this runtime cannot honour, instead of
+    running without it."""
     if revision is not None and model is not None and "@" not in str(model) and not os.path.isdir(str(model)):
         model = f"{model}@{revision}"  # (resolve_model reads a hub repo id's revision so)
     if compilation_config is not None and not isinstance(compilation_config, (dict, int)):
         raise ConfigurationError(f"compilation_config must be a dict (or a level), got {compilation_config!r}")
     if isinstance(compilation_config, dict) and cuda_graph_sizes is None:
         cuda_graph_sizes = compilation_config.get("cudagraph_capture_sizes")
-    overrides = generation_overrides(override_generation_config) if override_generation_config is not None else {}
     for name, value, allowed, why in (
             ("load_format", load_format, ("auto", "safetensors"), "weights load from safetensors"),
             ("tokenizer_mode", tokenizer_mode, ("auto", "hf", "slow"), "tokenizer.json is read with tokenizers"),
@@ -89,7 +89,7 @@ def _vllm_settings(model, cuda_graph_sizes, *, revision, compilation_config, ove
             ("enable_lora", enable_lora, (False,), "LoRA adapters are not supported")):
         if value not in allowed:
             raise ConfigurationError(f"{name}={value!r} is not supported: {why}")
-    return model, cuda_graph_sizes, overrides
+    return model, cuda_graph_sizes
 
 
 def _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size):
@@ -167,11 +167,11 @@ class LLM:
             raise ConfigurationError(f"tokenizer={tokenizer!r}: only the checkpoint's own tokenizer is supported "
                                      f"(model={model!r}); leave tokenizer out or give the model's name")
         self._quantization = quantization
-        model, cuda_graph_sizes, overrides = _vllm_settings(
-            model, cuda_graph_sizes, revision=revision, compilation_config=compilation_config,
-            override_generation_config=override_generation_config, load_format=load_format,
+        model, cuda_graph_sizes = vllm_engine_settings(
+            model, cuda_graph_sizes, revision=revision, compilation_config=compilation_config, load_format=load_format,
             tokenizer_mode=tokenizer_mode, cpu_offload_gb=cpu_offload_gb, hf_overrides=hf_overrides,
             enable_lora=enable_lora)
+        overrides = {} if override_generation_config is None else generation_overrides(override_generation_config)
         self._start(engine_config(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, page_size=page_size, seed=seed,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=num_kv_pages,

@@ -309,18 +309,22 @@ def test_more_vllm_engine_flags_map_to_llm_keywords():
 
 
 def test_vllm_flags_this_runtime_cannot_honour_are_refused(capsys):
-    for argv, wanted in ((["--enable-lora"], "--enable-lora: LoRA adapters are not supported"),
-                         (["--lora-modules", "a=b"], "--lora-modules: LoRA adapters are not supported"),
+    for argv, wanted in ((["--lora-modules", "a=b"], "--lora-modules: LoRA adapters are not supported"),
                          (["--data-parallel-size", "2"], "data parallelism is not implemented"),
                          (["--pipeline-parallel-size", "2"], "pipeline parallelism"),
-                         (["--load-format", "pt"], "weights load from safetensors"),
-                         (["--hf-overrides", '{"num_hidden_layers": 2}'], "config.json is read as it is"),
-                         (["--cpu-offload-gb", "4"], "weights stay on the device"),
                          (["--kv-cache-memory-bytes", "1000"], "--gpu-memory-utilization"),
                          (["--logprobs-mode", "processed_logprobs"], "the model's own")):
         with pytest.raises(SystemExit) as e:
             _parse(*argv)
         assert e.value.code == 2 and wanted in capsys.readouterr().err, argv
+    # the settings LLM takes under the same names: its checks, an `error:` before anything loads
+    for argv, wanted in ((["--enable-lora"], "LoRA adapters are not supported"),
+                         (["--load-format", "pt"], "weights load from safetensors"),
+                         (["--tokenizer-mode", "mistral"], "tokenizers"),
+                         (["--hf-overrides", '{"num_hidden_layers": 2}'], "config.json is read as it is"),
+                         (["--cpu-offload-gb", "4"], "weights stay on the device")):
+        assert main(["generate", "--prompt", "x", "--device", "cpu", *argv]) == 2, argv
+        assert wanted in capsys.readouterr().err, argv
     assert main(["generate", "--prompt", "x", "--device", "cpu", "--async-scheduling", "--no-async-scheduling"]) == 2
     assert "contradict" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--device", "cpu", "--override-generation-config",

@@ -459,7 +459,7 @@ class ChatRequest:
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens (BOS) added to the rendered prompt
 
 
-def _check_user(body: dict) -> None:
+def check_user(body: dict) -> None:
     """OpenAI's `user` (an end user's id; no effect here): a string, as OpenAI and vLLM type it."""
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("user", "expected a string")
@@ -467,7 +467,7 @@ def _check_user(body: dict) -> None:
 
 def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequest:
     """A /v1/completions request; `defaults`: the model's sampling defaults (generation_config.json)."""
-    _check_user(body)
+    check_user(body)
     echo = get_bool(body, "echo", False)
     if body.get("suffix"):
         raise bad("suffix", "is not supported")
@@ -503,7 +503,7 @@ def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequ
 
 def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> ChatRequest:
     """A /v1/chat/completions request; `defaults`: the model's sampling defaults (generation_config.json)."""
-    _check_user(body)
+    check_user(body)
     stream = get_bool(body, "stream", False)
     include_usage, continuous_usage = _stream_usage(body, stream)
     messages = chat_messages(body)

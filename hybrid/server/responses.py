@@ -27,7 +27,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from hybrid.server.api_errors import APIError, bad, error_for
-from hybrid.server.protocol import ChatRequest, get_bool, parse_chat
+from hybrid.server.protocol import ChatRequest, check_user, get_bool, parse_chat
 from hybrid.server.reasoning import ReasoningMode
 from hybrid.server.streaming import AdmittedStream, Prompt, choice_updates, collect, finish_reason
 from hybrid.server.tool_calls import ToolMode
@@ -194,8 +194,7 @@ def parse_responses(body: dict, max_model_len: int, defaults: dict | None = None
     if metadata is not None and not isinstance(metadata, dict):
         raise bad("metadata", "expected an object")
     # the fields the response object repeats: their own types only, so the echo keeps OpenAI's schema
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad("user", "expected a string")
+    check_user(body)
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise bad("reasoning", 'expected an object such as {"effort": "low"}')
