@@ -20,6 +20,9 @@ from hybrid.outputs import Logprob
 from hybrid.sampling import SamplingParams
 
 
+MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: a beam's length to a larger power overflows a float
+
+
 @dataclass
 class BeamSearchParams:
     """vLLM's BeamSearchParams: `beam_width` beams, up to `max_tokens` new tokens each; `ignore_eos`: an
@@ -43,9 +46,9 @@ class BeamSearchParams:
             raise InvalidRequestError(f"invalid beam search parameter temperature={self.temperature!r}: "
                                       "must be a finite number >= 0")
         if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool) \
-                or not abs(self.length_penalty) <= 10:  # (a length to a larger power overflows a float)
+                or not abs(self.length_penalty) <= MAX_LENGTH_PENALTY:
             raise InvalidRequestError(f"invalid beam search parameter length_penalty={self.length_penalty!r}: "
-                                      "must be a number in [-10, 10]")
+                                      f"must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
 
 
 @dataclass

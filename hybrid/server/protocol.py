@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from hybrid.chat_template import normalize_messages, reserved_template_kwargs
 from hybrid.errors import InvalidRequestError
+from hybrid.beam_search import MAX_LENGTH_PENALTY
+from hybrid.request import check_cache_salt
 from hybrid.sampling import UNBOUNDED_MAX_TOKENS, SamplingParams, StructuredOutputsParams
 from hybrid.server.api_errors import APIError, bad, from_invalid
 from hybrid.server.tool_protocol import chat_tool_choice, chat_tools, message_tool_calls, tool_constraint
@@ -543,9 +545,6 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
                        plp, get_bool(body, "echo", False), get_bool(body, "add_special_tokens", False))
 
 
-MAX_LENGTH_PENALTY = 10.0  # |length_penalty| of beam search: a length to a larger power overflows a float
-
-
 def beam_options(body: dict) -> float | None:
     """vLLM's use_beam_search: the request's length_penalty (default 1.0) if it asks for beam search, else None."""
     penalty = get_num(body, "length_penalty", 1.0, lo=-MAX_LENGTH_PENALTY, hi=MAX_LENGTH_PENALTY)  # (checked always)
@@ -556,8 +555,10 @@ def cache_salt(body: dict) -> str | None:
     """vLLM's cache_salt: a request shares cached prefixes only with requests of the same salt (a tenant's
     prompts are not sped up, nor their timing revealed, by another's)."""
     salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise bad("cache_salt", "expected a non-empty string")
+    try:
+        check_cache_salt(salt)
+    except InvalidRequestError as e:
+        raise bad("cache_salt", str(e)) from None
     return salt
 
 
