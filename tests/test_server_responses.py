@@ -250,3 +250,22 @@ def test_previous_response_id_continues_a_stored_conversation(client, served):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(input="More", previous_response_id=unstored.id, **kw)
     assert e.value.body["param"] == "previous_response_id"
+
+
+def test_response_store_is_bounded_in_entries_and_text(monkeypatch):
+    """The store keeps the newest responses within both of its bounds, and forgets the oldest first."""
+    from hybrid.server.api_errors import APIError
+    from hybrid.server.responses import ResponseStore
+
+    monkeypatch.setattr(ResponseStore, "MAX_ENTRIES", 3)
+    monkeypatch.setattr(ResponseStore, "MAX_CHARS", 110)  # (every string counts: "user" too, "message")
+    store = ResponseStore()
+    for i in range(4):
+        store.put({"id": f"r{i}", "output": []}, [{"role": "user", "content": "x" * 10}])
+    assert store.get("r0") is None and all(store.get(f"r{i}") for i in (1, 2, 3))
+    store.put({"id": "big", "output": [{"type": "message", "content": "y" * 80}]}, [])
+    # big: 87 characters; with r1-r3's 14 each that is 129: r1 and r2 go, the oldest first
+    assert store.get("r1") is None and store.get("r2") is None and store.get("big") is not None
+    with pytest.raises(APIError):
+        store.conversation("r1")
+    assert store.delete("big") and not store.delete("big") and store.get("r3") is not None

@@ -411,13 +411,16 @@ class _StreamState:
 class ResponseStore:
     """Responses kept for `previous_response_id` and GET /v1/responses/{id} (OpenAI's `store`, on unless a
     request says false): each response object, and its conversation as input items (the items before it,
-    its own input, its output items, which are valid input items too). In memory, the newest MAX_ENTRIES: a
-    later turn naming an evicted one is a 400 saying so."""
+    its own input, its output items, which are valid input items too). In memory, the newest MAX_ENTRIES
+    holding at most MAX_CHARS characters of text between them (each request may bring megabytes): a later turn
+    naming an evicted one is a 400 saying so."""
 
     MAX_ENTRIES = 512
+    MAX_CHARS = 128 * 2**20
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[str, tuple[dict, list]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[dict, list, int]] = OrderedDict()  # id -> (response, items, chars)
+        self._chars = 0
 
     def conversation(self, response_id) -> list:
         """The input items a response continues from; a 400 naming previous_response_id if unknown."""
@@ -436,12 +439,33 @@ class ResponseStore:
         return None if entry is None else entry[0]
 
     def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self._chars -= entry[2]
+        return entry is not None
 
     def put(self, response: dict, input_items: list) -> None:
-        self._entries[response["id"]] = (response, list(input_items) + list(response.get("output") or []))
-        while len(self._entries) > self.MAX_ENTRIES:
-            self._entries.popitem(last=False)
+        items = list(input_items) + list(response.get("output") or [])
+        chars = _text_chars(items)
+        self.delete(response["id"])
+        self._entries[response["id"]] = (response, items, chars)
+        self._chars += chars
+        while self._entries and (len(self._entries) > self.MAX_ENTRIES or self._chars > self.MAX_CHARS):
+            self._chars -= self._entries.popitem(last=False)[1][2]
+
+
+def _text_chars(obj) -> int:
+    """The characters of text in a JSON-like object (its strings), without recursion."""
+    total, stack = 0, [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            total += len(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return total
 
 
 def input_items(body: dict) -> list:
