@@ -225,11 +225,13 @@ class StepLauncher:
                 if c.seq.params.logprobs is not None:
                     lp_rows.append(c.logits_row)
                     lp_ks.append(c.seq.params.logprobs)
-        processed = self._processed(sampled, chunks, in_flight)
+        processed, masked_rows = self._processed(sampled, chunks, in_flight)
         tokens, finite = sample_tokens(processed, row_params, row_generators)
         excluded = None  # rows whose raw logits are finite but whose request's constraints leave no token
-        if processed is not sampled:  # masked rows: check the raw logits
-            raw_finite = torch.isfinite(sampled.max(dim=-1).values)
+        if masked_rows:  # those rows' raw logits checked too (a mask can hide a NaN); the others' argmax says it
+            at = to_device(masked_rows, torch.long, sampled.device)  # (not `index`: the step's launch count)
+            raw_finite = torch.ones_like(finite)
+            raw_finite[at] = torch.isfinite(sampled[at].max(dim=-1).values)
             excluded = raw_finite & ~finite
             finite = finite & raw_finite
         if self.check_state:  # the sanitizer looks at every raw logit, not just each row's maximum
@@ -267,21 +269,22 @@ class StepLauncher:
         return LaunchedStep(index, chunks, batch, logits, tokens, host, done)
 
     def _processed(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
-                   in_flight: LaunchedStep | None) -> torch.Tensor:
-        """The logits to sample from: allowed tokens, bad words, min_tokens, logit bias and penalties
-        applied on the rows whose requests ask for them, then the structured-output masks (the logits
-        themselves when none does)."""
-        out = self._penalised(logits, chunks, in_flight)
+                   in_flight: LaunchedStep | None) -> tuple[torch.Tensor, list[int]]:
+        """(the logits to sample from, the rows changed): allowed tokens, bad words, min_tokens, logit bias
+        and penalties applied on the rows whose requests ask for them, then the structured-output masks (the
+        logits themselves, and no rows, when none does)."""
+        proc = [c for c in chunks if c.samples and not c.draft and c.seq.params.processes_logits]
+        out = self._penalised(logits, proc, in_flight)
         constrained = [c for c in chunks if c.samples and not c.draft and c.seq.grammar is not None
                        and c.seq.grammar.active]
         if constrained:  # each row's allowed tokens, from its matcher on the host, applied on the device
             masks = self.grammars.fill_bitmasks([c.seq.grammar for c in constrained], pin=logits.is_cuda)
             out = apply_token_bitmask(out, [c.logits_row for c in constrained], masks)
-        return out
+        return out, sorted({c.logits_row for c in proc + constrained})
 
-    def _penalised(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
+    def _penalised(self, logits: torch.Tensor, proc: list[ScheduledChunk],
                    in_flight: LaunchedStep | None) -> torch.Tensor:
-        proc = [c for c in chunks if c.samples and not c.draft and c.seq.params.processes_logits]
+        """`proc`: the sampling chunks whose requests process their logits."""
         if not proc:
             return logits
         seqs = [c.seq for c in proc]
