@@ -64,6 +64,13 @@ trap save_jit EXIT
 # git; `carry` names it): `cp -r .venv/lib/python3*/site-packages/llguidance* .devextra/`
 if [[ -d .devextra ]]; then export PYTHONPATH=$PWD/.devextra:$PYTHONPATH; fi
 python3 -c "import torch; print(torch.cuda.get_device_name(0), torch.__version__)"
+# REQUIRE_H200=1: the figures asked for are H200 figures, so on any other card stop here (a call that gets an H100
+# then costs its start alone)
+if [[ ${REQUIRE_H200:-0} == 1 ]] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  echo "REQUIRE_H200: this machine has $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), not an H200: stopped"
+  trap - EXIT
+  exit 3
+fi
 # tests: one line per test (-v), so a run cut by its time limit still names what passed and failed;
 # the tracebacks of failures print as they happen (tests/gpu/conftest.py), and again in -rfE's summary
 # when the run completes. `tests` leaves out the long-context and

@@ -135,7 +135,11 @@ class StructuredOutputsParams:
                     schema = _no_additional_properties(json.loads(schema) if isinstance(schema, str) else schema)
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
             if kind == "choice":
-                return llguidance.grammar_from("choice", json.dumps(list(self.choice)))
+                # one terminal whose alternatives are the choices: the lexer walks them as one automaton.
+                # (Alternatives of the start rule, llguidance's own "choice", put every choice in one Earley
+                # row, and a row of more than 2,000 fails the request after its first token.)
+                alternatives = " | ".join(json.dumps(c) for c in self.choice)
+                return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}")
             if kind == "regex":
                 return llguidance.grammar_from("regex", self.regex)
             return llguidance.grammar_from("grammar", self.grammar)
@@ -290,6 +294,9 @@ class GrammarCompiler:
                 if error:
                     raise InvalidRequestError(f"structured outputs: invalid {params.kind}: {_one_line(error)}")
                 template = llguidance.LLMatcher(tok, grammar, log_level=0)
+                # the first mask builds the lexer states every copy starts from (a second for some regexes):
+                # here, on the validating thread, rather than in a step that other requests share
+                template.compute_bitmask()
                 if template.is_error():
                     raise InvalidRequestError(f"structured outputs: invalid {params.kind}: "
                                               f"{_one_line(template.get_error())}")

@@ -125,3 +125,38 @@ def test_invalid_constraint_is_400(served, client, extra, says):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)
     ok = client.completions.create(model=MODEL, prompt="ok", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 3
+
+
+def test_compiling_a_grammar_leaves_the_server_responsive(served, monkeypatch):
+    """A constrained request's grammar compiles on a worker thread, not on the event loop: while one
+    compile is held, the server answers other requests; the held request then completes."""
+    import threading
+
+    grammars = served.llm.engine.grammars
+    real, entered, release = grammars.matchers, threading.Event(), threading.Event()
+
+    def held_matchers(params, n):
+        if n == 0 and params.regex == "held[0-9]":  # the server's validation of the held request
+            entered.set()
+            assert release.wait(60)
+        return real(params, n)
+
+    monkeypatch.setattr(grammars, "matchers", held_matchers)
+    result = {}
+
+    def held_request():
+        result["r"] = httpx.post(served.base_url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 4, "structured_outputs": {"regex": "held[0-9]"}})
+
+    t = threading.Thread(target=held_request)
+    t.start()
+    try:
+        assert entered.wait(60)
+        assert httpx.get(served.base_url + "/health", timeout=10).status_code == 200
+        free = httpx.post(served.base_url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "ok", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+        assert free.json()["usage"]["completion_tokens"] == 3
+    finally:
+        release.set()
+        t.join(120)
+    assert result["r"].status_code == 200 and re.fullmatch("held[0-9]", result["r"].json()["choices"][0]["text"])

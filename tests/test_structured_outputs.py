@@ -365,3 +365,48 @@ def test_a_grammar_the_matcher_cannot_follow_fails_its_request_only(llm):
         e.value.failed[0]
     assert e.value.outputs[1].outputs[0].finish_reason == "length"
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_choice_of_thousands(llm):
+    """3,000 choices: one terminal of the grammar, walked by the lexer. (As alternatives of the start rule they
+    made one Earley row over the matcher's 2,000-item limit, and every such request failed after its first
+    token.)"""
+    choices = [f"verse {i}" for i in range(3000)]
+    sp = SamplingParams(max_tokens=16, temperature=1.0, seed=3,
+                        structured_outputs=StructuredOutputsParams(choice=choices))
+    for o in llm.generate(PROMPTS[:2], sp, use_tqdm=False):
+        assert o.outputs[0].text in choices and o.outputs[0].finish_reason == "stop", o.outputs[0]
+
+
+def test_choice_terminal_keeps_every_string_exact(llm):
+    """Quotes, backslashes, newlines, non-ASCII and the empty string are choices like any other."""
+    choices = ['say "yea"', "a\\b", "line\nbreak", "é😀", ""]
+    for seed in range(3):
+        sp = SamplingParams(max_tokens=24, temperature=1.0, seed=seed,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+        out = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
+        assert out.text in choices and out.finish_reason == "stop", out
+
+
+def test_first_mask_is_computed_while_validating(llm, monkeypatch):
+    """The compiled template computes its first mask when the request is validated (where the server runs it
+    on a worker thread), so the lexer states it builds, for some regexes a second's work, are not built in a
+    step that other requests share: every copy starts from them."""
+    import llguidance
+
+    real = llguidance.LLMatcher
+    calls = []
+
+    class Recording:  # the template, recording its calls; its copies are real matchers
+        def __init__(self, *args, **kwargs):
+            self._m = real(*args, **kwargs)
+
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(self._m, name)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Recording)
+    monkeypatch.setattr(Recording, "validate_grammar", staticmethod(real.validate_grammar), raising=False)
+    so = StructuredOutputsParams(regex="[a-z]{3} recorded")
+    llm.engine.validate_request([5, 6], SamplingParams(max_tokens=4, structured_outputs=so))
+    assert "compute_bitmask" in calls, calls

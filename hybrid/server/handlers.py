@@ -210,10 +210,18 @@ class Handlers:
         except InvalidRequestError as e:  # e.g. min_tokens > the room left
             raise from_invalid(e) from None
 
-    def validate(self, prompts: list[Prompt], param: str, constraint_param: str | None = None) -> None:
+    async def validate(self, prompts: list[Prompt], param: str, constraint_param: str | None = None) -> None:
         """Everything Engine.add_request would reject later, on the worker, where a streamed
         request has its 200 already: run it now. A grammar that does not compile is blamed on
-        `constraint_param` (the field it came from) where given, anything else on `param`."""
+        `constraint_param` (the field it came from) where given, anything else on `param`.
+        A request with an output constraint is checked on a worker thread: compiling its grammar
+        may take a second (llguidance releases the GIL), and the event loop serves the others."""
+        if any(p.params.structured_outputs is not None for p in prompts):
+            await asyncio.to_thread(self._validate, prompts, param, constraint_param)
+        else:
+            self._validate(prompts, param, constraint_param)
+
+    def _validate(self, prompts: list[Prompt], param: str, constraint_param: str | None) -> None:
         for p in prompts:
             try:  # AsyncEngine.validate: every check of Engine.add_request, the vocabulary's too
                 self.engine.validate(p.ids, p.params)
@@ -372,7 +380,7 @@ class Handlers:
         with self.admit(len(req.inputs) * n, "prompt" if len(req.inputs) > 1 else "n") as admission:
             prompts = await self.completion_prompts(req.inputs, req.params, req.max_tokens_param, req.priority)
             prompts = [p._replace(cache_salt=salt) for p in prompts]
-            self.validate(prompts, "prompt", req.constraint_field)
+            await self.validate(prompts, "prompt", req.constraint_field)
             fmt = CompletionFormat(n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), echo=req.echo,
                                    echo_only=req.echo_only,
                                    decode=self.decode)
@@ -395,7 +403,8 @@ class Handlers:
         prompt = Prompt(text, ids, self.fit_max_tokens(params, ids, max_tokens_param), req.priority)
         # (a named or "required" tool_choice compiles the tools' schemas here)
         tool_schemas = req.tool_choice in ("function", "required")
-        self.validate([prompt], "tools" if tool_schemas else input_param, None if tool_schemas else req.constraint_field)
+        await self.validate([prompt], "tools" if tool_schemas else input_param,
+                            None if tool_schemas else req.constraint_field)
         markers = self._markers[(tools is not None and tools.kind == "auto", reasoning is not None)]
         return prompt, reasoning, markers
 
