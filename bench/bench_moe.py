@@ -456,6 +456,10 @@ VARIANTS = {  # --pdl-ab / --linear-ab: (row key, switches, what the report call
     "moe_preload_off_ab": ("moe_preload_off", {"HYBRID_MOE_PRELOAD": "0"},
                            "a one-token step's two expert GEMMs on the tiled grouped kernels (HYBRID_MOE_PRELOAD=0; "
                            "default: the one-token preloading kernel, whole expert slabs at once)"),
+    "moe_shared_early_off_ab": ("moe_shared_early_off", {"HYBRID_MOE_SHARED_EARLY": "0"},
+                                "the first expert GEMM's programs in pair order, every one waiting for the routing "
+                                "(HYBRID_MOE_SHARED_EARLY=0; default: the shared expert's programs first, their "
+                                "slabs asked for before the PDL wait)"),
     "lm_head_preload_off_ab": ("lm_head_preload_off", {"HYBRID_LM_HEAD_PRELOAD": "0"},
                                "a one-token step's LM head on cuBLAS (HYBRID_LM_HEAD_PRELOAD=0; default: the preloading "
                                "linear, fp32 out)"),

@@ -303,6 +303,17 @@ if [[ $what == moe-targets ]]; then
       | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
   cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_targets.md" 2>/dev/null || true
 fi
+# moe-shared-early  the GPU tests of the one-token expert kernels (the shared expert's programs first, their slabs
+#           before the PDL wait, the default) and the engine with HYBRID_MOE_SHARED_EARLY=0, then the two target
+#           shapes at batch 1 and 8 (graphs) with and without it, same process (--moe-shared-early-off-ab)
+if [[ $what == moe-shared-early ]]; then
+  gpu_pytest 150 gpu_tests_shared_early.log tests/gpu/test_moe_gpu.py tests/gpu/test_triton_fused_ops_gpu.py \
+      -k "one_token or shared_expert_folded or (engine_with_the_kernel_switches and (moe_shared or moe_preload))"
+  timeout 410 python3 bench/bench_moe.py --shapes granite-tiny nemotron-nano --batches 1 8 --gen-batches 1 --no-peer \
+      --no-eager --moe-shared-early-off-ab --out /tmp/moe_out --time-budget 400 2>&1 \
+      | tee "$OUT/bench_moe_shared_early.log" | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
+  cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_shared_early.md" 2>/dev/null || true
+fi
 # sampled  the throughput target's sampled-against-greedy part alone: the 8B shape from disk, 256 x (1024, 257), one
 #           greedy run, then the same batch under each sampler setting (--sampled-ab), in ${SAMPLED_LIMIT:-540} s
 if [[ $what == sampled ]]; then

@@ -330,3 +330,13 @@ def test_one_token_preloading_experts(monkeypatch, kind, gated, shared):
         monkeypatch.undo()
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(two, want[1])
+    # the shared expert's programs first, their slabs before the wait ("moe_shared_early", the default): the same
+    # sums as with every program in pair order
+    monkeypatch.setenv("HYBRID_MOE_SHARED_EARLY", "0")
+    triton_guard.reset_switches()
+    try:
+        in_order = triton_moe.fused_experts(x[:1], w_up, w_down, idx[:1], w[:1], gated, add[:1], **kw)
+    finally:
+        monkeypatch.delenv("HYBRID_MOE_SHARED_EARLY")
+        triton_guard.reset_switches()
+    assert torch.equal(got, in_order)

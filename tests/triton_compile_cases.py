@@ -196,7 +196,8 @@ def _one_token_experts():
                                             (triton_moe.ACT_RELU2, False, False, 4, 2048, 512, 128),
                                             (triton_moe.ACT_NONE, True, True, 8, 1024, 512, 512)):
         compiles(triton_moe._one_token_experts_kernel,
-                 dict(ACT=act, MUL_W=mul_w, HAS_SHARED=True, EARLY=early, BLOCK_N=bn, K1=k1, K2=k2, K3=k3, PDL=True),
+                 dict(ACT=act, MUL_W=mul_w, HAS_SHARED=True, EARLY=early, SHARED_EARLY=not early, BLOCK_N=bn,
+                      K1=k1, K2=k2, K3=k3, PDL=True),
                  dict(w_ptr="*fp32", block_expert_ptr="*i32"))
 
 

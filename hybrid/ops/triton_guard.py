@@ -91,6 +91,9 @@ again: benchmarks comparing both):
   the second GEMM's before its PDL wait (the routing was written before the first), as the preloading linears
   do. Measured on an H100 (BENCHMARKS.md): at batch 1 +8.0% on Granite-4.0-H-Tiny's shape, +3.5% on
   Nemotron-3-Nano's;
+- "moe_shared_early" (on by default; HYBRID_MOE_SHARED_EARLY=0 turns it off): in that first expert GEMM, the
+  shared expert's programs go first and ask for their slabs before the PDL wait (their ids are fixed: only the
+  routed pairs wait for the routing);
 - "lm_head_preload" (on by default; HYBRID_LM_HEAD_PRELOAD=0 turns it off): a one-token step's 16-bit LM head on
   the preloading linear, its fp32 accumulator stored as the logits (hybrid/layers.logits_fp32; cuBLAS
   otherwise): +1.1% / +0.8% at batch 1 on the same two shapes.
@@ -143,12 +146,12 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "varlen_prefill": ("HYBRID_VARLEN_PREFILL", "1"), "moe_route_in_gemm": ("HYBRID_MOE_ROUTE_IN_GEMM", "1"),
              "gemv_narrow": ("HYBRID_GEMV_NARROW", "1"), "triton_greedy": ("HYBRID_TRITON_GREEDY", "1"),
              "gemv_preload": ("HYBRID_GEMV_PRELOAD", "all"), "gemv_preload_sites": ("HYBRID_GEMV_PRELOAD", "1"),
-             "moe_preload": ("HYBRID_MOE_PRELOAD", "1"),
+             "moe_preload": ("HYBRID_MOE_PRELOAD", "1"), "moe_shared_early": ("HYBRID_MOE_SHARED_EARLY", "1"),
              "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "scan_plans": ("HYBRID_SCAN_PLANS", "1"),
              "fp8_preload": ("HYBRID_FP8_PRELOAD", "1"), "fp8_splitk": ("HYBRID_FP8_SPLITK", "1"),
              "fp8_norm_rounding": ("HYBRID_FP8_NORM_ROUNDING", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
-                  "moe_preload", "lm_head_preload", "scan_plans", "fp8_preload",
+                  "moe_preload", "moe_shared_early", "lm_head_preload", "scan_plans", "fp8_preload",
                   "fp8_norm_rounding"}  # these read as on unless their variable says "0"
 # HYBRID_DECODE_LINEAR unset: only each Mamba out_proj on the Triton linear at decode sizes (measured, module
 # docstring); "cublas" (or any value but triton / plain...) keeps every projection on cuBLAS

@@ -214,8 +214,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _one_token_experts_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, block_expert_ptr, N, K, a_div, num_experts,
-                                  s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr, MUL_W: tl.constexpr,
-                                  HAS_SHARED: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  n_routed, s_am, s_be, s_bn, s_sn, s_se, s_up, s_cm, ACT: tl.constexpr,
+                                  MUL_W: tl.constexpr, HAS_SHARED: tl.constexpr, EARLY: tl.constexpr,
+                                  SHARED_EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
                                   K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
         # A one-token step's grouped GEMM in the naive layout (pair m alone in block m, its expert
         # block_expert[m]): C[m, n] = act(A[m // a_div] @ W_e[n].T) (* w[m]) for BLOCK_N columns n, the
@@ -223,14 +224,25 @@ if HAS_TRITON:
         # cores as triton_gemv's preloading kernels do. EARLY (the second GEMM): the routing (block_expert,
         # w) was written before the first GEMM, and nothing writes W, so the slab loads before the PDL wait;
         # only A (the first GEMM's output) waits. Otherwise (the first GEMM: the routing is the kernel
-        # before) the wait comes first and the slab right after it.
+        # before) the wait comes first and the slab right after it, except SHARED_EARLY (the first GEMM of the
+        # one token, a_div = its row of pairs): the shared pseudo-experts' pairs (the row's last, from n_routed
+        # on) have fixed ids, so their programs, launched first, ask for their slabs before the wait too.
         n_tiles = tl.cdiv(N, BLOCK_N)
         m = tl.program_id(0) // n_tiles
         offs_n = (tl.program_id(0) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        if not EARLY:
-            pdl_wait(PDL)
-        expert = tl.load(block_expert_ptr + m).to(tl.int64)
+        is_shared = m < 0  # (False)
+        if SHARED_EARLY:
+            m = (m + n_routed) % a_div  # programs 0.. take the shared pairs
+            is_shared = m >= n_routed
+            if is_shared == 0:
+                pdl_wait(PDL)
+            expert = tl.load(block_expert_ptr + m, mask=m < n_routed, other=0).to(tl.int64)
+            expert = tl.where(is_shared, num_experts + (m - n_routed), expert)
+        else:
+            if not EARLY:
+                pdl_wait(PDL)
+            expert = tl.load(block_expert_ptr + m).to(tl.int64)
         w_base, row_stride, up_off = _expert_rows(b_ptr, s_ptr, expert, N, num_experts, s_be, s_bn, s_sn, s_se, s_up,
                                                   HAS_SHARED)
         w_rows = w_base + offs_n.to(tl.int64)[:, None] * row_stride
@@ -243,6 +255,9 @@ if HAS_TRITON:
             route_w = tl.load(w_ptr + m).to(tl.float32)
         if EARLY:
             pdl_wait(PDL)
+        elif SHARED_EARLY:
+            if is_shared:
+                pdl_wait(PDL)
         a_row = a_ptr + (m // a_div).to(tl.int64) * s_am
         acc = slab_dot(a_row, g1, g2, g3, K, K1, K2, K3)
         if ACT == 1:
@@ -400,17 +415,21 @@ def one_token_tiles(K: int, swiglu: bool) -> tuple[int, int, int, int]:
     return triton_gemv.preload_tiles(K, None, ONE_TOKEN_ELEMENTS // (2 if swiglu else 1))
 
 
-def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early: bool) -> None:
+def _one_token_gemm(a, w, shared, out, weights, block_expert, a_div, act, early: bool, num_shared: int) -> None:
     """One of a one-token step's grouped GEMMs on _one_token_experts_kernel (see one_token_preload):
-    _grouped_gemm's arguments, the naive layout's block_expert (the pairs' experts)."""
+    _grouped_gemm's arguments, the naive layout's block_expert (the pairs' experts, the last num_shared of
+    them the shared pseudo-experts)."""
     n_out, K = out.shape[1], a.shape[1]
     block_n, k1, k2, k3 = one_token_tiles(K, act == ACT_SILU_MUL)
     s_t, s_sn, s_se, s_up = shared if shared is not None else (w, 0, 0, 0)
+    # (the first GEMM with a shared expert: a_div is the token's row of pairs, the shared ones last)
+    shared_early = shared is not None and not early and num_shared > 0 and switch("moe_shared_early")
+    assert not shared_early or block_expert.shape[0] == a_div, "SHARED_EARLY takes one token's pairs"
     _one_token_experts_kernel[(block_expert.shape[0] * cdiv(n_out, block_n),)](
         a, w, s_t, out, weights if weights is not None else out, block_expert, n_out, K, a_div, w.shape[0],
-        a.stride(0), w.stride(0), w.stride(1), s_sn, s_se, s_up, out.stride(0), ACT=act, MUL_W=weights is not None,
-        HAS_SHARED=shared is not None, EARLY=early, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=4,
-        **pdl_options(a.device),
+        block_expert.shape[0] - num_shared, a.stride(0), w.stride(0), w.stride(1), s_sn, s_se, s_up, out.stride(0),
+        ACT=act, MUL_W=weights is not None, HAS_SHARED=shared is not None, EARLY=early, SHARED_EARLY=shared_early,
+        BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=4, **pdl_options(a.device),
     )
 
 
@@ -552,10 +571,10 @@ def fused_experts(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
         h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
         block_expert = top_idx.reshape(-1)  # (the naive layout: pair p alone in block p)
         _one_token_gemm(x, w_up, up_shared, h, None, block_expert, top_k, ACT_SILU_MUL if gated else ACT_RELU2,
-                        early=False)
+                        early=False, num_shared=S)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)
         _one_token_gemm(h, w_down, down_shared, y, top_w.reshape(-1).contiguous(), block_expert, 1, ACT_NONE,
-                        early=True)
+                        early=True, num_shared=S)
     else:
         # (routed: the naive layout, which reads no ids; the first GEMM writes them into block_expert = top_idx)
         pairs, block_expert, total = triton_moe_align.align(top_idx.reshape(-1), E + S, cfg_up[0], align_method)

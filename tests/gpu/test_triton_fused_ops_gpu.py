@@ -246,7 +246,8 @@ SWITCH_SETS = {"decode_linear": {"HYBRID_DECODE_LINEAR": "triton"}, "norm_router
                "route_in_gemm": {"HYBRID_MOE_ROUTE_IN_GEMM": "1"},
                "moe_three_launches": {"HYBRID_NORM_ROUTER": "1", "HYBRID_MOE_ROUTE_IN_GEMM": "1"},
                "gemv_preload_sites": {"HYBRID_GEMV_PRELOAD": "1"}, "gemv_preload_off": {"HYBRID_GEMV_PRELOAD": "0"},
-               "moe_preload_off": {"HYBRID_MOE_PRELOAD": "0"}, "lm_head_preload_off": {"HYBRID_LM_HEAD_PRELOAD": "0"}}
+               "moe_preload_off": {"HYBRID_MOE_PRELOAD": "0"}, "lm_head_preload_off": {"HYBRID_LM_HEAD_PRELOAD": "0"},
+               "moe_shared_early_off": {"HYBRID_MOE_SHARED_EARLY": "0"}}
 
 
 @pytest.mark.parametrize("switches", list(SWITCH_SETS))
@@ -260,7 +261,8 @@ def test_engine_with_the_kernel_switches(tiny_ckpt, monkeypatch, tmp_path, switc
     HYBRID_MOE_ROUTE_IN_GEMM=1 (a one-token step routed inside the first expert GEMM), alone and with
     HYBRID_NORM_ROUTER=1 (the router logits of the norm's launch routed in the GEMM), the preloading linears kept
     to the Triton linear's sites (HYBRID_GEMV_PRELOAD=1) and off (=0), a one-token step's expert GEMMs on
-    the tiled kernels rather than the one-token preloading kernel (HYBRID_MOE_PRELOAD=0), its LM head on cuBLAS
+    the tiled kernels rather than the one-token preloading kernel (HYBRID_MOE_PRELOAD=0) or with its programs in pair
+    order (HYBRID_MOE_SHARED_EARLY=0), its LM head on cuBLAS
     rather than the preloading linear (HYBRID_LM_HEAD_PRELOAD=0), under CUDA graphs,
     the prompts together and the first alone (batch-1 decode): every token the default engine's greedy
     choice given the same prefix (or a bf16 near-tie). NemotronH without group masking, so that its
