@@ -78,9 +78,12 @@ class OutputProcessor:
             # part of the output only with include_stop_str_in_output
             stop_reason = None if token == self.primary_eos_token_id and not p.ignore_eos else token
             return self._final_text(seq, "stop", stop_reason, drop_last=not p.include_stop_str_in_output)
-        if p.stop and self.tokenizer is not None:
+        if p.stop and self.tokenizer is not None and len(seq.output_token_ids) <= p.min_tokens:
+            # as vLLM: no stop string ends an output within its first min_tokens tokens, nor later in their text
+            seq.stop_search_from = len(seq.text)
+        elif p.stop and self.tokenizer is not None:
             for s in p.stop:
-                at = seq.text.find(s)
+                at = seq.text.find(s, max(0, seq.stop_search_from - len(s) + 1))
                 if at != -1:  # the text ends before the stop string, or right after it
                     seq.text = seq.text[:at + len(s) if p.include_stop_str_in_output else at]
                     return "stop", s

@@ -52,6 +52,7 @@ class Sequence:
     text: str = ""
     detok_prefix: int = 0  # incremental detokenization: output tokens decoded as context ...
     detok_read: int = 0  # ... and the ones whose text is already in `text`
+    stop_search_from: int = 0  # stop strings are looked for in text from here on (after min_tokens tokens)
     num_preemptions: int = 0
     # prompt tokens taken from the prefix cache when first admitted (None until then; a readmission after a
     # preemption does not change it)

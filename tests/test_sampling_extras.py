@@ -151,6 +151,27 @@ def test_include_stop_str_in_output(llm, plain):
     assert with_stop.finish_reason == "stop" and with_stop.stop_reason == stop
 
 
+def test_min_tokens_holds_back_stop_strings(llm, plain):
+    """As vLLM: no stop string ends an output within its first min_tokens tokens; one whose text lies wholly in
+    those tokens' text is not looked for later; one that starts in it and ends after it stops the output."""
+    tok = llm.tokenizer
+    ids = plain.token_ids
+    text_of = [tok.decode(ids[:n]) for n in range(len(ids) + 1)]
+    stop = text_of[3][-2:]  # (ends in the third token's text)
+    assert text_of[2].find(stop) == -1
+    early = _one(llm, stop=[stop]).outputs[0]
+    assert early.text == text_of[3][:-2] and early.stop_reason == stop
+    later = _one(llm, stop=[stop], min_tokens=3).outputs[0]
+    rest = plain.text.find(stop, len(text_of[3]) - len(stop) + 1)
+    assert later.text == (plain.text if rest == -1 else plain.text[:rest])
+    assert len(later.token_ids) > 3
+    # across the boundary: from the third token's text into the fourth's
+    span = text_of[4][len(text_of[3]) - 1:len(text_of[3]) + 1]
+    assert text_of[3].find(span) == -1
+    across = _one(llm, stop=[span], min_tokens=3).outputs[0]
+    assert across.text == text_of[4][:len(text_of[3]) - 1] and across.stop_reason == span
+
+
 def test_text_deltas_with_included_stops():
     texts = ["I will", "I will bring th", "I will bring the LO", "I will bring the LORD"]
     for include in (False, True):
