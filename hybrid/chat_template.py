@@ -114,10 +114,38 @@ def _cut_after_final_message(template: str, variables: dict, text: str, messages
                               "content as given, so there is no place to continue it from")
 
 
+# the content parts read as text, and the key of each one's text (as vLLM reads them: the Responses API's
+# input_text / output_text, an assistant's refusal, a thinking part)
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
+def _part_texts(parts: list, what: str) -> list[str]:
+    """The texts of a content list: plain strings and TEXT_PARTS (a part whose text is null is skipped);
+    InvalidRequestError naming the first part that is neither."""
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        key = TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) else None
+        if key is None:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(f"{what}[{j}]: only text content parts are supported "
+                                      f"({', '.join(TEXT_PARTS)} or a string), not {kind!r}")
+        text = part.get(key)
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"{what}[{j}].{key} must be a string")
+        texts.append(text)
+    return texts
+
+
 def normalize_messages(messages, what: str = "messages") -> list[dict]:
     """A conversation checked and normalised for rendering: a non-empty list of dicts, each with a
-    string 'role'; 'content' a string, None (-> "") or a list of text parts ({"type": "text",
-    "text": ...}, joined). Other keys (name, tool_calls, ...) are kept. InvalidRequestError otherwise."""
+    string 'role'; 'content' a string, None (-> "") or a list of text parts (strings or TEXT_PARTS, joined
+    by newlines, as vLLM joins them). Other keys (name, tool_calls, ...) are kept. InvalidRequestError
+    otherwise."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError(f"{what} must be a non-empty list of messages")
     out = []
@@ -126,12 +154,7 @@ def normalize_messages(messages, what: str = "messages") -> list[dict]:
             raise InvalidRequestError(f"{what}[{i}]: each message must be a dict with a string 'role'")
         content = m.get("content")
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequestError(f"{what}[{i}].content: only text content parts are supported")
-                texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(_part_texts(content, f"{what}[{i}].content"))
         elif content is None:
             content = ""
         elif not isinstance(content, str):

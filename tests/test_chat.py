@@ -99,13 +99,22 @@ def test_chat_options(llm):
                      chat_template_kwargs={"greeting": "Hail. "})
     assert out.prompt == "Hail. [user] Who made the earth?\n<|endoftext|>"
     # content given as text parts, as the OpenAI API allows
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Who made "}, {"type": "text", "text": "the earth?"}]}]
-    assert llm.get_tokenizer().apply_chat_template(parts, tokenize=False) == "User: Who made the earth?\nAssistant:\n"
+    # content given as parts, as the OpenAI API allows: joined by newlines, as vLLM joins them; vLLM's other text
+    # parts (input_text, output_text, refusal, thinking, a plain string) are text too, a part whose text is null
+    # is skipped
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Who made"}, {"type": "text", "text": "the earth?"}]}]
+    assert llm.get_tokenizer().apply_chat_template(parts, tokenize=False) == "User: Who made\nthe earth?\nAssistant:\n"
+    kinds = [{"role": "user", "content": ["a", {"type": "input_text", "text": "b"}, {"type": "output_text", "text": "c"},
+                                          {"type": "text", "text": None}, {"type": "refusal", "refusal": "d"},
+                                          {"type": "thinking", "thinking": "e"}]}]
+    assert llm.get_tokenizer().apply_chat_template(kinds, tokenize=False) == "User: a\nb\nc\nd\ne\nAssistant:\n"
 
 
 @pytest.mark.parametrize("messages", [[], "hello", [{"content": "no role"}], [{"role": 1, "content": "x"}],
                                       [{"role": "user", "content": 5}], [[]], [{"role": "user"}, "x"],
-                                      [{"role": "user", "content": [{"type": "image_url"}]}]])
+                                      [{"role": "user", "content": [{"type": "image_url"}]}],
+                                      [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+                                      [{"role": "user", "content": [7]}]])
 def test_malformed_conversations(llm, messages):
     with pytest.raises(InvalidRequestError):
         llm.chat(messages, GREEDY, use_tqdm=False)

@@ -53,11 +53,12 @@ def test_chat_uses_the_default_of_a_template_list_and_render_chat(listed_templat
 
     llm = _llm(listed_template_ckpt)
     with ServerThread(build_app(llm)) as srv:
-        msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]}]
+        # text parts joined by newlines, as vLLM joins them (a plain string, Responses' input_text: text too)
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, "there", {"type": "input_text", "text": "you"}]}]
         r = _chat(srv, "tiny-listed", msgs)
         assert r.status_code == 200, r.text
-        want = render_chat(STRICT, [{"role": "user", "content": "Hi there"}], llm.tokenizer.config)
-        assert want == "<user>Hi there\n<assistant>"
+        want = render_chat(STRICT, [{"role": "user", "content": "Hi\nthere\nyou"}], llm.tokenizer.config)
+        assert want == "<user>Hi\nthere\nyou\n<assistant>"
         assert r.json()["usage"]["prompt_tokens"] == len(llm.tokenizer.encode(want, add_special_tokens=False))
         # the template refuses the conversation: 400 naming messages, streamed or not, before any 200
         system = [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]
@@ -69,7 +70,8 @@ def test_chat_uses_the_default_of_a_template_list_and_render_chat(listed_templat
             assert "chat template could not be rendered" in err["message"] and "System role" in err["message"]
         # malformed messages (hybrid.chat_template.normalize_messages) name the message
         r = _chat(srv, "tiny-listed", [{"role": "user", "content": [{"type": "image_url"}]}])
-        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0]", r.text
+        assert "not 'image_url'" in r.json()["error"]["message"]
         r = _chat(srv, "tiny-listed", ["hello"])
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0]", r.text
         assert httpx.get(srv.base_url + "/health").json() == {"status": "ok"}

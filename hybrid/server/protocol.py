@@ -380,7 +380,7 @@ def prompt_inputs(body: dict) -> list[str | list[int]]:
     return prompts
 
 
-_MESSAGE_PATH = re.compile(r"^(messages(?:\[\d+\])?(?:\.content)?)(?=[:\s]|$)")
+_MESSAGE_PATH = re.compile(r"^(messages(?:\[\d+\])?(?:\.content(?:\[\d+\](?:\.\w+)?)?)?)(?=[:\s]|$)")
 
 
 def chat_messages(body: dict) -> list[dict]:
