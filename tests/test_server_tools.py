@@ -327,6 +327,21 @@ def test_auto_tool_calls_non_streamed_and_streamed(client):
     assert [c["name"] for c in calls] == ["get_weather"]
 
 
+def test_a_cut_output_with_calls_finishes_with_length(client, served):
+    """An output cut by max_tokens after its first call, inside its second: finish_reason "length" (not
+    "tool_calls"), streamed and not, so that an agent loop learns the output is incomplete; the complete call is
+    still read."""
+    tok = served.llm.tokenizer
+    cut = len(tok.encode(TWO_CALLS[:TWO_CALLS.index("</tool_call>\n<tool_call>") + 40], add_special_tokens=False))
+    kw = dict(model=MODEL, messages=USER, tools=TOOLS, max_tokens=cut, temperature=0, extra_body=_forced(TWO_CALLS))
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == cut
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    _, calls, finish, _ = _stream(client, **kw)
+    assert finish == "length" and [c["name"] for c in calls] == ["get_weather"]
+
+
 def test_only_a_call_has_null_content_and_the_raw_json_is_right(served):
     body = {"model": MODEL, "messages": USER, "tools": TOOLS, "max_tokens": 300, "temperature": 0,
             **_forced('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')}

@@ -3,7 +3,7 @@ makes of each choice's output (ToolMode), whole (message.tool_calls) or streamed
 
 - "auto": the output is parsed by the server's tool-call parser (hybrid/server/tool_parsers.py);
   the calls found become message.tool_calls, the rest the content (null if there is none),
-  finish_reason "tool_calls" when there are calls.
+  finish_reason "tool_calls" when there are calls (but "length" for an output cut short).
 - a named function ({"type": "function", "function": {"name": ...}}): generation is constrained to
   the function's parameter schema (structured outputs), and the whole output is the call's
   arguments; finish_reason as generated ("stop"), as vLLM and OpenAI answer a forced function.
@@ -92,7 +92,9 @@ class ToolMode:
         return content, calls if self.parallel else calls[:1]
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
-        if reason is None or self.kind == "function" or not called:
+        """"tool_calls" for an output that made calls and ended on its own; a cut ("length") stays one, so that
+        an agent loop learns that the output (perhaps a call after the ones read) is incomplete."""
+        if reason != "stop" or self.kind == "function" or not called:
             return reason
         return "tool_calls"
 
