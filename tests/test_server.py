@@ -110,6 +110,27 @@ def test_continuous_usage_stats(served, client, endpoint):
     assert all(c.usage is None for c in stream(include_usage=False, continuous_usage_stats=True))
 
 
+def test_continuous_usage_stats_are_per_choice(served, client):
+    """With several prompts and n > 1, each chunk's usage is its own choice's, as vLLM's: its prompt's tokens and
+    the choice's tokens so far (counting 1, 2, ... per choice); the last chunk has the request's totals."""
+    prompts = ["Hello world", "And the LORD said unto Moses, speak"]
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompts, n=2, max_tokens=5, stream=True, temperature=1.0, seed=1,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    lengths = [len(served.llm.tokenizer.encode(p)) for p in prompts]
+    seen: dict[int, list[int]] = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        assert c.usage.prompt_tokens == lengths[choice.index // 2], (choice.index, c.usage)
+        seen.setdefault(choice.index, []).append(c.usage.completion_tokens)
+    assert sorted(seen) == [0, 1, 2, 3]
+    for counts in seen.values():
+        assert counts == sorted(counts) and counts[-1] == 5 and counts[0] <= 1, counts
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == sum(lengths)
+    assert chunks[-1].usage.completion_tokens == 20
+
+
 def test_return_tokens_as_token_ids(served, client, chat_ckpt):
     """return_tokens_as_token_ids: the logprobs of both endpoints name each token "token_id:ID"; the ids are
     those of the same request's tokens by text, and the log-probabilities are the same. A server built with

@@ -317,6 +317,14 @@ def test_tokenize_detokenize_version_ping(served, llm):
 
     assert httpx.get(url + "/version").json() == {"version": __version__}
     assert httpx.get(url + "/ping").status_code == 200 and httpx.post(url + "/ping").status_code == 200
+    # the OpenAPI document (client generators read it): every operation id once
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spec = httpx.get(url + "/openapi.json").json()
+    ids = [op["operationId"] for path in spec["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids)) and {"ping_get", "ping_post"} <= set(ids)
 
 
 def test_cli_flag_and_build_app_refuse_an_unknown_parser(llm):

@@ -395,7 +395,8 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None,
 
         return {"version": __version__}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping", operation_id="ping_get")  # (one route of two methods would give both one operation id)
+    @app.post("/ping", operation_id="ping_post")
     async def ping():
         return await health()
 

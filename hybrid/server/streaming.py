@@ -457,8 +457,8 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
                   engine_id: str | None = None):
     """The response to validated prompts, for either endpoint: the whole JSON body once every
     choice is done (499 if the client went away first), or the stream of SSE chunks (with
-    `continuous_usage`, each carries the usage so far: the prompts' tokens and every choice's tokens
-    generated up to it). prompt_tokens_details: the usage says how many prompt tokens the prefix cache gave.
+    `continuous_usage`, each carries its choice's usage so far, as vLLM's: its prompt's tokens and the
+    choice's tokens generated up to it). prompt_tokens_details: the usage says how many prompt tokens the prefix cache gave.
     request_id: the response's id; engine_id: the base of its engine requests' ids (default request_id), unique
     where the response id is the client's own."""
     created = int(time.time())
@@ -510,8 +510,11 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
         return usage(prompt_tokens, completion_tokens, sum(cached.values()) if prompt_tokens_details else None)
 
     def chunk(choices: list, usage_: dict | None = None) -> str:
-        if usage_ is None and continuous_usage:
-            usage_ = usage_now(sum(generated.values()))
+        if usage_ is None and continuous_usage and choices:
+            # as vLLM: the usage of the chunk's choice, its prompt's tokens and its own tokens so far
+            pi, j = divmod(choices[0]["index"], n)
+            usage_ = usage(len(prompts[pi].ids), generated.get((pi, j), 0),
+                           cached.get(pi, 0) if prompt_tokens_details else None)
         if usage_ is None:
             return head + json.dumps(choices, ensure_ascii=False) + tail
         return sse({"id": request_id, "object": fmt.chunk_object_name, "created": created, "model": model,
