@@ -6,7 +6,9 @@ convert_ids_to_tokens, batch_decode, apply_chat_template(tokenize=True) ...; nam
 are transformers' unless a docstring says otherwise."""
 from __future__ import annotations
 
+import functools
 import os
+import re
 from typing import Any
 
 from hybrid.config_fields import read_json
@@ -57,6 +59,24 @@ def _token_str(value) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): the character that stands for each byte -> the byte. Printable
+    Latin-1 bytes stand for themselves; the other 68 are mapped, in order, to U+0100 onwards."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(kept)
+    extra = 0
+    for b in range(256):
+        if b not in kept:
+            kept.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(kept, chars)}
 
 
 class Tokenizer:
@@ -155,6 +175,23 @@ class Tokenizer:
         """The text of `ids` (or of one id). NB skip_special_tokens defaults to True here (HF: False):
         the server and the engine rely on that."""
         return self._tok.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes token `tid` stands for: its decoded text's, except where that text is a partial UTF-8
+        character (a byte-level BPE or byte-fallback token, decoded alone as U+FFFD), where they are the token's
+        own bytes (the GPT-2 byte alphabet's, or <0xHH>'s). The bytes of consecutive tokens then join into
+        the text they make."""
+        text = self.decode([tid], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        raw = self._tok.id_to_token(tid)
+        m = _BYTE_FALLBACK.fullmatch(raw or "")
+        if m is not None:
+            return bytes([int(m.group(1), 16)])
+        byte_of = _gpt2_byte_decoder()
+        if raw and all(c in byte_of for c in raw):
+            return bytes(byte_of[c] for c in raw)
+        return text.encode("utf-8")
 
     def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
         """decode() of each sequence; skip_special_tokens defaults to False, as HF's batch_decode."""

@@ -160,3 +160,26 @@ def test_compiling_a_grammar_leaves_the_server_responsive(served, monkeypatch):
         release.set()
         t.join(120)
     assert result["r"].status_code == 200 and re.fullmatch("held[0-9]", result["r"].json()["choices"][0]["text"])
+
+
+def test_logprob_bytes_join_into_the_text(served):
+    """Chat logprobs' `bytes` are each token's own, as OpenAI's: tokens that are parts of one UTF-8 character
+    (each alone decodes as U+FFFD) carry their bytes, and the bytes of the content's tokens join into it."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "logprobs": True, "top_logprobs": 2,
+            "structured_outputs": {"regex": "🙂é🙂"}}
+    for stream in (False, True):
+        r = httpx.post(served.base_url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            entries = [e for c in chunks if c["choices"] and c["choices"][0].get("logprobs")
+                       for e in c["choices"][0]["logprobs"]["content"]]
+        else:
+            choice = r.json()["choices"][0]
+            text, entries = choice["message"]["content"], choice["logprobs"]["content"]
+        assert text == "🙂é🙂"
+        assert any(e["token"] == "\ufffd" for e in entries)  # (the case: partial characters)
+        assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8") == text
+        assert all(isinstance(t["bytes"], list) for e in entries for t in e["top_logprobs"])

@@ -142,6 +142,7 @@ class Handlers:
         self.metrics = metrics
         self.created = int(time.time())
         self._token_str: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
         self._warned_fields: set[tuple[str, str]] = set()  # (endpoint, field) ignored fields already logged
         # Admission: sequences (prompts x n) of the requests being served. Checked and reserved in
         # one synchronous step on the event loop when a request arrives, so concurrent requests
@@ -249,6 +250,14 @@ class Handlers:
             s = self.tokenizer.decode([tid], skip_special_tokens=False) if self.tokenizer is not None else str(tid)
             self._token_str[tid] = s
         return s
+
+    def token_bytes(self, tid: int) -> bytes:
+        """A chat logprob's `bytes`: the token's own (hybrid.tokenizer.Tokenizer.token_bytes), which join into the
+        text even where a token is part of a UTF-8 character (its text alone is U+FFFD)."""
+        b = self._token_bytes.get(tid)
+        if b is None:
+            b = self._token_bytes[tid] = self.tokenizer.token_bytes(tid)
+        return b
 
     def decode(self, ids: list[int]) -> str:
         """Token ids as text (an echoed token-id prompt); without a tokenizer, the token strings joined."""
@@ -421,8 +430,10 @@ class Handlers:
                                                                 req.max_tokens_param)
             last = req.messages[-1]
             echo = last["content"] if req.echo and last["role"] == "assistant" else ""
+            as_ids = req.tokens_as_ids if req.tokens_as_ids is not None else self.return_tokens_as_token_ids
             fmt = ChatFormat(req.params.n, req.logprobs, self.logprob_token_str(req.tokens_as_ids), tools, markers,
-                             reasoning, echo=echo)
+                             reasoning, echo=echo,
+                             token_bytes=self.token_bytes if self.tokenizer is not None and not as_ids else None)
             return await self._respond(request, [prompt._replace(cache_salt=salt)], fmt, req, admission, client_id,
                                        beam)
 

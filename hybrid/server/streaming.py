@@ -283,8 +283,10 @@ class ChatFormat(ResponseFormat):
     id_prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, n: int, logprobs: int | None, token_str: Callable[[int], str], tools: ToolMode | None = None,
-                 markers: MarkerTokens | None = None, reasoning: ReasoningMode | None = None, echo: str = "") -> None:
+                 markers: MarkerTokens | None = None, reasoning: ReasoningMode | None = None, echo: str = "",
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
         super().__init__(n, logprobs, token_str)
+        self.token_bytes = token_bytes  # a logprob's `bytes` (default: its token string's)
         self.echo_text = echo
         self.tools = tools
         self.reasoning = reasoning
@@ -304,7 +306,8 @@ class ChatFormat(ResponseFormat):
 
     def _entry(self, tid: int, logprob: float | None) -> dict:
         s = self.token_str(tid)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+        raw = self.token_bytes(tid) if self.token_bytes is not None else s.encode("utf-8")
+        return {"token": s, "logprob": logprob, "bytes": list(raw)}
 
     def logprobs(self, lps, token_ids, text_offset):
         content = []
