@@ -51,6 +51,11 @@ HERMES_ONE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"
 SAMPLES = [
     # (parser, text, content, calls)
     (HermesToolParser, HERMES_ONE, None, [("get_weather", {"city": "Paris", "days": 2})]),
+    # NaN / Infinity are read by Python's json but are not JSON: such a call stays content
+    (HermesToolParser, '<tool_call>\n{"name": "get_weather", "arguments": {"days": NaN}}\n</tool_call>',
+     '<tool_call>\n{"name": "get_weather", "arguments": {"days": NaN}}\n</tool_call>', []),
+    (HermesToolParser, '<tool_call>\n{"name": "get_weather", "arguments": "{\\"days\\": -Infinity}"}\n</tool_call>',
+     '<tool_call>\n{"name": "get_weather", "arguments": "{\\"days\\": -Infinity}"}\n</tool_call>', []),
     (HermesToolParser, 'Let me look.\n\n' + HERMES_ONE + '\n<tool_call>\n{"name": "get_time", "arguments": '
      '"{\\"zone\\": \\"UTC\\"}"}\n</tool_call>\n', "Let me look.",
      [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "UTC"})]),

@@ -59,7 +59,10 @@ def make_call(name: Any, arguments: Any) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    text = json.dumps(arguments, ensure_ascii=False)
+    try:  # NaN / Infinity (which json.loads reads) are not JSON: arguments a client could not parse
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
     try:  # a "\ud800" escape in the model's JSON is a lone surrogate, which no response can carry
         (name + text).encode("utf-8")
     except UnicodeEncodeError:
