@@ -153,6 +153,47 @@ def test_echo_streamed(plain):
         assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
+def _stream_chunks(srv, path, body):
+    with httpx.stream("POST", srv.base_url + path, timeout=60, json={"temperature": 0, "stream": True, **body}) as s:
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids(plain):
+    """vLLM's return_token_ids: every choice's token ids (they decode to its text) and the prompt's ids (on each
+    completion choice, on the chat response); streamed, each chunk's new tokens (joined: the whole choice's),
+    the prompt's ids once (on each completion choice's first chunk, on the chat stream's first chunk)."""
+    llm, srv = plain
+    tok = llm.tokenizer
+    whole = _post(srv, "/v1/completions", prompt=["hi", "And yo"], max_tokens=6, n=2, return_token_ids=True,
+                  temperature=1.0, seed=5).json()
+    for c in whole["choices"]:
+        assert c["prompt_token_ids"] == tok.encode(["hi", "And yo"][c["index"] // 2], add_special_tokens=False)
+        assert tok.decode(c["token_ids"]) == c["text"] and len(c["token_ids"]) == 6
+    chunks = _stream_chunks(srv, "/v1/completions", {"prompt": ["hi", "And yo"], "max_tokens": 6, "n": 2,
+                                                     "return_token_ids": True, "temperature": 1.0, "seed": 5})
+    ids: dict[int, list[int]] = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            if ch["index"] not in ids:  # the choice's first chunk
+                assert ch["prompt_token_ids"] == whole["choices"][ch["index"]]["prompt_token_ids"]
+            else:
+                assert "prompt_token_ids" not in ch
+            ids.setdefault(ch["index"], []).extend(ch["token_ids"])
+    assert ids == {c["index"]: c["token_ids"] for c in whole["choices"]}
+    # chat
+    body = {"messages": MESSAGES, "max_tokens": 5, "return_token_ids": True}
+    r = _post(srv, "/v1/chat/completions", **body).json()
+    assert tok.decode(r["choices"][0]["token_ids"]) == r["choices"][0]["message"]["content"]
+    assert len(r["prompt_token_ids"]) == r["usage"]["prompt_tokens"]
+    chunks = _stream_chunks(srv, "/v1/chat/completions", body)
+    assert chunks[0]["prompt_token_ids"] == r["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []] == r["choices"][0]["token_ids"]
+    # without it: none of these fields
+    plain_r = _post(srv, "/v1/chat/completions", messages=MESSAGES, max_tokens=5).json()
+    assert "prompt_token_ids" not in plain_r and "token_ids" not in plain_r["choices"][0]
+
+
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory):
     import torch

@@ -366,7 +366,8 @@ class Handlers:
         return respond(engine, request, prompts, fmt, model=self.model_name, stream=req.stream,
                        include_usage=include_usage, continuous_usage=req.continuous_usage, admission=admission,
                        prompt_tokens_details=self.enable_prompt_tokens_details, prompt_logprobs=req.prompt_logprobs,
-                       request_id=request_id, engine_id=f"{request_id}-{unique}" if client_id else None)
+                       request_id=request_id, engine_id=f"{request_id}-{unique}" if client_id else None,
+                       token_ids=req.return_token_ids)
 
     def warn_ignored(self, endpoint: str, body: ReadFields) -> None:
         """Log the fields a request sent that its parser never read (once per endpoint and field: a

@@ -435,6 +435,7 @@ class CompletionRequest:
     priority: int = 0  # --scheduling-policy priority: lower values run first
     constraint_field: str | None = None  # the field of the output constraint (constraint_field)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each prompt token's logprob and the top k
+    return_token_ids: bool = False  # vLLM's: each choice's token ids (streamed: each chunk's) and the prompt's
 
 
 @dataclass(frozen=True)
@@ -459,6 +460,7 @@ class ChatRequest:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each prompt token's logprob and the top k
     echo: bool = False  # vLLM's chat echo: the reply's content starts with the last (assistant) message's
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens (BOS) added to the rendered prompt
+    return_token_ids: bool = False  # vLLM's: each choice's token ids (streamed: each chunk's) and the prompt's
 
 
 def check_user(body: dict) -> None:
@@ -500,7 +502,7 @@ def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequ
     return CompletionRequest(inputs, params, "max_tokens" if max_tokens is not None else None, k, stream,
                              include_usage, echo, echo_only, continuous_usage,
                              get_bool(body, "return_tokens_as_token_ids", None), _priority(body),
-                             constraint_field(body), plp)
+                             constraint_field(body), plp, get_bool(body, "return_token_ids", False) is True)
 
 
 def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> ChatRequest:
@@ -542,7 +544,8 @@ def parse_chat(body: dict, max_model_len: int, defaults: dict | None = None) -> 
     return ChatRequest(messages, add_gen, tools, params, param, k, stream, include_usage, tool_kind, tool_name,
                        parallel, template_kwargs, continue_final, continuous_usage,
                        get_bool(body, "return_tokens_as_token_ids", None), _priority(body), constraint_field(body),
-                       plp, get_bool(body, "echo", False), get_bool(body, "add_special_tokens", False))
+                       plp, get_bool(body, "echo", False), get_bool(body, "add_special_tokens", False),
+                       get_bool(body, "return_token_ids", False) is True)
 
 
 def beam_options(body: dict) -> float | None:

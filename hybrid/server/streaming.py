@@ -38,14 +38,16 @@ class ChoiceUpdate(NamedTuple):
     finish_reason: str | None
     num_tokens: int
     stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM's field)
+    token_ids: list[int] | None = None  # the tokens generated since the previous update (return_token_ids)
 
 
 class _ChoiceState:
-    __slots__ = ("deltas", "lp_sent", "text_len", "done")
+    __slots__ = ("deltas", "lp_sent", "tokens_sent", "text_len", "done")
 
     def __init__(self, stops) -> None:
         self.deltas = TextDeltas(stops)
         self.lp_sent = 0
+        self.tokens_sent = 0
         self.text_len = 0
         self.done = False
 
@@ -89,10 +91,11 @@ async def run(engine, prompts: list[Prompt], base_id: str):
 
 
 async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logprobs: bool,
-                         text_of: Callable | None = None, cached: dict[int, int] | None = None):
+                         text_of: Callable | None = None, cached: dict[int, int] | None = None,
+                         want_token_ids: bool = False):
     """Updates per choice, a list for each engine output (one per choice it changed): ChoiceUpdate
     with the text delta (stop strings and partial characters held back), the logprob rows whose
-    text is now sent, and the finish reason once it ends.
+    text is now sent, the finish reason once it ends, and (want_token_ids) the tokens new since the last update.
     text_of((prompt index, choice index), output): the choice's text (default: output.text).
     cached: filled with each prompt's tokens taken from the prefix cache (RequestOutput.num_cached_tokens)."""
     states: dict[tuple[int, int], _ChoiceState] = {}
@@ -117,9 +120,12 @@ async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logpr
                     if upto > st.lp_sent:
                         rows = (c.logprobs[st.lp_sent:upto], c.token_ids[st.lp_sent:upto])
                         st.lp_sent = upto
+                new_ids = None
+                if want_token_ids:
+                    new_ids, st.tokens_sent = c.token_ids[st.tokens_sent:], len(c.token_ids)
                 update = ChoiceUpdate(pi, c.index, delta, rows, st.text_len,
                                       c.finish_reason if finished else None, len(c.token_ids),
-                                      c.stop_reason if finished else None)
+                                      c.stop_reason if finished else None, new_ids)
                 st.text_len += len(delta)
                 st.done = finished
                 updates.append(update)
@@ -212,6 +218,10 @@ class ResponseFormat:
         """The choices of the chunks an update streams."""
         raise NotImplementedError
 
+    def empty_delta(self, index: int) -> dict:
+        """A chunk's choice that says nothing new (it carries an update's token_ids)."""
+        raise NotImplementedError
+
 
 class CompletionFormat(ResponseFormat):
     id_prefix, object_name, chunk_object_name = "cmpl", "text_completion", "text_completion"
@@ -266,6 +276,9 @@ class CompletionFormat(ResponseFormat):
 
     def choice(self, index, text, lp, reason, stop_reason=None):
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason}
+
+    def empty_delta(self, index: int) -> dict:
+        return self.choice(index, "", None, None)
 
     def deltas(self, u, index, lp):
         if u.delta or u.finish_reason is not None or lp is not None:
@@ -340,6 +353,9 @@ class ChatFormat(ResponseFormat):
     def opening(self, prompts):
         return [[{"index": i, "delta": {"role": "assistant", "content": self.echo_text}, "logprobs": None,
                   "finish_reason": None}] for i in range(self.n)]
+
+    def empty_delta(self, index: int) -> dict:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": None}
 
     def deltas(self, u, index, lp):
         if self.tools is not None or self.reasoning is not None:
@@ -457,13 +473,16 @@ def prompt_logprob_rows(rows: list[dict | None], ids: list[int], k: int,
 async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *, model: str, stream: bool,
                   include_usage: bool, admission, request_id: str, continuous_usage: bool = False,
                   prompt_tokens_details: bool = False, prompt_logprobs: int | None = None,
-                  engine_id: str | None = None):
+                  engine_id: str | None = None, token_ids: bool = False):
     """The response to validated prompts, for either endpoint: the whole JSON body once every
     choice is done (499 if the client went away first), or the stream of SSE chunks (with
     `continuous_usage`, each carries its choice's usage so far, as vLLM's: its prompt's tokens and the
     choice's tokens generated up to it). prompt_tokens_details: the usage says how many prompt tokens the prefix cache gave.
     request_id: the response's id; engine_id: the base of its engine requests' ids (default request_id), unique
-    where the response id is the client's own."""
+    where the response id is the client's own. token_ids (vLLM's return_token_ids): each choice carries its
+    `token_ids` (streamed: each chunk the tokens new since the last, a chunk for every engine output) and the
+    prompt's `prompt_token_ids` (on each completion choice, its first chunk streamed; on the chat response, its
+    first chunk streamed)."""
     created = int(time.time())
     engine_id = engine_id or request_id
     n = fmt.n
@@ -489,6 +508,14 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
         cached_tokens = sum(out.num_cached_tokens for out in finals) if prompt_tokens_details else None
         body = {"id": request_id, "object": fmt.object_name, "created": created, "model": model,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+        if token_ids:
+            outputs = {pi * n + c.index: c for pi, out in enumerate(finals) for c in out.outputs}
+            for choice in choices:
+                if not isinstance(fmt, ChatFormat):
+                    choice["prompt_token_ids"] = list(prompts[choice["index"] // n].ids)
+                choice["token_ids"] = list(outputs[choice["index"]].token_ids)
+            if isinstance(fmt, ChatFormat):
+                body["prompt_token_ids"] = list(prompts[0].ids)
         if prompt_logprobs is not None:  # (vLLM's places: on each completion choice, on the chat response)
             rows = [prompt_logprob_rows(out.prompt_logprobs, out.prompt_token_ids, prompt_logprobs, fmt.token_str)
                     for out in finals]
@@ -512,18 +539,42 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
     def usage_now(completion_tokens: int) -> dict:
         return usage(prompt_tokens, completion_tokens, sum(cached.values()) if prompt_tokens_details else None)
 
-    def chunk(choices: list, usage_: dict | None = None) -> str:
+    def chunk(choices: list, usage_: dict | None = None, top: dict | None = None) -> str:
+        """One chunk's event; `top`: fields of its own beside the choices (the chat stream's prompt_token_ids)."""
         if usage_ is None and continuous_usage and choices:
             # as vLLM: the usage of the chunk's choice, its prompt's tokens and its own tokens so far
             pi, j = divmod(choices[0]["index"], n)
             usage_ = usage(len(prompts[pi].ids), generated.get((pi, j), 0),
                            cached.get(pi, 0) if prompt_tokens_details else None)
-        if usage_ is None:
+        if usage_ is None and top is None:
             return head + json.dumps(choices, ensure_ascii=False) + tail
-        return sse({"id": request_id, "object": fmt.chunk_object_name, "created": created, "model": model,
-                    "choices": choices, "usage": usage_})
+        body = {"id": request_id, "object": fmt.chunk_object_name, "created": created, "model": model,
+                "choices": choices}
+        if usage_ is not None or include_usage:
+            body["usage"] = usage_
+        return sse({**body, **(top or {})})
 
-    updates = choice_updates(engine, prompts, engine_id, fmt.k is not None, fmt.text, cached)
+    updates = choice_updates(engine, prompts, engine_id, fmt.k is not None, fmt.text, cached, token_ids)
+    chat = isinstance(fmt, ChatFormat)
+    prompt_ids_sent: set[int] = set()  # (choices whose prompt_token_ids went out; chat: -1, the response's)
+
+    def with_token_ids(u: ChoiceUpdate, index: int, chunks: list[list[dict]]) -> list[tuple[list[dict], dict | None]]:
+        """return_token_ids: the update's new tokens on its first chunk (one with an empty delta if the update
+        makes none), the prompt's ids on the first chunk of the choice (completions) or of the stream (chat)."""
+        if not token_ids:
+            return [(c, None) for c in chunks]
+        if not chunks:
+            chunks = [[fmt.empty_delta(index)]]
+        first = chunks[0][0]
+        first["token_ids"] = u.token_ids
+        top = None
+        if not chat and index not in prompt_ids_sent:
+            prompt_ids_sent.add(index)
+            first["prompt_token_ids"] = list(prompts[u.prompt_index].ids)
+        elif chat and -1 not in prompt_ids_sent:
+            prompt_ids_sent.add(-1)
+            top = {"prompt_token_ids": list(prompts[0].ids)}
+        return [(c, top if i == 0 else None) for i, c in enumerate(chunks)]
     has_update = getattr(engine, "has_update", None)
     rids = [f"{engine_id}-{i}" for i in range(len(prompts))]
 
@@ -536,7 +587,11 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
         socket call) is paid once for them; the bytes are the same."""
         completion_tokens = 0
         for choices in fmt.opening(prompts):
-            yield chunk(choices)
+            top = None
+            if token_ids and chat and -1 not in prompt_ids_sent:
+                prompt_ids_sent.add(-1)
+                top = {"prompt_token_ids": list(prompts[0].ids)}
+            yield chunk(choices, top=top)
         parts: list[str] = []
         try:
             async for batch in updates:
@@ -545,8 +600,9 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
                     if u.finish_reason is not None:
                         completion_tokens += u.num_tokens
                     generated[u.prompt_index, u.index] = u.num_tokens
-                    for choices in fmt.deltas(u, u.prompt_index * n + u.index, lp):
-                        parts.append(chunk(choices))
+                    index = u.prompt_index * n + u.index
+                    for choices, top in with_token_ids(u, index, fmt.deltas(u, index, lp)):
+                        parts.append(chunk(choices, top=top))
                 if parts and (len(parts) >= _MAX_EVENTS_A_WRITE or not more_ready()):
                     yield "".join(parts)
                     parts = []
