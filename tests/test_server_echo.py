@@ -4,6 +4,7 @@ them; `max_tokens: 0` scores a text without generating (what evaluation harnesse
 logprobs equal the Python API's SamplingParams(prompt_logprobs=k)."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -65,12 +66,29 @@ def test_echo_scores_the_prompt(served):
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(ids) + 3 and lp["text_offset"][len(ids)] == len(text)
 
-    # echo without logprobs: the text only; streamed with logprobs it is refused (tests/test_server_vllm_fields.py
-    # streams it without)
+    # echo without logprobs: the text only
     r = _post(srv, model=model, prompt=text, echo=True, max_tokens=2)
     assert r.json()["choices"][0]["text"].startswith(text) and r.json()["choices"][0]["logprobs"] is None
-    r = _post(srv, model=model, prompt=text, echo=True, stream=True, logprobs=1)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    # streamed (as vLLM streams it): the prompt's text and logprobs open each choice's first chunk; joined, the
+    # chunks are the whole response's text and logprobs, with max_tokens 0 (the prompt alone) too
+    for body in ({"max_tokens": 3, "logprobs": 1}, {"max_tokens": 0, "logprobs": 2}, {"max_tokens": 0},
+                 {"max_tokens": 2, "logprobs": 0, "n": 2, "prompt": [text, "general there"]}):
+        body = {"model": model, "prompt": text, "echo": True, **body}
+        whole = _post(srv, **body).json()
+        with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=60,
+                          json={"temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                                **body}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        for want in whole["choices"]:
+            mine = [ch for c in chunks for ch in c["choices"] if ch["index"] == want["index"]]
+            assert "".join(ch["text"] for ch in mine) == want["text"], body
+            assert mine[-1]["finish_reason"] == want["finish_reason"]
+            if want["logprobs"] is None:
+                assert all(ch["logprobs"] is None for ch in mine)
+                continue
+            got = {key: [v for ch in mine if ch["logprobs"] for v in ch["logprobs"][key]] for key in want["logprobs"]}
+            assert got == want["logprobs"], body
+        assert chunks[-1]["usage"] == whole["usage"]
     r = _post(srv, model=model, prompt=text, max_tokens=0)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 

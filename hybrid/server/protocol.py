@@ -482,9 +482,6 @@ def parse_completion(body: dict, defaults: dict | None = None) -> CompletionRequ
     # echo with max_tokens 0 (how evaluation harnesses score a text): the prompt and its logprobs only
     max_tokens = get_int(body, "max_tokens", None, lo=0 if echo else 1)
     echo_only = echo and max_tokens == 0
-    # streamed, the prompt's text opens each choice; its logprobs (and the prompt alone) only come whole
-    if echo and stream and (k is not None or echo_only):
-        raise bad("echo", "with stream is supported without logprobs and with max_tokens of at least 1")
     # left out: OpenAI's 16; sent as null: the rest of the context, as vLLM reads it (the model's default if any)
     null_max = "max_tokens" in body and body.get("max_tokens") is None
     default_max = (defaults or {}).get("max_tokens",

@@ -39,6 +39,7 @@ class ChoiceUpdate(NamedTuple):
     num_tokens: int
     stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM's field)
     token_ids: list[int] | None = None  # the tokens generated since the previous update (return_token_ids)
+    prompt_logprobs: list | None = None  # on a choice's first update, if asked for: its prompt's logprob rows
 
 
 class _ChoiceState:
@@ -92,10 +93,11 @@ async def run(engine, prompts: list[Prompt], base_id: str):
 
 async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logprobs: bool,
                          text_of: Callable | None = None, cached: dict[int, int] | None = None,
-                         want_token_ids: bool = False):
+                         want_token_ids: bool = False, want_prompt_logprobs: bool = False):
     """Updates per choice, a list for each engine output (one per choice it changed): ChoiceUpdate
     with the text delta (stop strings and partial characters held back), the logprob rows whose
-    text is now sent, the finish reason once it ends, and (want_token_ids) the tokens new since the last update.
+    text is now sent, the finish reason once it ends, (want_token_ids) the tokens new since the last update and
+    (want_prompt_logprobs) on its first update, the prompt's logprob rows.
     text_of((prompt index, choice index), output): the choice's text (default: output.text).
     cached: filled with each prompt's tokens taken from the prefix cache (RequestOutput.num_cached_tokens)."""
     states: dict[tuple[int, int], _ChoiceState] = {}
@@ -107,7 +109,8 @@ async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logpr
             updates = []
             for c in out.outputs:
                 st = states.get((pi, c.index))
-                if st is None:
+                first = st is None
+                if first:
                     st = states[(pi, c.index)] = _ChoiceState(prompts[pi].params.stop)
                 if st.done:
                     continue
@@ -125,7 +128,8 @@ async def choice_updates(engine, prompts: list[Prompt], base_id: str, want_logpr
                     new_ids, st.tokens_sent = c.token_ids[st.tokens_sent:], len(c.token_ids)
                 update = ChoiceUpdate(pi, c.index, delta, rows, st.text_len,
                                       c.finish_reason if finished else None, len(c.token_ids),
-                                      c.stop_reason if finished else None, new_ids)
+                                      c.stop_reason if finished else None, new_ids,
+                                      out.prompt_logprobs if first and want_prompt_logprobs else None)
                 st.text_len += len(delta)
                 st.done = finished
                 updates.append(update)
@@ -231,26 +235,44 @@ class CompletionFormat(ResponseFormat):
         super().__init__(n, logprobs, token_str)
         self.echo, self.echo_only, self.decode = echo, echo_only, decode
 
+    @property
+    def echo_with_first_update(self) -> bool:
+        """echo, streamed, with logprobs or max_tokens 0: each choice's prompt opens its first update's chunk
+        (its logprobs are known once the prompt has run), as vLLM streams it; otherwise it opens the stream."""
+        return self.echo and (self.k is not None or self.echo_only)
+
     def opening(self, prompts):
         """echo, streamed: each choice starts with its prompt's text (vLLM's order: prompt by prompt, n each)."""
         if not self.echo:
             return []
-        texts = [p.text if p.text is not None else self.decode(p.ids) for p in prompts]
+        self._prompts = prompts
+        self._echoed: set[int] = set()
+        if self.echo_with_first_update:
+            return []
+        texts = [self.prompt_text(p) for p in prompts]
         return [[self.choice(pi * self.n + j, text, None, None)]
                 for pi, text in enumerate(texts) for j in range(self.n)]
+
+    def prompt_text(self, prompt: "Prompt") -> str:
+        return prompt.text if prompt.text is not None else self.decode(prompt.ids)
+
+    def prompt_lp(self, prompt: "Prompt", rows: list) -> dict:
+        """The logprobs of an echoed prompt: its first token has none (null), as in the OpenAI API."""
+        lp = self.logprobs([d or {} for d in rows], prompt.ids, 0)
+        if prompt.ids:
+            lp["token_logprobs"][0] = lp["top_logprobs"][0] = None
+        return lp
 
     def echoed(self, prompt: "Prompt", out, c) -> tuple[str, dict | None, int]:
         """echo: (text, logprobs, completion tokens) of a choice with the prompt before it; the prompt's
         first token has no logprob (null), as in the OpenAI API. echo_only drops the one token run."""
-        text = prompt.text if prompt.text is not None else self.decode(prompt.ids)
+        text = self.prompt_text(prompt)
         completion = [] if self.echo_only else c.token_ids
         if not self.echo_only:
             text += c.text
         if self.k is None:
             return text, None, len(completion)
-        plp = out.prompt_logprobs
-        lp = self.logprobs([d or {} for d in plp], prompt.ids, 0)
-        lp["token_logprobs"][0] = lp["top_logprobs"][0] = None
+        lp = self.prompt_lp(prompt, out.prompt_logprobs)
         if completion and c.logprobs is not None:
             offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if prompt.ids else 0
             more = self.logprobs(c.logprobs, completion, offset)
@@ -281,9 +303,32 @@ class CompletionFormat(ResponseFormat):
         return self.choice(index, "", None, None)
 
     def deltas(self, u, index, lp):
-        if u.delta or u.finish_reason is not None or lp is not None:
-            return [[self.choice(index, u.delta, lp, finish_reason(u.finish_reason), u.stop_reason)]]
+        delta = u.delta
+        if self.echo_with_first_update:
+            delta, lp = self._echo_delta(u, index, lp)
+        if delta or u.finish_reason is not None or lp is not None:
+            return [[self.choice(index, delta, lp, finish_reason(u.finish_reason), u.stop_reason)]]
         return []
+
+    def _echo_delta(self, u, index, lp) -> tuple[str, dict | None]:
+        """(text, logprobs) of an update of an echoed choice streamed with its prompt's logprobs: the prompt's
+        (text and logprobs) before the first update's; the generated text's offsets after the prompt's text;
+        with max_tokens 0 the prompt alone (the one token run is dropped)."""
+        prompt = self._prompts[u.prompt_index]
+        shift = len(self.prompt_text(prompt))
+        if self.echo_only:
+            delta, lp = "", None
+        else:
+            delta = u.delta
+            if lp is not None:
+                lp = {**lp, "text_offset": [o + shift for o in lp["text_offset"]]}
+        if index in self._echoed:
+            return delta, lp
+        self._echoed.add(index)
+        head = self.prompt_lp(prompt, u.prompt_logprobs) if self.k is not None else None
+        if head is not None and lp is not None:
+            head = {key: head[key] + lp[key] for key in head}
+        return self.prompt_text(prompt) + delta, head if head is not None else lp
 
 
 class ChatFormat(ResponseFormat):
@@ -554,7 +599,9 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
             body["usage"] = usage_
         return sse({**body, **(top or {})})
 
-    updates = choice_updates(engine, prompts, engine_id, fmt.k is not None, fmt.text, cached, token_ids)
+    echo_first = isinstance(fmt, CompletionFormat) and fmt.echo_with_first_update
+    updates = choice_updates(engine, prompts, engine_id, fmt.k is not None and not (echo_first and fmt.echo_only),
+                             fmt.text, cached, token_ids, want_prompt_logprobs=echo_first and fmt.k is not None)
     chat = isinstance(fmt, ChatFormat)
     prompt_ids_sent: set[int] = set()  # (choices whose prompt_token_ids went out; chat: -1, the response's)
 
@@ -597,9 +644,10 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
             async for batch in updates:
                 for u in batch:
                     lp = fmt.logprobs(*u.logprobs, u.text_offset) if u.logprobs else None
+                    tokens = 0 if echo_first and fmt.echo_only else u.num_tokens  # (max_tokens 0: its token dropped)
                     if u.finish_reason is not None:
-                        completion_tokens += u.num_tokens
-                    generated[u.prompt_index, u.index] = u.num_tokens
+                        completion_tokens += tokens
+                    generated[u.prompt_index, u.index] = tokens
                     index = u.prompt_index * n + u.index
                     for choices, top in with_token_ids(u, index, fmt.deltas(u, index, lp)):
                         parts.append(chunk(choices, top=top))
