@@ -504,7 +504,8 @@ class Handlers:
                 "token_strs": [self.token_str(t) for t in ids] if with_strs else None}
 
     async def detokenize(self, body: dict) -> dict:
-        """/detokenize: {"tokens": [ids]} -> {"prompt": their text}."""
+        """/detokenize: {"tokens": [ids]} -> {"prompt": their text}, special tokens kept (as vLLM's: /tokenize's
+        ids of a rendered chat come back as the text rendered)."""
         self.check_model(body)
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -516,4 +517,4 @@ class Handlers:
                                 + (f" (ids 0 .. {vocab - 1})" if vocab is not None else ""))
         if self.tokenizer is None:
             raise bad("tokens", "this model has no tokenizer")
-        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, ids)}
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, ids, False)}
