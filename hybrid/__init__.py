@@ -17,11 +17,15 @@ _EXPORTS = {
     "BeamSearchParams": "hybrid.beam_search",
     "RequestOutput": "hybrid.outputs",
     "CompletionOutput": "hybrid.outputs",
+    "RequestOutputKind": "hybrid.sampling",
+    "TextPrompt": "hybrid.inputs",
+    "TokensPrompt": "hybrid.inputs",
     **{name: "hybrid.errors" for name in ("HybridError", "CheckpointError", "InvalidRequestError",
                                           "ConfigurationError", "CapacityError", "RequestFailedError")},
 }
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "HybridError",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+           "RequestOutputKind", "TextPrompt", "TokensPrompt", "HybridError",
            "CheckpointError", "InvalidRequestError", "ConfigurationError", "CapacityError", "RequestFailedError"]
 __version__ = "0.1.0"
 
@@ -31,8 +35,9 @@ if TYPE_CHECKING:
     )
     from hybrid.beam_search import BeamSearchParams
     from hybrid.llm import LLM
+    from hybrid.inputs import TextPrompt, TokensPrompt
     from hybrid.outputs import CompletionOutput, RequestOutput
-    from hybrid.sampling import SamplingParams
+    from hybrid.sampling import RequestOutputKind, SamplingParams
     from hybrid.structured_outputs import StructuredOutputsParams
 
 

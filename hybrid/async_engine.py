@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from hybrid.errors import EngineDeadError, HybridError, RequestFailedError
+from hybrid.output_processor import TextDeltas  # noqa: F401 (its home was here: the server imports it from here)
 from hybrid.outputs import RequestOutput
 from hybrid.request import check_cache_salt
 from hybrid.sampling import SamplingParams
@@ -37,49 +38,6 @@ __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedErr
 
 class QueueFullError(HybridError):
     """Too many requests are already queued."""
-
-
-def _held_back(text: str, stops: list[str] | None) -> int:
-    """How many trailing characters of `text` may still turn into (part of) a stop string or a
-    complete character, and so must not be sent yet."""
-    hold = 0
-    if text.endswith("\ufffd"):
-        hold = len(text) - len(text.rstrip("\ufffd"))
-    if stops:
-        for s in stops:
-            # longest proper prefix of s that is a suffix of text
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-    return hold
-
-
-class TextDeltas:
-    """Incremental text of one sequence from successive full decoded texts. `include_stops`
-    (SamplingParams.include_stop_str_in_output): the engine cuts the text right after a stop string,
-    never before text it has shown, so nothing needs holding back for stop strings; without it (the
-    default, always safe) their possible beginnings wait until resolved, and the last delta brings
-    whatever the final text has, a kept stop string included."""
-
-    def __init__(self, stops: list[str] | None, include_stops: bool = False) -> None:
-        self.stops = [] if include_stops else list(stops or [])
-        self.sent = ""
-        self.num_tokens_sent = 0
-
-    def update(self, text: str, finished: bool) -> str:
-        if finished:
-            safe = text
-        else:
-            safe = text[: len(text) - _held_back(text, self.stops)]
-        if not safe.startswith(self.sent):
-            # The decoder changed earlier characters (not prefix-stable); never resend text.
-            if finished:
-                logger.debug("final text does not extend the streamed text")
-            return ""
-        delta = safe[len(self.sent):]
-        self.sent = safe
-        return delta
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

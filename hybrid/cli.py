@@ -87,6 +87,8 @@ def _add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
     p.add_argument("--revision", default=None,
                    help="the revision of a hub repo id in the local cache (as MODEL@REVISION)")
+    p.add_argument("--download-dir", default=None,
+                   help="a Hugging Face hub cache to find a repo id's snapshot in (before the default cache)")
     # (these five are checked by hybrid.llm.vllm_engine_settings, as LLM's keywords of the same names)
     p.add_argument("--load-format", default="auto", help="auto or safetensors")
     p.add_argument("--tokenizer-mode", default="auto", help="auto, hf or slow")
@@ -108,7 +110,7 @@ def _add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
     for flag in ("--max-seq-len-to-capture", "--distributed-executor-backend", "--max-parallel-loading-workers",
                  "--prefix-caching-hash-algo", "--long-prefill-token-threshold", "--max-num-partial-prefills",
                  "--max-long-partial-prefills", "--model-impl", "--limit-mm-per-prompt", "--mm-processor-kwargs",
-                 "--allowed-local-media-path", "--max-logprobs", "--download-dir"):
+                 "--allowed-local-media-path", "--max-logprobs"):
         noop.add_argument(flag, default=None, help="no effect")
     for flag in ("--calculate-kv-scales", "--disable-cascade-attn", "--enable-expert-parallel",
                  "--disable-custom-all-reduce", "--disable-sliding-window"):
@@ -198,7 +200,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kw["model"], sizes = vllm_engine_settings(
         args.model, args.cuda_graph_sizes, revision=args.revision, compilation_config=args.compilation_config,
         load_format=args.load_format, tokenizer_mode=args.tokenizer_mode, cpu_offload_gb=args.cpu_offload_gb,
-        hf_overrides=args.hf_overrides, enable_lora=args.enable_lora)
+        hf_overrides=args.hf_overrides, enable_lora=args.enable_lora, download_dir=args.download_dir)
     if sizes is not None:
         kw["cuda_graph_sizes"] = sizes
     for flag in ("tokenizer", "swap_space", "enable_chunked_prefill"):

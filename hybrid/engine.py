@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Iterable
 
 import torch
 
@@ -32,6 +33,7 @@ from attention.kv_cache import PagedKVCache
 from hybrid.batch import StepBatch
 from hybrid.engine_config import EngineConfig
 from hybrid.errors import EngineDeadError, InvalidRequestError, is_fatal_device_error
+from hybrid.inputs import prompt_ids
 from hybrid.launcher import LaunchedStep, StepLauncher
 from hybrid.logits_processing import bad_words_token_ids
 from hybrid.output_processor import OUTPUT_KINDS, OutputProcessor
@@ -40,7 +42,7 @@ from hybrid.prefix_cache import PrefixCache
 from hybrid.request import (Request, ScheduledChunk, Sequence, Status, check_cache_salt, make_generator,
                             truncate_prompt, validate_params, validate_prompt)
 from hybrid.resources import ResourceManager
-from hybrid.sampling import SamplingParams
+from hybrid.sampling import ENGINE_OUTPUT_KIND, SamplingParams
 from hybrid.scheduler import Scheduler, SchedulerOutput
 from hybrid.spec_decode import NgramProposer, verify_drafts
 from hybrid.step_sanitizer import StepSanitizer
@@ -213,18 +215,27 @@ class Engine:
             self.grammars.matchers(params.structured_outputs, 0)  # compiles (and caches) the grammar, or raises
         return list(prompt_token_ids), bad_words
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | str | dict, params: SamplingParams,
                     prompt: str | None = None, output_kind: str = "cumulative", priority: int = 0,
                     cache_salt: str | None = None) -> None:
-        """Queue a request. `priority` (scheduling_policy "priority" only): lower values run first and are
-        preempted last; ties go by arrival. `cache_salt` (vLLM's): the request shares cached prefixes only
-        with requests of the same salt (hybrid/prefix_cache.py)."""
+        """Queue a request. The prompt: token ids, or as vLLM's LLMEngine.add_request takes it, a string or a
+        TextPrompt / TokensPrompt dict (hybrid.inputs; a dict's "cache_salt" too). `priority`
+        (scheduling_policy "priority" only): lower values run first and are preempted last; ties go by arrival.
+        `cache_salt` (vLLM's): the request shares cached prefixes only with requests of the same salt
+        (hybrid/prefix_cache.py)."""
         self._check_alive()
+        if isinstance(prompt_token_ids, (str, dict)):
+            if isinstance(prompt_token_ids, dict) and cache_salt is None:
+                cache_salt = prompt_token_ids.get("cache_salt")
+            text, prompt_token_ids = prompt_ids(prompt_token_ids, self.tokenizer)
+            prompt = prompt if prompt is not None else text
         check_cache_salt(cache_salt)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+        if output_kind == "cumulative" and isinstance(params, SamplingParams):  # (the default: the params' own)
+            output_kind = ENGINE_OUTPUT_KIND[params.output_kind]
         self.check_priority(priority)
         prompt_token_ids, bad_words = self._checked(prompt_token_ids, params)
         # structured outputs: a matcher per branch, all in the grammar's initial state (a fork happens
@@ -252,7 +263,19 @@ class Engine:
             raise InvalidRequestError(f"priority {priority} needs scheduling_policy='priority' "
                                       "(--scheduling-policy priority); this engine schedules first come, first served")
 
-    def abort_request(self, request_id: str) -> None:
+    def get_tokenizer(self):
+        """The checkpoint's tokenizer (None without tokenizer.json), as vLLM's LLMEngine.get_tokenizer()."""
+        return self.tokenizer
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(not req.finished for req in self.requests.values())
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort a request, or each of several (vLLM's LLMEngine takes a list); unknown ids are ignored."""
+        if not isinstance(request_id, str):
+            for rid in list(request_id):
+                self.abort_request(rid)
+            return
         req = self.requests.get(request_id)
         if req is None:
             return

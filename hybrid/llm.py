@@ -24,8 +24,9 @@ from hybrid.errors import CapacityError, ConfigurationError, InvalidRequestError
 from hybrid.kv_cache_dtype import kv_cache_dtype_note
 from hybrid.loader import load_model
 from hybrid.model import ForwardContext, use_fused_ops
-from hybrid.model_source import DEFAULT_MODEL_DIR, resolve_model
+from hybrid.model_source import DEFAULT_MODEL_DIR, cached_snapshot, parse_repo_id, resolve_model
 from hybrid.outputs import Logprob, RequestOutput
+from hybrid.inputs import prompt_ids
 from hybrid.request import check_cache_salt
 from hybrid.sampling import SamplingParams, generation_defaults, generation_overrides
 from state_pool.pool import MambaStatePool, StateShapes
@@ -34,7 +35,6 @@ from state_pool.util import cdiv
 logger = logging.getLogger("hybrid")
 
 # vLLM prompt-dict keys of inputs this runtime has no use for: accepted when None or empty
-_EMPTY_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"})
 
 __all__ = ["LLM", "DEFAULT_MODEL_DIR", "EngineConfig", "engine_config", "resolve_device", "EngineSizes",
            "default_sizes", "smaller_sizes", "fit_max_model_len", "plan_cuda_sizes", "CPU_MAX_NUM_SEQS",
@@ -70,13 +70,20 @@ def _no_lora(lora_request) -> None:
 
 
 def vllm_engine_settings(model, cuda_graph_sizes, *, revision=None, compilation_config=None, load_format="auto",
-                         tokenizer_mode="auto", cpu_offload_gb=0, hf_overrides=None, enable_lora=False) -> tuple:
+                         tokenizer_mode="auto", cpu_offload_gb=0, hf_overrides=None, enable_lora=False,
+                         download_dir=None, task="auto", runner="auto", pipeline_parallel_size=1,
+                         kv_cache_memory_bytes=None) -> tuple:
     """vLLM's engine settings that code and commands written for vLLM pass (LLM's keywords, the CLI's flags):
-    (model, cuda_graph_sizes) with those that have an effect here folded in (a hub repo id's revision, the
-    compilation config's capture sizes); ConfigurationError for a value this runtime cannot honour, instead of
-    running without it."""
+    (model, cuda_graph_sizes) with those that have an effect here folded in (a hub repo id's revision, its
+    snapshot in `download_dir` (a hub cache), the compilation config's capture sizes); ConfigurationError for a
+    value this runtime cannot honour, instead of running without it."""
     if revision is not None and model is not None and "@" not in str(model) and not os.path.isdir(str(model)):
         model = f"{model}@{revision}"  # (resolve_model reads a hub repo id's revision so)
+    if download_dir is not None and model is not None and not os.path.isdir(str(model)):
+        parsed = parse_repo_id(str(model))
+        snapshot = cached_snapshot(*parsed, cache_dir=str(download_dir)) if parsed is not None else None
+        if snapshot is not None:  # (otherwise resolve_model looks in the default cache, and says where it looked)
+            model = snapshot
     if compilation_config is not None and not isinstance(compilation_config, (dict, int)):
         raise ConfigurationError(f"compilation_config must be a dict (or a level), got {compilation_config!r}")
     if isinstance(compilation_config, dict) and cuda_graph_sizes is None:
@@ -86,7 +93,13 @@ def vllm_engine_settings(model, cuda_graph_sizes, *, revision=None, compilation_
             ("tokenizer_mode", tokenizer_mode, ("auto", "hf", "slow"), "tokenizer.json is read with tokenizers"),
             ("cpu_offload_gb", cpu_offload_gb, (0,), "weights stay on the device"),
             ("hf_overrides", hf_overrides or None, (None,), "config.json is read as it is"),
-            ("enable_lora", enable_lora, (False,), "LoRA adapters are not supported")):
+            ("enable_lora", enable_lora, (False,), "LoRA adapters are not supported"),
+            ("task", task, ("auto", "generate"), "these models generate text (no pooling or embedding task)"),
+            ("runner", runner, ("auto", "generate"), "these models generate text (no pooling runner)"),
+            ("pipeline_parallel_size", pipeline_parallel_size, (1,),
+             "pipeline parallelism is not implemented (tensor_parallel_size shards the model)"),
+            ("kv_cache_memory_bytes", kv_cache_memory_bytes, (None,),
+             "size the KV cache with gpu_memory_utilization (or num_kv_pages)")):
         if value not in allowed:
             raise ConfigurationError(f"{name}={value!r} is not supported: {why}")
     return model, cuda_graph_sizes
@@ -158,6 +171,13 @@ class LLM:
         enable_lora: bool = False,  # False only: no LoRA adapters
         disable_custom_all_reduce: bool = False,  # no effect
         max_seq_len_to_capture: int | None = None,  # no effect: graphs are captured per context width
+        download_dir: str | None = None,  # a hub cache to find a repo id's snapshot in (before the default one)
+        task: str = "auto",  # "auto" / "generate" only
+        runner: str = "auto",  # "auto" / "generate" only
+        pipeline_parallel_size: int = 1,  # 1 only
+        distributed_executor_backend: str | None = None,  # no effect: tensor-parallel workers are processes
+        limit_mm_per_prompt: dict | None = None,  # no effect: text-only models
+        kv_cache_memory_bytes: int | None = None,  # None only: gpu_memory_utilization sizes the KV cache
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
         # engine_config takes the same keywords: the one place they are checked and resolved.
@@ -170,7 +190,8 @@ class LLM:
         model, cuda_graph_sizes = vllm_engine_settings(
             model, cuda_graph_sizes, revision=revision, compilation_config=compilation_config, load_format=load_format,
             tokenizer_mode=tokenizer_mode, cpu_offload_gb=cpu_offload_gb, hf_overrides=hf_overrides,
-            enable_lora=enable_lora)
+            enable_lora=enable_lora, download_dir=download_dir, task=task, runner=runner,
+            pipeline_parallel_size=pipeline_parallel_size, kv_cache_memory_bytes=kv_cache_memory_bytes)
         overrides = {} if override_generation_config is None else generation_overrides(override_generation_config)
         self._start(engine_config(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, page_size=page_size, seed=seed,
@@ -372,30 +393,7 @@ class LLM:
                          cuda_graph_sizes=c.cuda_graph_sizes)
 
     def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):  # vLLM's TextPrompt {"prompt": text} / TokensPrompt {"prompt_token_ids": ids}
-            # (vLLM's other keys are accepted when empty: code built for several model kinds sends them as None)
-            unknown = sorted(k for k in set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
-                             if not (k in _EMPTY_PROMPT_KEYS and not prompt[k]))
-            if unknown:
-                raise InvalidRequestError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids'; "
-                                          f"{', '.join(map(repr, unknown))} is not supported")
-            if prompt.get("prompt_token_ids") is not None:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)):
-                    raise InvalidRequestError("prompt_token_ids must be a list of token ids")
-                return prompt.get("prompt"), list(ids)
-            if not isinstance(prompt.get("prompt"), str):
-                raise InvalidRequestError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this checkpoint has no tokenizer.json: pass token ids, not text")
-            if prompt == "":
-                raise InvalidRequestError("empty prompt: at least one token is needed")
-            return prompt, self.tokenizer.encode(prompt)  # InvalidRequestError for a lone surrogate
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return prompt_ids(prompt, self.tokenizer)
 
     @staticmethod
     def _prompt_list(prompts) -> list:
@@ -477,7 +475,7 @@ class LLM:
         order = []
         try:
             for text, ids, params, priority, salt in prepared:
-                rid = f"gen-{next(self._ids)}"
+                rid = str(next(self._ids))  # ("0", "1", ...: vLLM's LLM numbers its requests so)
                 self.engine.add_request(rid, ids, params, prompt=text, output_kind="final", priority=priority,
                                         cache_salt=salt)
                 order.append(rid)
@@ -533,11 +531,16 @@ class LLM:
                             text = texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
                         lp.decoded_token = text
 
-    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """Beam search (vLLM's LLM.beam_search; hybrid/beam_search.py): one BeamSearchOutput per prompt (a
         string, token ids or a {"prompt"} / {"prompt_token_ids"} dict), its beam_width best sequences first;
         each sequence's `tokens` and `text` hold the prompt and what follows it. Every step runs the live beams
-        through generate: with enable_prefix_caching=True each beam's sequence so far comes from the cache."""
+        through generate: with enable_prefix_caching=True each beam's sequence so far comes from the cache.
+        (use_tqdm and concurrency_limit, vLLM's, change nothing: every prompt's beams share each step.)"""
+        _no_lora(lora_request)
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise InvalidRequestError(f"concurrency_limit must be an integer >= 1, got {concurrency_limit!r}")
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError("beam_search takes a BeamSearchParams (from hybrid.beam_search)")
         prompts = self._prompt_list(prompts)
@@ -612,6 +615,12 @@ class LLM:
         apply_chat_template, eos_token_ids), or None if the checkpoint has no tokenizer.json."""
         return self.tokenizer
 
+    @property
+    def llm_engine(self) -> Engine:
+        """The engine (vLLM's name for it): add_request (token ids, a string or a prompt dict), step,
+        has_unfinished_requests, abort_request, get_tokenizer, as code driving vLLM's LLMEngine calls them."""
+        return self.engine
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -623,6 +632,8 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         lora_request=None,
+        chat_template_content_format: str = "auto",
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
         of conversations, as vLLM's LLM.chat: each is rendered with the checkpoint's chat template
@@ -634,8 +645,15 @@ class LLM:
         conversation's last message (an assistant message started by the caller) instead of
         starting a new turn; chat_template_kwargs are more template variables (enable_thinking=...);
         tools (OpenAI's [{"type": "function", "function": {...}}]) are rendered by the template, as
-        vLLM's LLM.chat does (the calls the model writes are in the output text)."""
+        vLLM's LLM.chat does (the calls the model writes are in the output text). vLLM's
+        chat_template_content_format: "auto" / "string" (a content list's text parts reach the template joined
+        as one string, hybrid.chat_template); mm_processor_kwargs: None / {} (text-only models)."""
         _no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string"):
+            raise InvalidRequestError(f"chat_template_content_format={chat_template_content_format!r} is not "
+                                      "supported: content reaches the template as a string ('auto' or 'string')")
+        if mm_processor_kwargs:
+            raise InvalidRequestError("mm_processor_kwargs: these models take text only")
         if self.tokenizer is None:
             raise InvalidRequestError("this checkpoint has no tokenizer.json, so it cannot chat")
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(c, (list, tuple)) for c in messages):

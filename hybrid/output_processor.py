@@ -6,6 +6,7 @@ job (Scheduler.finish), done by the engine with the decision returned here.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Iterable
 
 from hybrid.outputs import CompletionOutput, RequestOutput
@@ -14,13 +15,61 @@ from hybrid.request import Request, ScheduledChunk, Sequence
 if TYPE_CHECKING:
     from hybrid.launcher import StepResult
 
+logger = logging.getLogger(__name__)
+
+
+def _held_back(text: str, stops: list[str] | None) -> int:
+    """How many trailing characters of `text` may still turn into (part of) a stop string or a
+    complete character, and so must not be sent yet."""
+    hold = 0
+    if text.endswith("\ufffd"):
+        hold = len(text) - len(text.rstrip("\ufffd"))
+    if stops:
+        for s in stops:
+            # longest proper prefix of s that is a suffix of text
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+    return hold
+
+
+class TextDeltas:
+    """Incremental text of one sequence from successive full decoded texts. `include_stops`
+    (SamplingParams.include_stop_str_in_output): the engine cuts the text right after a stop string,
+    never before text it has shown, so nothing needs holding back for stop strings; without it (the
+    default, always safe) their possible beginnings wait until resolved, and the last delta brings
+    whatever the final text has, a kept stop string included."""
+
+    def __init__(self, stops: list[str] | None, include_stops: bool = False) -> None:
+        self.stops = [] if include_stops else list(stops or [])
+        self.sent = ""
+        self.num_tokens_sent = 0
+
+    def update(self, text: str, finished: bool) -> str:
+        if finished:
+            safe = text
+        else:
+            safe = text[: len(text) - _held_back(text, self.stops)]
+        if not safe.startswith(self.sent):
+            # The decoder changed earlier characters (not prefix-stable); never resend text.
+            if finished:
+                logger.debug("final text does not extend the streamed text")
+            return ""
+        delta = safe[len(self.sent):]
+        self.sent = safe
+        return delta
+
+
 # What Engine.step() returns for a request (Engine.add_request(output_kind=...)):
 # - "cumulative": after every step that changed it, everything so far (copies grow with the output);
 # - "delta": after every step that changed it, the new tokens and their logprobs (text stays the
 #   whole text so far: stop-string handling may still shorten it, and a str costs nothing to pass);
 # - "final": one output, when it finishes. LLM.generate uses "final", the server "delta": their
-#   per-step host time does not grow with the length of what was generated.
-OUTPUT_KINDS = ("cumulative", "delta", "final")
+#   per-step host time does not grow with the length of what was generated;
+# - "text_delta": vLLM's RequestOutputKind.DELTA (SamplingParams.output_kind): "delta" with the text new since
+#   the last output too (the possible beginnings of a stop string and partial characters held back).
+OUTPUT_KINDS = ("cumulative", "delta", "final", "text_delta")
 
 # (finish_reason, stop_reason): how a token ended its sequence
 Stop = tuple[str, "int | str | None"]
@@ -107,12 +156,17 @@ class OutputProcessor:
     def request_output(req: Request) -> RequestOutput:
         """The request's output now; "delta" outputs carry only the tokens (and their logprobs) that
         no earlier output carried, and mark them as sent."""
-        delta = req.output_kind == "delta"
+        delta = req.output_kind in ("delta", "text_delta")
         outputs = []
         for s in req.seqs:
             start = s.num_sent if delta else 0
+            text = s.text
+            if req.output_kind == "text_delta":
+                if s.text_deltas is None:
+                    s.text_deltas = TextDeltas(s.params.stop, s.params.include_stop_str_in_output)
+                text = s.text_deltas.update(s.text, s.finish_reason is not None)
             outputs.append(CompletionOutput(
-                index=s.index, text=s.text, token_ids=s.output_token_ids[start:],
+                index=s.index, text=text, token_ids=s.output_token_ids[start:],
                 finish_reason=s.finish_reason,
                 logprobs=s.logprobs[start:] if s.logprobs is not None else None,
                 stop_reason=s.stop_reason,

@@ -34,9 +34,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    lora_request: None = None  # (vLLM's field: no adapters here)
 
-    @property
     def finished(self) -> bool:
+        """Whether this completion has ended (a method, as vLLM's)."""
         return self.finish_reason is not None
 
     @property
@@ -63,3 +64,11 @@ class RequestOutput:
     # prompt tokens whose KV and state came from the prefix cache (vLLM's field; 0 without a hit or before
     # the prompt is admitted)
     num_cached_tokens: int = 0
+    # vLLM's fields that have nothing to say here (no encoder, adapters, images or KV transfer; the request's
+    # timings are the server's /metrics), present so that code reading them finds what vLLM gives it
+    metrics: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    lora_request: None = None
+    multi_modal_placeholders: dict = field(default_factory=dict)
+    kv_transfer_params: None = None

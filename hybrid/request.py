@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,6 +54,7 @@ class Sequence:
     detok_prefix: int = 0  # incremental detokenization: output tokens decoded as context ...
     detok_read: int = 0  # ... and the ones whose text is already in `text`
     stop_search_from: int = 0  # stop strings are looked for in text from here on (after min_tokens tokens)
+    text_deltas: Any = None  # the text sent so far ("text_delta" outputs: output_processor.TextDeltas)
     num_preemptions: int = 0
     # prompt tokens taken from the prefix cache when first admitted (None until then; a readmission after a
     # preemption does not change it)

@@ -32,6 +32,7 @@ does not depend on C or on the path. Rows without top-k/top-p/min-p draw over th
 from __future__ import annotations
 
 import copy
+import enum
 import logging
 import math
 import os
@@ -66,6 +67,21 @@ FIXED_ONE = 1 << 52
 # SamplingParams(max_tokens=None): the output runs until the context is full, which every bound on it reaches first
 UNBOUNDED_MAX_TOKENS = 2**62
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what each output of a request driven step by step (Engine.add_request) carries. CUMULATIVE:
+    everything so far; DELTA: the tokens, logprobs and text new since the last output; FINAL_ONLY: one output,
+    when it ends. LLM.generate returns finished requests whatever it says, as vLLM's does."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+# the engine's output kinds (hybrid.output_processor.OUTPUT_KINDS) of vLLM's
+ENGINE_OUTPUT_KIND = {RequestOutputKind.CUMULATIVE: "cumulative", RequestOutputKind.DELTA: "text_delta",
+                      RequestOutputKind.FINAL_ONLY: "final"}
+
 
 @dataclass
 class SamplingParams:
@@ -106,6 +122,8 @@ class SamplingParams:
     # one token must still be generated)
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True  # False (vLLM's): token ids only, no text is made (and no stop strings)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # (vLLM's; see RequestOutputKind)
+    extra_args: dict | None = None  # (vLLM's: arguments for custom extensions; kept, not read here)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,6 +131,11 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's SamplingParams.clone), to change without touching this one."""
         return copy.deepcopy(self)
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's constructor that takes None for "the default" on every field (as OpenAI requests send them)."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     def validate(self) -> None:
         def bad(field_name: str, why: str) -> InvalidRequestError:
@@ -188,6 +211,13 @@ class SamplingParams:
                      "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)") from None
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "must be a dict")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in self.allowed_token_ids):

@@ -2,8 +2,8 @@
 
 Besides its own methods it has the part of Hugging Face's PreTrainedTokenizer surface that vLLM
 users write against (LLM.get_tokenizer() returns it): eos_token_id, len(), tokenizer(text),
-convert_ids_to_tokens, batch_decode, apply_chat_template(tokenize=True) ...; names and defaults
-are transformers' unless a docstring says otherwise."""
+convert_ids_to_tokens, batch_decode, tokenize, apply_chat_template(tokenize=True),
+return_tensors="pt" ...; names and defaults are transformers' unless a docstring says otherwise."""
 from __future__ import annotations
 
 import functools
@@ -49,6 +49,40 @@ class BatchEncoding(dict):
             raise AttributeError(name) from None
 
 
+# transformers' model_max_length when tokenizer_config.json sets none (tokenization_utils_base.VERY_LARGE_INTEGER)
+VERY_LARGE_INTEGER = int(1e30)
+# the return_tensors values served: torch's and numpy's (transformers also has "mlx"; TF / JAX are gone from it)
+_TENSOR_TYPES = ("pt", "np")
+
+
+def _check_return_tensors(return_tensors) -> str | None:
+    """return_tensors as "pt" / "np" / None (transformers' TensorType enum members are str, so they pass);
+    ValueError for anything else, before any work is done."""
+    if return_tensors is None:
+        return None
+    if return_tensors not in _TENSOR_TYPES:
+        raise ValueError(f"return_tensors={return_tensors!r} is not supported: use 'pt' (torch), 'np' (numpy) "
+                         "or None (lists)")
+    return "pt" if return_tensors == "pt" else "np"
+
+
+def _as_tensor(rows: list[list[int]], return_tensors: str, key: str = "input_ids"):
+    """A [len(rows), n] int64 tensor of `rows`; ValueError, as transformers' "pt" without padding, if they
+    differ in length (for "np" too, where transformers would make a ragged object array)."""
+    width = len(rows[0]) if rows else 0
+    if any(len(r) != width for r in rows):
+        raise ValueError(f"Unable to create tensor: the texts' `{key}` differ in length "
+                         f"({sorted({len(r) for r in rows})}) and this tokenizer does not pad; "
+                         "pass texts of one length, or return_tensors=None for lists")
+    if return_tensors == "pt":
+        import torch
+
+        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), width)
+    import numpy as np
+
+    return np.array(rows, dtype=np.int64).reshape(len(rows), width)
+
+
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES), in its order
 SPECIAL_TOKENS_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -92,6 +126,15 @@ class Tokenizer:
             raise CheckpointError(f"{path} is not a valid tokenizer file: {e}") from None
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
         self.config: dict = read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+        # HF's name_or_path: the directory as given; its model_max_length / padding_side / truncation_side
+        self.name_or_path: str = os.fspath(model_dir)
+        max_len = self.config.get("model_max_length")
+        if isinstance(max_len, float) and max_len.is_integer():
+            max_len = int(max_len)  # 1e+30 as some older files write it
+        self.model_max_length: int = max_len if isinstance(max_len, int) and not isinstance(max_len, bool) \
+            else VERY_LARGE_INTEGER
+        self.padding_side: str = self._side(cfg_path, "padding_side")
+        self.truncation_side: str = self._side(cfg_path, "truncation_side")
         self.eos_token_ids: set[int] = set(eos_token_ids)
         eos = self._special(self.config.get("eos_token"), cfg_path, "eos_token")
         if eos is not None:
@@ -114,6 +157,13 @@ class Tokenizer:
         self.unk_token: str | None = self.special_tokens_map.get("unk_token")
         self.pad_token_id: int | None = self.token_to_id(self.pad_token) if self.pad_token else None
         self.unk_token_id: int | None = self.token_to_id(self.unk_token) if self.unk_token else None
+
+    def _side(self, cfg_path: str, key: str) -> str:
+        """tokenizer_config.json's padding_side / truncation_side: "right" (the default) or "left"."""
+        side = self.config.get(key, "right")
+        if side not in ("right", "left"):
+            raise CheckpointError(f"{cfg_path}: '{key}' must be 'right' or 'left', got {side!r}")
+        return side
 
     def _special(self, token, cfg_path: str, key: str) -> int | None:
         if isinstance(token, dict):
@@ -138,6 +188,12 @@ class Tokenizer:
         """Always true, as HF's: with __len__ defined, `if tokenizer:` would otherwise ask len()."""
         return True
 
+    @functools.cached_property
+    def max_token_id(self) -> int:
+        """The largest id, added tokens included (vLLM's tokenizer attribute: len(tokenizer) - 1 for a
+        vocabulary without gaps)."""
+        return max(self.get_vocab().values(), default=-1)
+
     def get_vocab(self) -> dict[str, int]:
         """token -> id, added tokens included (as HF's get_vocab)."""
         return self._tok.get_vocab(with_added_tokens=True)
@@ -156,20 +212,35 @@ class Tokenizer:
     def all_special_ids(self) -> list[int]:
         return [i for i in self.convert_tokens_to_ids(self.all_special_tokens) if i is not None]
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`. InvalidRequestError for a non-str or for text that is not valid Unicode
-        (a lone UTF-16 surrogate, e.g. from JSON "\\ud800"), which `tokenizers` refuses with a bare TypeError."""
+    def encode(self, text: str, add_special_tokens: bool = True, *, return_tensors: str | None = None) -> Any:
+        """Token ids of `text` (a list; with return_tensors="pt" / "np" a [1, n] tensor, as HF's).
+        InvalidRequestError for a non-str or for text that is not valid Unicode (a lone UTF-16
+        surrogate, e.g. from JSON "\\ud800"), which `tokenizers` refuses with a bare TypeError."""
+        return_tensors = _check_return_tensors(return_tensors)
         check_text(text)
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids if return_tensors is None else _as_tensor([ids], return_tensors)
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> BatchEncoding:
+    def tokenize(self, text: str, pair: str | None = None, add_special_tokens: bool = False) -> list[str]:
+        """The token strings of `text` (and `pair`), as HF's tokenize: no special tokens added by default."""
+        check_text(text)
+        if pair is not None:
+            check_text(pair, "pair")
+        return self._tok.encode(text, pair, add_special_tokens=add_special_tokens).tokens
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, *,
+                 return_tensors: str | None = None) -> BatchEncoding:
         """HF's tokenizer(text) / tokenizer([texts]): {"input_ids", "attention_mask"} (all ones: no
-        padding), a list per text for a list of texts."""
-        if isinstance(text, (list, tuple)):
-            ids: list[int] | list[list[int]] = [self.encode(t, add_special_tokens) for t in text]
-            return BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
-        one = self.encode(text, add_special_tokens)
-        return BatchEncoding(input_ids=one, attention_mask=[1] * len(one))
+        padding), a list per text for a list of texts. return_tensors="pt" / "np": [1, n] tensors for
+        one text, [B, n] for B texts (ValueError if their lengths differ: nothing is padded)."""
+        return_tensors = _check_return_tensors(return_tensors)
+        batched = isinstance(text, (list, tuple))
+        rows = [self.encode(t, add_special_tokens) for t in (text if batched else [text])]
+        masks = [[1] * len(r) for r in rows]
+        if return_tensors is not None:
+            return BatchEncoding(input_ids=_as_tensor(rows, return_tensors),
+                                 attention_mask=_as_tensor(masks, return_tensors, "attention_mask"))
+        return BatchEncoding(input_ids=rows if batched else rows[0], attention_mask=masks if batched else masks[0])
 
     def decode(self, ids: int | list[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids` (or of one id). NB skip_special_tokens defaults to True here (HF: False):
@@ -223,12 +294,13 @@ class Tokenizer:
     def apply_chat_template(self, conversation: list[dict] | list[list[dict]], *, tools: list[dict] | None = None,
                             documents: list[dict] | None = None, chat_template: str | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
-                            tokenize: bool = True, return_dict: bool = False,
-                            **kwargs) -> str | list[int] | list[str] | list[list[int]] | BatchEncoding:
+                            tokenize: bool = True, return_dict: bool = False, return_tensors: str | None = None,
+                            **kwargs) -> Any:
         """One conversation (or a list of them) rendered with the checkpoint's chat template (or
         `chat_template`), as transformers' apply_chat_template: by default its token ids (no special
         tokens added: the template writes those it wants), with tokenize=False the text, with
-        return_dict=True (and tokenize) tokenizer()'s {"input_ids", "attention_mask"}.
+        return_dict=True (and tokenize) tokenizer()'s {"input_ids", "attention_mask"}; return_tensors="pt" /
+        "np" (with tokenize) gives a [1, n] tensor for one conversation, [B, n] for B of one length.
         Differences from transformers 5: add_generation_prompt defaults to True (vLLM's chat does so)
         and return_dict to False (transformers 4's default, which vLLM-era code expects).
         continue_final_message: the text stops after the last message's content, to be continued.
@@ -236,6 +308,7 @@ class Tokenizer:
         InvalidRequestError if there is no template or it refuses the messages."""
         from hybrid.chat_template import normalize_messages, render_chat
 
+        return_tensors = _check_return_tensors(return_tensors)
         template = chat_template if chat_template is not None else self.chat_template
         if not template:
             raise InvalidRequestError("this checkpoint has no chat template (tokenizer_config.json has no "
@@ -249,5 +322,5 @@ class Tokenizer:
         rendered: str | list[str] = texts if batched else texts[0]
         if not tokenize:
             return rendered
-        enc = self(rendered, add_special_tokens=False)
+        enc = self(rendered, add_special_tokens=False, return_tensors=return_tensors)
         return enc if return_dict else enc["input_ids"]

@@ -155,3 +155,22 @@ def test_cli_generate_with_a_repo_id(fake_cache, tmp_path):
     assert proc.stdout.startswith("Blessed")
     proc = _cli(["--model", "nobody/nothing", "--prompt", "Blessed", "--device", "cpu"], fake_cache[0])
     assert proc.returncode == 2 and "hf download nobody/nothing" in proc.stderr, proc.stderr
+
+
+def test_download_dir_is_a_cache_to_look_in(fake_cache, monkeypatch, tmp_path):
+    """vLLM's download_dir (LLM keyword, CLI flag): a hub cache where a repo id's snapshot is found before the
+    default cache is asked (which here is empty)."""
+    from hybrid.cli import build_parser, engine_kwargs, normalize_flag_names
+
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache, snap = fake_cache[0], fake_cache[1]
+    llm = LLM(REPO, device="cpu", download_dir=str(cache))
+    assert llm.model_dir == snap
+    with pytest.raises(CheckpointError, match="hf download"):  # not there: the default cache's error
+        LLM(REPO, device="cpu", download_dir=str(tmp_path / "elsewhere"))
+    args = build_parser().parse_args(normalize_flag_names(["generate", "--prompt", "x", "--model", REPO,
+                                                           "--download-dir", str(cache)]))
+    assert engine_kwargs(args)["model"] == snap

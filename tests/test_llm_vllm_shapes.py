@@ -198,3 +198,111 @@ def test_more_vllm_engine_keywords():
                        ({"compilation_config": "fast"}, "compilation_config")):
         with pytest.raises(ConfigurationError, match=wanted):
             LLM(None, max_num_seqs=1, **kw)
+
+
+def test_vllm_engine_loop(llm):
+    """Code that drives vLLM's LLMEngine through llm.llm_engine: add_request with a string, a TextPrompt or a
+    TokensPrompt, step() until done, abort_request with a list, get_num_unfinished_requests, get_tokenizer."""
+    from hybrid import TextPrompt, TokensPrompt
+
+    engine = llm.llm_engine
+    assert engine is llm.engine and engine.get_tokenizer() is llm.get_tokenizer()
+    sp = SamplingParams(max_tokens=5, temperature=0)
+    ids = llm.tokenizer.encode(PROMPT)
+    ref = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0]
+    engine.add_request("text", PROMPT, sp)
+    engine.add_request("dict", TextPrompt(prompt=PROMPT), sp)
+    engine.add_request("tokens", TokensPrompt(prompt_token_ids=ids), sp)
+    engine.add_request("gone-1", PROMPT, sp)
+    engine.add_request("gone-2", ids, sp)
+    assert engine.get_num_unfinished_requests() == 5
+    engine.abort_request(["gone-1", "gone-2", "unknown"])
+    assert engine.get_num_unfinished_requests() == 3
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert sorted(finals) == ["dict", "text", "tokens"]
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == ref.token_ids and out.outputs[0].text == ref.text
+        assert out.prompt_token_ids == ids and out.prompt == (None if rid == "tokens" else PROMPT)
+    with pytest.raises(InvalidRequestError, match="empty prompt"):
+        engine.add_request("empty", "", sp)
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("stop", [None, [" unto"]])
+def test_request_output_kinds(llm, stop):
+    """SamplingParams.output_kind (vLLM's RequestOutputKind) through the engine loop: DELTA outputs carry the
+    tokens and the text new since the last (stop strings' possible beginnings held back), which join into the
+    CUMULATIVE result; FINAL_ONLY gives one output. LLM.generate returns finished requests whatever it says."""
+    from hybrid import RequestOutputKind
+
+    engine = llm.llm_engine
+    outs: dict[RequestOutputKind, list] = {}
+    for kind in RequestOutputKind:
+        sp = SamplingParams(max_tokens=12, temperature=1.0, seed=4, stop=stop, output_kind=kind)
+        engine.add_request(f"kind-{kind.name}", PROMPT, sp)
+        got = outs[kind] = []
+        while engine.has_unfinished_requests():
+            got += engine.step()
+    final = outs[RequestOutputKind.CUMULATIVE][-1].outputs[0]
+    assert len(outs[RequestOutputKind.FINAL_ONLY]) == 1
+    assert outs[RequestOutputKind.FINAL_ONLY][0].outputs[0].text == final.text
+    deltas = [o.outputs[0] for o in outs[RequestOutputKind.DELTA]]
+    assert len(deltas) > 1 and "".join(d.text for d in deltas) == final.text
+    assert [t for d in deltas for t in d.token_ids] == final.token_ids
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=4, stop=stop, output_kind=RequestOutputKind.DELTA)
+    assert llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].text == final.text
+
+
+def test_vllm_output_fields_and_params_helpers(llm):
+    from hybrid import RequestOutputKind
+    from hybrid.sampling_params import SamplingParams as SP2
+
+    assert SP2 is SamplingParams
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert out.outputs[0].finished() is True  # a method, as vLLM's
+    assert out.metrics is None and out.encoder_prompt is None and out.encoder_prompt_token_ids is None
+    assert out.lora_request is None and out.outputs[0].lora_request is None and out.multi_modal_placeholders == {}
+    sp = SamplingParams.from_optional(temperature=None, top_p=None, max_tokens=3, seed=None)
+    assert sp == SamplingParams(max_tokens=3)
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
+    assert SamplingParams(extra_args={"x": 1}).extra_args == {"x": 1}
+    with pytest.raises(InvalidRequestError, match="output_kind"):
+        SamplingParams(output_kind=7)
+
+
+def test_more_vllm_engine_keywords():
+    """LLM keywords of vLLM's engine: accepted where they change nothing here (task / runner "generate",
+    pipeline_parallel_size 1, distributed_executor_backend, limit_mm_per_prompt), a ConfigurationError naming
+    the setting where they would (another task, pipeline parallelism, a KV cache in bytes)."""
+    from hybrid.errors import ConfigurationError
+
+    llm = LLM(None, device="cpu", task="generate", runner="auto", pipeline_parallel_size=1,
+              distributed_executor_backend="mp", limit_mm_per_prompt={})
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    for kw, says in (({"task": "embed"}, "task='embed'"), ({"runner": "pooling"}, "runner='pooling'"),
+                     ({"pipeline_parallel_size": 2}, "pipeline parallelism"),
+                     ({"kv_cache_memory_bytes": 10**9}, "gpu_memory_utilization")):
+        with pytest.raises(ConfigurationError, match=says):
+            LLM(None, device="cpu", **kw)
+
+
+def test_chat_and_beam_search_take_vllms_keywords(llm):
+    from hybrid import BeamSearchParams
+
+    chat = [{"role": "user", "content": "hi"}]
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    ref = llm.chat(chat, sp, use_tqdm=False)[0].outputs[0].token_ids
+    got = llm.chat(chat, sp, use_tqdm=False, chat_template_content_format="string", mm_processor_kwargs=None)
+    assert got[0].outputs[0].token_ids == ref
+    for kw, says in (({"chat_template_content_format": "openai"}, "chat_template_content_format"),
+                     ({"mm_processor_kwargs": {"x": 1}}, "text only")):
+        with pytest.raises(InvalidRequestError, match=says):
+            llm.chat(chat, sp, use_tqdm=False, **kw)
+    bp = BeamSearchParams(beam_width=2, max_tokens=3)
+    want = llm.beam_search([PROMPT], bp)[0].sequences[0].tokens
+    assert llm.beam_search([PROMPT], bp, lora_request=None, use_tqdm=True, concurrency_limit=1)[0] \
+        .sequences[0].tokens == want

@@ -201,3 +201,135 @@ def test_default_model_chat_ids_as_transformers():
     ids = ours.apply_chat_template(msgs, add_generation_prompt=True)
     assert ids == hf.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
     assert ours.decode(ids) == "User: Who made the earth?\nAssistant:\n"
+
+
+@pytest.mark.parametrize("text", ["ab zzz", "hello world, said <think> the LORD", "In the beginning créé", ""])
+def test_tokenize_as_transformers(pair, text):
+    ours, hf = pair
+    assert ours.tokenize(text) == hf.tokenize(text)  # no special tokens by default, as HF
+    assert ours.tokenize(text, add_special_tokens=True) == hf.tokenize(text, add_special_tokens=True)
+    assert ours.tokenize(text, "the end") == hf.tokenize(text, "the end")
+    assert ours.convert_tokens_to_ids(ours.tokenize(text)) == ours.encode(text, add_special_tokens=False)
+
+
+def test_tokenize_adds_special_tokens_when_asked(tiny_dir):
+    tok = Tokenizer(tiny_dir)
+    assert tok.tokenize("ab zzz") == ["a", "b", " ", "zzz"]
+    assert tok.tokenize("ab", add_special_tokens=True) == ["<s>", "a", "b"]
+
+
+def test_attributes_as_transformers(pair):
+    ours, hf = pair
+    for name in ("name_or_path", "model_max_length", "padding_side", "truncation_side"):
+        assert getattr(ours, name) == getattr(hf, name), name
+    assert ours.max_token_id == len(ours) - 1 == max(hf.get_vocab().values())
+
+
+def test_attributes_from_tokenizer_config(tmp_path):
+    from transformers import AutoTokenizer
+
+    write_char_bpe_tokenizer(tmp_path, 192)
+    cfg_path = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["model_max_length"]
+    cfg.update(padding_side="left", truncation_side="left")
+    cfg_path.write_text(json.dumps(cfg))
+    ours, hf = Tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ours.model_max_length == hf.model_max_length == int(1e30)  # HF's VERY_LARGE_INTEGER
+    assert (ours.padding_side, ours.truncation_side) == (hf.padding_side, hf.truncation_side) == ("left", "left")
+    assert ours.name_or_path == str(tmp_path) and ours.max_token_id == 191
+    cfg_path.write_text(json.dumps({**cfg, "padding_side": "middle"}))
+    with pytest.raises(ValueError, match="padding_side"):
+        Tokenizer(str(tmp_path))
+
+
+def _same_tensor(a, b, kind: str) -> bool:
+    import numpy as np
+    import torch
+
+    if kind == "pt":
+        return isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return isinstance(a, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["pt", "np"])
+def test_return_tensors_as_transformers(pair, kind):
+    ours, hf = pair
+    for text, shape in (("hello world", None), ("", (1, 0))):
+        for add in (True, False):
+            enc, want = ours(text, add_special_tokens=add, return_tensors=kind), hf(
+                text, add_special_tokens=add, return_tensors=kind)
+            assert set(enc) == {"input_ids", "attention_mask"}
+            for key in enc:
+                assert _same_tensor(enc[key], want[key], kind), (text, key)
+            assert enc.input_ids.shape[0] == 1 and (shape is None or add or tuple(enc.input_ids.shape) == shape)
+            assert _same_tensor(ours.encode(text, add, return_tensors=kind),
+                                hf.encode(text, add_special_tokens=add, return_tensors=kind), kind)
+    batch = ["a", "b", "c"]  # one length in either tokenizer
+    enc, want = ours(batch, return_tensors=kind), hf(batch, return_tensors=kind)
+    assert tuple(enc.input_ids.shape) == (3, len(ours.encode("a")))
+    assert all(_same_tensor(enc[k], want[k], kind) for k in ("input_ids", "attention_mask"))
+    # unequal lengths: ValueError, as transformers' "pt" without padding (its "np" makes a ragged object array)
+    for tok in (ours, hf) if kind == "pt" else (ours,):
+        with pytest.raises(ValueError):
+            tok(["a", "hello world"], return_tensors=kind)
+    assert ours(batch) == hf(batch)  # lists without return_tensors, as before
+    assert ours.encode("hello") == hf.encode("hello")
+
+
+def test_return_tensors_refuses_other_types(tiny_dir):
+    tok = Tokenizer(tiny_dir)
+    for kind in ("tf", "jax", "bogus"):
+        for call in (lambda: tok("ab", return_tensors=kind), lambda: tok.encode("ab", return_tensors=kind),
+                     lambda: tok.apply_chat_template(CONV, return_tensors=kind),
+                     lambda: tok.apply_chat_template(CONV, return_dict=True, return_tensors=kind)):
+            with pytest.raises(ValueError, match="return_tensors"):
+                call()
+
+
+def test_return_tensors_accepts_transformers_tensor_type(tiny_dir):
+    import torch
+    from transformers import TensorType
+
+    tok = Tokenizer(tiny_dir)
+    assert torch.equal(tok.encode("ab", return_tensors=TensorType.PYTORCH), torch.tensor([[1, 69, 70]]))
+
+
+@pytest.mark.parametrize("kind", ["pt", "np"])
+def test_apply_chat_template_return_tensors_as_transformers(tiny_dir, kind):
+    from transformers import AutoTokenizer
+
+    ours, hf = Tokenizer(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
+    ids = ours.apply_chat_template(CONV, return_tensors=kind)
+    want = hf.apply_chat_template(CONV, add_generation_prompt=True, return_dict=False, return_tensors=kind)
+    assert _same_tensor(ids, want, kind) and ids.shape == (1, len(ours.apply_chat_template(CONV)))
+    enc = ours.apply_chat_template(CONV, return_dict=True, return_tensors=kind)
+    want = hf.apply_chat_template(CONV, add_generation_prompt=True, return_dict=True, return_tensors=kind)
+    assert set(enc) == {"input_ids", "attention_mask"}
+    assert all(_same_tensor(enc[k], want[k], kind) for k in enc)
+    # a batch of conversations of one length: [B, n]; of different lengths: ValueError, as transformers' "pt"
+    convs = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    got = ours.apply_chat_template(convs, return_tensors=kind)
+    want = hf.apply_chat_template(convs, add_generation_prompt=True, return_dict=False, return_tensors=kind)
+    assert _same_tensor(got, want, kind) and got.shape[0] == 2
+    for call in (lambda: ours.apply_chat_template([CONV, CONV[:1]], return_tensors=kind),
+                 lambda: hf.apply_chat_template([CONV, CONV[:1]], return_dict=False, return_tensors="pt")):
+        with pytest.raises(ValueError):
+            call()
+    # tokenize=False: the text, return_tensors aside (and never a template variable)
+    assert ours.apply_chat_template(CONV, tokenize=False, return_tensors=kind) == ours.apply_chat_template(
+        CONV, tokenize=False)
+    probe = "{% if return_tensors is defined %}leaked{% endif %}ok"
+    assert ours.apply_chat_template(CONV, tokenize=False, chat_template=probe, return_tensors=kind) == "ok"
+
+
+def test_default_model_chat_tensor_as_transformers():
+    import torch
+    from transformers import AutoTokenizer
+
+    ours, hf = Tokenizer(DEFAULT_MODEL_DIR), AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    msgs = [{"role": "user", "content": "Who made the earth?"}]
+    ids = ours.apply_chat_template(msgs, return_tensors="pt")
+    assert torch.equal(ids, hf.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False,
+                                                   return_tensors="pt"))
+    assert ids.shape == (1, len(ours.apply_chat_template(msgs))) and ids.dtype == torch.long
