@@ -91,8 +91,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
     seed: int | None = None  # any int (negative or huge too): reduced modulo 2**64, see generator_seed
-    stop_token_ids: list[int] | None = None
-    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None  # (None becomes [], as vLLM's)
+    stop: list[str] | str | None = None  # (a string becomes [it], None [], as vLLM's)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities returned per generated token
     # per prompt token (from the second on): its log-probability given the tokens before it, plus
@@ -163,8 +163,12 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
             raise bad("prompt_logprobs", "must be an integer >= 0")
-        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
+        if self.stop_token_ids is None:  # (as vLLM's: a list, to extend)
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of integers")
+        self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p <= 1.0):
             raise bad("min_p", "must be in [0, 1]")
         if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
@@ -203,8 +207,11 @@ class SamplingParams:
             self.structured_outputs.validate()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+        if self.stop is None:  # (as vLLM's: a list, to extend)
+            self.stop = []
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        self.stop = list(self.stop)
         if self.stop and self.detokenize is False:
             raise bad("stop", "stop strings are matched on the text: they need detokenize=True")
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",

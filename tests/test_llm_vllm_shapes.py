@@ -272,6 +272,11 @@ def test_vllm_output_fields_and_params_helpers(llm):
     assert SamplingParams(extra_args={"x": 1}).extra_args == {"x": 1}
     with pytest.raises(InvalidRequestError, match="output_kind"):
         SamplingParams(output_kind=7)
+    # stop and stop_token_ids are lists, as vLLM's (code extends them)
+    sp = SamplingParams()
+    assert sp.stop == [] and sp.stop_token_ids == []
+    sp.stop_token_ids.append(0)
+    assert SamplingParams().stop_token_ids == [] and SamplingParams(stop="x").stop == ["x"]
 
 
 def test_more_vllm_engine_keywords():
