@@ -392,9 +392,6 @@ class LLM:
                          max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, enforce_eager=enforce_eager,
                          cuda_graph_sizes=c.cuda_graph_sizes)
 
-    def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        return prompt_ids(prompt, self.tokenizer)
-
     @staticmethod
     def _prompt_list(prompts) -> list:
         """One prompt (a string, a list of token ids, or a {"prompt"} / {"prompt_token_ids"} dict) or a
@@ -458,7 +455,7 @@ class LLM:
         validated = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
-                text, ids = self._prompt_ids(prompt)
+                text, ids = prompt_ids(prompt, self.tokenizer)
                 self.engine.validate_request(ids, params)
                 if isinstance(prompt, dict):
                     check_cache_salt(prompt.get("cache_salt"))

@@ -246,12 +246,12 @@ class CompletionFormat(ResponseFormat):
         if not self.echo:
             return []
         self._prompts = prompts
+        self._prompt_texts = [self.prompt_text(p) for p in prompts]  # (once: a token-id prompt is decoded)
         self._echoed: set[int] = set()
         if self.echo_with_first_update:
             return []
-        texts = [self.prompt_text(p) for p in prompts]
         return [[self.choice(pi * self.n + j, text, None, None)]
-                for pi, text in enumerate(texts) for j in range(self.n)]
+                for pi, text in enumerate(self._prompt_texts) for j in range(self.n)]
 
     def prompt_text(self, prompt: "Prompt") -> str:
         return prompt.text if prompt.text is not None else self.decode(prompt.ids)
@@ -314,8 +314,8 @@ class CompletionFormat(ResponseFormat):
         """(text, logprobs) of an update of an echoed choice streamed with its prompt's logprobs: the prompt's
         (text and logprobs) before the first update's; the generated text's offsets after the prompt's text;
         with max_tokens 0 the prompt alone (the one token run is dropped)."""
-        prompt = self._prompts[u.prompt_index]
-        shift = len(self.prompt_text(prompt))
+        prompt, text = self._prompts[u.prompt_index], self._prompt_texts[u.prompt_index]
+        shift = len(text)
         if self.echo_only:
             delta, lp = "", None
         else:
@@ -328,7 +328,7 @@ class CompletionFormat(ResponseFormat):
         head = self.prompt_lp(prompt, u.prompt_logprobs) if self.k is not None else None
         if head is not None and lp is not None:
             head = {key: head[key] + lp[key] for key in head}
-        return self.prompt_text(prompt) + delta, head if head is not None else lp
+        return text + delta, head if head is not None else lp
 
 
 class ChatFormat(ResponseFormat):
