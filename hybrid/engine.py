@@ -22,6 +22,7 @@ fails, and step() / add_request() raise it.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import deque
@@ -238,6 +239,10 @@ class Engine:
             output_kind = ENGINE_OUTPUT_KIND[params.output_kind]
         self.check_priority(priority)
         prompt_token_ids, bad_words = self._checked(prompt_token_ids, params)
+        if params.logprobs == -1 or params.prompt_logprobs == -1:  # (vLLM's -1: every token of the vocabulary)
+            params = dataclasses.replace(
+                params, logprobs=self.vocab_size if params.logprobs == -1 else params.logprobs,
+                prompt_logprobs=self.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs)
         # structured outputs: a matcher per branch, all in the grammar's initial state (a fork happens
         # before branch 0 accepts its first token, so each child starts from its parent's state)
         grammars = (self.grammars.matchers(params.structured_outputs, params.n)

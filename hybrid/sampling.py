@@ -158,11 +158,12 @@ class SamplingParams:
             raise bad("top_k", "must be -1 (off) or an integer >= 1")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", "must be an integer")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "must be an integer >= 0")
+        # (-1, as vLLM's: the whole vocabulary; the engine reads it so when the request is added)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < -1):
+            raise bad("logprobs", "must be an integer >= 0, or -1 for the whole vocabulary")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
-            raise bad("prompt_logprobs", "must be an integer >= 0")
+                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < -1):
+            raise bad("prompt_logprobs", "must be an integer >= 0, or -1 for the whole vocabulary")
         if self.stop_token_ids is None:  # (as vLLM's: a list, to extend)
             self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(

@@ -311,3 +311,17 @@ def test_chat_and_beam_search_take_vllms_keywords(llm):
     want = llm.beam_search([PROMPT], bp)[0].sequences[0].tokens
     assert llm.beam_search([PROMPT], bp, lora_request=None, use_tqdm=True, concurrency_limit=1)[0] \
         .sequences[0].tokens == want
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(llm):
+    """vLLM's logprobs=-1 / prompt_logprobs=-1: every token's logprob (the distributions sum to 1); the caller's
+    params are left as given."""
+    sp = SamplingParams(max_tokens=3, temperature=1.0, seed=2, logprobs=-1, prompt_logprobs=-1)
+    out = llm.generate([PROMPT], sp, use_tqdm=False)[0]
+    vocab = llm.engine.vocab_size
+    for entries in out.outputs[0].logprobs + out.prompt_logprobs[1:]:
+        assert len(entries) == vocab
+        assert math.isclose(sum(math.exp(v) for v in entries.values()), 1.0, rel_tol=1e-3)
+    assert out.prompt_logprobs[0] is None and sp.logprobs == -1 and sp.prompt_logprobs == -1
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        SamplingParams(logprobs=-2)
