@@ -57,7 +57,7 @@ def test_zero_top_entries_and_bad_values(tiny_ckpt, make_llm):
     ids = prompt(9, 4, llm.config.vocab_size)
     out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY), use_tqdm=False)[0]
     assert all(set(e) == {t} for e, t in zip(out.prompt_logprobs[1:], ids[1:]))
-    for bad in (-1, 1.5, True):
+    for bad in (-2, 1.5, True):  # (-1 is the whole vocabulary, as vLLM reads it)
         with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
 
