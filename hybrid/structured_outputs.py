@@ -141,7 +141,9 @@ class StructuredOutputsParams:
                 alternatives = " | ".join(json.dumps(c) for c in self.choice)
                 return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}")
             if kind == "regex":
-                return llguidance.grammar_from("regex", self.regex)
+                # \d and \w as ASCII classes, as vLLM's default grammar engine and JSON schemas' patterns read them
+                # (the regex crate's are Unicode: \d{4} gave digits of any script)
+                return llguidance.LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(self.regex, 'dw')}/")
             return llguidance.grammar_from("grammar", self.grammar)
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(f"structured outputs: invalid {kind}: {e}") from None

@@ -406,7 +406,20 @@ def test_first_mask_is_computed_while_validating(llm, monkeypatch):
             return getattr(self._m, name)
 
     monkeypatch.setattr(llguidance, "LLMatcher", Recording)
-    monkeypatch.setattr(Recording, "validate_grammar", staticmethod(real.validate_grammar), raising=False)
+    for name in ("validate_grammar", "grammar_from_lark", "grammar_from_regex", "grammar_from_json_schema"):
+        monkeypatch.setattr(Recording, name, staticmethod(getattr(real, name)), raising=False)
     so = StructuredOutputsParams(regex="[a-z]{3} recorded")
     llm.engine.validate_request([5, 6], SamplingParams(max_tokens=4, structured_outputs=so))
     assert "compute_bitmask" in calls, calls
+
+
+def test_regex_classes_are_ascii(llm):
+    """\\d and \\w in a regex are ASCII classes (as vLLM's default engine and JSON schemas' patterns read them),
+    sampled hot so that the model would pick other scripts' digits if they were allowed; a '/' in the regex is
+    taken literally."""
+    for regex, ok in ((r"\d{4}", r"[0-9]{4}"), (r"\w{3}/\d", r"[0-9A-Za-z_]{3}/[0-9]")):
+        for seed in range(4):
+            sp = SamplingParams(max_tokens=24, temperature=2.0, seed=seed,
+                                structured_outputs=StructuredOutputsParams(regex=regex))
+            text = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0].text
+            assert re.fullmatch(ok, text), (regex, text)
