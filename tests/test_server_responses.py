@@ -173,6 +173,10 @@ def test_a_conversation_with_calls_runs(client, served):
     ({"input": "hi", "guided_regex": "(["}, "guided_regex"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
      "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "boolean"}}}}, "text.format.name"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
+    # an output answers a call of the conversation (OpenAI's check)
+    ({"input": [{"type": "function_call_output", "call_id": "call_zzz", "output": "x"}]}, "input[0].call_id"),
 ])
 def test_bad_requests_are_400_naming_the_field(served, body, param):
     r = httpx.post(served.base_url + "/v1/responses", json={"model": MODEL, **body})
@@ -181,6 +185,19 @@ def test_bad_requests_are_400_naming_the_field(served, body, param):
     if r.json()["error"]["message"].startswith("'"):  # a message that names the field names this one
         assert r.json()["error"]["message"].startswith(f"'{param}'"), r.json()
     assert httpx.post(served.base_url + "/v1/responses", json={"model": "other", "input": "hi"}).status_code == 404
+
+
+def test_a_cut_output_item_is_incomplete(client):
+    """An output cut by max_output_tokens: the response is "incomplete" and so is its message item, as OpenAI
+    marks it, whole and streamed (the output_item.done event's item too)."""
+    kw = dict(model=MODEL, input="Tell a long story.", max_output_tokens=4, temperature=0, extra_body=NO_THINKING)
+    r = client.responses.create(**kw)
+    assert r.status == "incomplete" and r.output[-1].type == "message" and r.output[-1].status == "incomplete"
+    done = [e for e in client.responses.create(stream=True, **kw) if e.type == "response.output_item.done"]
+    assert done[-1].item.status == "incomplete"
+    r = client.responses.create(**{**kw, "max_output_tokens": 200, "extra_body": {
+        **NO_THINKING, "structured_outputs": {"choice": ["Amen."]}}})
+    assert r.status == "completed" and r.output[-1].status == "completed"
 
 
 def test_sdk_parse_helpers(client):

@@ -109,6 +109,8 @@ BAD = [
     ({"structured_outputs": {"choice": []}}, "choice"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "only one output constraint"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}},
+     "response_format.json_schema.name"),
 ]
 
 

@@ -262,13 +262,13 @@ def _response_format(body: dict) -> dict | None:
     spec = rf.get("json_schema")
     if not isinstance(spec, dict):
         raise bad("response_format.json_schema", "expected an object with 'name' and 'schema'")
-    if "name" in spec and not isinstance(spec["name"], str):
-        raise bad("response_format.json_schema.name", "expected a string")
     if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
         raise bad("response_format.json_schema.strict", "expected a boolean")
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise bad("response_format.json_schema.schema", "is required: a JSON schema (an object)")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:  # (required by OpenAI and vLLM alike)
+        raise bad("response_format.json_schema.name", "is required: the schema's name (a string)")
     return {"json": schema}
 
 

@@ -89,6 +89,7 @@ def input_messages(body: dict) -> list[dict]:
     if not isinstance(items, list) or not items:
         raise bad("input", "expected a string or a non-empty list of input items")
     thought = None  # a reasoning item: the thought of the assistant message after it
+    calls_made: set[str] = set()  # the call_ids of the function_call items so far
     for i, item in enumerate(items):
         at = f"input[{i}]"
         if not isinstance(item, dict):
@@ -110,6 +111,7 @@ def input_messages(body: dict) -> list[dict]:
                 json.loads(args or "{}")
             except (ValueError, RecursionError) as e:
                 raise bad(f"{at}.arguments", f"is not valid JSON text: {e}") from None
+            calls_made.add(call_id)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None \
@@ -124,6 +126,9 @@ def input_messages(body: dict) -> list[dict]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise bad(f"{at}.call_id", "is required: the call_id of the function_call it answers")
+            if call_id not in calls_made:  # (as OpenAI: an output answers a call of the conversation)
+                raise bad(f"{at}.call_id", f"no function_call with call_id {json.dumps(call_id)} comes before it "
+                                           "(in this input or the stored conversation of previous_response_id)")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, at, "output")})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
@@ -187,6 +192,12 @@ def parse_responses(body: dict, max_model_len: int, defaults: dict | None = None
         raise bad("background", "is not supported")
     if body.get("top_logprobs"):
         raise bad("top_logprobs", "is not supported on /v1/responses; use /v1/chat/completions")
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(v, str) for v in include)):
+        raise bad("include", "expected a list of strings")
+    if include and "message.output_text.logprobs" in include:
+        raise bad("include", "message.output_text.logprobs is not supported on /v1/responses; use "
+                             "/v1/chat/completions with logprobs")
     truncation = body.get("truncation")
     if truncation not in (None, "disabled"):
         raise bad("truncation", 'only "disabled" is supported (a prompt longer than the context is a 400)')
@@ -289,8 +300,9 @@ class ResponsesWriter:
                 "output_tokens": len(token_ids), "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": prompt_tokens + len(token_ids)}
 
-    def output(self, text: str) -> list[dict]:
-        """The output items of a whole output text."""
+    def output(self, text: str, cut: bool = False) -> list[dict]:
+        """The output items of a whole output text; `cut` (max_output_tokens ended it): its last message or
+        function_call item is "incomplete", as OpenAI marks it."""
         items = []
         thought = None
         if self.reasoning is not None:
@@ -303,6 +315,8 @@ class ResponsesWriter:
         if text:
             items.append(message_item(_new_id("msg"), text))
         items += [call_item(_new_id("fc"), c.id, c.name, c.arguments) for c in calls]
+        if cut and items and items[-1]["type"] != "reasoning":
+            items[-1]["status"] = "incomplete"
         return items
 
     # ------------------------------------------------------------ streaming
@@ -335,7 +349,8 @@ class _StreamState:
                                        output_index=self.open["index"], content_index=0,
                                        part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
 
-    def _close(self, events: list[str]) -> None:
+    def _close(self, events: list[str], cut: bool = False) -> None:
+        """Close the open item; `cut`: the output ends here, cut short (its message or call is "incomplete")."""
         o = self.open
         if o is None:
             return
@@ -353,6 +368,8 @@ class _StreamState:
         else:
             events.append(self.w.event("response.function_call_arguments.done", **at, arguments=o["text"]))
             item = call_item(o["id"], o["call_id"], o["name"], o["text"])
+        if cut and o["kind"] != "reasoning":
+            item["status"] = "incomplete"
         events.append(self.w.event("response.output_item.done", output_index=o["index"], item=item))
         self.done.append(item)
 
@@ -384,7 +401,8 @@ class _StreamState:
             events.append(self.w.event("response.function_call_arguments.delta", item_id=o["id"],
                                        output_index=o["index"], delta=args))
 
-    def feed(self, delta: str, final: bool) -> list[str]:
+    def feed(self, delta: str, final: bool, cut: bool = False) -> list[str]:
+        """The events of a text delta; `final`: the output ends with it (`cut`: by max_output_tokens)."""
         events: list[str] = []
         pieces = self.thought.feed(delta, final) if self.thought is not None else [("content", delta)]
         for kind, text in pieces:
@@ -397,7 +415,7 @@ class _StreamState:
         if final:
             if self.calls is not None:
                 self._apply(self.calls.update("", True), events)
-            self._close(events)
+            self._close(events, cut)
         return events
 
     def _apply(self, deltas: list[dict], events: list[str]) -> None:
@@ -488,7 +506,7 @@ async def respond_responses(engine, request, prompt: Prompt, writer: ResponsesWr
         text = writer.text_of((0, 0), c)
         status = "incomplete" if c.finish_reason == "length" else "completed"
         usage = writer.usage(prompt_tokens, c.token_ids, finals[0].num_cached_tokens)
-        response = writer.response(status, writer.output(text), usage, c.finish_reason)
+        response = writer.response(status, writer.output(text, cut=status == "incomplete"), usage, c.finish_reason)
         if on_done is not None:
             on_done(response)
         return JSONResponse(response)
@@ -505,7 +523,7 @@ async def respond_responses(engine, request, prompt: Prompt, writer: ResponsesWr
             async for batch in updates:
                 out = []
                 for u in batch:
-                    out += state.feed(u.delta, u.finish_reason is not None)
+                    out += state.feed(u.delta, u.finish_reason is not None, u.finish_reason == "length")
                     last = u
                 if out:
                     yield "".join(out)
