@@ -255,6 +255,19 @@ def test_previous_response_id_continues_a_stored_conversation(client, served):
     answer = client.responses.create(input=[{"type": "function_call_output", "call_id": fc.call_id,
                                              "output": "Paris"}], previous_response_id=call.id, tools=TOOLS, **kw)
     assert answer.status in ("completed", "incomplete")
+    # errors name what the client sent: its own items by their index in its input; a stored item (here a call
+    # cut mid-arguments) by previous_response_id
+    url = served.base_url + "/v1/responses"
+    r = httpx.post(url, json={"model": MODEL, "previous_response_id": call.id,
+                              "input": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].role", r.text
+    cut = client.responses.create(input="Capital of France?", tools=TOOLS,
+                                  tool_choice={"type": "function", "name": "capital"}, **{**kw, "max_output_tokens": 3})
+    assert cut.status == "incomplete" and cut.output[-1].type == "function_call"
+    r = httpx.post(url, json={"model": MODEL, "previous_response_id": cut.id, "tools": TOOLS, "input": [
+        {"type": "function_call_output", "call_id": cut.output[-1].call_id, "output": "Paris"}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "previous_response_id" and "arguments" in err["message"], err
     # streamed turns are stored as well, and can be read back and deleted
     events = _events(client, input="Capital of Spain?", previous_response_id=second.id, **kw)
     streamed = events[-1].response

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import time
 import uuid
 
@@ -448,13 +449,17 @@ class Handlers:
         salt = cache_salt(body)
         # a later turn: the stored conversation before its own input (OpenAI's previous_response_id)
         own = input_items(body)
-        conversation = own
+        conversation, stored = own, 0
         if body.get("previous_response_id") is not None:
             if not isinstance(own, list):
                 raise bad("input", "expected a string or a list of input items")
-            conversation = self.response_store.conversation(body["previous_response_id"]) + own
+            earlier = self.response_store.conversation(body["previous_response_id"])
+            conversation, stored = earlier + own, len(earlier)
             body["input"] = conversation
-        rreq = parse_responses(body, self.max_model_len, self.sampling_defaults)
+        try:
+            rreq = parse_responses(body, self.max_model_len, self.sampling_defaults)
+        except APIError as e:
+            raise _blame_stored_item(e, stored) from None
         self.warn_ignored("/v1/responses", body)
         req = rreq.chat
         tools, template = self.tool_mode(req), self.chat_template()
@@ -518,3 +523,20 @@ class Handlers:
         if self.tokenizer is None:
             raise bad("tokens", "this model has no tokenizer")
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, ids, False)}
+
+
+def _blame_stored_item(e: APIError, stored: int) -> APIError:
+    """A /v1/responses error about input item k, where the first `stored` items are previous_response_id's
+    stored conversation: one about a stored item names previous_response_id (the client never sent that
+    item), the others their index in the client's own input."""
+    m = re.match(r"input\[(\d+)\](.*)", e.param or "") if stored else None
+    if m is None:
+        return e
+    k, rest = int(m.group(1)), m.group(2)
+    if k >= stored:
+        own = f"input[{k - stored}]{rest}"
+        return APIError(e.message.replace(f"'{e.param}'", f"'{own}'"), e.status, own, e.code, e.type)
+    why = e.message.removeprefix(f"'{e.param}': ")
+    return APIError(f"'previous_response_id': item {k} of its stored conversation"
+                    f"{f' ({rest[1:]})' if rest.startswith('.') else ''}: {why}", e.status, "previous_response_id",
+                    e.code, e.type)

@@ -12,7 +12,7 @@ output comes back as Responses output items, whole or as the API's semantic stre
   "json_object" or `{"type": "json_schema", "name", "schema", "strict"}`.
 - output items: `reasoning` (with --reasoning-parser), a `message` with one `output_text` part, and
   `function_call` items; status "incomplete" (reason max_output_tokens) when the budget ran out.
-Nothing is stored: `previous_response_id` is refused (send the conversation in `input`).
+Responses are stored (ResponseStore, below): `previous_response_id` continues a stored conversation.
 """
 from __future__ import annotations
 
