@@ -605,6 +605,13 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
     chat = isinstance(fmt, ChatFormat)
     prompt_ids_sent: set[int] = set()  # (choices whose prompt_token_ids went out; chat: -1, the response's)
 
+    def chat_prompt_ids() -> dict | None:
+        """return_token_ids on chat: the stream's prompt_token_ids, on its first chunk only."""
+        if not (token_ids and chat) or -1 in prompt_ids_sent:
+            return None
+        prompt_ids_sent.add(-1)
+        return {"prompt_token_ids": list(prompts[0].ids)}
+
     def with_token_ids(u: ChoiceUpdate, index: int, chunks: list[list[dict]]) -> list[tuple[list[dict], dict | None]]:
         """return_token_ids: the update's new tokens on its first chunk (one with an empty delta if the update
         makes none), the prompt's ids on the first chunk of the choice (completions) or of the stream (chat)."""
@@ -614,13 +621,10 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
             chunks = [[fmt.empty_delta(index)]]
         first = chunks[0][0]
         first["token_ids"] = u.token_ids
-        top = None
         if not chat and index not in prompt_ids_sent:
             prompt_ids_sent.add(index)
             first["prompt_token_ids"] = list(prompts[u.prompt_index].ids)
-        elif chat and -1 not in prompt_ids_sent:
-            prompt_ids_sent.add(-1)
-            top = {"prompt_token_ids": list(prompts[0].ids)}
+        top = chat_prompt_ids()
         return [(c, top if i == 0 else None) for i, c in enumerate(chunks)]
     has_update = getattr(engine, "has_update", None)
     rids = [f"{engine_id}-{i}" for i in range(len(prompts))]
@@ -634,11 +638,7 @@ async def respond(engine, request, prompts: list[Prompt], fmt: ResponseFormat, *
         socket call) is paid once for them; the bytes are the same."""
         completion_tokens = 0
         for choices in fmt.opening(prompts):
-            top = None
-            if token_ids and chat and -1 not in prompt_ids_sent:
-                prompt_ids_sent.add(-1)
-                top = {"prompt_token_ids": list(prompts[0].ids)}
-            yield chunk(choices, top=top)
+            yield chunk(choices, top=chat_prompt_ids())
         parts: list[str] = []
         try:
             async for batch in updates:
