@@ -303,6 +303,26 @@ if [[ $what == moe-targets ]]; then
       | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
   cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_targets.md" 2>/dev/null || true
 fi
+# weights-early  the GPU tests of the small kernels that now load their constants before the PDL wait (the norms'
+#           weights, the SSM update's A / D / dt_bias, the routing bias), then moe-base-ab
+# moe-base-ab  the two MoE target shapes at batch 1 and 8 (graphs, generate at batch 1) with this tree and with the
+#           copy of an earlier commit in BASE_DIR (bench/make_base.sh; carried), alternately, same machine
+if [[ $what == weights-early ]]; then
+  gpu_pytest 150 gpu_tests_weights_early.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_moe_gpu.py \
+      tests/gpu/test_triton_kernels_gpu.py \
+      -k "rms_norm or gated_norm or route or ssm_update or multi_token or one_token or fused_ops or intermediate"
+fi
+if [[ $what == moe-base-ab || $what == weights-early ]]; then
+  [[ -d ${BASE_DIR:-.abbase} ]] || { echo "moe-base-ab: no ${BASE_DIR:-.abbase} (bench/make_base.sh)"; exit 2; }
+  for tree in . "${BASE_DIR:-.abbase}"; do
+    name=$([[ $tree == . ]] && echo head || echo "base_$(cat "$tree/COMMIT" 2>/dev/null | cut -c1-7)")
+    timeout ${AB_LIMIT:-200} python3 "$tree/bench/bench_moe.py" --shapes granite-tiny nemotron-nano --batches 1 8 \
+        --gen-batches 1 --no-peer --no-eager --out "/tmp/moe_ab_$name" --time-budget $(( ${AB_LIMIT:-200} - 10 )) 2>&1 \
+        | tee "$OUT/bench_moe_ab_$name.log" | grep -E "decode \{|generate \{|rror" | cut -c1-260 | sed "s/^/[$name] /" \
+        || rc=1
+    cp "/tmp/moe_ab_$name/moe_benchmark.md" "$OUT/moe_ab_$name.md" 2>/dev/null || true
+  done
+fi
 # moe-shared-early  the GPU tests of the one-token expert kernels (the shared expert's programs first, their slabs
 #           before the PDL wait, the default) and the engine with HYBRID_MOE_SHARED_EARLY=0, then the two target
 #           shapes at batch 1 and 8 (graphs) with and without it, same process (--moe-shared-early-off-ab)

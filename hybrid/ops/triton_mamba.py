@@ -112,15 +112,16 @@ if HAS_TRITON:
         st_ptrs = state_ptr + tl.maximum(slot, 0) * s_st_slot + tile
         state = tl.load(st_ptrs, mask=smask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         # the slot's state (and the slot ids, copied in before the step) is written by no earlier
-        # kernel of the step: read before the wait, so its latency overlaps the previous kernel's tail
-        pdl_wait(PDL)
-
-        g = h // heads_per_group
+        # kernel of the step, and no kernel writes the layer's parameters: read before the wait, so
+        # their latency (the parameters' from HBM) overlaps the previous kernel's tail
         A = tl.load(A_ptr + h).to(tl.float32)
         if HAS_D:
             Dh = tl.load(D_ptr + h).to(tl.float32)
         if HAS_DT_BIAS:
             dtb = tl.load(dt_bias_ptr + h).to(tl.float32)
+        pdl_wait(PDL)
+
+        g = h // heads_per_group
         if HAS_INTER:
             if HAS_INTER_IDX:
                 irow = tl.maximum(tl.load(inter_idx_ptr + b).to(tl.int64), 0)

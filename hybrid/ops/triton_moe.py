@@ -44,7 +44,7 @@ def is_available() -> bool:
 if HAS_TRITON:
     from hybrid.ops.triton_gemv import slab_dot, slab_pieces
     from hybrid.ops.triton_guard import pdl_wait
-    from hybrid.ops.triton_moe_route import route_token
+    from hybrid.ops.triton_moe_route import route_bias, route_token
 
     @triton.jit
     def _block_tile(pid, N, num_m_blocks, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -63,7 +63,7 @@ if HAS_TRITON:
         """(expert, routing weight) of the one token's column j, routed here from its router logits
         (triton_moe_route.route_token): the j-th chosen expert, or past the k the shared pseudo-expert
         E + j - k with weight 1, as the routing launch writes them."""
-        top_idx, w = route_token(r_ptr, rb_ptr, 0, E, r_s_row, r_s_split, r_scale, TOP_K, KP, EP, SIGMOID,
+        top_idx, w = route_token(r_ptr, route_bias(rb_ptr, E, EP, HAS_BIAS), 0, E, r_s_row, r_s_split, r_scale, TOP_K, KP, EP, SIGMOID,
                                  HAS_BIAS, NORMALIZE, SPLITS, ROUND)
         ks = tl.arange(0, KP)
         routed = j < TOP_K

@@ -63,15 +63,24 @@ if HAS_TRITON:
         tl.store(out_ptr + (tl.program_id(2) * T + t) * E + offs_e, acc, mask=e_ok)
 
     @triton.jit
-    def route_token(logits_ptr, bias_ptr, t, E, s_l, s_split, scale, TOP_K: tl.constexpr, KP: tl.constexpr,
+    def route_bias(bias_ptr, E, EP: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The correction bias [EP] in fp32 that route_token takes (zeros without HAS_BIAS). No kernel writes
+        it: the kernels load it before their PDL wait (after it, it was one more read from HBM)."""
+        e = tl.arange(0, EP)
+        if HAS_BIAS:
+            return tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)
+        return tl.zeros([EP], dtype=tl.float32)
+
+    @triton.jit
+    def route_token(logits_ptr, bias, t, E, s_l, s_split, scale, TOP_K: tl.constexpr, KP: tl.constexpr,
                     EP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
                     NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr):
         """Token t's routing: (top_idx [KP] int32, w [KP] fp32 times scale; entries past TOP_K unused).
         The k best experts by repeated argmax over the row (E <= a few hundred); KP and EP: k and E
-        padded to powers of two. The logits are the sum of NUM_SPLITS partial rows s_split apart (1:
-        the logits themselves), rounded to bf16 (ROUND 1) or fp16 (2) first where the reference router
-        computes in that dtype. Also inlined by the fused experts' first GEMMs (triton_moe: routing
-        inside the GEMM at one token)."""
+        padded to powers of two; `bias` the correction bias (route_bias). The logits are the sum of
+        NUM_SPLITS partial rows s_split apart (1: the logits themselves), rounded to bf16 (ROUND 1) or
+        fp16 (2) first where the reference router computes in that dtype. Also inlined by the fused
+        experts' first GEMMs (triton_moe: routing inside the GEMM at one token)."""
         e = tl.arange(0, EP)
         ok = e < E
         logits = tl.load(logits_ptr + t * s_l + e, mask=ok, other=0.0).to(tl.float32)
@@ -88,7 +97,7 @@ if HAS_TRITON:
             scores = logits
         choice = scores
         if HAS_BIAS:
-            choice = scores + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+            choice = scores + bias
         choice = tl.where(ok, choice, float("-inf"))
         ks = tl.arange(0, KP)
         real = ks < TOP_K
@@ -116,9 +125,10 @@ if HAS_TRITON:
                       NUM_SPLITS: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
         # One token per program (route_token). Output row: the k routed (id, weight), then the shared
         # pseudo-experts (E + s, 1.0).
+        bias = route_bias(bias_ptr, E, EP, HAS_BIAS)
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
-        top_idx, w = route_token(logits_ptr, bias_ptr, t, E, s_l, s_split, scale, TOP_K, KP, EP, SIGMOID, HAS_BIAS,
+        top_idx, w = route_token(logits_ptr, bias, t, E, s_l, s_split, scale, TOP_K, KP, EP, SIGMOID, HAS_BIAS,
                                  NORMALIZE, NUM_SPLITS, ROUND)
         ks = tl.arange(0, KP)
         real = ks < TOP_K

@@ -38,11 +38,17 @@ if HAS_TRITON:
     from hybrid.ops.triton_moe_route import router_split
 
     @triton.jit
-    def _normalised_cols(hf, like, w_ptr, offs, mask, rms, W_FP32: tl.constexpr):
-        """weight * hf / rms at columns offs (rms: the row's, a scalar); without W_FP32 the normalised
-        values are rounded to like's dtype first."""
+    def _norm_weight(w_ptr, offs, mask):
+        """The norm weight at columns offs, in fp32. No kernel writes a weight, so the kernels load it before
+        their PDL wait: loaded after the row's reduction (where the compiler keeps it, past the barrier) it
+        was a dependent read from HBM (a layer's norm weight is long out of L2 by its next use)."""
+        return tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _normalised_cols(hf, like, w, rms, W_FP32: tl.constexpr):
+        """weight w (fp32, _norm_weight) * hf / rms at hf's columns (rms: the row's, a scalar); without W_FP32
+        the normalised values are rounded to like's dtype first."""
         r = hf / rms
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if W_FP32:
             y = w * r
         else:
@@ -50,20 +56,22 @@ if HAS_TRITON:
         return y
 
     @triton.jit
-    def _normalised_row(hf, like, w_ptr, offs, mask, H, eps, W_FP32: tl.constexpr):
-        """weight * RMS-normalised fp32 row hf; without W_FP32 the row is rounded to like's dtype first."""
-        return _normalised_cols(hf, like, w_ptr, offs, mask, tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps), W_FP32)
+    def _normalised_row(hf, like, w, H, eps, W_FP32: tl.constexpr):
+        """weight w (fp32, _norm_weight) * RMS-normalised fp32 row hf; without W_FP32 the row is rounded to
+        like's dtype first."""
+        return _normalised_cols(hf, like, w, tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps), W_FP32)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, H, eps, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale,
                          BLOCK: tl.constexpr, W_FP32: tl.constexpr, QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr,
                          HW_CAST: tl.constexpr, PDL: tl.constexpr):
-        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
+        w = _norm_weight(w_ptr, offs, mask)
+        pdl_wait(PDL)
         x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
-        y = _normalised_row(x.to(tl.float32), x, w_ptr, offs, mask, H, eps, W_FP32)
+        y = _normalised_row(x.to(tl.float32), x, w, H, eps, W_FP32)
         stored = y.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * s_o + offs, stored, mask=mask)
         if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
@@ -91,13 +99,14 @@ if HAS_TRITON:
                              in_scale_ptr, min_scale, BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr,
                              QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr,
                              PDL: tl.constexpr):
-        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
+        w = _norm_weight(w_ptr, offs, mask)
+        pdl_wait(PDL)
         h = _added_row(x_ptr, res_ptr, row, offs, mask, s_x, s_r, scale, SCALED)
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
-        y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
+        y = _normalised_row(h.to(tl.float32), h, w, H, eps, W_FP32)
         stored = y.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * s_o + offs, stored, mask=mask)
         if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
@@ -110,16 +119,17 @@ if HAS_TRITON:
                                  BLOCK: tl.constexpr, W_FP32: tl.constexpr, SCALED: tl.constexpr,
                                  QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr,
                                  PDL: tl.constexpr):
-        pdl_wait(PDL)
         # _sum_k_kernel (hybrid/ops/triton_moe.py) then _add_rms_norm_kernel, in one program a row,
         # rounding where they round: the sum over k in fp32, stored in y's dtype; then the add
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
+        w = _norm_weight(w_ptr, offs, mask)
+        pdl_wait(PDL)
         x = expert_sum(y_ptr, add_ptr, row, offs, mask, H, TOP_K, HAS_ADD).to(y_ptr.dtype.element_ty)
         h = _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED)
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
-        y = _normalised_row(h.to(tl.float32), h, w_ptr, offs, mask, H, eps, W_FP32)
+        y = _normalised_row(h.to(tl.float32), h, w, H, eps, W_FP32)
         stored = y.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * s_o + offs, stored, mask=mask)
         if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
@@ -147,7 +157,7 @@ if HAS_TRITON:
         rms = tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps)
         if (tl.program_id(1) == 0) & (split == 0):
             tl.store(new_res_ptr + t * H + offs, h, mask=mask)
-            y = _normalised_row(hf, h, nw_ptr, offs, mask, H, eps, W_FP32)
+            y = _normalised_row(hf, h, _norm_weight(nw_ptr, offs, mask), H, eps, W_FP32)
             tl.store(normed_ptr + t * H + offs, y.to(normed_ptr.dtype.element_ty), mask=mask)
         acc = tl.zeros([BLOCK_E], dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
@@ -156,7 +166,7 @@ if HAS_TRITON:
             if k0 > k_begin:
                 wv = tl.load(w_rows + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             hk = _added_row(x_ptr, res_ptr, t, offs_k, k_ok, s_x, s_r, scale, SCALED)
-            xv = _normalised_cols(hk.to(tl.float32), hk, nw_ptr, offs_k, k_ok, rms, W_FP32)
+            xv = _normalised_cols(hk.to(tl.float32), hk, _norm_weight(nw_ptr, offs_k, k_ok), rms, W_FP32)
             xv = xv.to(normed_ptr.dtype.element_ty).to(tl.float32)  # the router reads the stored row
             acc += tl.sum(wv * xv[None, :], axis=1)
         tl.store(partial_ptr + (split * T + t) * E + offs_e, acc, mask=e_ok)
@@ -164,17 +174,17 @@ if HAS_TRITON:
     @triton.jit
     def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, s_y, s_z, s_o, GROUP, eps,
                                BLOCK: tl.constexpr, PDL: tl.constexpr):
-        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         mask = offs < GROUP
         col = g * GROUP + offs
+        w = tl.load(w_ptr + col, mask=mask, other=0.0)  # before the wait: see _norm_weight
+        pdl_wait(PDL)
         y = tl.load(y_ptr + row * s_y + col, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + row * s_z + col, mask=mask, other=0.0).to(tl.float32)
         h = y * (z / (1.0 + tl.exp(-z)))
         r = h / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
-        w = tl.load(w_ptr + col, mask=mask, other=0.0)
         out = w.to(tl.float32) * r.to(w.dtype).to(tl.float32)
         tl.store(out_ptr + row * s_o + col, out.to(out_ptr.dtype.element_ty), mask=mask)
 
