@@ -77,11 +77,21 @@ class PrefixCache:
                 return step
         return end if end > after else 0
 
-    def lookup(self, prompt: list[int], salt: str | None = None) -> CachedPrefix | None:
+    def _hashes(self, tokens: list[int], n: int, salt: str | None, hashes: list[int] | None) -> list[int]:
+        """The first n page hashes of `tokens`: from `hashes` (page_hashes of a longer sequence starting with
+        tokens, same salt) where given, else computed."""
+        if hashes is None:
+            return self.page_hashes(tokens, n, salt)
+        if len(hashes) < n:
+            raise ValueError(f"{len(hashes)} page hashes given for a prefix of {n} pages")
+        return hashes[:n]
+
+    def lookup(self, prompt: list[int], salt: str | None = None,
+               hashes: list[int] | None = None) -> CachedPrefix | None:
         """The longest cached prefix of `prompt` (of a request salted `salt`) that leaves at least its last
-        token to compute."""
+        token to compute. `hashes`: the prompt's page_hashes, if the caller keeps them."""
         n = self.caching_point(prompt) // self.page_size
-        for i, h in reversed(list(enumerate(self.page_hashes(prompt, n, salt)))):
+        for i, h in reversed(list(enumerate(self._hashes(prompt, n, salt, hashes)))):
             entry = self.entries.get(h)
             if entry is not None and entry.holds(prompt[:(i + 1) * self.page_size], salt):
                 self._clock += 1
@@ -89,21 +99,25 @@ class PrefixCache:
                 return entry
         return None
 
-    def contains(self, tokens: list[int], salt: str | None = None) -> bool:
+    def contains(self, tokens: list[int], salt: str | None = None, hashes: list[int] | None = None) -> bool:
+        """Whether the whole pages of `tokens` are cached (`hashes`: as lookup's, of tokens or a longer sequence
+        starting with them)."""
         n = len(tokens) // self.page_size
         if n == 0:
             return False
-        entry = self.entries.get(self.page_hashes(tokens, n, salt)[-1])
+        entry = self.entries.get(self._hashes(tokens, n, salt, hashes)[-1])
         return entry is not None and entry.holds(tokens[:n * self.page_size], salt)
 
-    def insert(self, tokens: list[int], slot: int, pages: list[int], salt: str | None = None) -> CachedPrefix | None:
+    def insert(self, tokens: list[int], slot: int, pages: list[int], salt: str | None = None,
+               hashes: list[int] | None = None) -> CachedPrefix | None:
         """Cache `tokens` (a whole number of pages): the caller gives the entry its slot and one
         reference to each page, and has made room (is_full / pop_lru) beforehand. Returns the entry
         this one displaced (same key: a prefix whose hash collides, or these tokens again), whose
-        slot and pages go back to the caller as pop_lru's do, so that nothing leaks; None if none."""
+        slot and pages go back to the caller as pop_lru's do, so that nothing leaks; None if none.
+        `hashes`: as lookup's."""
         if len(tokens) % self.page_size or len(pages) != len(tokens) // self.page_size:
             raise ValueError("a cached prefix covers whole pages")
-        key = self.page_hashes(tokens, len(pages), salt)[-1]
+        key = self._hashes(tokens, len(pages), salt, hashes)[-1]
         old = self.entries.pop(key, None)
         if self.is_full:
             raise RuntimeError("prefix cache full: pop an entry first")

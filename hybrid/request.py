@@ -66,6 +66,9 @@ class Sequence:
     pending: int = 0
     pending_row: int = -1
     cache_at: int = 0  # prefix caching: the next caching point of the prompt (0: no more)
+    # prefix caching: the chained hashes of the prompt's whole pages (PrefixCache.page_hashes), taken once:
+    # admission's lookup and every caching point's check and insert read them (None until needed)
+    prompt_page_hashes: list[int] | None = None
     # structured outputs: this branch's grammar matcher, advanced with every token it accepts (None: free)
     grammar: SequenceGrammar | None = None
     # prompt logprobs (branch 0 of a request that asks for them): entry i for prompt token i, None for

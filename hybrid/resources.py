@@ -213,7 +213,8 @@ class ResourceManager:
         if cache is None:
             return 0
         # prompt logprobs need the logits of every prompt position: a cached prefix would skip them
-        entry = None if seq.scores_prompt else cache.lookup(seq.prompt_token_ids, seq.cache_salt)
+        entry = (None if seq.scores_prompt
+                 else cache.lookup(seq.prompt_token_ids, seq.cache_salt, self._page_hashes(seq)))
         if entry is not None:
             self.state_pool.copy_slot(entry.slot, seq.slot)
             self._copy_state_tokens(entry.slot, seq.slot)
@@ -240,7 +241,7 @@ class ResourceManager:
             while seq.num_computed < seq.cache_at < end:
                 point = seq.cache_at
                 seq.cache_at = cache.next_point(seq.prompt_token_ids, point)
-                if cache.contains(seq.prompt_token_ids[:point], seq.cache_salt):
+                if cache.contains(seq.prompt_token_ids[:point], seq.cache_salt, self._page_hashes(seq)):
                     continue
                 self._make_room(planned)
                 slot = self.state_pool.allocate() if len(cache) + planned < cache.max_entries else None
@@ -267,7 +268,7 @@ class ResourceManager:
                 if self.state_tokens is not None:
                     self.state_tokens[slot] = point
                 self._insert(c.seq.prompt_token_ids[:point], slot, c.seq.pages[:point // self.page_size],
-                             c.seq.cache_salt)
+                             c.seq.cache_salt, self._page_hashes(c.seq))
             c.snapshots = []
             if c.seq.cache_at and not c.is_decode and c.seq.num_computed + c.num_tokens == c.seq.cache_at:
                 self._cache_prefix(c.seq)
@@ -277,7 +278,7 @@ class ResourceManager:
         tokens = seq.prompt_token_ids[:seq.cache_at]
         cache = self.prefix_cache
         seq.cache_at = cache.next_point(seq.prompt_token_ids, seq.cache_at)
-        if cache.contains(tokens, seq.cache_salt):
+        if cache.contains(tokens, seq.cache_salt, self._page_hashes(seq)):
             return
         if self.state_tokens is not None and self.state_tokens.get(seq.slot, len(tokens)) != len(tokens):
             raise StateCorruptionError(
@@ -289,7 +290,16 @@ class ResourceManager:
             return  # every slot runs a sequence: not cached
         self.state_pool.copy_slot(seq.slot, slot)
         self._copy_state_tokens(seq.slot, slot)
-        self._insert(tokens, slot, seq.pages[:len(tokens) // self.page_size], seq.cache_salt)
+        self._insert(tokens, slot, seq.pages[:len(tokens) // self.page_size], seq.cache_salt, self._page_hashes(seq))
+
+    def _page_hashes(self, seq: Sequence) -> list[int]:
+        """The chained hashes of seq's whole prompt pages, computed on first use and kept on the sequence (its
+        prompt and salt never change)."""
+        if seq.prompt_page_hashes is None:
+            prompt = seq.prompt_token_ids
+            seq.prompt_page_hashes = self.prefix_cache.page_hashes(prompt, len(prompt) // self.page_size,
+                                                                   seq.cache_salt)
+        return seq.prompt_page_hashes
 
     def _make_room(self, pending: int = 0) -> None:
         """Evict least recently used prefixes until the cache has room for `pending` + 1 more entries
@@ -298,11 +308,12 @@ class ResourceManager:
         while len(cache) + pending >= cache.max_entries and self.evict_cached_prefix():
             pass
 
-    def _insert(self, tokens: list[int], slot: int, pages: list[int], salt: str | None) -> None:
+    def _insert(self, tokens: list[int], slot: int, pages: list[int], salt: str | None,
+                hashes: list[int] | None = None) -> None:
         """A new cache entry: `slot` (the cache's now) holds the state after `tokens` (of a request salted
-        `salt`), whose KV pages get one more reference."""
+        `salt`; `hashes` as PrefixCache.insert's), whose KV pages get one more reference."""
         self.pages.share(pages)
-        displaced = self.prefix_cache.insert(tokens, slot, pages, salt)
+        displaced = self.prefix_cache.insert(tokens, slot, pages, salt, hashes)
         if displaced is not None:  # a hash collision: the older prefix gives its slot and pages back
             self.free(displaced.slot, displaced.pages)
             self.stats["prefix_cache_evictions"] += 1

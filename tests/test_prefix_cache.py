@@ -117,6 +117,43 @@ def test_insert_under_a_taken_key_returns_the_displaced_entry():
     assert cache.lookup(BASE).slot == 5
 
 
+def test_given_page_hashes_equal_the_computed_ones():
+    """lookup / contains / insert with the caller's page hashes (a longer sequence's, as the resource manager
+    keeps a prompt's) find and key what they find and key without them; too few hashes is an error."""
+    from hybrid.prefix_cache import PrefixCache
+
+    plain, given = PrefixCache(page_size=4, max_entries=4), PrefixCache(page_size=4, max_entries=4)
+    long_prompt = BASE + [70, 71, 72, 73, 74]  # 20 tokens: 5 whole pages
+    hashes = plain.page_hashes(long_prompt, 5, "s")
+    for cache, h in ((plain, None), (given, hashes)):
+        assert cache.insert(BASE[:8], 3, [1, 2], "s", h) is None
+        assert cache.contains(BASE[:8], "s", h) and not cache.contains(BASE[:12], "s", h)
+        assert cache.lookup(long_prompt, "s", h).slot == 3
+    assert plain.entries.keys() == given.entries.keys()
+    assert given.lookup(long_prompt, "other") is None  # another salt: other hashes
+    with pytest.raises(ValueError, match="page hashes"):
+        given.contains(long_prompt, "s", hashes[:2])
+
+
+def test_a_hit_hashes_its_prompt_once(tiny_ckpt, make_llm, monkeypatch):
+    """Admission's lookup, the caching point's check and its insert share the prompt's page hashes (kept on
+    the sequence): one pass over a prompt's pages per request, not one per use."""
+    from hybrid.prefix_cache import PrefixCache
+
+    llm = make_llm(tiny_ckpt("nemotron_h"), page_size=4, enable_prefix_caching=True, check_state=True)
+    first = _tokens(llm, [BASE])[0]
+    calls = []
+    real = PrefixCache.page_hashes
+    monkeypatch.setattr(PrefixCache, "page_hashes",
+                        lambda self, tokens, n, salt=None: (calls.append(n), real(self, tokens, n, salt))[1])
+    follow = BASE[:12] + [50, 51, 52, 53, 54, 55, 56]  # a hit at 12, cached again at 16 inside its chunk
+    got = _tokens(llm, [follow])[0]
+    assert llm.engine.stats["prefix_cache_hit_tokens"] == 12 and len(llm.engine.prefix_cache) == 2
+    assert calls == [len(follow) // 4]
+    assert got == hf_oracle.oracle_run(tiny_ckpt("nemotron_h"), follow, GREEDY.max_tokens).tokens
+    assert _tokens(llm, [BASE])[0] == first
+
+
 def test_colliding_prefix_keys_leak_nothing(tiny_ckpt, make_llm, monkeypatch):
     """Two different prompts whose cached prefixes collide on one key: the second entry displaces the
     first, whose slot and pages go back (before: leaked). After everything is released the pools'
