@@ -165,15 +165,23 @@ if HAS_TRITON:
         return _round_e4m3(v).to(tl.float8e4nv)  # exact: the value is an e4m3 value
 
     @triton.jit
-    def round_row_into(y, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale, QUANT: tl.constexpr,
+    def static_scale(in_scale_ptr, QUANT: tl.constexpr):
+        """round_row_into's `in_scale`: the static input scale (QUANT 2), else 1.0 (unused). No kernel writes it, so
+        the kernels load it before their PDL wait (after it, it was one more dependent read from HBM)."""
+        if QUANT == 2:
+            return tl.load(in_scale_ptr).to(tl.float32)
+        return 1.0
+
+    @triton.jit
+    def round_row_into(y, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale, min_scale, QUANT: tl.constexpr,
                        FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr):
         """A whole row y (in the dtype it is stored in) rounded to e4m3: QUANT 1, with the row's absmax / 448
-        (dynamic); 2, with the static scale at in_scale_ptr. Stores the row's scale at scale_ptr[row] and its e4m3
-        values at q_ptr + row * s_q. quantize_rows' one-tile program, and a producer kernel rounding the row it
-        stores (a norm: hybrid/ops/triton_norm.py) with the same code."""
+        (dynamic); 2, with the static scale `in_scale` (static_scale). Stores the row's scale at scale_ptr[row]
+        and its e4m3 values at q_ptr + row * s_q. quantize_rows' one-tile program, and a producer kernel rounding
+        the row it stores (a norm: hybrid/ops/triton_norm.py) with the same code."""
         y = tl.where(mask, y, 0.0).to(y.dtype)
         if QUANT == 2:
-            s = tl.load(in_scale_ptr)
+            s = in_scale
         else:
             s = _dynamic_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0), min_scale)
         tl.store(scale_ptr + row, s)
@@ -199,15 +207,16 @@ if HAS_TRITON:
         # rows 2K wide), a down_proj's input: the activation's launch and its output's round trip saved
         row = tl.program_id(0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
+        in_scale = static_scale(in_scale_ptr, 2 if STATIC else 1)
         pdl_wait(PDL)
         if ONE_TILE:  # the whole row in one tile (BLOCK_K >= K): read once, no dependent loop steps
             mask = offs_k < K
             x = _activated(x_ptr + row * s_xm, offs_k, mask, K, ACT)
-            round_row_into(x, row, offs_k, mask, q_ptr, s_qm, scale_ptr, in_scale_ptr, min_scale, 2 if STATIC else 1,
+            round_row_into(x, row, offs_k, mask, q_ptr, s_qm, scale_ptr, in_scale, min_scale, 2 if STATIC else 1,
                            FMA_QUOTIENT, HW_CAST)
             return
         if STATIC:
-            s = tl.load(in_scale_ptr)
+            s = in_scale
         else:
             amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):

@@ -32,7 +32,7 @@ def is_available() -> bool:
 
 
 if HAS_TRITON:
-    from hybrid.ops.triton_fp8 import round_row_into
+    from hybrid.ops.triton_fp8 import round_row_into, static_scale
     from hybrid.ops.triton_guard import pdl_wait
     from hybrid.ops.triton_moe import expert_sum
     from hybrid.ops.triton_moe_route import router_split
@@ -69,13 +69,14 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         w = _norm_weight(w_ptr, offs, mask)
+        in_scale = static_scale(in_scale_ptr, QUANT)  # (FP8 static: before the wait too)
         pdl_wait(PDL)
         x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
         y = _normalised_row(x.to(tl.float32), x, w, H, eps, W_FP32)
         stored = y.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * s_o + offs, stored, mask=mask)
         if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
-            round_row_into(stored, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale, QUANT,
+            round_row_into(stored, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale, min_scale, QUANT,
                            FMA_QUOTIENT, HW_CAST)
 
     @triton.jit
@@ -103,6 +104,7 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         w = _norm_weight(w_ptr, offs, mask)
+        in_scale = static_scale(in_scale_ptr, QUANT)  # (FP8 static: before the wait too)
         pdl_wait(PDL)
         h = _added_row(x_ptr, res_ptr, row, offs, mask, s_x, s_r, scale, SCALED)
         tl.store(res_ptr + row * s_r + offs, h, mask=mask)
@@ -110,7 +112,7 @@ if HAS_TRITON:
         stored = y.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * s_o + offs, stored, mask=mask)
         if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
-            round_row_into(stored, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale, QUANT,
+            round_row_into(stored, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale, min_scale, QUANT,
                            FMA_QUOTIENT, HW_CAST)
 
     @triton.jit
@@ -125,6 +127,7 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK)
         mask = offs < H
         w = _norm_weight(w_ptr, offs, mask)
+        in_scale = static_scale(in_scale_ptr, QUANT)  # (FP8 static: before the wait too)
         pdl_wait(PDL)
         x = expert_sum(y_ptr, add_ptr, row, offs, mask, H, TOP_K, HAS_ADD).to(y_ptr.dtype.element_ty)
         h = _plus_residual(x, res_ptr, row, offs, mask, s_r, scale, SCALED)
@@ -133,7 +136,7 @@ if HAS_TRITON:
         stored = y.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * s_o + offs, stored, mask=mask)
         if QUANT != 0:  # the stored row rounded to e4m3 for an FP8 projection (triton_fp8.round_row_into)
-            round_row_into(stored, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale_ptr, min_scale, QUANT,
+            round_row_into(stored, row, offs, mask, q_ptr, s_q, scale_ptr, in_scale, min_scale, QUANT,
                            FMA_QUOTIENT, HW_CAST)
 
     @triton.jit(do_not_specialize=["T"])  # the step's token count: a new compile per value class otherwise
