@@ -61,6 +61,16 @@ def compiles(fn, constexprs: dict, ptr_types: dict[str, str] | None = None, num_
         assert kernel.metadata.shared <= SM90_SHARED_BYTES, f"{kernel.metadata.shared} bytes of shared memory"
 
 
+def loads_before_wait(fn, constexprs: dict, ptr_types: dict[str, str] | None = None, num_warps: int = 4) -> int:
+    """How many global loads the aligned sm_90 code of `fn` issues before its PDL wait (griddepcontrol.wait)."""
+    sig = signature(fn, constexprs, ptr_types or {})
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned(fn, sig)), target=SM90,
+                            options=dict(num_warps=num_warps, num_stages=3, launch_pdl=True))
+    ptx = kernel.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx, "no PDL wait in the kernel"
+    return ptx.split("griddepcontrol.wait")[0].count("ld.global")
+
+
 MOE_PTRS = dict(w_ptr="*fp32", pairs_ptr="*i32", block_expert_ptr="*i32", total_ptr="*i32")
 CASES = {}
 
@@ -243,6 +253,36 @@ def _norms():
                  dict(TOP_K=8, HAS_ADD=False, BLOCK=4096, W_FP32=True, SCALED=False, PDL=True, **rq), types,
                  num_warps=8)
     compiles(triton_norm._gated_rms_norm_kernel, dict(BLOCK=4096, PDL=True), num_warps=8)
+
+
+@case("constants_before_wait")
+def _constants_before_wait():
+    """The decode chain's small kernels ask for what no kernel writes (norm weights, an FP8 static input scale, the
+    SSM update's D and dt_bias, the routing bias) before their PDL wait, where its latency overlaps the kernel
+    before: after the wait the norm weight was a dependent read from HBM past the row's reduction."""
+    fp8 = dict(q_ptr="*fp8e4nv", scale_ptr="*fp32", in_scale_ptr="*fp32")
+    for fn, consts, warps in ((triton_norm._rms_norm_kernel, dict(BLOCK=4096, W_FP32=True), 8),
+                              (triton_norm._add_rms_norm_kernel, dict(BLOCK=2048, W_FP32=False, SCALED=True), 4),
+                              (triton_norm._sum_add_rms_norm_kernel,
+                               dict(TOP_K=8, HAS_ADD=False, BLOCK=4096, W_FP32=True, SCALED=False), 8)):
+        plain = loads_before_wait(fn, dict(consts, QUANT=0, FMA_QUOTIENT=False, HW_CAST=False, PDL=True),
+                                  num_warps=warps)
+        static = loads_before_wait(fn, dict(consts, QUANT=2, FMA_QUOTIENT=True, HW_CAST=True, PDL=True), fp8,
+                                   num_warps=warps)
+        assert plain >= 1 and static > plain, (fn.fn.__name__, plain, static)  # the weight; then the scale too
+    assert loads_before_wait(triton_norm._gated_rms_norm_kernel, dict(BLOCK=4096, PDL=True), num_warps=8) >= 1
+    ssm_ptrs = dict(state_ptr="*fp32", A_ptr="*fp32", D_ptr="*fp32", dt_bias_ptr="*fp32", idx_ptr="*i64")
+    ssm = [loads_before_wait(triton_mamba._ssm_update_kernel,
+                             dict(BLOCK_P=16, BLOCK_N=128, HAS_D=params, HAS_DT_BIAS=params, HAS_INTER=False,
+                                  HAS_INTER_IDX=False, HAS_GATE_SQ=False, PDL=True), ssm_ptrs)
+           for params in (False, True)]
+    assert ssm[1] >= ssm[0] + 2, ssm
+    route = [loads_before_wait(triton_moe_route._route_kernel,
+                               dict(TOP_K=6, KP=8, EP=128, SIGMOID=True, HAS_BIAS=bias, NORMALIZE=True, NUM_SHARED=2,
+                                    SP=2, NUM_SPLITS=1, ROUND=0, PDL=True),
+                               dict(logits_ptr="*fp32", bias_ptr="*fp32", idx_ptr="*i32", w_ptr="*fp32"), num_warps=1)
+             for bias in (False, True)]
+    assert route[1] > route[0], route
 
 
 for _pre_k in (256, 512, 2048):
