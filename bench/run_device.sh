@@ -303,21 +303,26 @@ if [[ $what == moe-targets ]]; then
       | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
   cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_targets.md" 2>/dev/null || true
 fi
-# weights-early  the GPU tests of the small kernels that now load their constants before the PDL wait (the norms'
-#           weights, the SSM update's A / D / dt_bias, the routing bias), then moe-base-ab
-# moe-base-ab  the two MoE target shapes at batch 1 and 8 (graphs, generate at batch 1) with this tree and with the
-#           copy of an earlier commit in BASE_DIR (bench/make_base.sh; carried), alternately, same machine
+# weights-early  the GPU tests of the small kernels that load their constants before the PDL wait (the norms'
+#           weights, the SSM update's A / D / dt_bias, the routing bias; ~2 minutes fresh), then moe-base-ab
+# moe-base-ab  the MoE shapes in AB_SHAPES (default granite-tiny) at batch 1 and 8 (graphs, generate at batch 1)
+#           with the copy of an earlier commit in BASE_DIR (bench/make_base.sh; carried) and then with this tree,
+#           AB_LIMIT seconds each (default 280). A bench_moe.py worker's startup alone takes 80-100 s with warm JIT
+#           caches and minutes more after a kernel change (its specialisations compile again): at 2026-12-07 two
+#           runs of 95 s a shape printed nothing. Run with JIT_SAVE=1 once after a kernel change and keep the caches.
 if [[ $what == weights-early ]]; then
-  gpu_pytest 150 gpu_tests_weights_early.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_moe_gpu.py \
+  gpu_pytest 170 gpu_tests_weights_early.log tests/gpu/test_triton_fused_ops_gpu.py tests/gpu/test_moe_gpu.py \
       tests/gpu/test_triton_kernels_gpu.py \
-      -k "rms_norm or gated_norm or route or ssm_update or multi_token or one_token or fused_ops or intermediate"
+      -k "rms_norm_8b or gated_norm_8b or ssm_update or multi_token or route_kernel or route_hidden or engine_with_fused_ops or one_token_preloading"
 fi
 if [[ $what == moe-base-ab || $what == weights-early ]]; then
   [[ -d ${BASE_DIR:-.abbase} ]] || { echo "moe-base-ab: no ${BASE_DIR:-.abbase} (bench/make_base.sh)"; exit 2; }
-  for tree in . "${BASE_DIR:-.abbase}"; do
+  limit=${AB_LIMIT:-280}
+  for tree in "${BASE_DIR:-.abbase}" .; do
     name=$([[ $tree == . ]] && echo head || echo "base_$(cat "$tree/COMMIT" 2>/dev/null | cut -c1-7)")
-    timeout ${AB_LIMIT:-200} python3 "$tree/bench/bench_moe.py" --shapes granite-tiny nemotron-nano --batches 1 8 \
-        --gen-batches 1 --no-peer --no-eager --out "/tmp/moe_ab_$name" --time-budget $(( ${AB_LIMIT:-200} - 10 )) 2>&1 \
+    # shellcheck disable=SC2086
+    timeout "$limit" python3 "$tree/bench/bench_moe.py" --shapes ${AB_SHAPES:-granite-tiny} --batches 1 8 \
+        --gen-batches 1 --no-peer --no-eager --out "/tmp/moe_ab_$name" --time-budget $(( limit - 10 )) 2>&1 \
         | tee "$OUT/bench_moe_ab_$name.log" | grep -E "decode \{|generate \{|rror" | cut -c1-260 | sed "s/^/[$name] /" \
         || rc=1
     cp "/tmp/moe_ab_$name/moe_benchmark.md" "$OUT/moe_ab_$name.md" 2>/dev/null || true
