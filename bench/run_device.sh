@@ -328,11 +328,11 @@ if [[ $what == moe-base-ab || $what == weights-early ]]; then
     cp "/tmp/moe_ab_$name/moe_benchmark.md" "$OUT/moe_ab_$name.md" 2>/dev/null || true
   done
 fi
-# fp8-base-ab  the 8B shape in FP8 (pcpt, bf16 state, graphs) at batch 1 and 64 with the 8K TTFT, from this tree and
-#           from the copy of an earlier commit in BASE_DIR (bench/make_base.sh; carried), same machine
+# fp8-base-ab  the 8B shape in FP8 (pcpt, bf16 state, graphs) at batch 1 and 64 with the 8K TTFT, from the copy of
+#           an earlier commit in BASE_DIR (bench/make_base.sh; carried) and then from this tree, same machine
 if [[ $what == fp8-base-ab ]]; then
   [[ -d ${BASE_DIR:-.abbase} ]] || { echo "fp8-base-ab: no ${BASE_DIR:-.abbase} (bench/make_base.sh)"; exit 2; }
-  for tree in . "${BASE_DIR:-.abbase}"; do
+  for tree in "${BASE_DIR:-.abbase}" .; do
     name=$([[ $tree == . ]] && echo head || echo "base_$(cat "$tree/COMMIT" 2>/dev/null | cut -c1-7)")
     timeout ${AB_LIMIT:-150} python3 "$tree/bench/bench_decode.py" --no-eager --ssm-dtype bfloat16 --fp8 pcpt \
         --batches 1 64 --steps 10 --json "$OUT/decode_fp8_ab_$name.json" 2>&1 | tee "$OUT/decode_fp8_ab_$name.log" \
