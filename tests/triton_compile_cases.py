@@ -283,6 +283,12 @@ def _constants_before_wait():
                                dict(logits_ptr="*fp32", bias_ptr="*fp32", idx_ptr="*i32", w_ptr="*fp32"), num_warps=1)
              for bias in (False, True)]
     assert route[1] > route[0], route
+    # the tiled in_proj + conv (decode steps of 2-16 tokens): the slots' conv histories, conv weights and biases
+    conv = [loads_before_wait(triton_gemv._in_proj_conv_kernel,
+                              dict(HAS_BIAS=False, HAS_CONV_BIAS=conv_bias, KW=4, BLOCK_M=16, BLOCK_N=32,
+                                   BLOCK_K=256, PRE_K=512, PDL=True), dict(idx_ptr="*i32", cs_ptr="*fp32"))
+            for conv_bias in (False, True)]
+    assert conv[1] > conv[0] > 16, conv  # (16: the slab's first tile alone)
 
 
 for _pre_k in (256, 512, 2048):
@@ -291,6 +297,9 @@ for _pre_k in (256, 512, 2048):
                  dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PRE_K=pre_k, PDL=True), num_stages=4)
         compiles(triton_gemv._gated_norm_linear_kernel,
                  dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PRE_K=min(pre_k, 512), GP=8, PDL=True))
+        compiles(triton_gemv._in_proj_conv_kernel,
+                 dict(HAS_BIAS=True, HAS_CONV_BIAS=True, KW=4, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, PRE_K=pre_k,
+                      PDL=True), dict(idx_ptr="*i32", cs_ptr="*fp32"), num_stages=4)
     CASES[f"decode_linears-pre{_pre_k}"] = _linears
 
 

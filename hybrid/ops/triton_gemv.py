@@ -187,12 +187,9 @@ if HAS_TRITON:
         # Row m is one token of the request in slot idx[m] (< 0: padding, zero history, nothing stored).
         offs_n, mask_n, offs_m, mask_m, w_rows, offs_pk, mask_pk, w_first = _program_slab(
             w_ptr, M, N, K, s_wn, BLOCK_M, BLOCK_N, PRE_K)
-        pdl_wait(PDL)
-        acc = _rows_times_slab(x_ptr, w_rows, w_first, offs_m, mask_m, offs_pk, mask_pk, mask_n, K, s_xm,
-                               BLOCK_K, PRE_K)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        v = acc.to(y_ptr.dtype.element_ty)  # the in_proj output, as the unfused projection stores it
+        # Before the PDL wait, besides the slab's first tile: the history's part of the conv and the history's
+        # shift. A layer's conv state is read and written only by this layer's own kernels, never by the kernel
+        # before (the one a PDL launch overlaps), and no kernel writes the conv weights or the biases.
         is_conv = mask_n & (offs_n >= C0) & (offs_n < C0 + CD)
         c = tl.where(is_conv, offs_n - C0, 0)
         slot = tl.load(idx_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
@@ -211,10 +208,20 @@ if HAS_TRITON:
                 tl.store(hist_ptrs + k * s_cs_k, h_next, mask=live)
                 h_prev = h_next
         w_last = tl.load(cw_ptr + c * s_cw_c + (KW - 1), mask=is_conv, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if HAS_CONV_BIAS:
+            conv_bias = tl.load(cb_ptr + c, mask=is_conv, other=0.0).to(tl.float32)
+        pdl_wait(PDL)
+        acc = _rows_times_slab(x_ptr, w_rows, w_first, offs_m, mask_m, offs_pk, mask_pk, mask_n, K, s_xm,
+                               BLOCK_K, PRE_K)
+        if HAS_BIAS:
+            acc += bias[None, :]
+        v = acc.to(y_ptr.dtype.element_ty)  # the in_proj output, as the unfused projection stores it
         conv += v.to(tl.float32) * w_last[None, :]
         tl.store(hist_ptrs + (KW - 2) * s_cs_k, v.to(cs_ptr.dtype.element_ty), mask=live)
         if HAS_CONV_BIAS:
-            conv += tl.load(cb_ptr + c, mask=is_conv, other=0.0).to(tl.float32)[None, :]
+            conv += conv_bias[None, :]
         conv = conv / (1.0 + tl.exp(-conv))
         out = tl.where(is_conv[None, :], conv.to(y_ptr.dtype.element_ty), v)
         tl.store(y_ptr + offs_m[:, None] * s_ym + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
@@ -345,7 +352,10 @@ if HAS_TRITON:
             h_k = tl.sum(tl.where(taps[None, None, :] == k, hist.to(tl.float32), 0.0), axis=2)
             conv += h_k * tl.sum(tl.where(taps[None, :] == k, cw, 0.0), axis=1)[None, :]
         conv += v.to(tl.float32) * tl.sum(tl.where(taps[None, :] == KW - 1, cw, 0.0), axis=1)[None, :]
-        # the history advances by this token: tap k takes tap k + 1 (all read before the wait), the last v
+        # the history advances by this token: tap k takes tap k + 1 (all read before the wait), the last v. The
+        # barrier: every thread's read of the tile (some threads hold copies of an element) is done before any
+        # thread overwrites it, however late a warp ran its loads
+        tl.debug_barrier()
         tl.store(hist_ptrs - s_cs_k, hist,
                  mask=live[:, :, None] & ((taps >= 1) & (taps < KW - 1))[None, None, :])
         tl.store(cs_ptr + tl.maximum(slot, 0)[:, None] * s_cs_slot + c[None, :] * s_cs_c + (KW - 2) * s_cs_k,
