@@ -303,6 +303,15 @@ if [[ $what == moe-targets ]]; then
       | grep -E "decode \{|generate \{|rror" | cut -c1-300 || rc=1
   cp /tmp/moe_out/moe_benchmark.md "$OUT/moe_targets.md" 2>/dev/null || true
 fi
+# The two trees of a same-machine A/B (moe-base-ab, fp8-base-ab): BASE_DIR's copy (bench/make_base.sh), then this one
+ab_trees() {
+  local base=${BASE_DIR:-.abbase}
+  [[ -d $base ]] || { echo "$what: no $base (bench/make_base.sh)" >&2; return 2; }
+  echo "$base ."
+}
+ab_name() {  # $1: a tree of ab_trees
+  if [[ $1 == . ]]; then echo head; else echo "base_$(cut -c1-7 "$1/COMMIT" 2>/dev/null)"; fi
+}
 # weights-early  the GPU tests of the small kernels that load their constants before the PDL wait (the norms'
 #           weights, the SSM update's A / D / dt_bias, the routing bias; ~2 minutes fresh), then moe-base-ab
 # moe-base-ab  the MoE shapes in AB_SHAPES (default granite-tiny) at batch 1 and 8 (graphs, generate at batch 1)
@@ -316,13 +325,13 @@ if [[ $what == weights-early ]]; then
       -k "rms_norm_8b or gated_norm_8b or ssm_update or multi_token or route_kernel or route_hidden or engine_with_fused_ops or one_token_preloading"
 fi
 if [[ $what == moe-base-ab || $what == weights-early ]]; then
-  [[ -d ${BASE_DIR:-.abbase} ]] || { echo "moe-base-ab: no ${BASE_DIR:-.abbase} (bench/make_base.sh)"; exit 2; }
+  trees=$(ab_trees) || exit 2
   limit=${AB_LIMIT:-280}
-  for tree in "${BASE_DIR:-.abbase}" .; do
-    name=$([[ $tree == . ]] && echo head || echo "base_$(cat "$tree/COMMIT" 2>/dev/null | cut -c1-7)")
-    # shellcheck disable=SC2086
+  for tree in $trees; do
+    name=$(ab_name "$tree")
     # (--prompt 1024: the step budget and the TTFT prompt; the engine then warms up and compiles the prefill and
     # MoE specialisations up to 1,024 tokens, not 8,192, a shorter startup for a decode A/B)
+    # shellcheck disable=SC2086
     timeout "$limit" python3 "$tree/bench/bench_moe.py" --shapes ${AB_SHAPES:-granite-tiny} --batches 1 8 \
         --prompt ${AB_PROMPT:-1024} --gen-batches 1 --no-peer --no-eager --out "/tmp/moe_ab_$name" \
         --time-budget $(( limit - 10 )) 2>&1 \
@@ -334,9 +343,9 @@ fi
 # fp8-base-ab  the 8B shape in FP8 (pcpt, bf16 state, graphs) at batch 1 and 64 with the 8K TTFT, from the copy of
 #           an earlier commit in BASE_DIR (bench/make_base.sh; carried) and then from this tree, same machine
 if [[ $what == fp8-base-ab ]]; then
-  [[ -d ${BASE_DIR:-.abbase} ]] || { echo "fp8-base-ab: no ${BASE_DIR:-.abbase} (bench/make_base.sh)"; exit 2; }
-  for tree in "${BASE_DIR:-.abbase}" .; do
-    name=$([[ $tree == . ]] && echo head || echo "base_$(cat "$tree/COMMIT" 2>/dev/null | cut -c1-7)")
+  trees=$(ab_trees) || exit 2
+  for tree in $trees; do
+    name=$(ab_name "$tree")
     timeout ${AB_LIMIT:-150} python3 "$tree/bench/bench_decode.py" --no-eager --ssm-dtype bfloat16 --fp8 pcpt \
         --batches 1 64 --steps 10 --json "$OUT/decode_fp8_ab_$name.json" 2>&1 | tee "$OUT/decode_fp8_ab_$name.log" \
         | grep -v Warn | grep -E "^\{|rror" | cut -c1-260 | sed "s/^/[$name] /" || rc=1

@@ -5,13 +5,8 @@ it, one at a time. The event loop hands it commands through a queue; the worker 
 pending command before each step, so an abort (a client that went away) frees the request's
 Mamba slot and KV pages before the next forward pass. Each request's RequestOutput updates are
 delivered to its own asyncio.Queue; a step's updates go to the event loop in one
-loop.call_soon_threadsafe (see _deliver_batch).
-
-`TextDeltas` turns the full decoded text of a sequence into safe-to-send increments: a trailing
-U+FFFD (a multi-byte character cut in the middle) and any tail that could be the start of a stop
-string are held back, so a stop string never leaks into a stream, and the concatenated deltas
-always equal the final (stop-truncated) text. With include_stop_str_in_output the final text keeps
-the stop string, and the last delta carries it.
+loop.call_soon_threadsafe (see _deliver_batch). The server turns texts into stream deltas with
+hybrid.output_processor.TextDeltas.
 """
 from __future__ import annotations
 
@@ -25,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from hybrid.errors import EngineDeadError, HybridError, RequestFailedError
-from hybrid.output_processor import TextDeltas  # noqa: F401 (its home was here: the server imports it from here)
 from hybrid.outputs import RequestOutput
 from hybrid.request import check_cache_salt
 from hybrid.sampling import SamplingParams
@@ -33,7 +27,7 @@ from hybrid.sampling import SamplingParams
 logger = logging.getLogger("hybrid.async_engine")
 
 
-__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedError", "TextDeltas"]
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedError"]
 
 
 class QueueFullError(HybridError):

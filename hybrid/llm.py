@@ -34,8 +34,6 @@ from state_pool.util import cdiv
 
 logger = logging.getLogger("hybrid")
 
-# vLLM prompt-dict keys of inputs this runtime has no use for: accepted when None or empty
-
 __all__ = ["LLM", "DEFAULT_MODEL_DIR", "EngineConfig", "engine_config", "resolve_device", "EngineSizes",
            "default_sizes", "smaller_sizes", "fit_max_model_len", "plan_cuda_sizes", "CPU_MAX_NUM_SEQS",
            "CPU_MAX_NUM_BATCHED_TOKENS", "CPU_MAX_MODEL_LEN", "CUDA_MAX_NUM_SEQS", "CUDA_MAX_NUM_BATCHED_TOKENS",

@@ -35,7 +35,9 @@ def _held_back(text: str, stops: list[str] | None) -> int:
 
 
 class TextDeltas:
-    """Incremental text of one sequence from successive full decoded texts. `include_stops`
+    """Incremental text of one sequence from successive full decoded texts: a trailing U+FFFD (a multi-byte
+    character cut in the middle) and any tail that could begin a stop string are held back, so a stop string
+    never leaks into a stream and the deltas add up to the final (stop-truncated) text. `include_stops`
     (SamplingParams.include_stop_str_in_output): the engine cuts the text right after a stop string,
     never before text it has shown, so nothing needs holding back for stop strings; without it (the
     default, always safe) their possible beginnings wait until resolved, and the last delta brings

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybrid import LLM, SamplingParams
-from hybrid.async_engine import TextDeltas
+from hybrid.output_processor import TextDeltas
 from hybrid.errors import InvalidRequestError
 from hybrid.logits_processing import process_logits
 

@@ -483,7 +483,7 @@ def test_queue_limit_answers_429(chat_ckpt):
 
 
 def test_text_deltas_hold_back_stop_prefixes_and_partial_chars():
-    from hybrid.async_engine import TextDeltas
+    from hybrid.output_processor import TextDeltas
 
     d = TextDeltas(["STOP", "\n\n"])
     assert d.update("ab", False) == "ab"

@@ -75,7 +75,7 @@ def test_special_token_tags_are_kept_and_streamed_equals_whole():
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Split
 
-    from hybrid.async_engine import TextDeltas
+    from hybrid.output_processor import TextDeltas
     from hybrid.outputs import CompletionOutput
     from hybrid.server.streaming import ChatFormat, ChoiceUpdate
     from hybrid.server.tool_tags import MarkerTokens

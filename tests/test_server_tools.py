@@ -189,7 +189,7 @@ def test_special_token_tags_are_kept_for_parsing():
 def _chat_format_keeps_special_tags(markers, hybrid_tok, tok):
     """ChatFormat (the server's chat writer) over outputs whose tags are special tokens: the streamed
     deltas and the whole message both see the call."""
-    from hybrid.async_engine import TextDeltas
+    from hybrid.output_processor import TextDeltas
     from hybrid.outputs import CompletionOutput
     from hybrid.server.streaming import ChatFormat, ChoiceUpdate
     from hybrid.server.tool_calls import ToolMode

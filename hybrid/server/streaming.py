@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from hybrid.async_engine import TextDeltas
+from hybrid.output_processor import TextDeltas
 from hybrid.sampling import SamplingParams
 from hybrid.server.api_errors import error_for
 from hybrid.server.reasoning import ReasoningMode, ReasoningStream
