@@ -326,3 +326,57 @@ def test_add_rms_norm_route_real_dims(T, H, E, top_k, router_dtype):
     same = (idx == want_idx).all(-1)
     assert bool(same.all()) if sigmoid else same.float().mean().item() >= 0.75
     torch.testing.assert_close(w[same], want_w[same], rtol=1e-5, atol=1e-2 if not sigmoid else 1e-6)
+
+
+@pytest.mark.parametrize("n,k", [(6448, 1536), (1536, 3072), (10304, 2688), (18560, 4096), (131072, 4096)])
+def test_wave_prefetch_changes_no_value(n, k, monkeypatch):
+    """HYBRID_WAVE_PREFETCH=1 (each preloading program asks L2 for the slab one wave on): the one-token linear,
+    in_proj + conv and FP8 linear give the bits they give without it, at the released shapes' projections (the
+    8B's in_proj, a 131K-row head: many waves), eagerly once the wave is known and from a CUDA graph; the wave
+    is the launch's resident programs, under its grid."""
+    from hybrid.ops import triton_fp8, triton_gemv, triton_guard, wave_prefetch
+
+    g = torch.Generator(device=DEV).manual_seed(n + k)
+    x = torch.randn(1, k, generator=g, device=DEV).bfloat16()
+    w = (torch.randn(n, k, generator=g, device=DEV) * k ** -0.5).bfloat16()
+    w8 = w.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    w8_scale = torch.rand(n, generator=g, device=DEV) + 0.5
+    conv_dim = min(3328, n // 2)
+    cw = (torch.randn(conv_dim, 4, generator=g, device=DEV) * 0.5).bfloat16()
+    state = torch.randn(3, conv_dim, 3, generator=g, device=DEV).bfloat16()
+    slots = torch.tensor([1], dtype=torch.int32, device=DEV)
+
+    def run(st):
+        return (triton_gemv.small_m_linear(x, w, preload=True),
+                triton_gemv.in_proj_conv(x, w, None, st, cw, None, slots, 0, preload=True),
+                triton_fp8.fp8_preload_gemv(x, w8, w8_scale, quantize=triton_fp8.ACT_DYNAMIC))
+
+    monkeypatch.setenv("HYBRID_WAVE_PREFETCH", "0")
+    triton_guard.reset_switches()
+    want_state = state.clone()
+    want = run(want_state)
+    monkeypatch.setenv("HYBRID_WAVE_PREFETCH", "1")
+    triton_guard.reset_switches()
+    wave_prefetch.clear()
+    try:
+        for _ in range(2):  # the first launch notes the wave, the second prefetches with it
+            st = state.clone()
+            got = run(st)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(st, want_state)
+        keys = [key for key in wave_prefetch._resident if key[0] in ("preload_linear", "preload_in_proj_conv",
+                                                                      "fp8_preload")]
+        assert len(keys) == 3
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert all(wave_prefetch._resident[key] % sms == 0 for key in keys)
+        st = state.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(st)
+        st.copy_(state)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, want)) and torch.equal(st, want_state)
+    finally:
+        monkeypatch.delenv("HYBRID_WAVE_PREFETCH")
+        triton_guard.reset_switches()
+        wave_prefetch.clear()
