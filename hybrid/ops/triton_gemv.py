@@ -484,7 +484,8 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         programs = cdiv(N, block_n)
         rows = triton.next_power_of_2(M)
         pf = wave_prefetch.enabled(weight, K * weight.element_size(), block_n * K * weight.element_size())
-        key = ("preload_linear", x.device.index, weight.dtype, x.dtype, out.dtype, bias is not None, rows, block_n, k1, k2, k3, num_warps)
+        key = ("preload_linear", x.device.index, weight.dtype, x.dtype, out.dtype, bias is not None, rows, block_n,
+               k1, k2, k3, num_warps)
         compiled = _preload_linear_kernel[(programs,)](
             x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
             out.stride(0), K * weight.element_size(), wave_prefetch.wave(key, programs) if pf else programs,
