@@ -340,23 +340,6 @@ if [[ $what == moe-base-ab || $what == weights-early ]]; then
     cp "/tmp/moe_ab_$name/moe_benchmark.md" "$OUT/moe_ab_$name.md" 2>/dev/null || true
   done
 fi
-# wave-prefetch  HYBRID_WAVE_PREFETCH=1 (each preloading program asks L2 for the slab one wave on): its GPU test
-#           (<= 90 s), Granite-Tiny (WAVE_SHAPES) at batch 1 and 8 with the switch recaptured in the same process
-#           (WAVE_MOE_LIMIT s, default 300), then the 8B shape in FP8 (pcpt, bf16 state) at batch 1, a process each way
-if [[ $what == wave-prefetch ]]; then
-  gpu_pytest 90 gpu_tests_wave_prefetch.log tests/gpu/test_triton_fused_ops_gpu.py -k "wave_prefetch"
-  timeout ${WAVE_MOE_LIMIT:-300} python3 bench/bench_moe.py --shapes ${WAVE_SHAPES:-granite-tiny} \
-      --batches 1 8 --prompt 1024 --gen-batches 1 --no-peer --no-eager --wave-prefetch-ab --out /tmp/moe_wave \
-      --time-budget $(( ${WAVE_MOE_LIMIT:-300} - 10 )) 2>&1 | tee "$OUT/bench_moe_wave_prefetch.log" \
-      | grep -E "decode \{|generate \{|wave|rror" | cut -c1-300 || rc=1
-  cp /tmp/moe_wave/moe_benchmark.md "$OUT/moe_wave_prefetch.md" 2>/dev/null || true
-  for wave in 0 1; do
-    HYBRID_WAVE_PREFETCH=$wave timeout ${WAVE_FP8_LIMIT:-100} python3 bench/bench_decode.py --no-eager --no-prefill --ssm-dtype bfloat16 \
-        --fp8 pcpt --batches 1 --steps 20 --json "$OUT/decode_fp8_wave_$wave.json" 2>&1 \
-        | tee "$OUT/decode_fp8_wave_$wave.log" | grep -v Warn | grep -E "^\{|rror" | cut -c1-200 \
-        | sed "s/^/fp8 wave_prefetch=$wave: /" || rc=1
-  done
-fi
 # fp8-base-ab  the 8B shape in FP8 (pcpt, bf16 state, graphs) at batch 1 and 64 with the 8K TTFT, from the copy of
 #           an earlier commit in BASE_DIR (bench/make_base.sh; carried) and then from this tree, same machine
 if [[ $what == fp8-base-ab ]]; then

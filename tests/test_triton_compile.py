@@ -52,7 +52,7 @@ NAMES = ["moe_gemm-decode-act0-early0", "moe_gemm-decode-act0-early1", "moe_gemm
          "prefill_attention-hd224-bf16", "prefill_attention-hd224-fp8", "fp8_quantize_rows", "fp8_scale_accumulator", "fp8_splitk", "fp8_small_m-act0",
          "fp8_small_m-act1", "fp8_small_m-act2", "fp8_gemv-m1", "fp8_gemv-m2", "fp8_gemv-m4", "fp8_preload-k4096",
          "fp8_preload-k8192", "fp8_preload-k21504", "one_token_experts",
-         "sampler_fallback", "constants_before_wait", "wave_prefetch"]
+         "sampler_fallback", "constants_before_wait"]
 
 
 def test_the_cases_are_these():

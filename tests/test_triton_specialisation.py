@@ -41,9 +41,8 @@ KERNELS = {
     ("hybrid.ops.triton_gemv", "_in_proj_conv_kernel"): ("M",),  # C0, CD, the conv state's strides: the model's
     # HB (heads x head-dim blocks) and HB_G (a group's part of it): the SSM update's block count follows the batch
     ("hybrid.ops.triton_gemv", "_gated_out_proj_kernel"): ("M", "HB_G", "HB", "s_sq"),
-    # wave: the launch's grid until its resident programs are known, then those (wave_prefetch)
-    ("hybrid.ops.triton_gemv", "_preload_linear_kernel"): ("M", "wave"),
-    ("hybrid.ops.triton_gemv", "_preload_in_proj_conv_kernel"): ("M", "wave"),
+    ("hybrid.ops.triton_gemv", "_preload_linear_kernel"): ("M",),
+    ("hybrid.ops.triton_gemv", "_preload_in_proj_conv_kernel"): ("M",),
     ("hybrid.ops.triton_act", "_relu2_kernel"): (),
     ("hybrid.ops.triton_act", "_silu_and_mul_kernel"): (),
     # T (tokens per row): == 1 is decode's own specialisation (~40% of a bf16 decode on the H200), so
@@ -71,7 +70,7 @@ KERNELS = {
     ("hybrid.ops.triton_fp8", "_quantize_rows_kernel"): (),
     ("hybrid.ops.triton_fp8", "_scale_accumulator_kernel"): ("s_as",),  # (M x N between split-K partials)
     ("hybrid.ops.triton_fp8", "_fp8_splitk_kernel"): ("M", "s_ps"),
-    ("hybrid.ops.triton_fp8", "_fp8_preload_kernel"): ("wave",),  # (one row; N, K, strides: the model's)
+    ("hybrid.ops.triton_fp8", "_fp8_preload_kernel"): (),  # (one row; N, K, strides: the model's)
 }
 
 # the arguments specialised on == 1 only, not on divisibility by 16 (do_not_specialize_on_alignment),
@@ -98,7 +97,6 @@ HELPERS = {
     "hybrid.ops.triton_greedy": {"_better", "_tile_best"},
     "attention.triton_prefill": {"_attend_tile"},
     "attention.trtllm": set(),
-    "hybrid.ops.wave_prefetch": {"prefetch_wave"},
     "hybrid.ops.triton_fp8": {"_round_e4m3", "round_row_into", "static_scale", "_e4m3_values", "_quantized", "_gemv_step", "_ieee_quotient", "_e4m3_row", "_dynamic_scale",
                              "_gemv_step_quantizing", "_gemv_row_scales", "_preload_x_piece", "_preload_piece_dot",
                              "_activated"},

@@ -61,21 +61,14 @@ def compiles(fn, constexprs: dict, ptr_types: dict[str, str] | None = None, num_
         assert kernel.metadata.shared <= SM90_SHARED_BYTES, f"{kernel.metadata.shared} bytes of shared memory"
 
 
-def ptx_around_wait(fn, constexprs: dict, ptr_types: dict[str, str] | None = None,
-                    num_warps: int = 4) -> tuple[str, str]:
-    """The aligned sm_90 PTX of `fn` before and after its PDL wait (griddepcontrol.wait)."""
+def loads_before_wait(fn, constexprs: dict, ptr_types: dict[str, str] | None = None, num_warps: int = 4) -> int:
+    """How many global loads the aligned sm_90 code of `fn` issues before its PDL wait (griddepcontrol.wait)."""
     sig = signature(fn, constexprs, ptr_types or {})
     kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned(fn, sig)), target=SM90,
                             options=dict(num_warps=num_warps, num_stages=3, launch_pdl=True))
     ptx = kernel.asm["ptx"]
-    assert ptx.count("griddepcontrol.wait") == 1, "not one PDL wait in the kernel"
-    before, after = ptx.split("griddepcontrol.wait")
-    return before, after
-
-
-def loads_before_wait(fn, constexprs: dict, ptr_types: dict[str, str] | None = None, num_warps: int = 4) -> int:
-    """How many global loads the aligned sm_90 code of `fn` issues before its PDL wait (griddepcontrol.wait)."""
-    return ptx_around_wait(fn, constexprs, ptr_types, num_warps)[0].count("ld.global")
+    assert "griddepcontrol.wait" in ptx, "no PDL wait in the kernel"
+    return ptx.split("griddepcontrol.wait")[0].count("ld.global")
 
 
 MOE_PTRS = dict(w_ptr="*fp32", pairs_ptr="*i32", block_expert_ptr="*i32", total_ptr="*i32")
@@ -200,8 +193,7 @@ for _bn, _k1, _k2, _k3 in ((8, 4096, 0, 0), (4, 8192, 0, 0), (1, 16384, 4096, 10
         for quant in (0, 1, 2, 3):  # (3: the row quantize_rows' e4m3 output)
             compiles(triton_fp8._fp8_preload_kernel,
                      dict(QUANT=quant, FMA_QUOTIENT=True, HW_CAST=True, W_PER_ROW=True, HAS_BIAS=False, BLOCK_N=bn,
-                          K1=k1, K2=k2, K3=k3, WAVE_PF=quant == 2, PDL=True),
-                     dict(FP8_PTRS, x_ptr="*fp8e4nv" if quant == 3 else "*bf16"))
+                          K1=k1, K2=k2, K3=k3, PDL=True), dict(FP8_PTRS, x_ptr="*fp8e4nv" if quant == 3 else "*bf16"))
     CASES[f"fp8_preload-k{_k1 + _k2 + _k3}"] = _fp8_preload
 
 
@@ -316,32 +308,12 @@ for _pre_k in (256, 512, 2048):
 for _bn, _k1, _k2, _k3 in ((8, 1024, 512, 0), (4, 2048, 1024, 0), (4, 2048, 512, 128), (2, 8192, 0, 0)):
     def _preload(bn=_bn, k1=_k1, k2=_k2, k3=_k3):
         for rows in (1, 2, 4):  # one row (the default), and a step's rows read together
-            for wave_pf in ((False, True) if rows == 1 else (False,)):  # (the wave prefetch: one-token steps)
-                compiles(triton_gemv._preload_linear_kernel,
-                         dict(HAS_BIAS=False, ROWS=rows, BLOCK_N=bn, K1=k1, K2=k2, K3=k3, WAVE_PF=wave_pf, PDL=True))
-                compiles(triton_gemv._preload_in_proj_conv_kernel,
-                         dict(HAS_BIAS=True, HAS_CONV_BIAS=True, KW=4, KWP=4, ROWS=rows, BLOCK_N=bn, K1=k1, K2=k2,
-                              K3=k3, WAVE_PF=wave_pf, PDL=True), dict(idx_ptr="*i32", cs_ptr="*fp32"))
+            compiles(triton_gemv._preload_linear_kernel,
+                     dict(HAS_BIAS=False, ROWS=rows, BLOCK_N=bn, K1=k1, K2=k2, K3=k3, PDL=True))
+            compiles(triton_gemv._preload_in_proj_conv_kernel,
+                     dict(HAS_BIAS=True, HAS_CONV_BIAS=True, KW=4, KWP=4, ROWS=rows, BLOCK_N=bn, K1=k1, K2=k2,
+                          K3=k3, PDL=True), dict(idx_ptr="*i32", cs_ptr="*fp32"))
     CASES[f"preload_linears-k{_k1 + _k2 + _k3}"] = _preload
-
-
-@case("wave_prefetch")
-def _wave_prefetch():
-    """The preloading kernels with WAVE_PF ask L2 for the next wave's slab (one bulk prefetch, predicated) before
-    their PDL wait, and without it not at all."""
-    fp8 = dict(FP8_PTRS, x_ptr="*bf16")
-    for fn, consts, ptrs in (
-            (triton_gemv._preload_linear_kernel, dict(HAS_BIAS=False, ROWS=1, BLOCK_N=8, K1=1024, K2=512, K3=0), {}),
-            (triton_gemv._preload_in_proj_conv_kernel,
-             dict(HAS_BIAS=False, HAS_CONV_BIAS=True, KW=4, KWP=4, ROWS=1, BLOCK_N=8, K1=1024, K2=512, K3=0),
-             dict(idx_ptr="*i32", cs_ptr="*fp32")),
-            (triton_fp8._fp8_preload_kernel,
-             dict(QUANT=2, FMA_QUOTIENT=True, HW_CAST=True, W_PER_ROW=True, HAS_BIAS=False, BLOCK_N=8, K1=4096, K2=0,
-                  K3=0), fp8)):
-        for on in (False, True):
-            before, after = ptx_around_wait(fn, dict(consts, WAVE_PF=on, PDL=True), ptrs)
-            assert before.count("cp.async.bulk.prefetch.L2") == int(on), (fn.fn.__name__, on)
-            assert "cp.async.bulk.prefetch" not in after, fn.fn.__name__
 
 
 for _inter in (False, True):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.ops import triton_act, triton_gemv, wave_prefetch
+from hybrid.ops import triton_act, triton_gemv
 from hybrid.ops.triton_guard import HAS_TRITON, arrival_counts, pdl_options, require, tl, triton
 from hybrid.quantization import FP8_DTYPE, FP8_MAX, MIN_DYNAMIC_SCALE
 from state_pool.util import cdiv
@@ -49,7 +49,6 @@ if HAS_TRITON:
     from hybrid.ops.triton_act import relu2_values, silu_mul_values
     from hybrid.ops.triton_gemv import _preload_slab
     from hybrid.ops.triton_guard import pdl_wait
-    from hybrid.ops.wave_prefetch import prefetch_wave
 
     @triton.jit
     def _round_e4m3(v):
@@ -344,12 +343,11 @@ if HAS_TRITON:
             xv = _e4m3_row(x, s, FMA_QUOTIENT, HW_CAST).to(tl.float32)
         return tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
 
-    @triton.jit(do_not_specialize=["wave"])
+    @triton.jit
     def _fp8_preload_kernel(x_ptr, w_ptr, w_scale_ptr, in_scale_ptr, bias_ptr, y_ptr, N, K, s_wn, min_scale,
-                            row_bytes, wave, QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr,
+                            QUANT: tl.constexpr, FMA_QUOTIENT: tl.constexpr, HW_CAST: tl.constexpr,
                             W_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                            K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, WAVE_PF: tl.constexpr,
-                            PDL: tl.constexpr):
+                            K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
         # One token's FP8 projection, the program's whole e4m3 weight slab (BLOCK_N columns, all of K as
         # k_pieces) asked for before the PDL wait with its scales and bias (no kernel writes them), as
         # triton_gemv's preloading kernels do for 16-bit weights; after the wait the 16-bit row (a few KB,
@@ -358,7 +356,6 @@ if HAS_TRITON:
         # QUANT 3: the row is quantize_rows' e4m3 output, its scale at in_scale_ptr (every program rounding
         # the whole row itself costs ~15 instructions a value: past a few thousand columns a program, as
         # the MLP down_proj's one column of K 21504, more than its weights take to stream)
-        prefetch_wave(w_ptr, N, row_bytes, wave, BLOCK_N, WAVE_PF)  # the next wave's slab into L2 (wave_prefetch)
         offs_n, mask_n, w1, w2, w3 = _preload_slab(w_ptr, N, K, s_wn, BLOCK_N, K1, K2, K3)
         if W_PER_ROW:
             w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
@@ -444,21 +441,14 @@ def fp8_preload_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         x = triton_act.by_name(x, act)
     block_n, k1, k2, k3 = triton_gemv.preload_tiles(K, block_n, PRELOAD_ELEMENTS)
     y = torch.empty(1, N, dtype=out_dtype, device=x.device)
-    programs = cdiv(N, block_n)
-    pf = wave_prefetch.enabled(weight, K, block_n * K)
-    fma_quotient = not _INTERPRETED if fma_quotient is None else fma_quotient
-    hw_cast = not _INTERPRETED if hw_cast is None else hw_cast
-    key = ("fp8_preload", x.device.index, x.dtype, out_dtype, quant, fma_quotient, hw_cast, weight_scale.dim(),
-           bias is not None, block_n, k1, k2, k3, num_warps)
-    compiled = _fp8_preload_kernel[(programs,)](
+    _fp8_preload_kernel[(cdiv(N, block_n),)](
         x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
-        bias if bias is not None else weight_scale, y, N, K, weight.stride(0), MIN_DYNAMIC_SCALE, K,
-        wave_prefetch.wave(key, programs) if pf else programs, QUANT=quant, FMA_QUOTIENT=fma_quotient,
-        HW_CAST=hw_cast, W_PER_ROW=weight_scale.dim() == 1, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        K1=k1, K2=k2, K3=k3, WAVE_PF=pf, num_warps=num_warps, **pdl_options(x.device),
+        bias if bias is not None else weight_scale, y, N, K, weight.stride(0), MIN_DYNAMIC_SCALE, QUANT=quant,
+        FMA_QUOTIENT=not _INTERPRETED if fma_quotient is None else fma_quotient,
+        HW_CAST=not _INTERPRETED if hw_cast is None else hw_cast, W_PER_ROW=weight_scale.dim() == 1,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=num_warps,
+        **pdl_options(x.device),
     )
-    if pf:
-        wave_prefetch.note(key, compiled, x.device)
     return y
 
 

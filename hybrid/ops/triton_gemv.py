@@ -31,7 +31,6 @@ import os
 
 import torch
 
-from hybrid.ops import wave_prefetch
 from hybrid.ops.triton_guard import HAS_TRITON, pdl_options, require, switch, tl, triton
 from state_pool.util import cdiv, sm_count
 
@@ -118,7 +117,6 @@ def preload_tiles(K: int, block_n: int | None = None, elements: int = PRELOAD_EL
 
 if HAS_TRITON:
     from hybrid.ops.triton_guard import pdl_wait
-    from hybrid.ops.wave_prefetch import prefetch_wave
 
     @triton.jit
     def _program_slab(w_ptr, M, N, K, s_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRE_K: tl.constexpr):
@@ -304,32 +302,28 @@ if HAS_TRITON:
                 acc += _rows_piece(x_ptr, s_xm, M, w3, K1 + K2, K, ROWS, K3)
         return acc
 
-    @triton.jit(do_not_specialize=["M", "wave"])
-    def _preload_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym, row_bytes, wave,
-                               HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr,
-                               K2: tl.constexpr, K3: tl.constexpr, WAVE_PF: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(do_not_specialize=["M"])
+    def _preload_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.constexpr,
+                               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
+                               K3: tl.constexpr, PDL: tl.constexpr):
         # the whole weight slab is asked for before the PDL wait (no kernel writes weights): the stream
-        # starts while the previous kernel runs, and after the wait only x (a few KB, from L2) is read;
-        # WAVE_PF: the slab of the program one wave on asked into L2 too (wave_prefetch)
+        # starts while the previous kernel runs, and after the wait only x (a few KB, from L2) is read
         offs_n, mask_n, w1, w2, w3 = _preload_slab(w_ptr, N, K, s_wn, BLOCK_N, K1, K2, K3)
-        prefetch_wave(w_ptr, N, row_bytes, wave, BLOCK_N, WAVE_PF)
         pdl_wait(PDL)
         acc = _preloaded_rows(x_ptr, s_xm, M, K, w1, w2, w3, ROWS, BLOCK_N, K1, K2, K3)
         offs_m = tl.arange(0, ROWS)
         _store_rows(acc, bias_ptr, y_ptr, offs_m, offs_n, offs_m < M, mask_n, s_ym, HAS_BIAS)
 
-    @triton.jit(do_not_specialize=["M", "wave"])
+    @triton.jit(do_not_specialize=["M"])
     def _preload_in_proj_conv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, cs_ptr, cw_ptr, cb_ptr, idx_ptr, M, N, K, C0,
-                                     CD, s_xm, s_wn, s_ym, s_cs_slot, s_cs_c, s_cs_k, s_cw_c, row_bytes, wave,
+                                     CD, s_xm, s_wn, s_ym, s_cs_slot, s_cs_c, s_cs_k, s_cw_c,
                                      HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KW: tl.constexpr,
                                      KWP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                                     K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, WAVE_PF: tl.constexpr,
-                                     PDL: tl.constexpr):
-        # _in_proj_conv_kernel's work with _preload_linear_kernel's slab (and its wave prefetch): before the wait
-        # also the slots' histories (a layer's conv state is written only by this layer's own kernels: not by the
-        # kernel before), the conv weights and the biases; after it, x, then the stores
+                                     K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, PDL: tl.constexpr):
+        # _in_proj_conv_kernel's work with _preload_linear_kernel's slab: before the wait also the slots'
+        # histories (a layer's conv state is written only by this layer's own kernels: not by the kernel
+        # before), the conv weights and the biases; after it, x, then the stores
         offs_n, mask_n, w1, w2, w3 = _preload_slab(w_ptr, N, K, s_wn, BLOCK_N, K1, K2, K3)
-        prefetch_wave(w_ptr, N, row_bytes, wave, BLOCK_N, WAVE_PF)
         offs_m = tl.arange(0, ROWS)
         mask_m = offs_m < M
         is_conv = mask_n & (offs_n >= C0) & (offs_n < C0 + CD)
@@ -481,19 +475,11 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if preload:
         block_n, k1, k2, k3 = preload_tiles(K, block_n)
-        programs = cdiv(N, block_n)
-        rows = triton.next_power_of_2(M)
-        pf = wave_prefetch.enabled(weight, K * weight.element_size(), block_n * K * weight.element_size())
-        key = ("preload_linear", x.device.index, weight.dtype, x.dtype, out.dtype, bias is not None, rows, block_n,
-               k1, k2, k3, num_warps)
-        compiled = _preload_linear_kernel[(programs,)](
+        _preload_linear_kernel[(cdiv(N, block_n),)](
             x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
-            out.stride(0), K * weight.element_size(), wave_prefetch.wave(key, programs) if pf else programs,
-            HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, WAVE_PF=pf,
-            num_warps=num_warps, **pdl_options(x.device),
+            out.stride(0), HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
+            K1=k1, K2=k2, K3=k3, num_warps=num_warps, **pdl_options(x.device),
         )
-        if pf:
-            wave_prefetch.note(key, compiled, x.device)
         return out
     if block_n is None:
         block_n = default_block_n(N, x.device)
@@ -547,22 +533,15 @@ def in_proj_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if preload:
         block_n, k1, k2, k3 = preload_tiles(K, block_n)
-        programs = cdiv(N, block_n)
-        rows = triton.next_power_of_2(M)
-        pf = wave_prefetch.enabled(weight, K * weight.element_size(), block_n * K * weight.element_size())
-        key = ("preload_in_proj_conv", x.device.index, weight.dtype, x.dtype, conv_state.dtype, bias is not None,
-               conv_bias is not None, W, rows, block_n, k1, k2, k3, num_warps)
-        compiled = _preload_in_proj_conv_kernel[(programs,)](
+        _preload_in_proj_conv_kernel[(cdiv(N, block_n),)](
             x, weight, bias if bias is not None else weight, out, conv_state, conv_weight,
             conv_bias if conv_bias is not None else conv_weight, state_indices, M, N, K, conv_start, C,
             x.stride(0), weight.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
-            conv_state.stride(2), conv_weight.stride(0), K * weight.element_size(),
-            wave_prefetch.wave(key, programs) if pf else programs, HAS_BIAS=bias is not None,
-            HAS_CONV_BIAS=conv_bias is not None, KW=W, KWP=triton.next_power_of_2(W), ROWS=rows,
-            BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, WAVE_PF=pf, num_warps=num_warps, **pdl_options(x.device),
+            conv_state.stride(2), conv_weight.stride(0), HAS_BIAS=bias is not None,
+            HAS_CONV_BIAS=conv_bias is not None, KW=W, KWP=triton.next_power_of_2(W),
+            ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, K1=k1, K2=k2, K3=k3, num_warps=num_warps,
+            **pdl_options(x.device),
         )
-        if pf:
-            wave_prefetch.note(key, compiled, x.device)
         return out
     block_n = block_n or 32
     pre_k = min(triton.next_power_of_2(K), max(block_k, PREFETCH_ELEMENTS // block_n))

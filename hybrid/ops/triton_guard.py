@@ -97,9 +97,6 @@ again: benchmarks comparing both):
 - "lm_head_preload" (on by default; HYBRID_LM_HEAD_PRELOAD=0 turns it off): a one-token step's 16-bit LM head on
   the preloading linear, its fp32 accumulator stored as the logits (hybrid/layers.logits_fp32; cuBLAS
   otherwise): +1.1% / +0.8% at batch 1 on the same two shapes.
-- "wave_prefetch" (off until measured; HYBRID_WAVE_PREFETCH=1): each program of the one-token preloading kernels
-  (the 16-bit linear, in_proj + conv, the FP8 linear) also asks L2, before its PDL wait, for the slab of the
-  program one wave after it (hybrid/ops/wave_prefetch.py), so a projection's later waves read L2, not HBM.
 The others are off: of those measured in the model on the H200 (bench/bench_moe.py --linear-ab / --norm-router-ab,
 BENCHMARKS.md) "decode_linear" loses 37-45% at batch 1 and "norm_router" is neutral.
 """
@@ -152,7 +149,7 @@ _SWITCHES = {"decode_linear": ("HYBRID_DECODE_LINEAR", "triton"), "decode_linear
              "moe_preload": ("HYBRID_MOE_PRELOAD", "1"), "moe_shared_early": ("HYBRID_MOE_SHARED_EARLY", "1"),
              "lm_head_preload": ("HYBRID_LM_HEAD_PRELOAD", "1"), "scan_plans": ("HYBRID_SCAN_PLANS", "1"),
              "fp8_preload": ("HYBRID_FP8_PRELOAD", "1"), "fp8_splitk": ("HYBRID_FP8_SPLITK", "1"),
-             "fp8_norm_rounding": ("HYBRID_FP8_NORM_ROUNDING", "1"), "wave_prefetch": ("HYBRID_WAVE_PREFETCH", "1")}
+             "fp8_norm_rounding": ("HYBRID_FP8_NORM_ROUNDING", "1")}
 _ON_BY_DEFAULT = {"varlen_prefill", "decode_in_proj_conv", "gemv_narrow", "triton_greedy", "gemv_preload",
                   "moe_preload", "moe_shared_early", "lm_head_preload", "scan_plans", "fp8_preload",
                   "fp8_norm_rounding"}  # these read as on unless their variable says "0"
