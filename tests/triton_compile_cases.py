@@ -49,24 +49,26 @@ def aligned(fn, sig: dict[str, str]) -> dict:
             if sig[p.name] not in ("constexpr", "fp32") and not p.do_not_specialize}
 
 
+def _compile_sm90(fn, sig: dict[str, str], constexprs: dict, attrs: dict, num_warps: int, num_stages: int):
+    """`fn` compiled for sm_90 with programmatic dependent launch."""
+    return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=SM90,
+                          options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=True))
+
+
 def compiles(fn, constexprs: dict, ptr_types: dict[str, str] | None = None, num_warps: int = 4,
              num_stages: int = 3) -> None:
     """Compiles `fn` for sm_90 twice: with nothing known of its arguments, and as aligned() specialises them
     (whose pipelined copies must fit the shared memory of an SM)."""
     sig = signature(fn, constexprs, ptr_types or {})
     for attrs in ({}, aligned(fn, sig)):
-        src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
-        kernel = triton.compile(src, target=SM90,
-                                options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=True))
+        kernel = _compile_sm90(fn, sig, constexprs, attrs, num_warps, num_stages)
         assert kernel.metadata.shared <= SM90_SHARED_BYTES, f"{kernel.metadata.shared} bytes of shared memory"
 
 
 def loads_before_wait(fn, constexprs: dict, ptr_types: dict[str, str] | None = None, num_warps: int = 4) -> int:
     """How many global loads the aligned sm_90 code of `fn` issues before its PDL wait (griddepcontrol.wait)."""
     sig = signature(fn, constexprs, ptr_types or {})
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned(fn, sig)), target=SM90,
-                            options=dict(num_warps=num_warps, num_stages=3, launch_pdl=True))
-    ptx = kernel.asm["ptx"]
+    ptx = _compile_sm90(fn, sig, constexprs, aligned(fn, sig), num_warps, 3).asm["ptx"]
     assert "griddepcontrol.wait" in ptx, "no PDL wait in the kernel"
     return ptx.split("griddepcontrol.wait")[0].count("ld.global")
 
