@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="profile one more hit (host and device): op tables printed, chrome trace into DIR")
+    ap.add_argument("--piecewise-ab", action="store_true",
+                    help="the hit again with the piecewise graphs on and off (HYBRID_PIECEWISE_MAX_TOKENS), alternating")
     ap.add_argument("--cprofile", action="store_true",
                     help="one more hit under cProfile: the Python functions by own and by cumulative host time")
     args = ap.parse_args()
@@ -87,6 +89,8 @@ def main() -> None:
           + f" (the call: {timed_hit * 1e3:.1f} ms)", flush=True)
     print(f"second turn ({args.prompt} + {args.follow} tokens): full prefill {result['full_prefill_ttft_ms']:.1f} ms, "
           f"after a prefix-cache hit {result['cache_hit_ttft_ms']:.1f} ms", flush=True)
+    if args.piecewise_ab:
+        result["piecewise"] = piecewise_ab(llm, first, extra, sp)
     if args.profile:
         profile_hit(llm, [(t + 211) % 100000 + 4 for t in first], extra, sp, args.profile)
     if args.cprofile:
@@ -94,6 +98,28 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def piecewise_ab(llm, first, extra, sp) -> dict:
+    """The hit again with the piecewise graphs (graphs/piecewise.py) and with its steps eager, alternating, best
+    of 3 each, in this process."""
+    runner = llm.runner
+    pieces = runner.piecewise
+    if pieces is None:
+        print("piecewise A/B: no piecewise graphs (HYBRID_PIECEWISE_MAX_TOKENS)", flush=True)
+        return {}
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(6):
+        mode = "on" if i % 2 == 0 else "off"
+        runner.piecewise = pieces if mode == "on" else None
+        turn1 = [(t + 401 + 13 * i) % 100000 + 4 for t in first]
+        llm.generate([turn1], sp, use_tqdm=False)
+        times[mode].append(ttft(llm, turn1 + extra, sp))
+    runner.piecewise = pieces
+    out = {mode: min(t) * 1e3 for mode, t in times.items()}
+    print(f"piecewise A/B, second turn after a prefix-cache hit: piecewise graphs {out['on']:.1f} ms, eager "
+          f"{out['off']:.1f} ms (replays {runner.stats['piecewise_replays']})", flush=True)
+    return out
 
 
 def profile_hit(llm, turn1, extra, sp, out_dir: str) -> None:

@@ -535,6 +535,17 @@ if [[ $what == targets ]]; then
       --json "$OUT/decode_fp8_targets.json" 2>&1 | tee "$OUT/decode_fp8_targets.log" | grep -v Warn \
       | grep -E "^\{|rror" | cut -c1-300 || rc=1
 fi
+# piecewise  the GPU tests of the piecewise graphs (graphs/piecewise.py; <= 130 s), bench_prefix_cache.py with them
+#            (HYBRID_PIECEWISE_MAX_TOKENS=512) and the hit's A/B against eager steps in the same process
+#            (--piecewise-ab; <= 250 s), then the long-context second turn after a prefix hit with them on (<= 150 s)
+if [[ $what == piecewise ]]; then
+  gpu_pytest 130 gpu_tests_piecewise.log tests/gpu/test_piecewise_gpu.py
+  HYBRID_PIECEWISE_MAX_TOKENS=512 timeout 250 python3 bench/bench_prefix_cache.py --piecewise-ab \
+      --json "$OUT/prefix_cache_piecewise.json" 2>&1 | tee "$OUT/prefix_cache_piecewise.log" | grep -v Warn \
+      | grep -E "turn|steps|A/B|rror|captured" | cut -c1-300 || rc=1
+  HYBRID_PIECEWISE_MAX_TOKENS=512 gpu_pytest 150 gpu_tests_piecewise_long.log tests/gpu/test_long_context.py \
+      -k "second_turn or chunked"
+fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
 if [[ $what == prefix-cprofile || $what == h200-targets ]]; then

@@ -19,7 +19,9 @@ largest chunk and the largest decode batch cover it.
 The graph reserve (graph_reserve_bytes) is a fixed 512 MiB plus the captured graphs' outputs:
 graphs/runner.py captures every bucket (the small ones once per context bucket) into one shared
 pool and keeps each graph's fp32 logits [bucket, vocab] alive there, so those add up over the
-graphs (the intermediates are reused).
+graphs (the intermediates are reused). With piecewise graphs (graphs/piecewise.py) the reserve also
+holds the intermediates of a step of their largest token bucket: the activation peak's share at that
+many tokens.
 """
 from __future__ import annotations
 
@@ -160,7 +162,7 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
                 max_model_len: int, max_num_batched_tokens: int, page_size: int, kv_dtype: torch.dtype,
                 conv_dtype: torch.dtype, ssm_dtype: torch.dtype, attention_backend, num_kv_pages: int | None,
                 use_graphs: bool, extra_state_slots: int = 0, num_speculative_tokens: int = 0,
-                cuda_graph_sizes: list[int] | None = None) -> MemoryPlan:
+                cuda_graph_sizes: list[int] | None = None, piecewise_max_tokens: int = 0) -> MemoryPlan:
     from hybrid.model import ForwardContext
     from hybrid.moe import Experts
 
@@ -207,6 +209,10 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
     reserve = (graph_reserve_bytes(capture_sizes(cuda_graph_sizes, max_num_seqs), cfg.vocab_size, verify_q_len,
                                    max_num_seqs, len(context_widths(cdiv(max_model_len, page_size), page_size)))
                if use_graphs else 0)
+    if use_graphs and piecewise_max_tokens:
+        # the piecewise graphs' intermediates (graphs/piecewise.py): a step of their largest bucket, in the same
+        # pool; activations grow with the tokens, so that is the profiled peak's share at that many tokens
+        reserve += int(activation * min(1.0, piecewise_max_tokens / chunk))
     budget = int(total * gpu_memory_utilization) - in_use - activation - reserve
     _, spec_bytes, num_kv_pages = split_budget(
         budget, slot_bytes=slot_bytes, page_bytes=page_bytes, page_size=page_size, max_num_seqs=max_num_seqs,

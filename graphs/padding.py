@@ -254,3 +254,26 @@ def padding_verify_batch(n: int, q_len: int, page_size: int, device, width: int,
         scratch_index=torch.arange(n, dtype=torch.long, device=device), scratch_index_cpu=list(range(n)),
         state_scratch=state_scratch, uniform_q_len=q_len,
     )
+
+
+# ---------------------------------------------------------------------------------- piecewise steps
+def token_bucket_batch(input_ids: torch.Tensor) -> StepBatch:
+    """The batch a piecewise capture (graphs/piecewise.py) runs the model's hidden_states on: the bucket's
+    input ids as one prefill row of padding (no slot, the dummy page). The pieces read only its input ids and
+    its kind (not a decode-only or verify step, so every layer takes its general path); no core ever runs on
+    it: the cores run on the real batch."""
+    t = int(input_ids.shape[0])
+    dev = input_ids.device
+    pad = padding_row(1)
+    return StepBatch(
+        input_ids=input_ids, positions=torch.zeros(t, dtype=torch.long, device=dev),
+        query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
+        page_table=torch.full((1, 1), pad["page_table"], dtype=torch.int32, device=dev),
+        kv_write_loc=torch.full((t,), pad["kv_write_loc"], dtype=torch.long, device=dev),
+        state_slot=torch.full((1,), pad["state_slot"], dtype=torch.long, device=dev),
+        has_initial_state=torch.zeros(1, dtype=torch.bool, device=dev),
+        logits_indices=torch.tensor([t - 1], dtype=torch.long, device=dev), num_decodes=0, num_prefills=1,
+        query_lens_cpu=[t], seq_lens_cpu=[t], state_slot_cpu=[pad["state_slot"]], has_initial_state_cpu=[False],
+        num_real_requests=0,
+    )

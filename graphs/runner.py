@@ -35,6 +35,7 @@ from graphs.padding import (
     pad_decode_batch, pad_verify_batch, padding_batch, padding_row, padding_verify_batch, verify_graph_sizes,
     verify_graphs_requested, verify_page_columns, width_for,
 )
+from graphs.piecewise import PiecewiseGraphs, default_piecewise_max_tokens
 from state_pool.util import cdiv
 
 if TYPE_CHECKING:
@@ -97,7 +98,11 @@ class ModelRunner:
     def __init__(self, model, ctx, enforce_eager: bool = True, *, max_num_seqs: int | None = None,
                  max_model_len: int | None = None, page_size: int | None = None,
                  cuda_graph_sizes: list[int] | None = None, pad_decode: bool | None = None,
-                 progress: bool = True, num_speculative_tokens: int = 0, pad_verify: bool | None = None) -> None:
+                 progress: bool = True, num_speculative_tokens: int = 0, pad_verify: bool | None = None,
+                 piecewise_max_tokens: int | None = None, pad_piecewise: bool = False) -> None:
+        """`piecewise_max_tokens`: steps the full graphs do not take, of at most this many tokens, replay piecewise
+        graphs (graphs/piecewise.py; with graphs on; None: piecewise_max_tokens(), 0: none); `pad_piecewise`
+        (no graphs, CPU tests): such steps run padded to their token bucket, eagerly."""
         self.model = model
         self.ctx = ctx
         self.enforce_eager = enforce_eager
@@ -113,7 +118,7 @@ class ModelRunner:
         self.context_widths: list[int] = []
         self.buffers: _Buffers | None = None
         self.stats = {"graph_replays": 0, "padded_eager": 0, "eager": 0, "verify_graph_replays": 0,
-                      "padded_verify_eager": 0}
+                      "padded_verify_eager": 0, "piecewise_replays": 0, "padded_piecewise_eager": 0}
         self._ran: StepBatch | None = None  # the index tensors the last execute ran on
         # speculative verify steps: rows padded to K+1 tokens, graphs per bucket (module docstring)
         self.verify_q_len = num_speculative_tokens + 1 if num_speculative_tokens else 0
@@ -123,10 +128,18 @@ class ModelRunner:
         self.pad_verify = self.verify_graphs_on if pad_verify is None else (pad_verify and bool(self.verify_sizes))
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_buffers: StepBatch | None = None
+        if piecewise_max_tokens is None:
+            piecewise_max_tokens = default_piecewise_max_tokens() if self.use_graphs else 0
+        self.piecewise: PiecewiseGraphs | None = None
+        if piecewise_max_tokens and (self.use_graphs or pad_piecewise):
+            self.piecewise = PiecewiseGraphs(model, ctx, piecewise_max_tokens, self._device())
+        self.piecewise_graphs_on = self.use_graphs and self.piecewise is not None
         if self.use_graphs:
             self.capture(progress=progress)
             if self.verify_graphs_on:
                 self.capture_verify()
+            if self.piecewise_graphs_on:
+                self.piecewise.capture(self.pool, progress=progress)
 
     # ------------------------------------------------------------------ capability
     def _device(self) -> torch.device:
@@ -316,9 +329,25 @@ class ModelRunner:
             padded, rows = pad_verify_batch(batch, size, self.verify_q_len, self.page_size)
             self._ran = padded
             return self.model(padded, self.ctx)[rows]
+        size = self.piecewise_bucket(batch)
+        if size is not None:
+            self._ran = batch  # the cores ran on the batch itself
+            if self.piecewise_graphs_on:
+                self.stats["piecewise_replays"] += 1
+                return self.piecewise.replay(batch, size)
+            self.stats["padded_piecewise_eager"] += 1
+            return self.piecewise.run_padded(batch, size)
         self.stats["eager"] += 1
         self._ran = batch
         return self.model(batch, self.ctx)
+
+    def piecewise_bucket(self, batch: StepBatch) -> int | None:
+        """The token bucket a step runs piecewise at (graphs/piecewise.py), or None. Verify rows only where every
+        Mamba layer's kernels run them (the pieces were captured on the kernels' path)."""
+        if self.piecewise is None or (batch.num_verify and not all(
+                m.kernels is None or getattr(m.kernels, "supports_verify", False) for m in self.model.mamba_mixers())):
+            return None
+        return self.piecewise.bucket(batch.num_tokens)
 
     def inputs_that_ran(self) -> StepBatch:
         """The index tensors the last `execute` actually ran on: the graph input buffers (their first

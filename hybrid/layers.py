@@ -2,6 +2,8 @@
 built on these, are in hybrid/moe.py."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from hybrid.config import GATE_ONLY, GATE_THEN_NORM, AttentionConfig, MambaConfi
 from hybrid.mamba_metadata import step_metadata
 from hybrid.ops import mamba_torch, triton_act, triton_gemv, triton_moe, triton_norm
 from hybrid.ops.triton_guard import decode_linear_plain, switch
+from hybrid.step_cores import run_core
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -209,21 +212,30 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: StepBatch, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        nv = batch.num_verify
-        if self.kernels is not None and (not nv or getattr(self.kernels, "supports_verify", False)):
+        if self.kernels is not None and (not batch.num_verify or getattr(self.kernels, "supports_verify", False)):
             return self.kernels.mamba_forward(self, hidden, batch, conv_state, ssm_state)
         inner, conv_dim, nh, P = cfg.intermediate_size, cfg.conv_dim, cfg.num_heads, cfg.head_dim
-        gn = cfg.n_groups * cfg.state_size
         zxbcdt = self.in_proj(hidden)
         z, xBC, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
+        core = functools.partial(self._mix, conv_state=conv_state, ssm_state=ssm_state)
+        y = run_core(core, batch, (xBC, dt), (nh, P), torch.float32)
+        return self.project_out(y.reshape(-1, inner), z, hidden.dtype)
+
+    def _mix(self, batch: StepBatch, xBC: torch.Tensor, dt: torch.Tensor, *, conv_state: torch.Tensor,
+             ssm_state: torch.Tensor) -> torch.Tensor:
+        """The layer's core (hybrid/step_cores.py): conv and scan of every row kind, the slots' state writes.
+        Returns y [T, heads, head_dim] in fp32."""
+        cfg = self.cfg
+        inner, nh, P = cfg.intermediate_size, cfg.num_heads, cfg.head_dim
+        gn = cfg.n_groups * cfg.state_size
         A = -torch.exp(self.A_log.float())
-        y = torch.empty(hidden.shape[0], nh, P, dtype=torch.float32, device=hidden.device)
+        y = torch.empty(xBC.shape[0], nh, P, dtype=torch.float32, device=xBC.device)
 
         nd = batch.num_decodes
         if nd:
             y[:nd] = self._recurrence_step(xBC[:nd], dt[:nd], A, conv_state, ssm_state, batch.state_slot[:nd])
 
-        if nv:
+        if batch.num_verify:
             self._verify(xBC, dt, A, y, batch, conv_state, ssm_state)
         if batch.num_replay:
             self._replay(xBC, dt, A, y, batch, conv_state, ssm_state)
@@ -244,8 +256,7 @@ class Mamba2Mixer(nn.Module):
             ssm_state[slot] = final.to(ssm_state.dtype)
             y[rows] = out
             row.keep_snapshot(conv_state, ssm_state)  # a prefix-cache snapshot: the state after this segment
-
-        return self.project_out(y.reshape(-1, inner), z, hidden.dtype)
+        return y
 
     def _recurrence_step(self, xBC: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, conv_buf: torch.Tensor,
                          ssm_buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -364,10 +375,16 @@ class Attention(nn.Module):
         q = q.view(n, cfg.num_heads, cfg.head_dim)
         k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+        core = functools.partial(self._attend, kv_layer=kv_layer, backend=backend)
+        return self.o_proj(run_core(core, batch, (q, k, v), (self.q_size,), q.dtype))
+
+    def _attend(self, batch: StepBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                kv_layer: torch.Tensor, backend) -> torch.Tensor:
+        """The layer's core (hybrid/step_cores.py): rope at the batch's positions, the KV write and the attention
+        over each request's pages. Returns [T, heads x head_dim]."""
         if self.inv_freq is not None:
             q, k = self.rope(q, k, batch.positions)
-        out = backend.forward(q, k, v, kv_layer, batch, cfg.scale, (self.k_scale, self.v_scale))
-        return self.o_proj(out)
+        return backend.forward(q, k, v, kv_layer, batch, self.cfg.scale, (self.k_scale, self.v_scale))
 
 
 class DenseMLP(nn.Module):

@@ -10,6 +10,7 @@ import torch
 
 from attention.backend import select_backend
 from attention.kv_cache import PagedKVCache
+from graphs.piecewise import default_piecewise_max_tokens
 from graphs.runner import ModelRunner
 from hybrid.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from hybrid.chat_template import reserved_template_kwargs
@@ -302,7 +303,8 @@ class LLM:
                     conv_dtype=self.dtype, ssm_dtype=self.ssm_dtype,
                     num_kv_pages=num_kv_pages, use_graphs=not config.enforce_eager,
                     extra_state_slots=cache.prefix_cache_slots(trial.max_num_seqs), num_speculative_tokens=num_spec,
-                    cuda_graph_sizes=config.cuda_graph_sizes)
+                    cuda_graph_sizes=config.cuda_graph_sizes,
+                    piecewise_max_tokens=self._piecewise_max_tokens(config, trial.max_num_batched_tokens))
                 if self.parallel is not None:  # the workers profile their shards in step (same collectives)
                     self.parallel.broadcast(("plan", kwargs))
                 return plan_memory(self.model, local, device=self.device, attention_backend=backend, **kwargs)
@@ -359,7 +361,8 @@ class LLM:
         phases.done("state pool and KV cache")
         self.runner = ModelRunner(self.model, ctx, enforce_eager=enforce_eager,
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, page_size=page_size,
-                                  cuda_graph_sizes=config.cuda_graph_sizes, num_speculative_tokens=num_spec)
+                                  cuda_graph_sizes=config.cuda_graph_sizes, num_speculative_tokens=num_spec,
+                                  piecewise_max_tokens=self._piecewise_max_tokens(config, self.max_num_batched_tokens))
         if self.runner.use_graphs:
             phases.done("CUDA graph capture")
         if self.parallel is not None:
@@ -378,6 +381,14 @@ class LLM:
             phases.done("warm-up")  # the first-use kernel compiles of the step shapes requests meet
         self.startup_phases = phases.seconds
         logger.info("%s", phases.summary())
+
+    def _piecewise_max_tokens(self, config, max_num_batched_tokens: int) -> int:
+        """The largest piecewise-graph bucket (graphs/piecewise.py): none eagerly or under tensor parallelism
+        (its ranks would each capture their pieces around collectives; not built), else
+        HYBRID_PIECEWISE_MAX_TOKENS' within the step's token budget."""
+        if config.enforce_eager or self.device.type != "cuda" or self.parallel is not None:
+            return 0
+        return min(default_piecewise_max_tokens(), max_num_batched_tokens)
 
     def _worker_setup(self, num_kv_pages: int, enforce_eager: bool):
         """The settled sizes the tensor-parallel workers build their state pool, cache and runner with."""

@@ -278,6 +278,13 @@ class HybridModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: StepBatch, ctx) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32."""
+        x, residual = self.hidden_states(batch, ctx)
+        return self.logits_of(x, residual, batch.logits_indices)
+
+    def hidden_states(self, batch: StepBatch, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every block over the batch's tokens: (the last block's output, the residual stream before it), a row a
+        token; the final add and norm are logits_of's. Reads the batch only through the layers' cores
+        (hybrid/step_cores.py) and its input_ids, so graphs/piecewise.py can capture it per token count."""
         h = self.embed_tokens(batch.input_ids)
         if self.cfg.embedding_multiplier != 1.0:
             h = h * self.cfg.embedding_multiplier
@@ -291,10 +298,13 @@ class HybridModel(nn.Module):
         else:
             for block in self.layers:
                 x, residual = block(x, residual, batch, ctx)
-        # the last block's output joins the stream only on the rows that produce logits
-        rows = batch.logits_indices
         if isinstance(x, triton_moe.ExpertRows):  # an MoE layer last: its sum over k, before the rows are taken
             x = x.sum()
+        return x, residual
+
+    def logits_of(self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of token rows `rows` from hidden_states' (x, residual)."""
+        # the last block's output joins the stream only on the rows that produce logits
         h, _ = self.final_norm.add_norm(x[rows], residual[rows], self.layers[-1].residual_multiplier)
         logits = self.lm_logits(h)
         if self.cfg.logits_scaling != 1.0:

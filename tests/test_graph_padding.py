@@ -202,7 +202,8 @@ def test_runner_eager_paths_unchanged(llm):
     randomize(llm, 3)
     out = runner.execute(b)
     assert runner.stats == {"graph_replays": 0, "padded_eager": 0, "eager": 1, "verify_graph_replays": 0,
-                            "padded_verify_eager": 0} and out.shape[0] == 3
+                            "padded_verify_eager": 0, "piecewise_replays": 0, "padded_piecewise_eager": 0}
+    assert out.shape[0] == 3
 
 
 def test_torch_decode_pad_rows_read_zero_write_nothing():

@@ -32,6 +32,7 @@ mamba-ssm and causal-conv1d are optional: nothing here is imported on CPU.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -42,6 +43,7 @@ from hybrid.mamba_metadata import step_metadata
 from hybrid.ops import triton_gemv
 from hybrid.ops import triton_mamba_varlen as tv
 from hybrid.ops.triton_guard import switch
+from hybrid.step_cores import run_core
 
 _LOADED = None
 
@@ -118,7 +120,18 @@ class MambaCudaKernels:
                                           fuse_conv, fuse_out)
         zxbcdt = mixer.in_proj(hidden)
         z, xBC, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
-        y = torch.empty(T, nh, P, dtype=hidden.dtype, device=hidden.device)
+        core = functools.partial(self._mix, mixer, p, conv_state=conv_state, ssm_state=ssm_state)
+        y = run_core(core, batch, (xBC, dt), (nh, P), hidden.dtype)
+        return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
+
+    def _mix(self, mixer, p: dict[str, torch.Tensor], batch, xBC: torch.Tensor, dt: torch.Tensor, *,
+             conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+        """The layer's core (hybrid/step_cores.py): conv and scan of every row kind, the slots' state writes.
+        Returns y [T, heads, head_dim] in xBC's dtype."""
+        cfg = mixer.cfg
+        nh, P = cfg.num_heads, cfg.head_dim
+        T = xBC.shape[0]
+        y = torch.empty(T, nh, P, dtype=xBC.dtype, device=xBC.device)
         scratch = conv_state.shape[0] - 1
 
         nd = batch.num_decodes
@@ -164,8 +177,7 @@ class MambaCudaKernels:
             else:
                 y[rows] = out_y.to(y.dtype)
             row.keep_snapshot(conv_state, ssm_state)  # a prefix-cache snapshot: the state after this segment
-
-        return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
+        return y
 
     def _decode_fusions(self, mixer, hidden: torch.Tensor) -> tuple[bool, bool]:
         """For a decode-only step: (in_proj and conv in one launch: the "decode_in_proj_conv" switch, the

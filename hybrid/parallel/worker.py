@@ -94,7 +94,7 @@ def _serve(rank: int, world_size: int, port: int, conn, spec: protocol.WorkerSpe
                               device, spec.dtype)
             runner = ModelRunner(model, ForwardContext(pool, kv, backend), enforce_eager=s.enforce_eager,
                                  max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len, page_size=s.page_size,
-                                 cuda_graph_sizes=s.cuda_graph_sizes, progress=False,
+                                 cuda_graph_sizes=s.cuda_graph_sizes, progress=False, piecewise_max_tokens=0,
                                  num_speculative_tokens=s.spec_scratch[1] - 1 if s.spec_scratch else 0)
             conn.send_bytes(protocol.dumps(("ready", rank)))
         elif kind == "probe":  # which slots hold NaN (poisoned) on this rank: the sanitizer's view, per rank
