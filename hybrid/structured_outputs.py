@@ -225,9 +225,9 @@ def _one_line(error: str) -> str:
 
 
 def _token_table(tok, tokenizer_json: str):
-    """llguidance's view of a tokenizer whose decoder it cannot read: the bytes of every token as
-    the tokenizer decodes it alone (exact for decoders that concatenate token texts), its special
-    tokens, and its encoder."""
+    """llguidance's view of a tokenizer whose decoder it cannot read: the bytes of every token
+    (Tokenizer.token_bytes: its text decoded alone, or its own bytes where it is part of a UTF-8
+    character, which decodes alone as U+FFFD), its special tokens, and its encoder."""
     import llguidance
 
     added = json.loads(tokenizer_json).get("added_tokens") or []
@@ -235,7 +235,7 @@ def _token_table(tok, tokenizer_json: str):
     class Table:
         eos_token_id = min(tok.eos_token_ids) if tok.eos_token_ids else None
         bos_token_id = tok.bos_token_id
-        tokens = [tok.decode([i], skip_special_tokens=False).encode("utf-8") for i in range(tok.vocab_size)]
+        tokens = [tok.token_bytes(i) for i in range(tok.vocab_size)]
         special_token_ids = sorted(t["id"] for t in added if t.get("special"))
 
         def __call__(self, text: str) -> list[int]:
