@@ -227,3 +227,80 @@ def test_piecewise_graphs_need_graphs_or_padding(tiny_ckpt, make_llm):
     assert isinstance(ModelRunner(llm.model, llm.engine.runner.ctx, enforce_eager=True, max_num_seqs=2,
                                   max_model_len=llm.max_model_len, page_size=4, piecewise_max_tokens=64,
                                   pad_piecewise=True).piecewise, PiecewiseGraphs)
+
+
+class _FakeGraph:
+    """torch.cuda.CUDAGraph on the CPU: records the capture calls (nothing is captured)."""
+    log: list[str] = []
+
+    def capture_begin(self, pool=None):
+        _FakeGraph.log.append("begin")
+
+    def capture_end(self):
+        _FakeGraph.log.append("end")
+
+
+@pytest.fixture
+def fake_capture(monkeypatch):
+    """install() -> the capture log: torch.cuda's capture calls faked from then on (after the checkpoint is
+    built: transformers reads torch.cuda.Stream at import)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    def install() -> list[str]:
+        _patch(monkeypatch, contextlib, SimpleNamespace)
+        return _FakeGraph.log
+
+    return install
+
+
+def _patch(monkeypatch, contextlib, SimpleNamespace) -> None:
+    _FakeGraph.log = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: SimpleNamespace(wait_stream=lambda s: None))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(wait_stream=lambda s: None))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "zamba2"])
+def test_capture_splits_at_every_core(name, tiny_ckpt, make_llm, fake_capture):
+    """A capture is one piece more than its cores: a piece ends at each core and the next begins; each core
+    records its inputs and output at the bucket's rows; the last piece's output is the step's hidden state."""
+    llm = make_llm(tiny_ckpt(name), page_size=4)
+    pw = PiecewiseGraphs(llm.model, llm.engine.runner.ctx, 16, torch.device("cpu"))
+    log = fake_capture()
+    before = _state(llm)
+    pw.capture(pool=None, progress=False)
+    assert sorted(pw.steps) == pw.sizes == [8, 16]
+    mamba = len(llm.model.mamba_mixers())
+    for size, step in pw.steps.items():
+        assert len(step.pieces) == len(step.cores) + 1 and len(step.cores) > mamba
+        assert all(t.shape[0] == size for c in step.cores for t in (*c.tokens, c.out))
+        assert step.x.shape[0] == size and step.residual.shape[0] == size
+    # begin, then (end, begin) at each core, then end: per bucket
+    expected = []
+    for size in (16, 8):
+        expected += ["begin"] + ["end", "begin"] * len(pw.steps[size].cores) + ["end"]
+    assert log == expected
+    after = _state(llm)  # no core ran: the capture touched no slot and no page
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(after, before) if a is not None)
+
+
+def test_a_failed_capture_leaves_that_bucket_and_larger_ones_eager(tiny_ckpt, make_llm, fake_capture):
+    llm = make_llm(tiny_ckpt("nemotron_h"), page_size=4)
+    pw = PiecewiseGraphs(llm.model, llm.engine.runner.ctx, 64, torch.device("cpu"))
+    log = fake_capture()
+    real = llm.model.hidden_states
+
+    def sync_at_32(batch, ctx):  # a kernel that reads a device value on the host at 32 tokens, under capture
+        if batch.num_tokens == 32 and log and log[-1] == "begin":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real(batch, ctx)
+
+    llm.model.hidden_states = sync_at_32
+    pw.capture(pool=None, progress=False)
+    assert pw.sizes == sorted(pw.steps) == [8, 16]
+    assert log.count("begin") == log.count("end")  # the failed capture was ended too
+    assert pw.bucket(20) is None and pw.bucket(16) == 16
