@@ -500,15 +500,16 @@ if [[ $what == latent ]]; then
   gpu_pytest 200 gpu_tests_latent.log tests/gpu/test_moe_gpu.py tests/gpu/test_parity.py tests/gpu/test_fp8_gpu.py \
       -k "latent or 512"
 fi
-# next     what this project's next session measures first: request-features and latent, then on an H200 the issue
-#          targets (targets: MoE + FP8 8B), on an H100 fp8-splitk-2 (the sweep in 140 s)
+# next     what this project's next session measures first: the piecewise graphs (their GPU tests and the prefix-hit
+#          A/B, ~9 minutes); its second call: targets on an H200, SPLITK_LEAN=1 fp8-splitk-2 on an H100
 if [[ $what == next ]]; then
-  bash "$0" request-features || rc=1
-  bash "$0" latent || rc=1
+  bash "$0" piecewise || rc=1
+fi
+if [[ $what == next-2 ]]; then
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     bash "$0" targets || rc=1
   else
-    SWEEP_LIMIT=${SWEEP_LIMIT:-140} bash "$0" fp8-splitk-2 || rc=1
+    SPLITK_LEAN=1 bash "$0" fp8-splitk-2 || rc=1
   fi
 fi
 # fp8-preload  the 8B shape in FP8 (pcpt, bf16 state) decode at batch 1 by default and with HYBRID_FP8_PRELOAD=1 (each
