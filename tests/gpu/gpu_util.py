@@ -4,6 +4,18 @@ import torch
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
+def snap(llm) -> list[torch.Tensor]:
+    """Copies of the engine's Mamba conv and SSM states and its KV cache."""
+    return [llm.state_pool.conv_state.clone(), llm.state_pool.ssm_state.clone(), llm.kv_cache.kv.clone()]
+
+
+def restore(llm, s: list[torch.Tensor]) -> None:
+    """Put snap()'s copies back."""
+    llm.state_pool.conv_state.copy_(s[0])
+    llm.state_pool.ssm_state.copy_(s[1])
+    llm.kv_cache.kv.copy_(s[2])
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative L2 error; NaN/inf anywhere is an infinite error (NaN never passes)."""
     if not torch.isfinite(out).all():

@@ -8,7 +8,7 @@ import os as _os
 import sys as _sys
 
 _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
-from gpu_util import rel_err
+from gpu_util import rel_err, restore, snap
 
 from graphs.padding import pad_decode_batch
 from hybrid import LLM
@@ -41,14 +41,6 @@ def randomize(llm, seed):
     kv.kv.copy_(torch.randn(kv.kv.shape, generator=g, device=llm.device))
 
 
-def snap(llm):
-    return [llm.state_pool.conv_state.clone(), llm.state_pool.ssm_state.clone(), llm.kv_cache.kv.clone()]
-
-
-def restore(llm, s):
-    llm.state_pool.conv_state.copy_(s[0])
-    llm.state_pool.ssm_state.copy_(s[1])
-    llm.kv_cache.kv.copy_(s[2])
 
 
 @pytest.fixture(scope="module", params=["bamba", "granite_dense", "nemotron_h", "granite_moe", "zamba2"])  # MoE: nemotron_h, granite_moe

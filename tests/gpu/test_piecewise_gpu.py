@@ -14,19 +14,11 @@ import torch
 from hybrid import LLM, SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_util import GREEDY, rel_err  # noqa: E402
+from gpu_util import GREEDY, rel_err, restore, snap  # noqa: E402
 
 MAX_TOKENS = 64
 
 
-def snap(llm):
-    return [llm.state_pool.conv_state.clone(), llm.state_pool.ssm_state.clone(), llm.kv_cache.kv.clone()]
-
-
-def restore(llm, s):
-    llm.state_pool.conv_state.copy_(s[0])
-    llm.state_pool.ssm_state.copy_(s[1])
-    llm.kv_cache.kv.copy_(s[2])
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
