@@ -36,13 +36,11 @@ from hybrid.step_cores import Core, core_boundary
 logger = logging.getLogger("hybrid")
 
 
-PIECEWISE_MAX_TOKENS = 512  # the default largest bucket (HYBRID_PIECEWISE_MAX_TOKENS)
-
-
 def default_piecewise_max_tokens() -> int:
-    """The largest piecewise bucket with graphs on: HYBRID_PIECEWISE_MAX_TOKENS (0: no piecewise graphs), default
-    PIECEWISE_MAX_TOKENS."""
-    value = os.environ.get("HYBRID_PIECEWISE_MAX_TOKENS", "0")  # (off until measured on the device)
+    """The largest piecewise bucket with graphs on: HYBRID_PIECEWISE_MAX_TOKENS; 0 (no piecewise graphs) by default
+    until the device has measured them (`bash bench/run_device.sh piecewise`: the GPU tests and the prefix-hit A/B
+    at 512)."""
+    value = os.environ.get("HYBRID_PIECEWISE_MAX_TOKENS", "0")
     try:
         tokens = int(value)
     except ValueError:
