@@ -8,7 +8,10 @@
   graphs on (the default with graphs; HYBRID_VERIFY_GRAPHS=0 turns them off) every row is padded
   to K+1 tokens and the batch to a bucket (graphs/padding.pad_verify_batch) and the bucket's verify
   graph is replayed; with `pad_verify=True` and no graphs (CPU tests) the padded batch runs eagerly;
-- everything else (prefill, mixed, sizes above the largest bucket): eager.
+- other steps (prefill, mixed, sizes above the largest bucket) of up to piecewise_max_tokens tokens: with graphs
+  on, the token bucket's piecewise graphs are replayed around the layers' cores (graphs/piecewise.py); with
+  `pad_piecewise=True` and no graphs (CPU tests) the same padded step runs eagerly;
+- everything else: eager.
 Only the real rows' (real tokens') logits are returned, whatever path ran.
 
 Graphs are captured per bucket, largest first, into one shared memory pool, with every row a
@@ -101,7 +104,7 @@ class ModelRunner:
                  progress: bool = True, num_speculative_tokens: int = 0, pad_verify: bool | None = None,
                  piecewise_max_tokens: int | None = None, pad_piecewise: bool = False) -> None:
         """`piecewise_max_tokens`: steps the full graphs do not take, of at most this many tokens, replay piecewise
-        graphs (graphs/piecewise.py; with graphs on; None: piecewise_max_tokens(), 0: none); `pad_piecewise`
+        graphs (graphs/piecewise.py; with graphs on; None: default_piecewise_max_tokens(), 0: none); `pad_piecewise`
         (no graphs, CPU tests): such steps run padded to their token bucket, eagerly."""
         self.model = model
         self.ctx = ctx
@@ -133,6 +136,10 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None
         if piecewise_max_tokens and (self.use_graphs or pad_piecewise):
             self.piecewise = PiecewiseGraphs(model, ctx, piecewise_max_tokens, self._device())
+            # verify rows go piecewise only where every Mamba layer's kernels run them (the pieces were captured
+            # on the kernels' path; the torch path's core runs them itself)
+            self.piecewise_verify = all(m.kernels is None or getattr(m.kernels, "supports_verify", False)
+                                        for m in model.mamba_mixers())
         self.piecewise_graphs_on = self.use_graphs and self.piecewise is not None
         if self.use_graphs:
             self.capture(progress=progress)
@@ -342,10 +349,8 @@ class ModelRunner:
         return self.model(batch, self.ctx)
 
     def piecewise_bucket(self, batch: StepBatch) -> int | None:
-        """The token bucket a step runs piecewise at (graphs/piecewise.py), or None. Verify rows only where every
-        Mamba layer's kernels run them (the pieces were captured on the kernels' path)."""
-        if self.piecewise is None or (batch.num_verify and not all(
-                m.kernels is None or getattr(m.kernels, "supports_verify", False) for m in self.model.mamba_mixers())):
+        """The token bucket a step runs piecewise at (graphs/piecewise.py), or None."""
+        if self.piecewise is None or (batch.num_verify and not self.piecewise_verify):
             return None
         return self.piecewise.bucket(batch.num_tokens)
 

@@ -385,7 +385,7 @@ class LLM:
     def _piecewise_max_tokens(self, config, max_num_batched_tokens: int) -> int:
         """The largest piecewise-graph bucket (graphs/piecewise.py): none eagerly or under tensor parallelism
         (its ranks would each capture their pieces around collectives; not built), else
-        HYBRID_PIECEWISE_MAX_TOKENS' within the step's token budget."""
+        HYBRID_PIECEWISE_MAX_TOKENS (graphs/piecewise.default_piecewise_max_tokens), at most the step token budget."""
         if config.enforce_eager or self.device.type != "cuda" or self.parallel is not None:
             return 0
         return min(default_piecewise_max_tokens(), max_num_batched_tokens)
