@@ -120,18 +120,18 @@ class MambaCudaKernels:
                                           fuse_conv, fuse_out)
         zxbcdt = mixer.in_proj(hidden)
         z, xBC, dt = torch.split(zxbcdt, [inner, conv_dim, nh], dim=-1)
-        core = functools.partial(self._mix, mixer, p, conv_state=conv_state, ssm_state=ssm_state)
+        core = functools.partial(self._mix, mixer, p, conv_state=conv_state, ssm_state=ssm_state, dtype=hidden.dtype)
         y = run_core(core, batch, (xBC, dt), (nh, P), hidden.dtype)
         return mixer.project_out(y.reshape(T, inner), z, hidden.dtype)
 
     def _mix(self, mixer, p: dict[str, torch.Tensor], batch, xBC: torch.Tensor, dt: torch.Tensor, *,
-             conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+             conv_state: torch.Tensor, ssm_state: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The layer's core (hybrid/step_cores.py): conv and scan of every row kind, the slots' state writes.
-        Returns y [T, heads, head_dim] in xBC's dtype."""
+        Returns y [T, heads, head_dim] in `dtype` (the layer's input's)."""
         cfg = mixer.cfg
         nh, P = cfg.num_heads, cfg.head_dim
         T = xBC.shape[0]
-        y = torch.empty(T, nh, P, dtype=xBC.dtype, device=xBC.device)
+        y = torch.empty(T, nh, P, dtype=dtype, device=xBC.device)
         scratch = conv_state.shape[0] - 1
 
         nd = batch.num_decodes
