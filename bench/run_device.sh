@@ -547,6 +547,13 @@ if [[ $what == piecewise ]]; then
   HYBRID_PIECEWISE_MAX_TOKENS=512 gpu_pytest 150 gpu_tests_piecewise_long.log tests/gpu/test_long_context.py \
       -k "second_turn or chunked"
 fi
+# piecewise-state  the state-corruption scenarios under graphs and the graph tests with the piecewise graphs on
+#            (HYBRID_PIECEWISE_MAX_TOKENS=512: their prefill and mixed steps replay pieces; <= 400 s), before they
+#            become the default
+if [[ $what == piecewise-state ]]; then
+  HYBRID_PIECEWISE_MAX_TOKENS=512 gpu_pytest 400 gpu_tests_piecewise_state.log tests/gpu/test_state_under_graphs.py \
+      tests/gpu/test_graphs.py tests/gpu/test_parity.py
+fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
 if [[ $what == prefix-cprofile || $what == h200-targets ]]; then
