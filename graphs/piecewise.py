@@ -139,7 +139,8 @@ class _CapturedStep:
 
 
 class PiecewiseGraphs:
-    """The token buckets' captured steps (or, with capture=False, their eager padded runs)."""
+    """The token buckets' captured steps (capture, replay), and the same steps run padded and eagerly (run_padded:
+    the CPU tests, and the reference a replay is checked against)."""
 
     def __init__(self, model, ctx, max_tokens: int, device: torch.device) -> None:
         self.model, self.ctx = model, ctx
@@ -197,11 +198,9 @@ class PiecewiseGraphs:
             except Exception as e:  # noqa: BLE001 - any kernel refusing capture: this bucket and larger stay eager
                 torch.cuda.synchronize(device)
                 self.steps = {s: step for s, step in self.steps.items() if s < size}
-                self.sizes = [s for s in self.sizes if s < size]
                 logger.warning("piecewise CUDA graphs: capture at %d tokens failed (steps of more tokens run "
                                "eagerly): %s", size, e)
-        self.steps = {s: self.steps[s] for s in self.sizes if s in self.steps}
-        self.sizes = sorted(self.steps)
+        self.sizes = sorted(self.steps)  # (a failed bucket and the larger ones are no buckets)
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured piecewise CUDA graphs for %d token buckets (up to %d tokens, %d pieces each) in "
