@@ -5,6 +5,7 @@ every KV page), is within bf16 rounding of the unpadded eager run, and leaves th
 not own as they were."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -17,6 +18,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_util import GREEDY, rel_err, restore, snap  # noqa: E402
 
 MAX_TOKENS = 64
+
+
+@contextlib.contextmanager
+def piecewise_on():
+    """HYBRID_PIECEWISE_MAX_TOKENS=MAX_TOKENS while an LLM is built (its runner reads it then), as it was after."""
+    old = os.environ.get("HYBRID_PIECEWISE_MAX_TOKENS")
+    os.environ["HYBRID_PIECEWISE_MAX_TOKENS"] = str(MAX_TOKENS)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HYBRID_PIECEWISE_MAX_TOKENS", None)
+        else:
+            os.environ["HYBRID_PIECEWISE_MAX_TOKENS"] = old
 
 
 
@@ -71,17 +86,11 @@ class Checker:
 
 @pytest.fixture(scope="module", params=["nemotron_h", "granite_moe", "bamba", "zamba2", "falcon_h1"])
 def llm(request, tiny_ckpt):
-    old = os.environ.get("HYBRID_PIECEWISE_MAX_TOKENS")
-    os.environ["HYBRID_PIECEWISE_MAX_TOKENS"] = str(MAX_TOKENS)
-    try:
-        yield LLM(tiny_ckpt(request.param), device="cuda", max_num_seqs=4, page_size=16, max_model_len=256,
+    with piecewise_on():
+        llm = LLM(tiny_ckpt(request.param), device="cuda", max_num_seqs=4, page_size=16, max_model_len=256,
                   max_num_batched_tokens=MAX_TOKENS, cuda_graph_sizes=[1, 2, 4], gpu_memory_utilization=0.4,
                   enable_prefix_caching=True)
-    finally:
-        if old is None:
-            os.environ.pop("HYBRID_PIECEWISE_MAX_TOKENS", None)
-        else:
-            os.environ["HYBRID_PIECEWISE_MAX_TOKENS"] = old
+    return llm
 
 
 def test_buckets_are_captured(llm):
@@ -110,17 +119,10 @@ def test_steps_replay_their_pieces(llm):
 def test_speculative_verify_rows_replay_pieces(tiny_ckpt):
     """A step with verify rows beside a prefill chunk (never a plain verify step, so no verify graph takes it)
     replays the pieces too: the verify rows' scratch writes are a Mamba core's."""
-    old = os.environ.get("HYBRID_PIECEWISE_MAX_TOKENS")
-    os.environ["HYBRID_PIECEWISE_MAX_TOKENS"] = str(MAX_TOKENS)
-    try:
+    with piecewise_on():
         llm = LLM(tiny_ckpt("nemotron_h"), device="cuda", max_num_seqs=4, page_size=16, max_model_len=256,
                   max_num_batched_tokens=MAX_TOKENS, cuda_graph_sizes=[1, 2, 4], gpu_memory_utilization=0.4,
                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    finally:
-        if old is None:
-            os.environ.pop("HYBRID_PIECEWISE_MAX_TOKENS", None)
-        else:
-            os.environ["HYBRID_PIECEWISE_MAX_TOKENS"] = old
     checker = llm.engine.runner = Checker(llm)
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 9, [12, 13] * 20]
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
