@@ -549,8 +549,9 @@ if [[ $what == piecewise ]]; then
 fi
 # piecewise-state  the state-corruption scenarios under graphs and the graph tests with the piecewise graphs on
 #            (HYBRID_PIECEWISE_MAX_TOKENS=512: their prefill and mixed steps replay pieces; <= 400 s), before they
-#            become the default
+#            become the default; first the piecewise GPU tests (<= 100 s)
 if [[ $what == piecewise-state ]]; then
+  gpu_pytest 100 gpu_tests_piecewise.log tests/gpu/test_piecewise_gpu.py
   HYBRID_PIECEWISE_MAX_TOKENS=512 gpu_pytest 400 gpu_tests_piecewise_state.log tests/gpu/test_state_under_graphs.py \
       tests/gpu/test_graphs.py tests/gpu/test_parity.py
 fi
