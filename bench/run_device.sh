@@ -555,6 +555,17 @@ if [[ $what == piecewise-state ]]; then
   HYBRID_PIECEWISE_MAX_TOKENS=512 gpu_pytest 400 gpu_tests_piecewise_state.log tests/gpu/test_state_under_graphs.py \
       tests/gpu/test_graphs.py tests/gpu/test_parity.py
 fi
+# piecewise-default  the piecewise graphs as the default (no HYBRID_PIECEWISE_MAX_TOKENS): the prefix-hit A/B
+#            (<= 200 s), then Granite-Tiny's decode and generate at batch 1 / 8 with them captured at its full
+#            shape (<= 200 s)
+if [[ $what == piecewise-default ]]; then
+  timeout 200 python3 bench/bench_prefix_cache.py --piecewise-ab --json "$OUT/prefix_cache_piecewise_default.json" \
+      2>&1 | tee "$OUT/prefix_cache_piecewise_default.log" | grep -v Warn \
+      | grep -E "turn|steps|A/B|rror|captured" | cut -c1-300 || rc=1
+  timeout 200 python3 bench/bench_moe.py --shapes granite-tiny --batches 1 8 --gen-batches 1 --no-peer --no-eager \
+      --out /tmp/moe_out --time-budget 190 2>&1 | tee "$OUT/bench_moe_piecewise_default.log" \
+      | grep -E "decode \{|generate \{|rror|piecewise|startup" | cut -c1-300 || rc=1
+fi
 # h200-targets  moe-targets, then prefix-cprofile in what is left of the call (PREFIX_LIMIT seconds)
 # prefix-cprofile  bench_prefix_cache.py with one more hit under cProfile (the Python functions its host time goes to)
 if [[ $what == prefix-cprofile || $what == h200-targets ]]; then

@@ -36,11 +36,14 @@ from hybrid.step_cores import Core, core_boundary
 logger = logging.getLogger("hybrid")
 
 
+DEFAULT_MAX_TOKENS = 512
+
+
 def default_piecewise_max_tokens() -> int:
-    """The largest piecewise bucket with graphs on: HYBRID_PIECEWISE_MAX_TOKENS; 0 (no piecewise graphs) by default
-    until the device has measured them (`bash bench/run_device.sh piecewise`: the GPU tests and the prefix-hit A/B
-    at 512)."""
-    value = os.environ.get("HYBRID_PIECEWISE_MAX_TOKENS", "0")
+    """The largest piecewise bucket with graphs on: HYBRID_PIECEWISE_MAX_TOKENS, 512 by default (a second turn after
+    a prefix-cache hit and the short prefills of chat traffic; 0: none). Measured with `bash bench/run_device.sh
+    piecewise` (the GPU tests and the prefix-hit A/B) and `piecewise-state`."""
+    value = os.environ.get("HYBRID_PIECEWISE_MAX_TOKENS", str(DEFAULT_MAX_TOKENS))
     try:
         tokens = int(value)
     except ValueError:

@@ -30,6 +30,8 @@ def test_piecewise_sizes():
 def test_default_max_tokens_reads_the_environment(monkeypatch):
     from graphs.piecewise import default_piecewise_max_tokens
 
+    monkeypatch.delenv("HYBRID_PIECEWISE_MAX_TOKENS", raising=False)
+    assert default_piecewise_max_tokens() == 512
     monkeypatch.setenv("HYBRID_PIECEWISE_MAX_TOKENS", "256")
     assert default_piecewise_max_tokens() == 256
     monkeypatch.setenv("HYBRID_PIECEWISE_MAX_TOKENS", "lots")
