@@ -102,10 +102,12 @@ class ModelRunner:
                  max_model_len: int | None = None, page_size: int | None = None,
                  cuda_graph_sizes: list[int] | None = None, pad_decode: bool | None = None,
                  progress: bool = True, num_speculative_tokens: int = 0, pad_verify: bool | None = None,
-                 piecewise_max_tokens: int | None = None, pad_piecewise: bool = False) -> None:
+                 piecewise_max_tokens: int | None = None, pad_piecewise: bool = False,
+                 full_graphs: bool = True) -> None:
         """`piecewise_max_tokens`: steps the full graphs do not take, of at most this many tokens, replay piecewise
         graphs (graphs/piecewise.py; with graphs on; None: default_piecewise_max_tokens(), 0: none); `pad_piecewise`
-        (no graphs, CPU tests): such steps run padded to their token bucket, eagerly."""
+        (no graphs, CPU tests): such steps run padded to their token bucket, eagerly. `full_graphs=False`: no
+        whole-step graphs of decode and verify steps (those steps go piecewise too, or eager)."""
         self.model = model
         self.ctx = ctx
         self.enforce_eager = enforce_eager
@@ -113,7 +115,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs or 1
         self.max_model_len = max_model_len
         sizes = cuda_graph_sizes if cuda_graph_sizes else default_capture_sizes(self.max_num_seqs)
-        self.capture_sizes = sorted({int(s) for s in sizes if int(s) >= 1})
+        self.capture_sizes = sorted({int(s) for s in sizes if int(s) >= 1}) if full_graphs else []
         self.use_graphs = (not enforce_eager) and self._graphs_supported()
         self.pad_decode = self.use_graphs if pad_decode is None else pad_decode
         # bucket size -> page-table width (context bucket) -> (graph, its output)
@@ -141,7 +143,8 @@ class ModelRunner:
             self.piecewise_verify = all(m.kernels is None or getattr(m.kernels, "supports_verify", False)
                                         for m in model.mamba_mixers())
         self.piecewise_graphs_on = self.use_graphs and self.piecewise is not None
-        if self.use_graphs:
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # every graph's: one pool
+        if self.use_graphs and self.capture_sizes:
             self.capture(progress=progress)
             if self.verify_graphs_on:
                 self.capture_verify()
@@ -205,7 +208,8 @@ class ModelRunner:
         max_pages = cdiv(self.max_model_len, self.page_size)
         self.context_widths = context_widths(max_pages, self.page_size)
         self.buffers = _Buffers(max(self.capture_sizes), max_pages, self.page_size, device, self.context_widths)
-        self.pool = torch.cuda.graph_pool_handle()
+        if getattr(self, "pool", None) is None:
+            self.pool = torch.cuda.graph_pool_handle()
         sizes = sorted(self.capture_sizes, reverse=True)  # largest first: smaller ones reuse its pool
         it = sizes
         if progress:

@@ -75,7 +75,8 @@ def _add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured as CUDA graphs (default 1, 2, 4, 8, 16, ... max-num-seqs)")
     p.add_argument("--compilation-config", "-O", type=_json_object, default=None, metavar="JSON",
-                   help="vLLM's: only cudagraph_capture_sizes has an effect here (as --cuda-graph-sizes)")
+                   help="vLLM's: its cudagraph_capture_sizes (as --cuda-graph-sizes) and cudagraph_mode have an "
+                        "effect here")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="no effect: long prompts are always prefilled in chunks of --max-num-batched-tokens")
     p.add_argument("--tokenizer", default=None,
@@ -230,10 +231,11 @@ def check_quantization(name: str, model: str | None) -> str:
 
 def build_llm(args: argparse.Namespace):
     """The LLM of the engine flags, through the EngineConfig LLM(...) builds (engine_config)."""
-    from hybrid.engine_config import engine_config
+    from hybrid.engine_config import engine_config, with_compilation_config
     from hybrid.llm import LLM
 
-    config = engine_config(**engine_kwargs(args))  # the flags' values checked before anything is read
+    # the flags' values checked before anything is read
+    config = with_compilation_config(engine_config(**engine_kwargs(args)), args.compilation_config)
     overrides = None
     if args.override_generation_config is not None:
         from hybrid.sampling import generation_overrides

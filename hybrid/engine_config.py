@@ -35,6 +35,28 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
 # capped by the KV cache that fits next to the Mamba state.
 CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_MODEL_LEN = 8, 256, 4096
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's compilation_config["cudagraph_mode"]: whole-step graphs of decode (and verify) steps ("FULL"), piecewise
+# graphs of the other steps (graphs/piecewise.py), both, or none
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "FULL", "NONE")
+
+
+def cudagraph_mode_of(compilation_config) -> str:
+    """The CUDA-graph mode vLLM's compilation_config names (its "cudagraph_mode", any case), FULL_AND_PIECEWISE by
+    default. "FULL" (whole-step graphs of mixed steps too) becomes FULL_AND_PIECEWISE: this runtime's whole-step
+    graphs take decode and verify steps only, so its mixed steps go piecewise, as vLLM does for an attention backend
+    without full graphs of mixed batches."""
+    mode = compilation_config.get("cudagraph_mode") if isinstance(compilation_config, dict) else None
+    if mode is None:
+        return "FULL_AND_PIECEWISE"
+    name = mode.upper() if isinstance(mode, str) else None
+    if name not in CUDAGRAPH_MODES:
+        raise ConfigurationError(f"compilation_config cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
+                                 f"got {mode!r}")
+    if name == "FULL":
+        logger.info("cudagraph_mode FULL: mixed and prefill steps replay piecewise graphs (whole-step graphs take "
+                    "decode and verify steps), as FULL_AND_PIECEWISE")
+        return "FULL_AND_PIECEWISE"
+    return name
 CUDA_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS = 256, 8192
 MIN_DEFAULT_BATCHED_TOKENS = 256  # CUDA: defaulted step sizes shrink no further when memory is short
 
@@ -117,6 +139,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     check_state: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"  # one of CUDAGRAPH_MODES but FULL (NONE: enforce_eager)
     mamba_decode_kernels: str = "triton"
     fused_ops: bool = False
     async_scheduling: bool = False
@@ -132,6 +155,16 @@ class EngineConfig:
     @property
     def num_speculative_tokens(self) -> int:
         return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def full_cuda_graphs(self) -> bool:
+        """Whole-step graphs of decode and verify steps (graphs/runner.py)."""
+        return self.cudagraph_mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
+
+    @property
+    def piecewise_cuda_graphs(self) -> bool:
+        """Piecewise graphs of the other steps (graphs/piecewise.py)."""
+        return self.cudagraph_mode in ("FULL_AND_PIECEWISE", "PIECEWISE")
 
     @property
     def sizes_known(self) -> bool:
@@ -250,6 +283,13 @@ def engine_config(
         async_scheduling=bool(async_scheduling) and spec is None, check_weights=bool(check_weights),
         tensor_parallel_size=tensor_parallel_size, warmup=bool(warmup), cache=cache,
         generation_config=os.fspath(generation_config), scheduling_policy=scheduling_policy)
+
+
+def with_compilation_config(config: EngineConfig, compilation_config) -> EngineConfig:
+    """`config` with vLLM's compilation_config folded in (LLM's keyword, the CLI's -O): its cudagraph_mode (NONE
+    runs eagerly). Its capture sizes are cuda_graph_sizes already (hybrid/llm.vllm_engine_settings)."""
+    mode = cudagraph_mode_of(compilation_config)
+    return dataclasses.replace(config, cudagraph_mode=mode, enforce_eager=config.enforce_eager or mode == "NONE")
 
 
 def _fused_kernels_available() -> bool:

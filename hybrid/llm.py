@@ -19,7 +19,7 @@ from hybrid.engine import Engine
 from hybrid.engine_config import (  # re-exported: the sizing API is known from here
     CPU_MAX_MODEL_LEN, CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS,
     MIN_DEFAULT_BATCHED_TOKENS, EngineConfig, EngineSizes, default_sizes, engine_config, fit_max_model_len,
-    plan_cuda_sizes, resolve_device, smaller_sizes,
+    plan_cuda_sizes, resolve_device, smaller_sizes, with_compilation_config,
 )
 from hybrid.errors import CapacityError, ConfigurationError, InvalidRequestError, RequestFailedError
 from hybrid.kv_cache_dtype import kv_cache_dtype_note
@@ -160,7 +160,7 @@ class LLM:
         swap_space: float | None = None,  # no effect: a preempted request is recomputed, never swapped to the host
         tokenizer: str | None = None,  # must be the checkpoint itself (model cards repeat the model's name here)
         revision: str | None = None,  # a cached hub repo id's revision (model@revision)
-        compilation_config: dict | int | None = None,  # only cudagraph_capture_sizes has an effect (cuda_graph_sizes)
+        compilation_config: dict | int | None = None,  # cudagraph_capture_sizes (cuda_graph_sizes), cudagraph_mode
         override_generation_config: dict | None = None,  # sampling defaults over generation_config.json's
         max_logprobs: int | None = None,  # no effect: logprobs of any count are returned
         load_format: str = "auto",  # "auto" / "safetensors" only
@@ -192,7 +192,7 @@ class LLM:
             enable_lora=enable_lora, download_dir=download_dir, task=task, runner=runner,
             pipeline_parallel_size=pipeline_parallel_size, kv_cache_memory_bytes=kv_cache_memory_bytes)
         overrides = {} if override_generation_config is None else generation_overrides(override_generation_config)
-        self._start(engine_config(
+        self._start(with_compilation_config(engine_config(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, page_size=page_size, seed=seed,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=num_kv_pages,
             enforce_eager=enforce_eager, mamba_ssm_dtype=mamba_ssm_dtype, speculative_config=speculative_config,
@@ -201,7 +201,8 @@ class LLM:
             async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
             prefix_cache_entries=prefix_cache_entries, prefix_cache_interval=prefix_cache_interval,
             check_weights=check_weights, tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-            warmup=warmup, generation_config=generation_config, scheduling_policy=scheduling_policy))
+            warmup=warmup, generation_config=generation_config, scheduling_policy=scheduling_policy),
+            compilation_config))
         self.default_sampling.update(overrides)
 
     @classmethod
@@ -357,12 +358,14 @@ class LLM:
         enforce_eager = config.enforce_eager or self.device.type != "cuda"
         if self.parallel is not None:  # the workers build the same pool, cache and runner on their shards
             self.parallel.instrument(self.state_pool, self.kv_cache)
-            self.parallel.setup_workers(self._worker_setup(num_kv_pages, enforce_eager))
+            # (the ranks run each step's collectives in step: without whole-step graphs, every rank runs eagerly)
+            self.parallel.setup_workers(self._worker_setup(num_kv_pages, enforce_eager or not config.full_cuda_graphs))
         phases.done("state pool and KV cache")
         self.runner = ModelRunner(self.model, ctx, enforce_eager=enforce_eager,
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, page_size=page_size,
                                   cuda_graph_sizes=config.cuda_graph_sizes, num_speculative_tokens=num_spec,
-                                  piecewise_max_tokens=self._piecewise_max_tokens(config, self.max_num_batched_tokens))
+                                  piecewise_max_tokens=self._piecewise_max_tokens(config, self.max_num_batched_tokens),
+                                  full_graphs=config.full_cuda_graphs)
         if self.runner.use_graphs:
             phases.done("CUDA graph capture")
         if self.parallel is not None:
@@ -386,7 +389,8 @@ class LLM:
         """The largest piecewise-graph bucket (graphs/piecewise.py): none eagerly or under tensor parallelism
         (its ranks would each capture their pieces around collectives; not built), else
         HYBRID_PIECEWISE_MAX_TOKENS (graphs/piecewise.default_piecewise_max_tokens), at most the step token budget."""
-        if config.enforce_eager or self.device.type != "cuda" or self.parallel is not None:
+        if config.enforce_eager or self.device.type != "cuda" or self.parallel is not None \
+                or not config.piecewise_cuda_graphs:
             return 0
         return min(default_piecewise_max_tokens(), max_num_batched_tokens)
 
