@@ -62,7 +62,8 @@ def test_the_cli_builds_its_engine_with_the_mode(monkeypatch):
     build_llm(args)
     assert built[0].cudagraph_mode == "PIECEWISE" and built[0].cuda_graph_sizes == (1, 2)
     with pytest.raises(ConfigurationError, match="cudagraph_mode"):
-        build_llm(build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu", "-O", '{"cudagraph_mode": "sometimes"}']))
+        build_llm(build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu",
+                                             "-O", '{"cudagraph_mode": "sometimes"}']))
 
 
 @pytest.mark.parametrize("mode, expected", [("FULL_AND_PIECEWISE", 512), ("PIECEWISE", 512),
