@@ -500,14 +500,20 @@ if [[ $what == latent ]]; then
   gpu_pytest 200 gpu_tests_latent.log tests/gpu/test_moe_gpu.py tests/gpu/test_parity.py tests/gpu/test_fp8_gpu.py \
       -k "latent or 512"
 fi
-# next     what this project's next session measures first: the piecewise graphs (their GPU tests and the prefix-hit
-#          A/B, ~9 minutes); its second call: targets on an H200, SPLITK_LEAN=1 fp8-splitk-2 on an H100
+# next     what this project's next session measures first: on an H200 the issue targets with the piecewise graphs
+#          the default (their capture at the MoE shapes included, ~8 minutes); on an H100 piecewise-default. Its
+#          second call (next-2): piecewise-default on an H200 (the #15 prefix hit there), else SPLITK_LEAN=1
+#          fp8-splitk-2
 if [[ $what == next ]]; then
-  bash "$0" piecewise || rc=1
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    bash "$0" targets || rc=1
+  else
+    bash "$0" piecewise-default || rc=1
+  fi
 fi
 if [[ $what == next-2 ]]; then
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    bash "$0" targets || rc=1
+    bash "$0" piecewise-default || rc=1
   else
     SPLITK_LEAN=1 bash "$0" fp8-splitk-2 || rc=1
   fi
