@@ -162,7 +162,8 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
                 max_model_len: int, max_num_batched_tokens: int, page_size: int, kv_dtype: torch.dtype,
                 conv_dtype: torch.dtype, ssm_dtype: torch.dtype, attention_backend, num_kv_pages: int | None,
                 use_graphs: bool, extra_state_slots: int = 0, num_speculative_tokens: int = 0,
-                cuda_graph_sizes: list[int] | None = None, piecewise_max_tokens: int = 0) -> MemoryPlan:
+                cuda_graph_sizes: list[int] | None = None, piecewise_max_tokens: int = 0,
+                full_graphs: bool = True) -> MemoryPlan:
     from hybrid.model import ForwardContext
     from hybrid.moe import Experts
 
@@ -208,7 +209,7 @@ def plan_memory(model, cfg, *, device: torch.device, gpu_memory_utilization: flo
     verify_q_len = num_speculative_tokens + 1 if verify_graphs_requested(num_speculative_tokens, model) else 0
     reserve = (graph_reserve_bytes(capture_sizes(cuda_graph_sizes, max_num_seqs), cfg.vocab_size, verify_q_len,
                                    max_num_seqs, len(context_widths(cdiv(max_model_len, page_size), page_size)))
-               if use_graphs else 0)
+               if use_graphs and full_graphs else 0)
     if use_graphs and piecewise_max_tokens:
         # the piecewise graphs' intermediates (graphs/piecewise.py): a step of their largest bucket, in the same
         # pool; activations grow with the tokens, so that is the profiled peak's share at that many tokens

@@ -305,7 +305,8 @@ class LLM:
                     num_kv_pages=num_kv_pages, use_graphs=not config.enforce_eager,
                     extra_state_slots=cache.prefix_cache_slots(trial.max_num_seqs), num_speculative_tokens=num_spec,
                     cuda_graph_sizes=config.cuda_graph_sizes,
-                    piecewise_max_tokens=self._piecewise_max_tokens(config, trial.max_num_batched_tokens))
+                    piecewise_max_tokens=self._piecewise_max_tokens(config, trial.max_num_batched_tokens),
+                    full_graphs=config.full_cuda_graphs)
                 if self.parallel is not None:  # the workers profile their shards in step (same collectives)
                     self.parallel.broadcast(("plan", kwargs))
                 return plan_memory(self.model, local, device=self.device, attention_backend=backend, **kwargs)
