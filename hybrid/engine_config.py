@@ -140,6 +140,8 @@ class EngineConfig:
     check_state: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     cudagraph_mode: str = "FULL_AND_PIECEWISE"  # one of CUDAGRAPH_MODES but FULL (NONE: enforce_eager)
+    # vLLM's max_cudagraph_capture_size: the largest decode graph's batch and piecewise bucket's tokens (None: ours)
+    max_cuda_graph_size: int | None = None
     mamba_decode_kernels: str = "triton"
     fused_ops: bool = False
     async_scheduling: bool = False
@@ -287,9 +289,22 @@ def engine_config(
 
 def with_compilation_config(config: EngineConfig, compilation_config) -> EngineConfig:
     """`config` with vLLM's compilation_config folded in (LLM's keyword, the CLI's -O): its cudagraph_mode (NONE
-    runs eagerly). Its capture sizes are cuda_graph_sizes already (hybrid/llm.vllm_engine_settings)."""
+    runs eagerly) and max_cudagraph_capture_size (max_capture_size before vLLM 0.11): the largest decode graph's
+    batch size and the largest piecewise bucket's token count. Its capture sizes are cuda_graph_sizes already
+    (hybrid/llm.vllm_engine_settings)."""
     mode = cudagraph_mode_of(compilation_config)
-    return dataclasses.replace(config, cudagraph_mode=mode, enforce_eager=config.enforce_eager or mode == "NONE")
+    largest = None
+    if isinstance(compilation_config, dict):
+        for key in ("max_cudagraph_capture_size", "max_capture_size"):
+            value = compilation_config.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(f"compilation_config {key} must be a positive whole number, got {value!r}")
+            largest = value
+            break
+    return dataclasses.replace(config, cudagraph_mode=mode, enforce_eager=config.enforce_eager or mode == "NONE",
+                               max_cuda_graph_size=largest)
 
 
 def _fused_kernels_available() -> bool:

@@ -10,6 +10,7 @@ import torch
 
 from attention.backend import select_backend
 from attention.kv_cache import PagedKVCache
+from graphs.padding import default_capture_sizes
 from graphs.piecewise import default_piecewise_max_tokens
 from graphs.runner import ModelRunner
 from hybrid.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
@@ -304,7 +305,7 @@ class LLM:
                     conv_dtype=self.dtype, ssm_dtype=self.ssm_dtype,
                     num_kv_pages=num_kv_pages, use_graphs=not config.enforce_eager,
                     extra_state_slots=cache.prefix_cache_slots(trial.max_num_seqs), num_speculative_tokens=num_spec,
-                    cuda_graph_sizes=config.cuda_graph_sizes,
+                    cuda_graph_sizes=self._graph_sizes(config, trial.max_num_seqs),
                     piecewise_max_tokens=self._piecewise_max_tokens(config, trial.max_num_batched_tokens),
                     full_graphs=config.full_cuda_graphs)
                 if self.parallel is not None:  # the workers profile their shards in step (same collectives)
@@ -364,7 +365,8 @@ class LLM:
         phases.done("state pool and KV cache")
         self.runner = ModelRunner(self.model, ctx, enforce_eager=enforce_eager,
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, page_size=page_size,
-                                  cuda_graph_sizes=config.cuda_graph_sizes, num_speculative_tokens=num_spec,
+                                  cuda_graph_sizes=self._graph_sizes(config, max_num_seqs),
+                                  num_speculative_tokens=num_spec,
                                   piecewise_max_tokens=self._piecewise_max_tokens(config, self.max_num_batched_tokens),
                                   full_graphs=config.full_cuda_graphs)
         if self.runner.use_graphs:
@@ -393,7 +395,18 @@ class LLM:
         if config.enforce_eager or self.device.type != "cuda" or self.parallel is not None \
                 or not config.piecewise_cuda_graphs:
             return 0
-        return min(default_piecewise_max_tokens(), max_num_batched_tokens)
+        largest = default_piecewise_max_tokens() if config.max_cuda_graph_size is None else config.max_cuda_graph_size
+        return min(largest, max_num_batched_tokens)
+
+    @staticmethod
+    def _graph_sizes(config, max_num_seqs: int) -> tuple[int, ...] | None:
+        """The decode batch sizes the whole-step graphs capture: cuda_graph_sizes (None: the runner's default for
+        max_num_seqs), at most compilation_config's max_cudagraph_capture_size."""
+        largest = config.max_cuda_graph_size
+        if largest is None:
+            return config.cuda_graph_sizes
+        sizes = config.cuda_graph_sizes or default_capture_sizes(max_num_seqs)
+        return tuple(s for s in sizes if s <= largest) or (1,)
 
     def _worker_setup(self, num_kv_pages: int, enforce_eager: bool):
         """The settled sizes the tensor-parallel workers build their state pool, cache and runner with."""
@@ -404,7 +417,7 @@ class LLM:
         return SetupSpec(num_slots=pool.num_slots, conv_dtype=pool.conv_state.dtype, ssm_dtype=pool.ssm_state.dtype,
                          spec_scratch=scratch, num_kv_pages=num_kv_pages, page_size=self.kv_cache.page_size,
                          max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, enforce_eager=enforce_eager,
-                         cuda_graph_sizes=c.cuda_graph_sizes)
+                         cuda_graph_sizes=self._graph_sizes(c, self.max_num_seqs))
 
     @staticmethod
     def _prompt_list(prompts) -> list:

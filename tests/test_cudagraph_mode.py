@@ -114,3 +114,27 @@ def test_without_whole_step_graphs_decode_steps_go_piecewise(tiny_ckpt, make_llm
     assert pieces.capture_sizes == [] and pieces.verify_sizes == [] and pieces.bucket(batch) is None
     pieces.execute(batch)
     assert pieces.stats["padded_eager"] == 0 and pieces.stats["padded_piecewise_eager"] == 1
+
+
+def test_max_capture_size_caps_both_kinds_of_graph(monkeypatch):
+    """vLLM's max_cudagraph_capture_size (max_capture_size before 0.11): the largest decode graph's batch size and
+    the largest piecewise bucket's token count."""
+    monkeypatch.delenv("HYBRID_PIECEWISE_MAX_TOKENS", raising=False)
+    on_cuda = SimpleNamespace(device=torch.device("cuda"), parallel=None)
+    config = _config({"max_cudagraph_capture_size": 24})
+    assert config.max_cuda_graph_size == 24
+    assert LLM._graph_sizes(config, 256) == (1, 2, 4, 8, 16, 24)
+    assert LLM._piecewise_max_tokens(on_cuda, config, 8192) == 24
+    assert _config({"max_capture_size": 1024}).max_cuda_graph_size == 1024
+    assert LLM._piecewise_max_tokens(on_cuda, _config({"max_capture_size": 1024}), 8192) == 1024
+    # with explicit sizes: those up to it; none below it: batch 1 alone
+    sized = with_compilation_config(engine_config(device="cpu", cuda_graph_sizes=[4, 32, 64]),
+                                    {"max_cudagraph_capture_size": 40})
+    assert LLM._graph_sizes(sized, 256) == (4, 32)
+    assert LLM._graph_sizes(_config({"max_cudagraph_capture_size": 1}), 8) == (1,)
+    # not given: the configured sizes as they were (None: the runner's default)
+    assert LLM._graph_sizes(_config(None), 256) is None
+    assert LLM._graph_sizes(engine_config(device="cpu", cuda_graph_sizes=[2, 8]), 256) == (2, 8)
+    for bad in (0, "512", 2.5, True):
+        with pytest.raises(ConfigurationError, match="max_cudagraph_capture_size must be a positive whole number"):
+            _config({"max_cudagraph_capture_size": bad})
