@@ -15,21 +15,105 @@ MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _OPTION_NAME = re.compile(r"--[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
+# the JSON-valued flags vLLM also takes one key at a time (`--compilation-config.cudagraph_mode=PIECEWISE`,
+# `-O.level 3`), with their short spellings
+JSON_FLAGS = {"--compilation-config": "--compilation-config", "-O": "--compilation-config",
+              "-cc": "--compilation-config", "--speculative-config": "--speculative-config",
+              "--override-generation-config": "--override-generation-config", "--hf-overrides": "--hf-overrides"}
+_LEVEL = re.compile(r"-O[0-9]+")
+_DOTTED = re.compile(r"(--[A-Za-z0-9][A-Za-z0-9_-]*|-O|-cc)\.([A-Za-z0-9_.]+)")
+
+
 def normalize_flag_names(argv: list[str]) -> list[str]:
     """`--x_y` spelled `--x-y`, as vLLM accepts both spellings of every flag (model cards write
     `--mamba_ssm_cache_dtype`). Only option names change: `--x_y=a_b` becomes `--x-y=a_b`; values,
-    positional arguments and everything after a bare `--` stay as written."""
+    positional arguments and everything after a bare `--` stay as written. A JSON flag given one key at a time
+    (vLLM's dotted form, fold_dotted_json_flags) becomes one JSON object."""
     out = []
     for i, arg in enumerate(argv):
         if arg == "--":
-            return out + list(argv[i:])
+            return fold_dotted_json_flags(out) + list(argv[i:])
+        # vLLM's optimization level, -O2 or -O 2 (-O with a JSON object is the compilation config, as before)
+        if _LEVEL.fullmatch(arg):
+            out += ["--optimization-level", arg[2:]]
+            continue
+        if arg.isdigit() and out and out[-1] == "-O":
+            out[-1] = "--optimization-level"
         name, eq, value = arg.partition("=")
         # a token with a space is a value to argparse even if it starts with `--` (a prompt): the name
         # pattern leaves it alone
         if "_" in name and _OPTION_NAME.fullmatch(name):
             arg = name.replace("_", "-") + eq + value
         out.append(arg)
+    return fold_dotted_json_flags(out)
+
+
+def _json_value(text: str):
+    """A dotted key's value: JSON where it parses (numbers, lists, true/false), else the text itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _dotted_flag(arg: str) -> tuple[str, str] | None:
+    """(the JSON flag, its key path) of a dotted argument (`--compilation-config.a.b[=v]`), or None."""
+    m = _DOTTED.fullmatch(arg.partition("=")[0])
+    flag = JSON_FLAGS.get(m.group(1).replace("_", "-")) if m else None
+    return None if flag is None else (flag, m.group(2))
+
+
+def fold_dotted_json_flags(argv: list[str]) -> list[str]:
+    """vLLM's dotted form of a JSON flag, `--compilation-config.cudagraph_mode PIECEWISE` or
+    `-O.max_cudagraph_capture_size=64` (nested keys a.b.c), merged over that flag's whole-JSON form if that is also
+    given, into one `--flag JSON` at the end of argv. Without a dotted JSON flag, argv is returned as it is."""
+    flags = {d[0] for arg in argv if (d := _dotted_flag(arg)) is not None}
+    if not flags:
+        return list(argv)
+    keys: dict[str, dict] = {flag: {} for flag in flags}
+    whole: dict[str, dict] = {}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        dotted = _dotted_flag(arg)
+        flag = dotted[0] if dotted else JSON_FLAGS.get(name.replace("_", "-") if name.startswith("--") else name)
+        if flag not in flags:
+            out.append(arg)
+            i += 1
+            continue
+        if not eq:  # the value is the next argument
+            if i + 1 >= len(argv):
+                raise SystemExit(f"hybrid: error: {name} needs a value")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if dotted is None:  # the whole-JSON form beside dotted keys: its object first, the keys over it
+            obj = _json_value(value)
+            if not isinstance(obj, dict):
+                raise SystemExit(f"hybrid: error: {name}: a JSON object is needed beside its dotted keys, "
+                                 f"got {value!r}")
+            whole[flag] = obj
+            continue
+        node = keys[flag]
+        *parents, leaf = dotted[1].split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise SystemExit(f"hybrid: error: {name}: {key} is given a value and keys")
+        node[leaf] = _json_value(value)
+    for flag in sorted(flags):
+        out += [flag, json.dumps(_deep_merge(whole.get(flag, {}), keys[flag]))]
     return out
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    merged = dict(base)
+    for key, value in over.items():
+        merged[key] = _deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(
+            merged.get(key), dict) else value
+    return merged
 
 
 def _json_object(text: str) -> dict:
@@ -74,7 +158,10 @@ def _add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="schedule step N+1 while step N runs (the default on CUDA; see --no-async-scheduling)")
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured as CUDA graphs (default 1, 2, 4, 8, 16, ... max-num-seqs)")
-    p.add_argument("--compilation-config", "-O", type=_json_object, default=None, metavar="JSON",
+    p.add_argument("--optimization-level", type=int, choices=range(4), default=None, metavar="{0,1,2,3}",
+                   help="vLLM's -O0..-O3: the CUDA graphs each implies (0: none, 1: piecewise only, 2 and 3: whole-step "
+                        "decode graphs and piecewise graphs, the default); cudagraph_mode in -cc takes precedence")
+    p.add_argument("--compilation-config", "-cc", "-O", type=_json_object, default=None, metavar="JSON",
                    help="vLLM's: its cudagraph_capture_sizes (as --cuda-graph-sizes) and cudagraph_mode have an "
                         "effect here")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -235,7 +322,8 @@ def build_llm(args: argparse.Namespace):
     from hybrid.llm import LLM
 
     # the flags' values checked before anything is read
-    config = with_compilation_config(engine_config(**engine_kwargs(args)), args.compilation_config)
+    config = with_compilation_config(engine_config(**engine_kwargs(args)), args.compilation_config,
+                                     args.optimization_level)
     overrides = None
     if args.override_generation_config is not None:
         from hybrid.sampling import generation_overrides

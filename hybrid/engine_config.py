@@ -40,14 +40,22 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "FULL", "NONE")
 
 
-def cudagraph_mode_of(compilation_config) -> str:
-    """The CUDA-graph mode vLLM's compilation_config names (its "cudagraph_mode", any case), FULL_AND_PIECEWISE by
-    default. "FULL" (whole-step graphs of mixed steps too) becomes FULL_AND_PIECEWISE: this runtime's whole-step
-    graphs take decode and verify steps only, so its mixed steps go piecewise, as vLLM does for an attention backend
-    without full graphs of mixed batches."""
+# vLLM's optimization levels (-O0 .. -O3, LLM(optimization_level=)): the CUDA-graph mode each implies where
+# compilation_config names none (its compilation and fusion passes have no counterpart here)
+LEVEL_CUDAGRAPH_MODES = {0: "NONE", 1: "PIECEWISE", 2: "FULL_AND_PIECEWISE", 3: "FULL_AND_PIECEWISE"}
+
+
+def cudagraph_mode_of(compilation_config, optimization_level: int | None = None) -> str:
+    """The CUDA-graph mode vLLM's compilation_config names (its "cudagraph_mode", any case), else the one
+    `optimization_level` implies, else FULL_AND_PIECEWISE. "FULL" (whole-step graphs of mixed steps too) becomes
+    FULL_AND_PIECEWISE: this runtime's whole-step graphs take decode and verify steps only, so its mixed steps go
+    piecewise, as vLLM does for an attention backend without full graphs of mixed batches."""
+    if optimization_level is not None and (not isinstance(optimization_level, int) or isinstance(
+            optimization_level, bool) or optimization_level not in LEVEL_CUDAGRAPH_MODES):
+        raise ConfigurationError(f"optimization_level must be 0, 1, 2 or 3, got {optimization_level!r}")
     mode = compilation_config.get("cudagraph_mode") if isinstance(compilation_config, dict) else None
     if mode is None:
-        return "FULL_AND_PIECEWISE"
+        return LEVEL_CUDAGRAPH_MODES[2 if optimization_level is None else optimization_level]
     name = mode.upper() if isinstance(mode, str) else None
     if name not in CUDAGRAPH_MODES:
         raise ConfigurationError(f"compilation_config cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
@@ -287,12 +295,13 @@ def engine_config(
         generation_config=os.fspath(generation_config), scheduling_policy=scheduling_policy)
 
 
-def with_compilation_config(config: EngineConfig, compilation_config) -> EngineConfig:
-    """`config` with vLLM's compilation_config folded in (LLM's keyword, the CLI's -O): its cudagraph_mode (NONE
-    runs eagerly) and max_cudagraph_capture_size (max_capture_size before vLLM 0.11): the largest decode graph's
-    batch size and the largest piecewise bucket's token count. Its capture sizes are cuda_graph_sizes already
-    (hybrid/llm.vllm_engine_settings)."""
-    mode = cudagraph_mode_of(compilation_config)
+def with_compilation_config(config: EngineConfig, compilation_config,
+                            optimization_level: int | None = None) -> EngineConfig:
+    """`config` with vLLM's compilation_config and optimization level folded in (LLM's keywords, the CLI's -cc / -O
+    and -O<level>): the CUDA-graph mode (cudagraph_mode_of; NONE runs eagerly) and max_cudagraph_capture_size
+    (max_capture_size before vLLM 0.11): the largest decode graph's batch size and the largest piecewise bucket's
+    token count. Its capture sizes are cuda_graph_sizes already (hybrid/llm.vllm_engine_settings)."""
+    mode = cudagraph_mode_of(compilation_config, optimization_level)
     largest = None
     if isinstance(compilation_config, dict):
         for key in ("max_cudagraph_capture_size", "max_capture_size"):

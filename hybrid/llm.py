@@ -178,6 +178,7 @@ class LLM:
         distributed_executor_backend: str | None = None,  # no effect: tensor-parallel workers are processes
         limit_mm_per_prompt: dict | None = None,  # no effect: text-only models
         kv_cache_memory_bytes: int | None = None,  # None only: gpu_memory_utilization sizes the KV cache
+        optimization_level: int | None = None,  # vLLM's -O0..-O3: the CUDA graphs each implies (NONE, PIECEWISE, both)
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
         # engine_config takes the same keywords: the one place they are checked and resolved.
@@ -203,7 +204,7 @@ class LLM:
             prefix_cache_entries=prefix_cache_entries, prefix_cache_interval=prefix_cache_interval,
             check_weights=check_weights, tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
             warmup=warmup, generation_config=generation_config, scheduling_policy=scheduling_policy),
-            compilation_config))
+            compilation_config, optimization_level))
         self.default_sampling.update(overrides)
 
     @classmethod

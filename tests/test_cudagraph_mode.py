@@ -138,3 +138,71 @@ def test_max_capture_size_caps_both_kinds_of_graph(monkeypatch):
     for bad in (0, "512", 2.5, True):
         with pytest.raises(ConfigurationError, match="max_cudagraph_capture_size must be a positive whole number"):
             _config({"max_cudagraph_capture_size": bad})
+
+
+@pytest.mark.parametrize("level, mode", [(0, "NONE"), (1, "PIECEWISE"), (2, "FULL_AND_PIECEWISE"),
+                                         (3, "FULL_AND_PIECEWISE")])
+def test_optimization_levels_imply_a_mode(level, mode):
+    config = with_compilation_config(engine_config(device="cpu"), None, level)
+    assert config.cudagraph_mode == mode and config.enforce_eager is (mode == "NONE")
+    # a cudagraph_mode given takes precedence over the level's
+    given = with_compilation_config(engine_config(device="cpu"), {"cudagraph_mode": "FULL_DECODE_ONLY"}, level)
+    assert given.cudagraph_mode == "FULL_DECODE_ONLY" and not given.enforce_eager
+
+
+@pytest.mark.parametrize("bad", [4, -1, "2", True])
+def test_a_bad_optimization_level_is_refused(bad):
+    with pytest.raises(ConfigurationError, match="optimization_level must be 0, 1, 2 or 3"):
+        with_compilation_config(engine_config(device="cpu"), None, bad)
+
+
+def _cli(*argv):
+    from hybrid.cli import normalize_flag_names
+
+    return build_parser().parse_args(normalize_flag_names(["generate", "--prompt", "x", *argv]))
+
+
+def test_the_cli_takes_vllms_level_and_config_spellings():
+    for argv, level in ((["-O3"], 3), (["-O", "1"], 1), (["-O0"], 0), (["--optimization-level", "2"], 2), ([], None)):
+        args = _cli(*argv)
+        assert args.optimization_level == level and args.compilation_config is None, argv
+    assert _cli("-cc", '{"cudagraph_mode": "NONE"}').compilation_config == {"cudagraph_mode": "NONE"}
+    assert _cli("-O", '{"cudagraph_mode": "NONE"}').compilation_config == {"cudagraph_mode": "NONE"}
+    with pytest.raises(SystemExit):
+        _cli("-O7")
+
+
+def test_the_cli_folds_dotted_json_keys():
+    """vLLM's `--json-flag.key value` / `-cc.key=value` (nested keys, JSON values where they parse), merged over
+    the flag's whole-JSON form; the prompt and other values are left alone."""
+    args = _cli("-cc.cudagraph_mode=PIECEWISE", "--compilation-config.max_cudagraph_capture_size", "64")
+    assert args.compilation_config == {"cudagraph_mode": "PIECEWISE", "max_cudagraph_capture_size": 64}
+    args = _cli("-O.cudagraph_mode", "FULL_DECODE_ONLY", "-O", '{"cudagraph_mode": "NONE", "level": 3}',
+                "-cc.pass_config.fuse=true", "-cc.pass_config.sizes=[1,2]")
+    assert args.compilation_config == {"cudagraph_mode": "FULL_DECODE_ONLY", "level": 3,
+                                       "pass_config": {"fuse": True, "sizes": [1, 2]}}
+    args = _cli("--speculative_config.method", "ngram", "--speculative-config.num_speculative_tokens=3")
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert args.prompt == ["x"] and args.compilation_config is None
+    with pytest.raises(SystemExit, match="needs a value"):
+        _cli("-cc.cudagraph_mode")
+    with pytest.raises(SystemExit, match="a JSON object is needed"):
+        _cli("-cc.cudagraph_mode=NONE", "-cc", "3")
+
+
+def test_the_cli_builds_its_engine_with_the_level(monkeypatch):
+    import hybrid.llm
+    from hybrid.cli import build_llm
+
+    built = []
+    monkeypatch.setattr(hybrid.llm.LLM, "from_engine_config", classmethod(lambda cls, config: built.append(config)))
+    build_llm(_cli("--device", "cpu", "-O1"))
+    build_llm(_cli("--device", "cpu", "-O0", "-cc.cudagraph_mode=FULL_DECODE_ONLY"))
+    assert [c.cudagraph_mode for c in built] == ["PIECEWISE", "FULL_DECODE_ONLY"]
+
+
+def test_llm_takes_optimization_level(tiny_ckpt, make_llm):
+    llm = make_llm(tiny_ckpt("nemotron_h"), optimization_level=0)
+    assert llm.engine_config.cudagraph_mode == "NONE" and llm.engine_config.enforce_eager
+    with pytest.raises(ConfigurationError, match="optimization_level"):
+        make_llm(tiny_ckpt("nemotron_h"), optimization_level=9)

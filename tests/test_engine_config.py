@@ -25,7 +25,8 @@ def test_engine_config_takes_llms_keywords_and_defaults():
         "disable_log_stats", "swap_space", "tokenizer", "revision", "compilation_config", "override_generation_config",
         "max_logprobs", "load_format", "tokenizer_mode", "cpu_offload_gb", "hf_overrides", "enable_lora",
         "disable_custom_all_reduce", "max_seq_len_to_capture", "download_dir", "task", "runner",
-        "pipeline_parallel_size", "distributed_executor_backend", "limit_mm_per_prompt", "kv_cache_memory_bytes"]
+        "pipeline_parallel_size", "distributed_executor_backend", "limit_mm_per_prompt", "kv_cache_memory_bytes",
+        "optimization_level"]
     for name, p in cfg_params.items():
         assert p.default == llm_params[name].default, name
 
