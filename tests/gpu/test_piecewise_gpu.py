@@ -130,3 +130,22 @@ def test_speculative_verify_rows_replay_pieces(tiny_ckpt):
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
     assert checker.checked >= 2 and checker.verify_rows > 0, (checker.checked, checker.verify_rows)
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+
+
+def test_piecewise_mode_replays_plain_decode_steps_too(tiny_ckpt):
+    """cudagraph_mode PIECEWISE (vLLM's): no whole-step graphs, so plain decode steps replay their token bucket's
+    pieces as well, each equal to its padded eager run."""
+    with piecewise_on():
+        llm = LLM(tiny_ckpt("granite_moe"), device="cuda", max_num_seqs=4, page_size=16, max_model_len=256,
+                  max_num_batched_tokens=MAX_TOKENS, gpu_memory_utilization=0.4,
+                  compilation_config={"cudagraph_mode": "PIECEWISE"})
+    assert llm.runner.capture_sizes == [] and not llm.runner.graphs and llm.runner.piecewise_graphs_on
+    checker = llm.engine.runner = Checker(llm)
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 9, [12, 13] * 20]
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)
+    finally:
+        llm.engine.runner = checker.inner
+    # every step went through the checker: the prefills and 15 decode steps at least
+    assert checker.checked >= 16 and llm.runner.stats["graph_replays"] == 0, checker.checked
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
