@@ -500,23 +500,23 @@ if [[ $what == latent ]]; then
   gpu_pytest 200 gpu_tests_latent.log tests/gpu/test_moe_gpu.py tests/gpu/test_parity.py tests/gpu/test_fp8_gpu.py \
       -k "latent or 512"
 fi
-# next     what this project's next session measures first: on an H200 the issue targets with the piecewise graphs
-#          the default (their capture at the MoE shapes included, ~8 minutes); on an H100 piecewise-default. Its
-#          second call (next-2): piecewise-default on an H200 (the #15 prefix hit there), else SPLITK_LEAN=1
-#          fp8-splitk-2
+# next     what this project's next session measures first: the first parametrization of every GPU test with the
+#          piecewise graphs the default (tests-smoke, <= 540 s: the files not run with them yet, FP8, FP8 KV, request
+#          features, fused ops, released shapes). Its second call (next-2): the issue targets on an H200 (their
+#          capture at the MoE shapes included, ~8 minutes), piecewise-default on an H100; its third (next-3): the
+#          prefix hit's host profile with the piecewise graphs (prefix-cprofile, <= 400 s)
 if [[ $what == next ]]; then
+  bash "$0" tests-smoke || rc=1
+fi
+if [[ $what == next-2 ]]; then
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     bash "$0" targets || rc=1
   else
     bash "$0" piecewise-default || rc=1
   fi
 fi
-if [[ $what == next-2 ]]; then
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    bash "$0" piecewise-default || rc=1
-  else
-    SPLITK_LEAN=1 bash "$0" fp8-splitk-2 || rc=1
-  fi
+if [[ $what == next-3 ]]; then
+  bash "$0" prefix-cprofile || rc=1
 fi
 # fp8-preload  the 8B shape in FP8 (pcpt, bf16 state) decode at batch 1 by default and with HYBRID_FP8_PRELOAD=1 (each
 #            its own process), the GPU tests of fp8_preload_gemv, then =1 with every row rounded before the kernel
