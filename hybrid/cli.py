@@ -200,6 +200,8 @@ def _add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
                  "--max-long-partial-prefills", "--model-impl", "--limit-mm-per-prompt", "--mm-processor-kwargs",
                  "--allowed-local-media-path", "--max-logprobs"):
         noop.add_argument(flag, default=None, help="no effect")
+    noop.add_argument("--hf-token", nargs="?", const=True, default=None,
+                      help="no effect: a repo id is read from the local Hugging Face cache, nothing is downloaded")
     for flag in ("--calculate-kv-scales", "--disable-cascade-attn", "--enable-expert-parallel",
                  "--disable-custom-all-reduce", "--disable-sliding-window"):
         noop.add_argument(flag, action="store_true", help="no effect")
@@ -210,6 +212,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from hybrid.engine_config import (CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS,
                                       CUDA_MAX_NUM_SEQS)
 
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="vLLM's: a YAML file of flags (names as keys, e.g. 'max-num-seqs: 64'); flags given on the "
+                        "command line take precedence")
     p.add_argument("--model", default=None,
                    help="a checkpoint directory, or a Hugging Face repo id owner/name[@rev] already in the local "
                         "Hugging Face cache (nothing is downloaded; default: the bundled model)")
@@ -234,7 +239,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV and Mamba state of prompt prefixes seen before (default off)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step before scheduling the next (default on CUDA: overlap them)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many processes (one GPU each on cuda; default 1)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the startup warm-up requests (default on cuda: they compile the kernels the first "
@@ -243,6 +248,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the model's dtype) or fp8 (e4m3: twice the tokens)")
     p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
                    help="dtype of the Mamba SSM state (default auto: float32, this runtime's default)")
+    p.add_argument("--mamba-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
+                   help="vLLM's dtype of the whole Mamba cache: here the SSM state's where --mamba-ssm-cache-dtype "
+                        "is auto (the conv state keeps the model's dtype)")
     p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         "(also prompt_lookup_max / prompt_lookup_min; default off)")
@@ -277,6 +285,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.mamba_ssm_cache_dtype != "auto":  # auto: LLM's default (float32)
         kw["mamba_ssm_dtype"] = args.mamba_ssm_cache_dtype
+    elif args.mamba_cache_dtype != "auto":  # (vLLM's: the whole cache's; the SSM state's here)
+        kw["mamba_ssm_dtype"] = args.mamba_cache_dtype
     if args.speculative_config is not None:
         kw["speculative_config"] = args.speculative_config
     if args.generation_config is not None:
@@ -399,9 +409,85 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_file(argv: list[str]) -> str | None:
+    """The path of `--config FILE` / `--config=FILE` in argv (normalized), or None."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return None
+        if arg == "--config":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if arg.startswith("--config="):
+            return arg.partition("=")[2]
+    return None
+
+
+def config_file_tokens(data: dict, options: dict) -> list[str]:
+    """vLLM's --config YAML (flag names as keys, with - or _) as command-line tokens: `key: value` is `--key value`,
+    true a bare `--key`, false `--no-key` where the flag has one (else nothing), a list its items, an object its
+    JSON, null nothing."""
+    tokens: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None:
+            continue
+        if value is True:
+            tokens.append(flag)
+        elif value is False:
+            if "--no-" + flag[2:] in options:
+                tokens.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            tokens += [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
+        elif isinstance(value, dict):
+            tokens += [flag, json.dumps(value)]
+        else:
+            tokens += [flag, str(value)]
+    return tokens
+
+
+def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str], path: str) -> None:
+    """vLLM's `--config FILE`: the YAML file's flags become the subcommand's defaults, so that flags given on the
+    command line take precedence; a key that is no flag of the subcommand is argparse's error naming it."""
+    import yaml
+
+    command = next((a for a in argv if not a.startswith("-")), None)
+    sub = next(a for a in parser._actions if a.dest == "command").choices.get(command)
+    if sub is None:
+        return  # (argparse names the bad command)
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        sub.error(f"--config {path}: {e}")
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        sub.error(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    tokens = normalize_flag_names(config_file_tokens(data, sub._option_string_actions))
+    required = [a for a in sub._actions if a.required]
+    for action in required:  # (a required flag may still come from the command line)
+        action.required = False
+    try:
+        given, defaults = sub.parse_args(tokens), sub.parse_args([])
+    finally:
+        for action in required:
+            action.required = True
+    sub.set_defaults(**{dest: value for dest, value in vars(given).items() if getattr(defaults, dest) != value})
+
+
+def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The `hybrid` command's arguments: argv normalized (normalize_flag_names), a --config file's flags as the
+    subcommand's defaults, then parsed (by `parser`, build_parser()'s by default)."""
+    parser = parser or build_parser()
+    argv = normalize_flag_names(list(argv))
+    path = _config_file(argv)
+    if path is not None:
+        _apply_config_file(parser, argv, path)
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(normalize_flag_names(sys.argv[1:] if argv is None else list(argv)))
+    args = parse_args(sys.argv[1:] if argv is None else list(argv), parser)
     if getattr(args, "model_path", None) is not None:
         if args.model is not None and args.model != args.model_path:
             parser.error(f"two models given: {args.model_path!r} and --model {args.model!r}")

@@ -105,9 +105,12 @@ def vllm_engine_settings(model, cuda_graph_sizes, *, revision=None, compilation_
     return model, cuda_graph_sizes
 
 
-def _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size):
+def _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size, mamba_cache_dtype=None):
     """(mamba_ssm_dtype, page_size) with vLLM's names for them folded in; ConfigurationError when both
-    names of one setting are given different values."""
+    names of one setting are given different values. vLLM's mamba_cache_dtype (the conv and SSM state's) sets the
+    SSM state's dtype where mamba_ssm_cache_dtype does not; the conv state keeps the model's dtype."""
+    if mamba_ssm_cache_dtype in (None, "auto") and mamba_cache_dtype not in (None, "auto"):
+        mamba_ssm_cache_dtype = mamba_cache_dtype
     if mamba_ssm_cache_dtype is not None and mamba_ssm_cache_dtype != "auto":
         if mamba_ssm_dtype not in ("float32", mamba_ssm_cache_dtype):
             raise ConfigurationError(f"mamba_ssm_cache_dtype={mamba_ssm_cache_dtype!r} and mamba_ssm_dtype="
@@ -179,10 +182,12 @@ class LLM:
         limit_mm_per_prompt: dict | None = None,  # no effect: text-only models
         kv_cache_memory_bytes: int | None = None,  # None only: gpu_memory_utilization sizes the KV cache
         optimization_level: int | None = None,  # vLLM's -O0..-O3: the CUDA graphs each implies (NONE, PIECEWISE, both)
+        mamba_cache_dtype: str | None = None,  # the SSM state's dtype where mamba_ssm_cache_dtype is not given
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
         # engine_config takes the same keywords: the one place they are checked and resolved.
-        mamba_ssm_dtype, page_size = _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size)
+        mamba_ssm_dtype, page_size = _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size,
+                                                     mamba_cache_dtype)
         if tokenizer is not None and tokenizer != model and (model is None or os.path.abspath(str(tokenizer))
                                                              != os.path.abspath(str(model))):
             raise ConfigurationError(f"tokenizer={tokenizer!r}: only the checkpoint's own tokenizer is supported "
