@@ -17,7 +17,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 
 from hybrid.async_engine import AsyncEngine, EngineDeadError
-from hybrid.chat_template import check_chat_template
+from hybrid.chat_template import check_chat_template, reserved_template_kwargs
 from hybrid.errors import HybridError, InvalidRequestError
 from hybrid.server.api_errors import APIError, error_for, from_invalid, internal_error
 from hybrid.server.handlers import Handlers
@@ -196,6 +196,19 @@ NOT_SERVED = {**{path: "embeddings need a pooling model" for path in ("/v1/embed
                   "/v1/images/generations")}}
 
 
+def check_default_template_kwargs(kwargs: dict | None) -> None:
+    """ValueError unless `kwargs` (default_chat_template_kwargs) is None or an object of template variables that
+    no request field sets."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"default chat template kwargs must be an object of template variables, got {kwargs!r}")
+    reserved = reserved_template_kwargs(kwargs)
+    if reserved:
+        raise ValueError(f"default chat template kwargs: {', '.join(reserved)} cannot be set there: each "
+                         "request's own fields set them")
+
+
 def build_app(llm_or_engine, served_model_name: str | list[str] | None = None,
               max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS, *,
               api_key: str | None = None, allowed_origins: list[str] | None = None,
@@ -204,7 +217,8 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None,
               reasoning_parser: str | None = None, chat_template: str | None = None,
               return_tokens_as_token_ids: bool = False, enable_prompt_tokens_details: bool = False,
               trust_request_chat_template: bool = False, enable_force_include_usage: bool = False,
-              enable_request_id_headers: bool = False, disable_fastapi_docs: bool = False):
+              enable_request_id_headers: bool = False, disable_fastapi_docs: bool = False,
+              default_chat_template_kwargs: dict | None = None):
     """A FastAPI app serving `llm_or_engine` (an LLM, an Engine or an AsyncEngine).
 
     The engine worker thread starts with the app (lifespan) and stops with it.
@@ -226,7 +240,10 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None,
     cache gave (/v1/responses always reports them, as input_tokens_details). served_model_name: a name, or
     several (vLLM's): requests may name any, responses carry the first. enable_force_include_usage: every
     stream ends with its usage chunk; enable_request_id_headers: every response carries X-Request-Id (the
-    request's own, else a new one); disable_fastapi_docs: no /docs, /redoc, /openapi.json (vLLM's flags)."""
+    request's own, else a new one); disable_fastapi_docs: no /docs, /redoc, /openapi.json (vLLM's flags).
+    default_chat_template_kwargs: chat template variables every chat request renders with (e.g. enable_thinking),
+    under its own chat_template_kwargs (vLLM's --default-chat-template-kwargs; ValueError for a key the request's
+    fields set)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -239,6 +256,7 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None,
     check_reasoning_parser(reasoning_parser)
     if chat_template is not None:
         check_chat_template(chat_template)
+    check_default_template_kwargs(default_chat_template_kwargs)
     async_engine, engine, tokenizer, llm = _unwrap(llm_or_engine)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     if not all(isinstance(n, str) and n for n in names):
@@ -260,7 +278,8 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None,
                    return_tokens_as_token_ids=return_tokens_as_token_ids,
                    enable_prompt_tokens_details=enable_prompt_tokens_details,
                    trust_request_chat_template=trust_request_chat_template,
-                   force_include_usage=enable_force_include_usage, model_aliases=names)
+                   force_include_usage=enable_force_include_usage, model_aliases=names,
+                   default_chat_template_kwargs=default_chat_template_kwargs)
     metrics.bind(async_engine, admitted_requests=lambda: srv.admitted_requests,
                  admitted_seqs=lambda: srv.reserved_seqs)
 

@@ -105,8 +105,10 @@ class Handlers:
                  chat_template: str | None = None, sampling_defaults: dict | None = None,
                  return_tokens_as_token_ids: bool = False, enable_prompt_tokens_details: bool = False,
                  trust_request_chat_template: bool = False, force_include_usage: bool = False,
-                 model_aliases: list[str] | None = None) -> None:
+                 model_aliases: list[str] | None = None, default_chat_template_kwargs: dict | None = None) -> None:
         self.engine = engine
+        # --default-chat-template-kwargs: every chat render's variables, under a request's own chat_template_kwargs
+        self.default_template_kwargs = dict(default_chat_template_kwargs or {})
         # logprobs' tokens as "token_id:ID" (vLLM's flag; a request's own field wins): exact for clients that
         # map them back to ids, where a text can stand for several tokens or for none (a byte of a character)
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
@@ -293,7 +295,7 @@ class Handlers:
 
     def render(self, template: str, messages: list[dict], add_generation_prompt: bool, tools,
                template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
-        extra = dict(template_kwargs or {})
+        extra = {**self.default_template_kwargs, **(template_kwargs or {})}
         if tools:
             extra["tools"] = tools
         try:

@@ -3,11 +3,13 @@ they mean for build_app, and running the app under uvicorn."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 
 from hybrid.chat_template import check_chat_template
-from hybrid.server.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, build_app
+from hybrid.server.app import (DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, build_app,
+                               check_default_template_kwargs)
 from hybrid.server.reasoning import REASONING_PARSERS
 from hybrid.server.tool_parsers import TOOL_PARSERS, check_tool_options
 
@@ -53,6 +55,9 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
                    help="usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache")
     p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="a jinja2 chat template used instead of the checkpoint's: a file, or the template text itself")
+    p.add_argument("--default-chat-template-kwargs", type=_template_kwargs, default=None, metavar="JSON",
+                   help="chat template variables for every chat request, under its own chat_template_kwargs, e.g. "
+                        "'{\"enable_thinking\": false}'")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a request's own chat_template field render its prompt (refused with a 400 otherwise)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -86,6 +91,19 @@ def add_serve_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
                       ("--show-hidden-metrics-for-version", "every metric is shown")):
         noop.add_argument(flag, default=None, help=f"no effect: {why}")
     return p
+
+
+def _template_kwargs(text: str) -> dict:
+    """argparse type of --default-chat-template-kwargs: a JSON object of template variables."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    try:
+        check_default_template_kwargs(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _bad_value(flag: str, value: str, why: str):
@@ -134,6 +152,8 @@ def serve_options(args: argparse.Namespace, environ=os.environ) -> dict:
             options[flag] = True
     if args.chat_template is not None:  # only when given: build_app's default is the checkpoint's template
         options["chat_template"] = read_chat_template(args.chat_template)
+    if args.default_chat_template_kwargs is not None:
+        options["default_chat_template_kwargs"] = args.default_chat_template_kwargs
     return options
 
 
