@@ -248,6 +248,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the model's dtype) or fp8 (e4m3: twice the tokens)")
     p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
                    help="dtype of the Mamba SSM state (default auto: float32, this runtime's default)")
+    p.add_argument("--mamba-block-size", type=int, default=None, metavar="N",
+                   help="with --enable-prefix-caching, also cache a prompt's Mamba state (and KV) every N tokens, "
+                        "so that a later prompt sharing only part of it resumes from there (default: only at the "
+                        "end of each prompt)")
     p.add_argument("--mamba-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
                    help="vLLM's dtype of the whole Mamba cache: here the SSM state's where --mamba-ssm-cache-dtype "
                         "is auto (the conv state keeps the model's dtype)")
@@ -287,6 +291,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kw["mamba_ssm_dtype"] = args.mamba_ssm_cache_dtype
     elif args.mamba_cache_dtype != "auto":  # (vLLM's: the whole cache's; the SSM state's here)
         kw["mamba_ssm_dtype"] = args.mamba_cache_dtype
+    if args.mamba_block_size is not None:  # (vLLM's grid of cached Mamba states: the prefix cache's interval)
+        kw["prefix_cache_interval"] = args.mamba_block_size
     if args.speculative_config is not None:
         kw["speculative_config"] = args.speculative_config
     if args.generation_config is not None:

@@ -183,11 +183,20 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,  # None only: gpu_memory_utilization sizes the KV cache
         optimization_level: int | None = None,  # vLLM's -O0..-O3: the CUDA graphs each implies (NONE, PIECEWISE, both)
         mamba_cache_dtype: str | None = None,  # the SSM state's dtype where mamba_ssm_cache_dtype is not given
+        mamba_block_size: int | None = None,  # = prefix_cache_interval: a prompt's Mamba state is cached every N tokens
     ) -> None:
         # Bad arguments are ConfigurationError (a ValueError): the CLI prints them as `error: ...`.
         # engine_config takes the same keywords: the one place they are checked and resolved.
         mamba_ssm_dtype, page_size = _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size,
                                                      mamba_cache_dtype)
+        if mamba_block_size is not None:  # (vLLM's grid of cached Mamba states: this prefix cache's interval)
+            if not isinstance(mamba_block_size, int) or isinstance(mamba_block_size, bool) or mamba_block_size < 1:
+                raise ConfigurationError(f"mamba_block_size must be a positive number of tokens, got "
+                                         f"{mamba_block_size!r}")
+            if prefix_cache_interval not in (0, mamba_block_size):
+                raise ConfigurationError(f"mamba_block_size={mamba_block_size!r} and prefix_cache_interval="
+                                         f"{prefix_cache_interval!r} name one setting: give one of them")
+            prefix_cache_interval = mamba_block_size
         if tokenizer is not None and tokenizer != model and (model is None or os.path.abspath(str(tokenizer))
                                                              != os.path.abspath(str(model))):
             raise ConfigurationError(f"tokenizer={tokenizer!r}: only the checkpoint's own tokenizer is supported "

@@ -82,3 +82,16 @@ def test_llm_takes_mamba_cache_dtype(tiny_ckpt, make_llm):
 
     llm = make_llm(tiny_ckpt("nemotron_h"), mamba_cache_dtype="bfloat16")
     assert llm.state_pool.ssm_state.dtype == torch.bfloat16
+
+
+def test_mamba_block_size_is_the_prefix_caches_interval(tiny_ckpt, make_llm):
+    kw = engine_kwargs(parse_args(["generate", "--prompt", "x", "--enable-prefix-caching", "--mamba-block-size", "64"]))
+    assert kw["prefix_cache_interval"] == 64
+    assert "prefix_cache_interval" not in engine_kwargs(parse_args(["generate", "--prompt", "x"]))
+    llm = make_llm(tiny_ckpt("nemotron_h"), enable_prefix_caching=True, mamba_block_size=32, page_size=16)
+    assert llm.engine_config.cache.prefix_cache_interval == 32
+    with pytest.raises(ConfigurationError, match="name one setting"):
+        make_llm(tiny_ckpt("nemotron_h"), mamba_block_size=32, prefix_cache_interval=48)
+    for bad in (0, -16, "64"):
+        with pytest.raises(ConfigurationError, match="mamba_block_size must be a positive"):
+            make_llm(tiny_ckpt("nemotron_h"), mamba_block_size=bad)

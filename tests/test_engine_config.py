@@ -26,7 +26,7 @@ def test_engine_config_takes_llms_keywords_and_defaults():
         "max_logprobs", "load_format", "tokenizer_mode", "cpu_offload_gb", "hf_overrides", "enable_lora",
         "disable_custom_all_reduce", "max_seq_len_to_capture", "download_dir", "task", "runner",
         "pipeline_parallel_size", "distributed_executor_backend", "limit_mm_per_prompt", "kv_cache_memory_bytes",
-        "optimization_level", "mamba_cache_dtype"]
+        "optimization_level", "mamba_cache_dtype", "mamba_block_size"]
     for name, p in cfg_params.items():
         assert p.default == llm_params[name].default, name
 
