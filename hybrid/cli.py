@@ -162,8 +162,9 @@ def _add_vllm_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="vLLM's -O0..-O3: the CUDA graphs each implies (0: none, 1: piecewise only, 2 and 3: whole-step "
                         "decode graphs and piecewise graphs, the default); cudagraph_mode in -cc takes precedence")
     p.add_argument("--compilation-config", "-cc", "-O", type=_json_object, default=None, metavar="JSON",
-                   help="vLLM's: its cudagraph_capture_sizes (as --cuda-graph-sizes) and cudagraph_mode have an "
-                        "effect here")
+                   help="vLLM's: its cudagraph_capture_sizes (as --cuda-graph-sizes), cudagraph_mode and "
+                        "max_cudagraph_capture_size have an effect here; also given one key at a time "
+                        "(-cc.cudagraph_mode=PIECEWISE)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="no effect: long prompts are always prefilled in chunks of --max-num-batched-tokens")
     p.add_argument("--tokenizer", default=None,
