@@ -352,7 +352,7 @@ def build_llm(args: argparse.Namespace):
     if args.quantization is not None:
         found = check_quantization(args.quantization, args.model)
         logger.info("--quantization %s: the checkpoint is %s", args.quantization, found)
-    llm = LLM.from_engine_config(config)
+    llm = LLM.from_engine_config(config, quantization=args.quantization)
     if overrides:  # over the checkpoint's generation_config.json: the defaults of LLM.generate and the server
         llm.default_sampling.update(overrides)
         logger.info("--override-generation-config: sampling defaults now %s", llm.default_sampling)

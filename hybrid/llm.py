@@ -222,9 +222,11 @@ class LLM:
         self.default_sampling.update(overrides)
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> "LLM":
-        """An LLM for an EngineConfig built by hybrid.engine_config.engine_config (as the CLI does)."""
+    def from_engine_config(cls, config: EngineConfig, quantization: str | None = None) -> "LLM":
+        """An LLM for an EngineConfig built by hybrid.engine_config.engine_config (as the CLI does), with LLM's
+        `quantization` keyword."""
         llm = cls.__new__(cls)
+        llm._quantization = quantization
         llm._start(config)
         return llm
 
@@ -251,10 +253,17 @@ class LLM:
         source = resolve_model(config.model)
         self.model_dir, self.hf_repo_id = source.path, source.repo_id
         self.config = cfg = load_config(self.model_dir)
+        quantize_at_load = False
         if getattr(self, "_quantization", None) is not None:  # (before any weight is read)
-            from hybrid.quantization import check_quantization_name
+            from hybrid.quantization import check_quantization_name, quantizes_at_load
 
             check_quantization_name(self._quantization, self.model_dir, cfg.raw)
+            quantize_at_load = quantizes_at_load(self._quantization, self.model_dir, cfg.raw)
+            if quantize_at_load and config.tensor_parallel_size > 1:
+                raise ConfigurationError(
+                    "quantization='fp8' on a checkpoint that is not quantized (FP8 at load) runs with "
+                    "tensor_parallel_size=1; for tensor parallelism make an FP8 checkpoint of it first: "
+                    "python -m hybrid.tools.quantize_fp8 SRC DST --format modelopt --per-channel --dynamic")
         self.default_sampling = self._generation_defaults(config.generation_config)
         sizes = default_sizes(self.device.type, cfg.max_position_embeddings, max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
@@ -286,6 +295,14 @@ class LLM:
             self.model = load_model(self.model_dir, cfg, self.device, self.dtype, progress=self.device.type == "cuda",
                                     check_finite=config.check_weights)
         local = local or cfg
+        if quantize_at_load:
+            from hybrid.online_fp8 import quantize_model_fp8
+
+            projections, experts = quantize_model_fp8(self.model, self.device, self.dtype)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # (the 16-bit weights' memory, before the memory plan measures)
+            logger.info("quantization='fp8': %d projections and %d expert layers quantized to FP8 at load "
+                        "(per-channel weight scales, dynamic per-token activations)", projections, experts)
         phases.done("load weights")
         self.kv_dtype = cache.kv_cache_dtype or self.dtype
         kv_note = ""

@@ -398,10 +398,22 @@ def plan_quantized(qc: QuantConfig, plan: dict, linear_params: set[str], files: 
 QUANTIZATION_NAMES = ("fp8", "modelopt", "compressed-tensors")
 
 
+# what check_quantization_name says of quantization="fp8" on a checkpoint that is not quantized (hybrid/online_fp8.py)
+ONLINE_FP8 = ("not quantized: its projections and routed experts are quantized to FP8 at load (per-channel weight "
+              "scales, dynamic per-token activations; the LM head, embeddings, norms and routers stay as they are)")
+
+
+def quantizes_at_load(name: str | None, model_dir: str, raw: dict[str, Any]) -> bool:
+    """Whether vLLM's `quantization=NAME` asks for FP8 at load (hybrid/online_fp8.py): "fp8" for a checkpoint that
+    is not quantized (check_quantization_name says what else it may be)."""
+    return name is not None and str(name).strip().lower() == "fp8" and read_quant_config(model_dir, raw) is None
+
+
 def check_quantization_name(name: str, model_dir: str, raw: dict[str, Any]) -> str:
     """vLLM's `quantization=NAME` against the checkpoint (its config.json `raw`): it must name the
-    checkpoint's own format, or "fp8" (every format loaded here is FP8), since nothing is quantized at
-    load. Returns the checkpoint's quantization, described; ConfigurationError otherwise."""
+    checkpoint's own format, or "fp8" (every format loaded here is FP8; on a checkpoint that is not
+    quantized, "fp8" quantizes it at load: quantizes_at_load). Returns the checkpoint's quantization,
+    described; ConfigurationError otherwise."""
     from hybrid.errors import ConfigurationError
 
     supported = ", ".join(QUANTIZATION_NAMES)
@@ -412,10 +424,12 @@ def check_quantization_name(name: str, model_dir: str, raw: dict[str, Any]) -> s
             f"compressed-tensors formats ({supported}; leave it out and the checkpoint's own format is used)")
     quant = read_quant_config(model_dir, raw)  # CheckpointError for formats not loaded here
     if quant is None:
+        if name == "fp8":
+            return ONLINE_FP8
         raise ConfigurationError(
             f"--quantization {name}: the checkpoint {model_dir} is not quantized (no quantization_config in "
-            "config.json, no hf_quant_config.json), and online quantization is not supported; leave it out "
-            "to serve it as it is, or make an FP8 checkpoint of it first: "
+            f"config.json, no hf_quant_config.json); {name} names a checkpoint format. Pass --quantization fp8 "
+            "to quantize it to FP8 at load, leave it out to serve it as it is, or make an FP8 checkpoint of it: "
             "python -m hybrid.tools.quantize_fp8 SRC DST --format modelopt")
     if name not in ("fp8", quant.method):
         raise ConfigurationError(

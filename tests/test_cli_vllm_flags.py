@@ -130,19 +130,22 @@ def test_quantization_must_agree_with_the_checkpoint(tmp_path):
         check_quantization("compressed-tensors", modelopt)
     with pytest.raises(ConfigurationError, match="awq: not supported"):
         check_quantization("awq", modelopt)
-    for name in ("fp8", "modelopt"):
-        with pytest.raises(ConfigurationError, match="not quantized .*online quantization is not supported.*"
-                                                     "python -m hybrid.tools.quantize_fp8"):
+    # a checkpoint that is not quantized: fp8 quantizes it at load; a format's name is an error
+    assert check_quantization("fp8", _checkpoint_config(tmp_path, None, "plain-fp8")).startswith(
+        "not quantized: its projections and routed experts are quantized to FP8 at load")
+    for name in ("modelopt", "compressed-tensors"):
+        with pytest.raises(ConfigurationError, match="not quantized .*names a checkpoint format.*--quantization "
+                                                     "fp8.*python -m hybrid.tools.quantize_fp8"):
             check_quantization(name, _checkpoint_config(tmp_path, None, f"plain-{name}"))
 
 
 def test_quantization_on_a_bf16_checkpoint_fails_before_loading(capsys, monkeypatch):
     import hybrid.llm
 
-    monkeypatch.setattr(hybrid.llm.LLM, "from_engine_config", lambda config: pytest.fail("loaded"))
-    assert main(["generate", "--prompt", "x", "--device", "cpu", "--quantization", "fp8"]) == 2
+    monkeypatch.setattr(hybrid.llm.LLM, "from_engine_config", lambda config, **kw: pytest.fail("loaded"))
+    assert main(["generate", "--prompt", "x", "--device", "cpu", "--quantization", "modelopt"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --quantization fp8: the checkpoint") and "hybrid.tools.quantize_fp8" in err
+    assert err.startswith("error: --quantization modelopt: the checkpoint") and "hybrid.tools.quantize_fp8" in err
 
 
 # --------------------------------------------------------------------------- generate, end to end (tiny)

@@ -56,7 +56,7 @@ def test_the_cli_builds_its_engine_with_the_mode(monkeypatch):
     from hybrid.cli import build_llm
 
     built = []
-    monkeypatch.setattr(hybrid.llm.LLM, "from_engine_config", classmethod(lambda cls, config: built.append(config)))
+    monkeypatch.setattr(hybrid.llm.LLM, "from_engine_config", classmethod(lambda cls, config, **kw: built.append(config)))
     args = build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu", "--compilation-config",
                                       '{"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2]}'])
     build_llm(args)
@@ -195,7 +195,7 @@ def test_the_cli_builds_its_engine_with_the_level(monkeypatch):
     from hybrid.cli import build_llm
 
     built = []
-    monkeypatch.setattr(hybrid.llm.LLM, "from_engine_config", classmethod(lambda cls, config: built.append(config)))
+    monkeypatch.setattr(hybrid.llm.LLM, "from_engine_config", classmethod(lambda cls, config, **kw: built.append(config)))
     build_llm(_cli("--device", "cpu", "-O1"))
     build_llm(_cli("--device", "cpu", "-O0", "-cc.cudagraph_mode=FULL_DECODE_ONLY"))
     assert [c.cudagraph_mode for c in built] == ["PIECEWISE", "FULL_DECODE_ONLY"]

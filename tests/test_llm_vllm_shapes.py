@@ -83,8 +83,8 @@ def test_vllm_keyword_spellings():
         LLM(None, mamba_ssm_dtype="float16", mamba_ssm_cache_dtype="bfloat16")
     with pytest.raises(ConfigurationError, match="name one setting"):
         LLM(None, page_size=8, block_size=32)
-    with pytest.raises(ConfigurationError, match="not quantized .*online quantization is not supported"):
-        LLM(None, quantization="fp8")
+    with pytest.raises(ConfigurationError, match="not quantized .*names a checkpoint format"):
+        LLM(None, quantization="modelopt")
     with pytest.raises(TypeError):
         LLM(None, no_such_argument=1)
 
