@@ -70,20 +70,22 @@ def quantize_projections(model, scheme: str) -> int:
     The number replaced."""
     from hybrid.fp8_linear import Fp8Linear
     from hybrid.layers import Linear
-    from hybrid.quantization import DYNAMIC, FP8_DTYPE, STATIC
+    from hybrid.quantization import FP8_DTYPE, STATIC
 
+    if scheme == "pcpt":  # the runtime's own FP8 at load (quantization="fp8" on a 16-bit checkpoint)
+        from hybrid.online_fp8 import quantize_model_fp8
+
+        return quantize_model_fp8(model, model.embed.device, model.embed.dtype)[0]
     count = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear) or name == "lm_head" or name.endswith(".lm_head"):
             continue
         w = module.weight.data.float()
-        amax = w.abs().amax(dim=1) if scheme == "pcpt" else w.abs().amax()
-        scale = (amax / 448).clamp_min(1e-12)
-        q = (w / (scale[:, None] if scheme == "pcpt" else scale)).clamp(-448, 448).to(FP8_DTYPE)
+        scale = (w.abs().amax() / 448).clamp_min(1e-12)
+        q = (w / scale).clamp(-448, 448).to(FP8_DTYPE)
         del w
-        input_scale = None if scheme == "pcpt" else torch.tensor(32 / 448, device=q.device)
-        fp8 = Fp8Linear(q, scale.float(), input_scale, DYNAMIC if scheme == "pcpt" else STATIC,
-                        module.bias.data if module.bias is not None else None)
+        input_scale = torch.tensor(32 / 448, device=q.device)
+        fp8 = Fp8Linear(q, scale.float(), input_scale, STATIC, module.bias.data if module.bias is not None else None)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, fp8)
         count += 1

@@ -308,8 +308,7 @@ def with_compilation_config(config: EngineConfig, compilation_config,
             value = compilation_config.get(key)
             if value is None:
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigurationError(f"compilation_config {key} must be a positive whole number, got {value!r}")
+            _check_int(f"compilation_config {key}", value, 1)
             largest = value
             break
     return dataclasses.replace(config, cudagraph_mode=mode, enforce_eager=config.enforce_eager or mode == "NONE",

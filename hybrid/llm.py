@@ -19,8 +19,8 @@ from hybrid.config_parse import load_config
 from hybrid.engine import Engine
 from hybrid.engine_config import (  # re-exported: the sizing API is known from here
     CPU_MAX_MODEL_LEN, CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS,
-    MIN_DEFAULT_BATCHED_TOKENS, EngineConfig, EngineSizes, default_sizes, engine_config, fit_max_model_len,
-    plan_cuda_sizes, resolve_device, smaller_sizes, with_compilation_config,
+    MIN_DEFAULT_BATCHED_TOKENS, EngineConfig, EngineSizes, _check_int, default_sizes, engine_config,
+    fit_max_model_len, plan_cuda_sizes, resolve_device, smaller_sizes, with_compilation_config,
 )
 from hybrid.errors import CapacityError, ConfigurationError, InvalidRequestError, RequestFailedError
 from hybrid.kv_cache_dtype import kv_cache_dtype_note
@@ -190,9 +190,7 @@ class LLM:
         mamba_ssm_dtype, page_size = _vllm_spellings(mamba_ssm_dtype, mamba_ssm_cache_dtype, page_size, block_size,
                                                      mamba_cache_dtype)
         if mamba_block_size is not None:  # (vLLM's grid of cached Mamba states: this prefix cache's interval)
-            if not isinstance(mamba_block_size, int) or isinstance(mamba_block_size, bool) or mamba_block_size < 1:
-                raise ConfigurationError(f"mamba_block_size must be a positive number of tokens, got "
-                                         f"{mamba_block_size!r}")
+            _check_int("mamba_block_size", mamba_block_size, 1)
             if prefix_cache_interval not in (0, mamba_block_size):
                 raise ConfigurationError(f"mamba_block_size={mamba_block_size!r} and prefix_cache_interval="
                                          f"{prefix_cache_interval!r} name one setting: give one of them")

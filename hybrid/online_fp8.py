@@ -32,6 +32,7 @@ def quantize_model_fp8(model: nn.Module, device: torch.device, dtype: torch.dtyp
     from hybrid.moe import Experts
 
     lm_head = getattr(model, "lm_head", None)
+    keep = keep_fp8_experts(device)
     projections = experts = 0
     for name, module in list(model.named_modules()):
         if type(module) is Linear and module is not lm_head:
@@ -42,7 +43,6 @@ def quantize_model_fp8(model: nn.Module, device: torch.device, dtype: torch.dtyp
             module.weight = None  # (the 16-bit weight goes now, not after the whole model)
             projections += 1
         elif isinstance(module, Experts) and not module.fp8:
-            keep = keep_fp8_experts(device)
             for which in ("up", "down"):
                 q, scale = quantize_rows(getattr(module, which).data)
                 if keep:

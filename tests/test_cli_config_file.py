@@ -93,5 +93,5 @@ def test_mamba_block_size_is_the_prefix_caches_interval(tiny_ckpt, make_llm):
     with pytest.raises(ConfigurationError, match="name one setting"):
         make_llm(tiny_ckpt("nemotron_h"), mamba_block_size=32, prefix_cache_interval=48)
     for bad in (0, -16, "64"):
-        with pytest.raises(ConfigurationError, match="mamba_block_size must be a positive"):
+        with pytest.raises(ConfigurationError, match="mamba_block_size must be an integer >= 1"):
             make_llm(tiny_ckpt("nemotron_h"), mamba_block_size=bad)

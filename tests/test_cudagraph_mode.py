@@ -136,7 +136,7 @@ def test_max_capture_size_caps_both_kinds_of_graph(monkeypatch):
     assert LLM._graph_sizes(_config(None), 256) is None
     assert LLM._graph_sizes(engine_config(device="cpu", cuda_graph_sizes=[2, 8]), 256) == (2, 8)
     for bad in (0, "512", 2.5, True):
-        with pytest.raises(ConfigurationError, match="max_cudagraph_capture_size must be a positive whole number"):
+        with pytest.raises(ConfigurationError, match="max_cudagraph_capture_size must be an integer >= 1"):
             _config({"max_cudagraph_capture_size": bad})
 
 
